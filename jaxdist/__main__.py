@@ -1,0 +1,5 @@
+import sys
+
+from jaxdist.cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""The ``jaxdist`` command line.
+
+JAX reads ``XLA_FLAGS`` once, when its CPU backend starts, so ``--cpu-devices`` is applied here
+before any subcommand (and with it JAX) is imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# Subcommand modules; each defines ``register(subparsers)`` that adds its parser and sets
+# ``func`` to a callable taking the parsed arguments and returning an exit code.
+SUBCOMMANDS = (
+    "jaxdist.cli.mesh",
+    "jaxdist.cli.bench",
+)
+
+
+def force_cpu_devices(count: int) -> None:
+    """Make JAX expose ``count`` CPU devices in this process (must run before JAX starts)."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={count}")
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxdist", description="JAX-native sharded training toolkit."
+    )
+    parser.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run on N forced CPU devices (sets XLA_FLAGS and JAX_PLATFORMS=cpu); "
+        "for dry runs of meshes and schedules on a machine without accelerators",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in SUBCOMMANDS:
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # Pre-parse only --cpu-devices so the environment is set before JAX is imported.
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--cpu-devices", type=int, default=None)
+    known, _ = pre.parse_known_args(argv)
+    if known.cpu_devices is not None:
+        if known.cpu_devices < 1:
+            print(f"jaxdist: --cpu-devices must be >= 1, got {known.cpu_devices}", file=sys.stderr)
+            return 2
+        force_cpu_devices(known.cpu_devices)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,440 @@
+"""The allreduce family, written as collective-permute schedules.
+
+Every schedule here is made of ``jax.lax.ppermute`` steps and runs *inside* ``jax.shard_map``
+(research code calls :func:`allreduce` from its own shard_map body). Each one is a small
+function that reads as its algorithm; :mod:`jaxdist.cost_model` holds the alpha-beta cost of
+each beside it, and ``tests/test_collectives.py`` checks each against ``psum``.
+
+Axis names: the one-dimensional schedules (``ring``, ``bidirectional_ring``,
+``halving_doubling``, ``parameter_server``, ``native``) take one mesh axis or a tuple of axes,
+which then act as one flattened axis. The two-level schedules (``torus2d``, ``hierarchical``)
+take a tuple ``(outer, inner)`` ordered like the mesh: the *inner* axis carries the full-size
+reduce-scatter and all-gather, so it should be the one with the fast links.
+
+Any shape and size works: buffers are flattened and zero-padded to a multiple of the axis size
+internally, and the padding is cut off again before the result is returned. Pytrees are fused
+into one contiguous buffer per dtype (a gradient bucket) so that one schedule runs per dtype,
+not one per leaf.
+
+Type note for ``check_vma=True`` shard_maps: a ppermute result is typed as *varying* along the
+axis even when every device ends up with the same values, and JAX has no cast from varying
+back to invariant. Return the result with an ``out_spec`` that names the axis, or build the
+shard_map with ``check_vma=False`` when the result should be declared replicated (``P()``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+AxisName = str | tuple[str, ...]
+
+ALGORITHMS = (
+    "native",
+    "ring",
+    "bidirectional_ring",
+    "torus2d",
+    "hierarchical",
+    "halving_doubling",
+    "parameter_server",
+)
+TWO_LEVEL = ("torus2d", "hierarchical")
+
+# Schedules with more steps than this run their steps in a ``lax.fori_loop`` instead of
+# unrolling them, so compile time stays flat as the axis grows.
+UNROLL_LIMIT = 16
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def axis_size(axis_name: AxisName) -> int:
+    """Size of a mesh axis (or the product over a tuple), with a clear error when unbound."""
+    try:
+        return lax.axis_size(axis_name)
+    except NameError as err:
+        raise ValueError(
+            f"axis {axis_name!r} is not bound here: jaxdist collectives run inside jax.shard_map "
+            f"over a mesh that has this axis ({err})"
+        ) from err
+
+
+def _send(x: jax.Array, axis_name: AxisName, perm: list[tuple[int, int]], transfer_dtype) -> jax.Array:
+    """One ppermute, optionally sent in a narrower dtype and widened again on arrival."""
+    if transfer_dtype is None or jnp.dtype(transfer_dtype) == x.dtype:
+        return lax.ppermute(x, axis_name, perm)
+    return lax.ppermute(x.astype(transfer_dtype), axis_name, perm).astype(x.dtype)
+
+
+def _shift(x: jax.Array, axis_name: AxisName, direction: int, transfer_dtype) -> jax.Array:
+    """Every device sends ``x`` to its neighbour ``direction`` (+1 or -1) steps round the ring."""
+    p = axis_size(axis_name)
+    return _send(x, axis_name, [(j, (j + direction) % p) for j in range(p)], transfer_dtype)
+
+
+def _repeat(num_steps: int, step: Callable, carry: Any, unroll_limit: int) -> Any:
+    """``carry = step(s, carry)`` for ``s`` in ``range(num_steps)``: unrolled when short (XLA
+    can then schedule across steps), a ``fori_loop`` when long (bounded compile time)."""
+    if num_steps <= unroll_limit:
+        for s in range(num_steps):
+            carry = step(s, carry)
+        return carry
+    return lax.fori_loop(0, num_steps, step, carry)
+
+
+def _as_chunks(flat: jax.Array, p: int) -> jax.Array:
+    """``(n,) -> (p, ceil(n/p))``, zero-padded at the end."""
+    chunk = -(-flat.size // p)
+    return jnp.pad(flat, (0, p * chunk - flat.size)).reshape(p, chunk)
+
+
+def _chunk(chunks: jax.Array, index, p: int) -> jax.Array:
+    return lax.dynamic_index_in_dim(chunks, index % p, keepdims=False)
+
+
+# --------------------------------------------------------------------------- ring building blocks
+
+
+def _ring_reduce_scatter(
+    chunk_sets: Sequence[jax.Array],
+    axis_name: AxisName,
+    directions: Sequence[int],
+    transfer_dtype,
+    unroll_limit: int,
+) -> tuple[jax.Array, ...]:
+    """Reduce-scatter each ``(p, m)`` chunk set round its own ring direction, in lockstep.
+
+    On a ring, a device's position is ``r = direction * i mod p``. At step ``s`` it passes its
+    running sum to the next position and adds its own copy of chunk ``r - s - 2`` to what it
+    received; after ``p - 1`` steps it holds the full sum of chunk ``r``.
+    """
+    p = axis_size(axis_name)
+    i = lax.axis_index(axis_name)
+    positions = [(d * i) % p for d in directions]
+
+    def step(s, partial_sums):
+        return tuple(
+            _shift(acc, axis_name, d, transfer_dtype) + _chunk(chunks, r - s - 2, p)
+            for acc, chunks, d, r in zip(partial_sums, chunk_sets, directions, positions)
+        )
+
+    first = tuple(_chunk(chunks, r - 1, p) for chunks, r in zip(chunk_sets, positions))
+    return _repeat(p - 1, step, first, unroll_limit)
+
+
+def _ring_all_gather(
+    shards: Sequence[jax.Array],
+    axis_name: AxisName,
+    directions: Sequence[int],
+    transfer_dtype,
+    unroll_limit: int,
+) -> tuple[jax.Array, ...]:
+    """All-gather each shard round its own ring direction; returns ``(p, m)`` arrays.
+
+    The device at ring position ``r`` owns chunk ``r``. At step ``s`` every device forwards
+    the chunk it received last and stores the one arriving, chunk ``r - s - 1``.
+    """
+    p = axis_size(axis_name)
+    i = lax.axis_index(axis_name)
+    positions = [(d * i) % p for d in directions]
+
+    def step(s, carry):
+        gathered, in_flight = carry
+        in_flight = tuple(_shift(b, axis_name, d, transfer_dtype) for b, d in zip(in_flight, directions))
+        gathered = tuple(
+            lax.dynamic_update_index_in_dim(g, b, (r - s - 1) % p, 0)
+            for g, b, r in zip(gathered, in_flight, positions)
+        )
+        return gathered, in_flight
+
+    gathered = tuple(
+        lax.dynamic_update_index_in_dim(jnp.zeros((p, *s.shape), s.dtype), s, r, 0)
+        for s, r in zip(shards, positions)
+    )
+    gathered, _ = _repeat(p - 1, step, (gathered, tuple(shards)), unroll_limit)
+    return gathered
+
+
+def reduce_scatter(
+    x: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
+) -> jax.Array:
+    """Ring reduce-scatter, ``p - 1`` steps.
+
+    ``x`` is flattened and zero-padded to ``p`` equal chunks; device ``i`` returns the sum over
+    all devices of chunk ``i`` (shape ``(ceil(x.size / p),)``).
+    """
+    p = axis_size(axis_name)
+    chunks = _as_chunks(x.reshape(-1), p)
+    if p == 1:
+        return chunks[0]
+    (shard,) = _ring_reduce_scatter([chunks], axis_name, (1,), transfer_dtype, unroll_limit)
+    return shard
+
+
+def all_gather(
+    shard: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
+) -> jax.Array:
+    """Ring all-gather, ``p - 1`` steps: device ``i`` contributes chunk ``i``; every device
+    returns the ``p`` chunks concatenated in order (flattened, padding included)."""
+    p = axis_size(axis_name)
+    if p == 1:
+        return shard.reshape(-1)
+    (gathered,) = _ring_all_gather([shard.reshape(-1)], axis_name, (1,), transfer_dtype, unroll_limit)
+    return gathered.reshape(-1)
+
+
+# --------------------------------------------------------------------------- the schedules
+# Each takes a flat buffer (already in the accumulation dtype) and returns its sum over the axis.
+
+
+def native_allreduce(
+    flat: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
+) -> jax.Array:
+    """``lax.psum``: XLA's own all-reduce, the reference every schedule is checked against.
+    With ``transfer_dtype`` the psum itself runs in that dtype."""
+    del unroll_limit  # XLA chooses its own schedule
+    if transfer_dtype is None or jnp.dtype(transfer_dtype) == flat.dtype:
+        return lax.psum(flat, axis_name)
+    return lax.psum(flat.astype(transfer_dtype), axis_name).astype(flat.dtype)
+
+
+def ring_allreduce(
+    flat: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
+) -> jax.Array:
+    """Ring allreduce: reduce-scatter then all-gather, ``p - 1`` steps each, every link busy."""
+    shard = reduce_scatter(flat, axis_name, transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
+    gathered = all_gather(shard, axis_name, transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
+    return gathered[: flat.size]
+
+
+def bidirectional_ring_allreduce(
+    flat: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
+) -> jax.Array:
+    """Two rings at once: the first half of the data goes clockwise, the second half
+    counter-clockwise, so both directions of every link carry traffic in each step."""
+    p = axis_size(axis_name)
+    if p <= 2:  # both directions reach the same neighbour: a plain ring is the same schedule
+        return ring_allreduce(flat, axis_name, transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
+    half = -(-flat.size // 2)
+    chunk_sets = [_as_chunks(flat[:half], p), _as_chunks(flat[half:], p)]
+    directions = (1, -1)
+    shards = _ring_reduce_scatter(chunk_sets, axis_name, directions, transfer_dtype, unroll_limit)
+    clockwise, counter = _ring_all_gather(shards, axis_name, directions, transfer_dtype, unroll_limit)
+    return jnp.concatenate([clockwise.reshape(-1)[:half], counter.reshape(-1)[: flat.size - half]])
+
+
+def torus2d_allreduce(
+    flat: jax.Array,
+    axis_name: tuple[str, str],
+    *,
+    transfer_dtype=None,
+    unroll_limit: int = UNROLL_LIMIT,
+) -> jax.Array:
+    """2-D torus allreduce (Mikami et al. 2018) on axes ``(outer, inner)``.
+
+    1. reduce-scatter along the inner axis (each row of X devices): every device is left
+       with 1/X of the data, summed over its row;
+    2. ring allreduce of that 1/X along the outer axis (each column of Y devices);
+    3. all-gather along the inner axis.
+    Latency steps: 2(X-1) + 2(Y-1) instead of 2(XY-1) for one flat ring.
+    """
+    outer, inner = axis_name
+    opts = dict(transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
+    row_sum = reduce_scatter(flat, inner, **opts)
+    full_sum = ring_allreduce(row_sum, outer, **opts)
+    return all_gather(full_sum, inner, **opts)[: flat.size]
+
+
+def hierarchical_allreduce(
+    flat: jax.Array,
+    axis_name: tuple[str, str],
+    *,
+    inter_algorithm: str = "ring",
+    transfer_dtype=None,
+    unroll_limit: int = UNROLL_LIMIT,
+) -> jax.Array:
+    """Hierarchical allreduce on axes ``(host, local)``.
+
+    1. reduce-scatter inside each host over the fast links (axis ``local``, L devices);
+    2. allreduce across hosts over the slow links, each device carrying only 1/L of the data
+       (with ``inter_algorithm``: any one-dimensional schedule);
+    3. all-gather inside each host.
+    With ``inter_algorithm="ring"`` this is the 2-D torus schedule; the point of the name is
+    the link classes: the cost model prices steps 1 and 3 on intra-host links and step 2 on
+    inter-host links.
+    """
+    host, local = axis_name
+    if inter_algorithm in TWO_LEVEL or inter_algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"hierarchical: inter_algorithm must be a one-dimensional schedule "
+            f"{tuple(a for a in ALGORITHMS if a not in TWO_LEVEL)}, got {inter_algorithm!r}"
+        )
+    opts = dict(transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
+    host_sum = reduce_scatter(flat, local, **opts)
+    full_sum = _SCHEDULES[inter_algorithm](host_sum, host, **opts)
+    return all_gather(full_sum, local, **opts)[: flat.size]
+
+
+def halving_doubling_allreduce(
+    flat: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
+) -> jax.Array:
+    """Recursive halving-doubling (Rabenseifner), for a power-of-two number of devices.
+
+    Reduce-scatter by recursive halving: at distances d = p/2, p/4, ..., 1 each device swaps
+    half of its current segment with partner ``i XOR d`` (keeping the half its bit selects)
+    and adds what it receives. Then all-gather by recursive doubling: at d = 1, 2, ..., p/2
+    partners swap their segments and concatenate them in order. 2·log2(p) steps in all,
+    always unrolled (segment shapes halve and double, so every step has its own shapes).
+    """
+    del unroll_limit
+    p = axis_size(axis_name)
+    if p & (p - 1):
+        raise ValueError(
+            f"halving_doubling needs a power-of-two number of devices along {axis_name!r}, "
+            f"got {p}; use 'ring' or 'bidirectional_ring' for this axis"
+        )
+    i = lax.axis_index(axis_name)
+    segment = _as_chunks(flat, p).reshape(-1)
+
+    d = p // 2
+    while d >= 1:  # recursive halving
+        half = segment.size // 2
+        upper = (i // d) % 2  # 1: keep the upper half, send the lower one
+        keep = lax.dynamic_slice_in_dim(segment, upper * half, half)
+        give = lax.dynamic_slice_in_dim(segment, (1 - upper) * half, half)
+        segment = keep + _send(give, axis_name, [(j, j ^ d) for j in range(p)], transfer_dtype)
+        d //= 2
+
+    d = 1
+    while d < p:  # recursive doubling
+        upper = (i // d) % 2
+        theirs = _send(segment, axis_name, [(j, j ^ d) for j in range(p)], transfer_dtype)
+        segment = jnp.where(
+            upper == 1, jnp.concatenate([theirs, segment]), jnp.concatenate([segment, theirs])
+        )
+        d *= 2
+    return segment[: flat.size]
+
+
+def parameter_server_allreduce(
+    flat: jax.Array,
+    axis_name: AxisName,
+    *,
+    server: int = 0,
+    transfer_dtype=None,
+    unroll_limit: int = UNROLL_LIMIT,
+) -> jax.Array:
+    """Parameter-server baseline: every worker sends its whole buffer to the server in turn,
+    the server sums, then sends the sum back to each worker in turn. The server's link
+    carries 2(p-1) full buffers, so time grows linearly with p. Always unrolled: each step
+    is a different one-pair permutation."""
+    del unroll_limit
+    p = axis_size(axis_name)
+    if not 0 <= server < p:
+        raise ValueError(f"parameter_server: server must be in [0, {p}), got {server}")
+    i = lax.axis_index(axis_name)
+    workers = [w for w in range(p) if w != server]
+    total = flat
+    for w in workers:  # gather: a one-pair ppermute delivers zeros everywhere but the server
+        total = total + _send(flat, axis_name, [(w, server)], transfer_dtype)
+    result = jnp.where(i == server, total, jnp.zeros_like(total))
+    for w in workers:  # broadcast
+        result = result + _send(total, axis_name, [(server, w)], transfer_dtype)
+    return result
+
+
+_SCHEDULES: dict[str, Callable[..., jax.Array]] = {
+    "native": native_allreduce,
+    "ring": ring_allreduce,
+    "bidirectional_ring": bidirectional_ring_allreduce,
+    "torus2d": torus2d_allreduce,
+    "hierarchical": hierarchical_allreduce,
+    "halving_doubling": halving_doubling_allreduce,
+    "parameter_server": parameter_server_allreduce,
+}
+assert tuple(_SCHEDULES) == ALGORITHMS
+
+
+# --------------------------------------------------------------------------- public entry point
+
+
+def _check_axis_name(axis_name: AxisName, algorithm: str) -> int:
+    if algorithm in TWO_LEVEL:
+        if not (isinstance(axis_name, tuple) and len(axis_name) == 2):
+            raise ValueError(
+                f"{algorithm} needs a tuple of two axis names (outer, inner), e.g. ('y', 'x'); "
+                f"got {axis_name!r}"
+            )
+        for axis in axis_name:
+            axis_size(axis)
+    elif not isinstance(axis_name, str | tuple):
+        raise TypeError(f"axis_name must be a str or a tuple of str, got {axis_name!r}")
+    return axis_size(axis_name)
+
+
+def allreduce(
+    x: Any,
+    axis_name: AxisName,
+    algorithm: str = "ring",
+    *,
+    op: str = "sum",
+    transfer_dtype: Any = None,
+    accumulate_dtype: Any = None,
+    **options: Any,
+) -> Any:
+    """Sum (or mean) ``x`` over ``axis_name`` with the chosen schedule; call inside shard_map.
+
+    Args:
+      x: an array or a pytree of arrays; every leaf keeps its shape and dtype. Leaves of one
+        dtype are fused into one contiguous buffer and reduced with one schedule.
+      axis_name: one mesh axis, a tuple acting as one flattened axis, or for ``torus2d`` and
+        ``hierarchical`` a tuple ``(outer, inner)``.
+      algorithm: one of :data:`ALGORITHMS`.
+      op: ``"sum"`` or ``"mean"``.
+      transfer_dtype: dtype the messages travel in (e.g. ``jnp.bfloat16``); default: the
+        accumulation dtype.
+      accumulate_dtype: dtype partial sums are kept in (e.g. ``jnp.float32`` for bf16 leaves);
+        default: each leaf's own dtype.
+      **options: schedule options: ``unroll_limit`` (all ring-based schedules),
+        ``inter_algorithm`` (hierarchical), ``server`` (parameter_server).
+    """
+    if algorithm not in _SCHEDULES:
+        raise ValueError(f"unknown allreduce algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+    if op not in ("sum", "mean"):
+        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+    count = _check_axis_name(axis_name, algorithm)
+
+    leaves, treedef = jax.tree.flatten(x)
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
+    for leaf in leaves:
+        if not (jnp.issubdtype(leaf.dtype, jnp.floating) or jnp.issubdtype(leaf.dtype, jnp.integer)):
+            raise TypeError(f"allreduce works on float and integer arrays, got dtype {leaf.dtype}")
+        if op == "mean" and not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise TypeError(f"op='mean' needs floating-point leaves, got dtype {leaf.dtype}")
+
+    schedule = _SCHEDULES[algorithm]
+    results: list[jax.Array | None] = [None] * len(leaves)
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for index, leaf in enumerate(leaves):
+        by_dtype.setdefault(leaf.dtype, []).append(index)
+    for dtype, indices in by_dtype.items():
+        acc_dtype = jnp.dtype(accumulate_dtype) if accumulate_dtype is not None else dtype
+        bucket = jnp.concatenate([leaves[k].reshape(-1).astype(acc_dtype) for k in indices])
+        try:
+            reduced = schedule(bucket, axis_name, transfer_dtype=transfer_dtype, **options)
+        except TypeError as err:
+            raise TypeError(f"allreduce algorithm {algorithm!r}: bad options {options}: {err}") from err
+        if op == "mean":
+            reduced = reduced / count
+        offset = 0
+        for k in indices:
+            size = math.prod(leaves[k].shape)
+            results[k] = reduced[offset : offset + size].reshape(leaves[k].shape).astype(dtype)
+            offset += size
+    return jax.tree.unflatten(treedef, results)

@@ -1,0 +1,297 @@
+"""Device meshes as data.
+
+A :class:`MeshSpec` names the mesh axes with their sizes, ordered from the least to the most
+communication-intensive (outer to inner), says which layout it stands for (``ring``,
+``torus2d`` or ``hierarchical``) and, optionally, how many devices share a host. Specs live as
+TOML files in ``meshes/`` and load by preset name or by path::
+
+    spec = jaxdist.meshes.load("torus-4x2")
+    mesh = jaxdist.meshes.build(spec)          # a jax.sharding.Mesh
+
+The builders :func:`ring`, :func:`torus2d` and :func:`hierarchical` make the same meshes from
+code. Turning a spec into an ordered grid of devices happens in one place, :func:`build`:
+
+* on TPU, ``jax.experimental.mesh_utils`` picks a physical-topology-aware order;
+* on GPU and CPU, devices are sorted by (process, id) and laid out row-major, so each host's
+  devices sit next to each other along the inner (fast) axis and ring neighbours are adjacent.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh
+
+LAYOUTS = ("ring", "torus2d", "hierarchical")
+_AXES_PER_LAYOUT = {"ring": 1, "torus2d": 2, "hierarchical": 2}
+CPU_DEVICES_HINT = (
+    "for a dry run on CPU, force host devices before JAX starts: "
+    "`jaxdist --cpu-devices N ...` or XLA_FLAGS=--xla_force_host_platform_device_count=N"
+)
+
+
+class MeshSpecError(ValueError):
+    """A mesh spec is malformed."""
+
+
+class MeshDoesNotFitError(ValueError):
+    """A mesh spec needs more devices than are present."""
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A device mesh described as data.
+
+    Attributes:
+      name: preset or user-chosen name.
+      layout: ``ring`` (one axis), ``torus2d`` (two axes) or ``hierarchical`` (two axes:
+        hosts, then devices inside a host).
+      axes: ``((axis_name, size), ...)`` ordered outer (least communication) to inner (most).
+      devices_per_host: devices that share fast links; ``None`` if unknown or irrelevant.
+      description: free text: what hardware this stands for.
+    """
+
+    name: str
+    layout: str
+    axes: tuple[tuple[str, int], ...]
+    devices_per_host: int | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axes", tuple((str(n), int(s)) for n, s in self.axes))
+        self.validate()
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(size for _, size in self.axes)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def num_hosts(self) -> int | None:
+        return None if self.devices_per_host is None else self.size // self.devices_per_host
+
+    def validate(self) -> None:
+        """Raise :class:`MeshSpecError` naming what was expected and what was found."""
+        where = f"mesh spec {self.name!r}"
+        if self.layout not in LAYOUTS:
+            raise MeshSpecError(f"{where}: layout must be one of {LAYOUTS}, got {self.layout!r}")
+        want = _AXES_PER_LAYOUT[self.layout]
+        if len(self.axes) != want:
+            raise MeshSpecError(
+                f"{where}: layout {self.layout!r} needs {want} axis/axes, got {len(self.axes)}: "
+                f"{list(self.axis_names)}"
+            )
+        names = self.axis_names
+        if len(set(names)) != len(names):
+            raise MeshSpecError(f"{where}: axis names must be distinct, got {list(names)}")
+        for name, size in self.axes:
+            if not name.isidentifier():
+                raise MeshSpecError(f"{where}: axis name must be an identifier, got {name!r}")
+            if size < 1:
+                raise MeshSpecError(f"{where}: axis {name!r} must have size >= 1, got {size}")
+        dph = self.devices_per_host
+        if dph is not None:
+            if dph < 1 or self.size % dph:
+                raise MeshSpecError(
+                    f"{where}: devices_per_host must be >= 1 and divide the mesh size "
+                    f"{self.size}, got {dph}"
+                )
+            inner = self.shape[-1]
+            if inner % dph and dph % inner:
+                raise MeshSpecError(
+                    f"{where}: devices_per_host={dph} must divide, or be a multiple of, the "
+                    f"inner axis {names[-1]!r} of size {inner}, so each host's devices stay "
+                    f"together along the fast axis"
+                )
+        if self.layout == "hierarchical" and dph is not None and dph != self.shape[-1]:
+            raise MeshSpecError(
+                f"{where}: a hierarchical mesh's inner axis {names[-1]!r} is the devices of one "
+                f"host, so its size ({self.shape[-1]}) must equal devices_per_host ({dph})"
+            )
+
+
+# --------------------------------------------------------------------------- presets / files
+
+
+def presets_dir() -> Path:
+    """Folder holding the preset TOML files (``$JAXDIST_MESHES`` overrides it)."""
+    override = os.environ.get("JAXDIST_MESHES")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parent.parent / "meshes"
+
+
+def presets() -> list[str]:
+    """Names of the available presets."""
+    folder = presets_dir()
+    return sorted(p.stem for p in folder.glob("*.toml")) if folder.is_dir() else []
+
+
+def from_dict(data: dict, *, default_name: str = "") -> MeshSpec:
+    """Build a spec from parsed TOML: ``name``, ``layout``, ``axes``, ``devices_per_host``."""
+    where = f"mesh spec {data.get('name', default_name)!r}"
+    allowed = {"name", "layout", "axes", "devices_per_host", "description"}
+    unknown = set(data) - allowed
+    if unknown:
+        raise MeshSpecError(f"{where}: unknown keys {sorted(unknown)}; expected {sorted(allowed)}")
+    for key in ("layout", "axes"):
+        if key not in data:
+            raise MeshSpecError(f"{where}: missing required key {key!r}")
+    axes = []
+    for entry in data["axes"]:
+        if not isinstance(entry, dict) or set(entry) != {"name", "size"}:
+            raise MeshSpecError(
+                f"{where}: each axis must be a table {{name = ..., size = ...}}, got {entry!r}"
+            )
+        axes.append((entry["name"], entry["size"]))
+    return MeshSpec(
+        name=data.get("name", default_name),
+        layout=data["layout"],
+        axes=tuple(axes),
+        devices_per_host=data.get("devices_per_host"),
+        description=data.get("description", ""),
+    )
+
+
+def load(name_or_path: str | os.PathLike) -> MeshSpec:
+    """Load a spec by preset name (``"torus-4x2"``) or from a TOML file path."""
+    path = Path(name_or_path)
+    if path.suffix != ".toml" and not path.exists():
+        path = presets_dir() / f"{name_or_path}.toml"
+        if not path.exists():
+            raise MeshSpecError(
+                f"no mesh preset named {str(name_or_path)!r} in {presets_dir()}; "
+                f"available: {', '.join(presets()) or '(none)'}; or pass a path to a .toml file"
+            )
+    if not path.is_file():
+        raise MeshSpecError(f"mesh spec file {str(path)!r} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise MeshSpecError(f"mesh spec file {str(path)!r} is not valid TOML: {err}") from err
+    return from_dict(data, default_name=path.stem)
+
+
+# --------------------------------------------------------------------------- building meshes
+
+
+def _ordered_devices(devices: Sequence[jax.Device] | None) -> list[jax.Device]:
+    devices = list(jax.devices() if devices is None else devices)
+    # Keep every process's (host's) devices contiguous, then order by id inside a host.
+    return sorted(devices, key=lambda d: (d.process_index, d.id))
+
+
+def check_fits(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> int:
+    """Return the number of devices present; raise :class:`MeshDoesNotFitError` if too few."""
+    present = len(jax.devices() if devices is None else devices)
+    if spec.size > present:
+        raise MeshDoesNotFitError(
+            f"mesh {spec.name!r} ({' x '.join(map(str, spec.shape))} = {spec.size} devices) "
+            f"does not fit: {present} device(s) present. {CPU_DEVICES_HINT} with N={spec.size}."
+        )
+    return present
+
+
+def device_grid(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> np.ndarray:
+    """The devices of ``spec`` as an array of its shape, in communication-friendly order."""
+    check_fits(spec, devices)
+    ordered = _ordered_devices(devices)
+    if ordered[0].platform == "tpu" and len(ordered) == spec.size:
+        if jax.process_count() > 1 and spec.num_hosts and spec.num_hosts > 1:
+            outer = spec.shape[0]
+            dcn = (jax.process_count(),) + (1,) * (len(spec.shape) - 1)
+            ici = (outer // jax.process_count(),) + spec.shape[1:]
+            return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=ordered)
+        return mesh_utils.create_device_mesh(spec.shape, devices=ordered)
+    # A sub-mesh (fewer devices than present) takes the first devices in (process, id) order.
+    return np.array(ordered[: spec.size], dtype=object).reshape(spec.shape)
+
+
+def build(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Turn a spec (or a preset name / path) into a ``jax.sharding.Mesh``."""
+    if not isinstance(spec, MeshSpec):
+        spec = load(spec)
+    return Mesh(device_grid(spec, devices), spec.axis_names)
+
+
+def ring(n: int, axis_name: str = "x", devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D ring of ``n`` devices; ring neighbours are adjacent devices."""
+    return build(MeshSpec(f"ring-{n}", "ring", ((axis_name, n),)), devices)
+
+
+def torus2d(
+    rows: int,
+    cols: int,
+    axis_names: tuple[str, str] = ("y", "x"),
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A ``rows x cols`` 2-D torus; each row (the inner axis) holds consecutive devices."""
+    return build(MeshSpec(f"torus-{rows}x{cols}", "torus2d", tuple(zip(axis_names, (rows, cols)))), devices)
+
+
+def hierarchical(
+    hosts: int,
+    devices_per_host: int,
+    axis_names: tuple[str, str] = ("host", "local"),
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """``hosts`` hosts of ``devices_per_host`` devices; the inner axis stays inside a host."""
+    spec = MeshSpec(
+        f"hierarchical-{hosts}x{devices_per_host}",
+        "hierarchical",
+        tuple(zip(axis_names, (hosts, devices_per_host))),
+        devices_per_host=devices_per_host,
+    )
+    return build(spec, devices)
+
+
+def host_of(spec: MeshSpec, grid: np.ndarray) -> np.ndarray:
+    """Host number of every grid position: the real process when several run, else emulated
+    from ``devices_per_host`` (consecutive devices form a host)."""
+    flat = grid.reshape(-1)
+    if len({d.process_index for d in flat}) > 1 or spec.devices_per_host is None:
+        return np.array([d.process_index for d in flat]).reshape(grid.shape)
+    return (np.arange(flat.size) // spec.devices_per_host).reshape(grid.shape)
+
+
+def describe(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> str:
+    """Human-readable layout: the grid of device ids and hosts, validated against ``devices``."""
+    lines = [
+        f"mesh {spec.name}: layout={spec.layout} "
+        + " x ".join(f"{n}={s}" for n, s in spec.axes)
+        + f" ({spec.size} devices"
+        + (f", {spec.num_hosts} host(s) of {spec.devices_per_host}" if spec.devices_per_host else "")
+        + ")",
+    ]
+    if spec.description:
+        lines.append(f"  {spec.description}")
+    grid = device_grid(spec, devices)
+    hosts = host_of(spec, grid)
+    present = len(jax.devices() if devices is None else devices)
+    lines.append(
+        f"  fits: uses {spec.size} of {present} {grid.reshape(-1)[0].platform} device(s)"
+    )
+    rows = grid.reshape(-1, spec.shape[-1])
+    host_rows = hosts.reshape(-1, spec.shape[-1])
+    outer = spec.axis_names[0] if len(spec.axes) > 1 else None
+    lines.append(f"  device id [host] along inner axis {spec.axis_names[-1]!r}:")
+    for r, (devs, hs) in enumerate(zip(rows, host_rows)):
+        label = f"{outer}={r:<3d}" if outer else "ring  "
+        cells = " ".join(f"{d.id:>3d}[{h}]" for d, h in zip(devs, hs))
+        lines.append(f"    {label} {cells}")
+    return "\n".join(lines)
