@@ -65,7 +65,9 @@ def axis_size(axis_name: AxisName) -> int:
         ) from err
 
 
-def _send(x: jax.Array, axis_name: AxisName, perm: list[tuple[int, int]], transfer_dtype) -> jax.Array:
+def _send(
+    x: jax.Array, axis_name: AxisName, perm: list[tuple[int, int]], transfer_dtype
+) -> jax.Array:
     """One ppermute, optionally sent in a narrower dtype and widened again on arrival."""
     if transfer_dtype is None or jnp.dtype(transfer_dtype) == x.dtype:
         return lax.ppermute(x, axis_name, perm)
@@ -88,43 +90,46 @@ def _repeat(num_steps: int, step: Callable, carry: Any, unroll_limit: int) -> An
     return lax.fori_loop(0, num_steps, step, carry)
 
 
-def _as_chunks(flat: jax.Array, p: int) -> jax.Array:
-    """``(n,) -> (p, ceil(n/p))``, zero-padded at the end."""
-    chunk = -(-flat.size // p)
-    return jnp.pad(flat, (0, p * chunk - flat.size)).reshape(p, chunk)
-
-
-def _chunk(chunks: jax.Array, index, p: int) -> jax.Array:
-    return lax.dynamic_index_in_dim(chunks, index % p, keepdims=False)
+def _pad_to_chunks(flat: jax.Array, p: int) -> jax.Array:
+    """Zero-pad a flat buffer to ``p`` equal chunks (a no-op when ``p`` divides its size)."""
+    padded_size = p * -(-flat.size // p)
+    return flat if padded_size == flat.size else jnp.pad(flat, (0, padded_size - flat.size))
 
 
 # --------------------------------------------------------------------------- ring building blocks
 
 
 def _ring_reduce_scatter(
-    chunk_sets: Sequence[jax.Array],
+    padded: jax.Array,
     axis_name: AxisName,
     directions: Sequence[int],
     transfer_dtype,
     unroll_limit: int,
 ) -> tuple[jax.Array, ...]:
-    """Reduce-scatter each ``(p, m)`` chunk set round its own ring direction, in lockstep.
+    """Reduce-scatter a flat buffer round one ring per entry of ``directions``, in lockstep.
 
-    On a ring, a device's position is ``r = direction * i mod p``. At step ``s`` it passes its
-    running sum to the next position and adds its own copy of chunk ``r - s - 2`` to what it
-    received; after ``p - 1`` steps it holds the full sum of chunk ``r``.
+    The buffer holds ``len(directions) * p`` chunks; ring ``k`` (direction +1 or -1) works on
+    chunks ``[k p, (k + 1) p)``. On a ring a device's position is ``r = direction * i mod p``.
+    At step ``s`` it passes its running sum to the next position and adds its own copy of
+    chunk ``r - s - 2`` to what it received; after ``p - 1`` steps it holds the full sum of
+    chunk ``r`` of its ring. Returns one shard per ring.
     """
     p = axis_size(axis_name)
     i = lax.axis_index(axis_name)
+    lanes = len(directions)
+    chunk = padded.size // (lanes * p)
     positions = [(d * i) % p for d in directions]
+
+    def own(lane: int, index) -> jax.Array:
+        return lax.dynamic_slice_in_dim(padded, (lane * p + index % p) * chunk, chunk)
 
     def step(s, partial_sums):
         return tuple(
-            _shift(acc, axis_name, d, transfer_dtype) + _chunk(chunks, r - s - 2, p)
-            for acc, chunks, d, r in zip(partial_sums, chunk_sets, directions, positions)
+            _shift(acc, axis_name, d, transfer_dtype) + own(lane, r - s - 2)
+            for lane, (acc, d, r) in enumerate(zip(partial_sums, directions, positions))
         )
 
-    first = tuple(_chunk(chunks, r - 1, p) for chunks, r in zip(chunk_sets, positions))
+    first = tuple(own(lane, r - 1) for lane, r in enumerate(positions))
     return _repeat(p - 1, step, first, unroll_limit)
 
 
@@ -134,29 +139,35 @@ def _ring_all_gather(
     directions: Sequence[int],
     transfer_dtype,
     unroll_limit: int,
-) -> tuple[jax.Array, ...]:
-    """All-gather each shard round its own ring direction; returns ``(p, m)`` arrays.
+) -> jax.Array:
+    """All-gather one flat shard per ring (ring ``k`` in direction ``directions[k]``) into one
+    flat buffer of ``len(directions) * p`` chunks, ring ``k``'s in chunks ``[k p, (k + 1) p)``.
 
-    The device at ring position ``r`` owns chunk ``r``. At step ``s`` every device forwards
-    the chunk it received last and stores the one arriving, chunk ``r - s - 1``.
+    The device at ring position ``r`` owns chunk ``r`` of its ring. At step ``s`` every device
+    forwards the chunk it received last and writes the arriving one, chunk ``r - s - 1``, in
+    place. Buffers stay flat on purpose: on a ``(p, m)`` view XLA:CPU fuses each update with a
+    bitcast into a loop over the whole buffer instead of writing one chunk.
     """
     p = axis_size(axis_name)
     i = lax.axis_index(axis_name)
+    chunk = shards[0].size
     positions = [(d * i) % p for d in directions]
+
+    def place(gathered, lane: int, index, block):
+        return lax.dynamic_update_slice_in_dim(gathered, block, (lane * p + index % p) * chunk, 0)
 
     def step(s, carry):
         gathered, in_flight = carry
-        in_flight = tuple(_shift(b, axis_name, d, transfer_dtype) for b, d in zip(in_flight, directions))
-        gathered = tuple(
-            lax.dynamic_update_index_in_dim(g, b, (r - s - 1) % p, 0)
-            for g, b, r in zip(gathered, in_flight, positions)
+        in_flight = tuple(
+            _shift(b, axis_name, d, transfer_dtype) for b, d in zip(in_flight, directions)
         )
+        for lane, (block, r) in enumerate(zip(in_flight, positions)):
+            gathered = place(gathered, lane, r - s - 1, block)
         return gathered, in_flight
 
-    gathered = tuple(
-        lax.dynamic_update_index_in_dim(jnp.zeros((p, *s.shape), s.dtype), s, r, 0)
-        for s, r in zip(shards, positions)
-    )
+    gathered = jnp.zeros((len(directions) * p * chunk,), shards[0].dtype)
+    for lane, (block, r) in enumerate(zip(shards, positions)):
+        gathered = place(gathered, lane, r, block)
     gathered, _ = _repeat(p - 1, step, (gathered, tuple(shards)), unroll_limit)
     return gathered
 
@@ -170,10 +181,10 @@ def reduce_scatter(
     all devices of chunk ``i`` (shape ``(ceil(x.size / p),)``).
     """
     p = axis_size(axis_name)
-    chunks = _as_chunks(x.reshape(-1), p)
+    padded = _pad_to_chunks(x.reshape(-1), p)
     if p == 1:
-        return chunks[0]
-    (shard,) = _ring_reduce_scatter([chunks], axis_name, (1,), transfer_dtype, unroll_limit)
+        return padded
+    (shard,) = _ring_reduce_scatter(padded, axis_name, (1,), transfer_dtype, unroll_limit)
     return shard
 
 
@@ -185,8 +196,7 @@ def all_gather(
     p = axis_size(axis_name)
     if p == 1:
         return shard.reshape(-1)
-    (gathered,) = _ring_all_gather([shard.reshape(-1)], axis_name, (1,), transfer_dtype, unroll_limit)
-    return gathered.reshape(-1)
+    return _ring_all_gather([shard.reshape(-1)], axis_name, (1,), transfer_dtype, unroll_limit)
 
 
 # --------------------------------------------------------------------------- the schedules
@@ -208,8 +218,12 @@ def ring_allreduce(
     flat: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
 ) -> jax.Array:
     """Ring allreduce: reduce-scatter then all-gather, ``p - 1`` steps each, every link busy."""
-    shard = reduce_scatter(flat, axis_name, transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
-    gathered = all_gather(shard, axis_name, transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
+    shard = reduce_scatter(
+        flat, axis_name, transfer_dtype=transfer_dtype, unroll_limit=unroll_limit
+    )
+    gathered = all_gather(
+        shard, axis_name, transfer_dtype=transfer_dtype, unroll_limit=unroll_limit
+    )
     return gathered[: flat.size]
 
 
@@ -220,13 +234,15 @@ def bidirectional_ring_allreduce(
     counter-clockwise, so both directions of every link carry traffic in each step."""
     p = axis_size(axis_name)
     if p <= 2:  # both directions reach the same neighbour: a plain ring is the same schedule
-        return ring_allreduce(flat, axis_name, transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
-    half = -(-flat.size // 2)
-    chunk_sets = [_as_chunks(flat[:half], p), _as_chunks(flat[half:], p)]
-    directions = (1, -1)
-    shards = _ring_reduce_scatter(chunk_sets, axis_name, directions, transfer_dtype, unroll_limit)
-    clockwise, counter = _ring_all_gather(shards, axis_name, directions, transfer_dtype, unroll_limit)
-    return jnp.concatenate([clockwise.reshape(-1)[:half], counter.reshape(-1)[: flat.size - half]])
+        return ring_allreduce(
+            flat, axis_name, transfer_dtype=transfer_dtype, unroll_limit=unroll_limit
+        )
+    directions = (1, -1)  # chunks [0, p) go clockwise, chunks [p, 2p) counter-clockwise
+    padded = _pad_to_chunks(flat, 2 * p)
+    shards = _ring_reduce_scatter(padded, axis_name, directions, transfer_dtype, unroll_limit)
+    return _ring_all_gather(shards, axis_name, directions, transfer_dtype, unroll_limit)[
+        : flat.size
+    ]
 
 
 def torus2d_allreduce(
@@ -300,7 +316,7 @@ def halving_doubling_allreduce(
             f"got {p}; use 'ring' or 'bidirectional_ring' for this axis"
         )
     i = lax.axis_index(axis_name)
-    segment = _as_chunks(flat, p).reshape(-1)
+    segment = _pad_to_chunks(flat, p)
 
     d = p // 2
     while d >= 1:  # recursive halving
@@ -313,11 +329,11 @@ def halving_doubling_allreduce(
 
     d = 1
     while d < p:  # recursive doubling
-        upper = (i // d) % 2
+        upper = (i // d) % 2  # 1: my segment is the upper half of the doubled one
         theirs = _send(segment, axis_name, [(j, j ^ d) for j in range(p)], transfer_dtype)
-        segment = jnp.where(
-            upper == 1, jnp.concatenate([theirs, segment]), jnp.concatenate([segment, theirs])
-        )
+        doubled = jnp.zeros((2 * segment.size,), segment.dtype)
+        doubled = lax.dynamic_update_slice_in_dim(doubled, segment, upper * segment.size, 0)
+        segment = lax.dynamic_update_slice_in_dim(doubled, theirs, (1 - upper) * segment.size, 0)
         d *= 2
     return segment[: flat.size]
 
@@ -413,7 +429,9 @@ def allreduce(
     leaves, treedef = jax.tree.flatten(x)
     leaves = [jnp.asarray(leaf) for leaf in leaves]
     for leaf in leaves:
-        if not (jnp.issubdtype(leaf.dtype, jnp.floating) or jnp.issubdtype(leaf.dtype, jnp.integer)):
+        if not (
+            jnp.issubdtype(leaf.dtype, jnp.floating) or jnp.issubdtype(leaf.dtype, jnp.integer)
+        ):
             raise TypeError(f"allreduce works on float and integer arrays, got dtype {leaf.dtype}")
         if op == "mean" and not jnp.issubdtype(leaf.dtype, jnp.floating):
             raise TypeError(f"op='mean' needs floating-point leaves, got dtype {leaf.dtype}")
@@ -429,7 +447,9 @@ def allreduce(
         try:
             reduced = schedule(bucket, axis_name, transfer_dtype=transfer_dtype, **options)
         except TypeError as err:
-            raise TypeError(f"allreduce algorithm {algorithm!r}: bad options {options}: {err}") from err
+            raise TypeError(
+                f"allreduce algorithm {algorithm!r}: bad options {options}: {err}"
+            ) from err
         if op == "mean":
             reduced = reduced / count
         offset = 0

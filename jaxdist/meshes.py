@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 LAYOUTS = ("ring", "torus2d", "hierarchical")
 _AXES_PER_LAYOUT = {"ring": 1, "torus2d": 2, "hierarchical": 2}
 CPU_DEVICES_HINT = (
-    "for a dry run on CPU, force host devices before JAX starts: "
+    "For a dry run on CPU, force host devices before JAX starts: "
     "`jaxdist --cpu-devices N ...` or XLA_FLAGS=--xla_force_host_platform_device_count=N"
 )
 
@@ -215,7 +215,7 @@ def device_grid(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> 
         if jax.process_count() > 1 and spec.num_hosts and spec.num_hosts > 1:
             outer = spec.shape[0]
             dcn = (jax.process_count(),) + (1,) * (len(spec.shape) - 1)
-            ici = (outer // jax.process_count(),) + spec.shape[1:]
+            ici = (outer // jax.process_count(), *spec.shape[1:])
             return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=ordered)
         return mesh_utils.create_device_mesh(spec.shape, devices=ordered)
     # A sub-mesh (fewer devices than present) takes the first devices in (process, id) order.
@@ -241,7 +241,9 @@ def torus2d(
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
     """A ``rows x cols`` 2-D torus; each row (the inner axis) holds consecutive devices."""
-    return build(MeshSpec(f"torus-{rows}x{cols}", "torus2d", tuple(zip(axis_names, (rows, cols)))), devices)
+    return build(
+        MeshSpec(f"torus-{rows}x{cols}", "torus2d", tuple(zip(axis_names, (rows, cols)))), devices
+    )
 
 
 def hierarchical(
@@ -269,23 +271,23 @@ def host_of(spec: MeshSpec, grid: np.ndarray) -> np.ndarray:
     return (np.arange(flat.size) // spec.devices_per_host).reshape(grid.shape)
 
 
+def summary(spec: MeshSpec) -> str:
+    """One line (plus the description) saying what the spec is, without touching devices."""
+    hosts = (
+        f", {spec.num_hosts} host(s) of {spec.devices_per_host}" if spec.devices_per_host else ""
+    )
+    axes = " x ".join(f"{n}={s}" for n, s in spec.axes)
+    text = f"mesh {spec.name}: layout={spec.layout} {axes} ({spec.size} devices{hosts})"
+    return text + (f"\n  {spec.description}" if spec.description else "")
+
+
 def describe(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> str:
     """Human-readable layout: the grid of device ids and hosts, validated against ``devices``."""
-    lines = [
-        f"mesh {spec.name}: layout={spec.layout} "
-        + " x ".join(f"{n}={s}" for n, s in spec.axes)
-        + f" ({spec.size} devices"
-        + (f", {spec.num_hosts} host(s) of {spec.devices_per_host}" if spec.devices_per_host else "")
-        + ")",
-    ]
-    if spec.description:
-        lines.append(f"  {spec.description}")
+    lines = [summary(spec)]
     grid = device_grid(spec, devices)
     hosts = host_of(spec, grid)
     present = len(jax.devices() if devices is None else devices)
-    lines.append(
-        f"  fits: uses {spec.size} of {present} {grid.reshape(-1)[0].platform} device(s)"
-    )
+    lines.append(f"  fits: uses {spec.size} of {present} {grid.reshape(-1)[0].platform} device(s)")
     rows = grid.reshape(-1, spec.shape[-1])
     host_rows = hosts.reshape(-1, spec.shape[-1])
     outer = spec.axis_names[0] if len(spec.axes) > 1 else None

@@ -1,0 +1,285 @@
+"""Every allreduce schedule against psum, on 1-D and 2-D meshes, sizes, dtypes and pytrees."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import collectives, meshes
+
+ONE_D = ("native", "ring", "bidirectional_ring", "halving_doubling", "parameter_server")
+
+
+def per_device(mesh, fn, *xs):
+    """Run ``fn`` on each device's row of the ``(p, ...)`` inputs; return ``(p, ...)`` outputs."""
+    names = tuple(mesh.axis_names)
+    spec = P(names)
+    args = jax.device_put(xs, NamedSharding(mesh, spec))
+    body = jax.shard_map(
+        lambda *vs: jax.tree.map(lambda o: o[None], fn(*jax.tree.map(lambda v: v[0], vs))),
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+    )
+    return jax.tree.map(np.asarray, jax.jit(body)(*args))
+
+
+def axes_of(mesh):
+    names = tuple(mesh.axis_names)
+    return names[0] if len(names) == 1 else names
+
+
+def random_rows(p, shape, dtype=np.float32, seed=0):
+    return np.random.default_rng(seed).standard_normal((p, *shape)).astype(dtype)
+
+
+def assert_allreduced(out, x, op="sum", rtol=1e-6, atol=1e-5):
+    """Every device's output equals the float64 sum (or mean) over devices."""
+    expected = x.astype(np.float64).sum(0)
+    if op == "mean":
+        expected = expected / x.shape[0]
+    for device, row in enumerate(out):
+        np.testing.assert_allclose(
+            row.astype(np.float64),
+            expected,
+            rtol=rtol,
+            atol=atol,
+            err_msg=f"device {device} holds a wrong result",
+        )
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("algorithm", ONE_D)
+def test_one_dimensional_against_psum(algorithm, p):
+    mesh = meshes.ring(p)
+    x = random_rows(p, (10007,))  # a prime: never divides the axis, so padding is exercised
+    if algorithm == "halving_doubling" and p & (p - 1):
+        with pytest.raises(ValueError, match="power-of-two"):
+            per_device(mesh, lambda v: collectives.allreduce(v, "x", algorithm), x)
+        return
+    out = per_device(mesh, lambda v: collectives.allreduce(v, "x", algorithm), x)
+    psum = per_device(mesh, lambda v: jax.lax.psum(v, "x"), x)
+    assert_allreduced(out, x)
+    np.testing.assert_allclose(out, psum, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (2, 4), (4, 2), (3, 2), (2, 3)])
+@pytest.mark.parametrize("algorithm", collectives.ALGORITHMS)
+def test_two_dimensional_meshes(algorithm, shape):
+    mesh = meshes.torus2d(*shape)
+    p = mesh.size
+    if algorithm == "halving_doubling" and p & (p - 1):
+        pytest.skip("halving_doubling needs a power-of-two device count")
+    x = random_rows(p, (3, 5, 7))  # a multi-dimensional leaf, 105 elements
+    out = per_device(mesh, lambda v: collectives.allreduce(v, ("y", "x"), algorithm), x)
+    assert out.shape == x.shape
+    assert_allreduced(out, x)
+
+
+@pytest.mark.parametrize("size", [1, 7])
+@pytest.mark.parametrize("algorithm", ONE_D)
+def test_tiny_sizes(algorithm, size):
+    mesh = meshes.ring(8)
+    x = random_rows(8, (size,))
+    out = per_device(mesh, lambda v: collectives.allreduce(v, "x", algorithm), x)
+    assert_allreduced(out, x)
+
+
+@pytest.mark.parametrize("algorithm", ["torus2d", "hierarchical"])
+@pytest.mark.parametrize("size", [1, 7])
+def test_tiny_sizes_two_level(algorithm, size):
+    mesh = meshes.hierarchical(2, 4)
+    x = random_rows(8, (size,))
+    out = per_device(mesh, lambda v: collectives.allreduce(v, ("host", "local"), algorithm), x)
+    assert_allreduced(out, x)
+
+
+@pytest.mark.parametrize("algorithm", collectives.ALGORITHMS)
+def test_pytree_mixed_dtypes_and_mean(algorithm):
+    mesh = meshes.torus2d(4, 2)
+    tree = {
+        "w": random_rows(8, (4, 3), seed=1),
+        "b": random_rows(8, (3,), seed=2),
+        "scalar": random_rows(8, (), seed=3),
+        "half": random_rows(8, (17,), jnp.bfloat16, seed=4),
+    }
+    out = per_device(
+        mesh, lambda t: collectives.allreduce(t, ("y", "x"), algorithm, op="mean"), tree
+    )
+    assert jax.tree.structure(out) == jax.tree.structure(tree)
+    for key in ("w", "b", "scalar"):
+        assert out[key].dtype == np.float32 and out[key].shape == tree[key].shape
+        assert_allreduced(out[key], tree[key], op="mean")
+    assert out["half"].dtype == jnp.bfloat16
+    # bf16 carries 8 mantissa bits: each of the 7 additions may round once (2^-8 relative).
+    assert_allreduced(out["half"], tree["half"].astype(np.float32), op="mean", rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "bidirectional_ring", "torus2d", "halving_doubling"])
+def test_bfloat16_transfer_with_float32_accumulation(algorithm):
+    mesh = meshes.torus2d(2, 4)
+    x = random_rows(8, (1000,))
+    reduce = lambda v: collectives.allreduce(  # noqa: E731
+        v, ("y", "x"), algorithm, transfer_dtype=jnp.bfloat16, accumulate_dtype=jnp.float32
+    )
+    out = per_device(mesh, reduce, x)
+    assert out.dtype == np.float32
+    # Every partial sum is rounded to bf16 once per hop: error ~ hops * 2^-9 * |partial sum|.
+    assert_allreduced(out, x, rtol=0, atol=0.2)
+    exact = per_device(mesh, lambda v: collectives.allreduce(v, ("y", "x"), algorithm), x)
+    assert np.abs(out - exact).max() > 0, "bf16 transfer left no trace: messages were not narrowed"
+
+
+def test_bfloat16_accumulated_in_float32_is_exact_to_bf16_rounding():
+    mesh = meshes.ring(8)
+    x = random_rows(8, (513,), jnp.bfloat16)
+    out = per_device(
+        mesh, lambda v: collectives.allreduce(v, "x", "ring", accumulate_dtype=jnp.float32), x
+    )
+    assert out.dtype == jnp.bfloat16
+    expected = x.astype(np.float32).sum(0).astype(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(out[0].astype(np.float32), expected)
+
+
+def test_integers_sum_exactly():
+    mesh = meshes.ring(5)
+    x = np.arange(5 * 11, dtype=np.int32).reshape(5, 11)
+    out = per_device(mesh, lambda v: collectives.allreduce(v, "x", "ring"), x)
+    np.testing.assert_array_equal(out, np.broadcast_to(x.sum(0), x.shape))
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "bidirectional_ring", "torus2d"])
+def test_loop_form_matches_unrolled_form(algorithm):
+    mesh = meshes.torus2d(2, 4)
+    x = random_rows(8, (999,))
+    looped = per_device(
+        mesh, lambda v: collectives.allreduce(v, ("y", "x"), algorithm, unroll_limit=0), x
+    )
+    unrolled = per_device(mesh, lambda v: collectives.allreduce(v, ("y", "x"), algorithm), x)
+    np.testing.assert_allclose(looped, unrolled, rtol=1e-6, atol=1e-6)
+    assert_allreduced(looped, x)
+
+
+def count_permutes(p, unroll_limit):
+    mesh = meshes.ring(p)
+    x = jax.device_put(np.zeros((p, 64), np.float32), NamedSharding(mesh, P("x")))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda v: collectives.allreduce(v[0], "x", "ring", unroll_limit=unroll_limit)[None],
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+        )
+    )
+    return fn.lower(x).as_text().count("collective_permute")
+
+
+def test_loop_form_keeps_program_size_flat():
+    # Unrolled, the program grows with the axis; as a loop it does not.
+    assert count_permutes(8, unroll_limit=16) > count_permutes(4, unroll_limit=16)
+    assert count_permutes(8, unroll_limit=0) == count_permutes(4, unroll_limit=0) == 2
+
+
+def test_building_blocks_reduce_scatter_and_all_gather():
+    mesh = meshes.ring(4)
+    x = random_rows(4, (10,))
+    shards = per_device(mesh, lambda v: collectives.reduce_scatter(v, "x"), x)
+    padded = np.pad(x.sum(0), (0, 2))  # 10 elements -> 4 chunks of 3
+    for i in range(4):
+        np.testing.assert_allclose(shards[i], padded[3 * i : 3 * i + 3], rtol=1e-6, atol=1e-6)
+    gathered = per_device(mesh, lambda s: collectives.all_gather(s, "x"), shards)
+    for i in range(4):
+        np.testing.assert_allclose(gathered[i], padded, rtol=1e-6, atol=1e-6)
+
+
+def test_inside_a_users_jit_and_shard_map():
+    """A user's own shard_map body: loss gradient, then allreduce, inside an outer jit.
+
+    Under check_vma the gradient of a replicated (invariant) input is psum-ed by autodiff
+    itself, so the body marks ``w`` as varying first (``pcast(..., to="varying")``) to get per-device gradients.
+    """
+    mesh = meshes.ring(8)
+    w = np.ones((3,), np.float32)
+    data = random_rows(8, (4, 3))
+
+    @jax.jit
+    def step(w, data):
+        def body(w, d):
+            grad = jax.grad(lambda w: jnp.sum((d[0] @ w) ** 2))(jax.lax.pcast(w, "x", to="varying"))
+            return collectives.allreduce(grad, "x", "ring", op="mean")[None]
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P("x"))(w, data)
+
+    data_sharded = jax.device_put(data, NamedSharding(mesh, P("x")))
+    out = np.asarray(step(w, data_sharded))
+    expected = np.mean([2 * d.T @ (d @ w) for d in data], axis=0)
+    for row in out:
+        np.testing.assert_allclose(row, expected, rtol=1e-5)
+
+
+def test_in_a_shard_map_without_vma_checks_returning_replicated():
+    mesh = meshes.ring(4)
+    x = random_rows(4, (6,))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda v: collectives.allreduce(v[0], "x", "bidirectional_ring"),
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    out = np.asarray(fn(jax.device_put(x, NamedSharding(mesh, P("x")))))
+    np.testing.assert_allclose(out, x.sum(0), rtol=1e-6, atol=1e-6)
+
+
+def test_hierarchical_inter_algorithm_option():
+    mesh = meshes.hierarchical(4, 2)
+    x = random_rows(8, (301,))
+    for inter in ("ring", "halving_doubling", "parameter_server", "native"):
+        out = per_device(
+            mesh,
+            lambda v, inter=inter: collectives.allreduce(
+                v, ("host", "local"), "hierarchical", inter_algorithm=inter
+            ),
+            x,
+        )
+        assert_allreduced(out, x)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unknown_algorithm_names_the_choices():
+    mesh = meshes.ring(2)
+    with pytest.raises(ValueError, match=r"unknown allreduce algorithm 'rign'.*'ring'"):
+        per_device(mesh, lambda v: collectives.allreduce(v, "x", "rign"), random_rows(2, (3,)))
+
+
+def test_unbound_axis_is_a_clear_error():
+    mesh = meshes.ring(2)
+    with pytest.raises(ValueError, match=r"axis 'data' is not bound"):
+        per_device(mesh, lambda v: collectives.allreduce(v, "data", "ring"), random_rows(2, (3,)))
+
+
+def test_two_level_needs_two_axes():
+    mesh = meshes.ring(4)
+    with pytest.raises(ValueError, match=r"torus2d needs a tuple of two axis names"):
+        per_device(mesh, lambda v: collectives.allreduce(v, "x", "torus2d"), random_rows(4, (3,)))
+
+
+def test_bad_op_and_options():
+    mesh = meshes.ring(2)
+    x = random_rows(2, (3,))
+    with pytest.raises(ValueError, match=r"op must be 'sum' or 'mean', got 'max'"):
+        per_device(mesh, lambda v: collectives.allreduce(v, "x", "ring", op="max"), x)
+    with pytest.raises(TypeError, match=r"'ring': bad options"):
+        per_device(mesh, lambda v: collectives.allreduce(v, "x", "ring", server=1), x)
+    with pytest.raises(ValueError, match=r"server must be in \[0, 2\)"):
+        per_device(mesh, lambda v: collectives.allreduce(v, "x", "parameter_server", server=5), x)
+    with pytest.raises(TypeError, match=r"needs floating-point leaves"):
+        per_device(
+            mesh, lambda v: collectives.allreduce(v, "x", "ring", op="mean"), x.astype(np.int32)
+        )

@@ -1,0 +1,182 @@
+"""The local launcher: labelled output, exit codes, and no survivors after a failure."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from jaxdist import distributed, launch
+from jaxdist.cli.launch import command_after_dashes
+from tests._procs import JAXDIST, REPO, WORKER, clean_env, processes_with_env
+
+PY = sys.executable
+
+
+def test_local_workers_set_the_process_group_variables():
+    workers = launch.local_workers(["echo"], 3, devices_per_process=2)
+    coordinators = {w.env[distributed.ENV_COORDINATOR] for w in workers}
+    assert len(coordinators) == 1, f"expected one coordinator for all, found {coordinators}"
+    assert next(iter(coordinators)).startswith("127.0.0.1:")
+    found = [(w.env[distributed.ENV_PROCESS_ID], w.env[distributed.ENV_NUM_PROCESSES],
+              w.env[distributed.ENV_LOCAL_DEVICES]) for w in workers]
+    assert found == [("0", "3", "2"), ("1", "3", "2"), ("2", "3", "2")]
+
+
+def test_local_workers_reject_bad_counts():
+    with pytest.raises(ValueError, match="--processes must be >= 1"):
+        launch.local_workers(["echo"], 0)
+    with pytest.raises(ValueError, match="--devices-per-process must be >= 1"):
+        launch.local_workers(["echo"], 2, devices_per_process=0)
+
+
+def test_command_after_dashes():
+    assert command_after_dashes(["--", "python", "-c", "1"]) == ["python", "-c", "1"]
+    assert command_after_dashes(["python", "--", "x"]) == ["python", "--", "x"]
+
+
+def test_detect_reads_jaxdist_env(monkeypatch):
+    monkeypatch.setenv(distributed.ENV_COORDINATOR, "10.0.0.1:1234")
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "4")
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "3")
+    monkeypatch.setenv(distributed.ENV_LOCAL_DEVICES, "2")
+    group = distributed.detect()
+    assert group == distributed.ProcessGroup("jaxdist-env", "10.0.0.1:1234", 4, 3, 2)
+    assert group.is_multiprocess
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "4")
+    with pytest.raises(distributed.DistributedInitError, match="process_id=4, num_processes=4"):
+        distributed.detect()
+    monkeypatch.delenv(distributed.ENV_COORDINATOR)
+    with pytest.raises(distributed.DistributedInitError, match="missing: JAXDIST_COORDINATOR"):
+        distributed.detect()
+
+
+def test_detect_single_process_and_slurm(monkeypatch):
+    for name in (*distributed.JAXDIST_ENV, distributed.ENV_LOCAL_DEVICES):
+        monkeypatch.delenv(name, raising=False)
+    for name in list(os.environ):
+        if name.startswith(("SLURM_", "OMPI_", "TPU_")) or name == "KUBERNETES_SERVICE_HOST":
+            monkeypatch.delenv(name)
+    assert not distributed.detect().is_multiprocess
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2",
+             "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "2"}
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    group = distributed.detect()
+    assert (group.source, group.num_processes, group.is_multiprocess) == ("slurm", 2, True)
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert not distributed.detect().is_multiprocess
+
+
+@pytest.mark.multiprocess
+def test_supervise_labels_output_and_returns_zero():
+    out, log = io.StringIO(), io.StringIO()
+    workers = [launch.Worker([PY, "-c", f"print('hello from {i}'); print('bye')"]) for i in range(3)]
+    assert launch.supervise(workers, out=out, log=log) == 0
+    lines = sorted(out.getvalue().splitlines())
+    expected = sorted([f"[p{i}] hello from {i}" for i in range(3)] + [f"[p{i}] bye" for i in range(3)])
+    assert lines == expected
+
+
+@pytest.mark.multiprocess
+def test_supervise_stops_the_others_on_failure():
+    token = f"JAXDIST_TEST_TOKEN={uuid.uuid4().hex}"
+    env = dict(os.environ, JAXDIST_TEST_TOKEN=token.split("=")[1])
+    # Worker 1 also leaves a child in its process group: it must die with the group.
+    sleeper = f"import subprocess,time; subprocess.Popen([{PY!r}, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    workers = [
+        launch.Worker([PY, "-c", "import time; time.sleep(60)"], env),
+        launch.Worker([PY, "-c", sleeper], env),
+        launch.Worker([PY, "-c", "import sys, time; time.sleep(1); sys.exit(3)"], env),
+    ]
+    start = time.monotonic()
+    log = io.StringIO()
+    code = launch.supervise(workers, grace_s=2, out=io.StringIO(), log=log)
+    elapsed = time.monotonic() - start
+    assert code == 3, f"expected the failing worker's exit code 3, found {code}"
+    assert elapsed < 10, f"expected the others stopped within the grace period, took {elapsed:.1f} s"
+    assert "process 2 exited with code 3" in log.getvalue()
+    assert processes_with_env(token) == [], "processes survived the launcher"
+
+
+@pytest.mark.multiprocess
+def test_supervise_timeout_exits_124():
+    workers = [launch.Worker([PY, "-c", "import time; time.sleep(60)"])]
+    start = time.monotonic()
+    assert launch.supervise(workers, timeout_s=1, grace_s=1, out=io.StringIO(), log=io.StringIO()) == 124
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.multiprocess
+def test_ctrl_c_stops_all(tmp_path):
+    token = uuid.uuid4().hex
+    env = clean_env(JAXDIST_TEST_TOKEN=token)
+    proc = subprocess.Popen(
+        [*JAXDIST, "launch", "--processes", "2", "--grace", "2", "--",
+         PY, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    seen = []
+    for line in proc.stdout:  # wait until both workers run
+        seen.append(line)
+        if sum("up" in s for s in seen) == 2:
+            break
+    proc.send_signal(signal.SIGINT)
+    code = proc.wait(timeout=30)
+    rest = proc.stdout.read()
+    assert code == 130, f"expected exit 130 after Ctrl-C, found {code}: {''.join(seen) + rest}"
+    assert "received SIGINT" in rest
+    assert processes_with_env(token) == [], "workers survived Ctrl-C"
+
+
+@pytest.mark.multiprocess
+def test_killed_jax_process_fails_the_launch_within_60s(tmp_path):
+    """Two JAX processes in one run; SIGKILL one mid-run: non-zero exit, nothing left."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    env = clean_env(JAXDIST_TEST_PID_DIR=str(pid_dir))
+    proc = subprocess.Popen(
+        [*JAXDIST, "launch", "--processes", "2", "--timeout", "120", "--", PY, WORKER, "hang"],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(pid_dir.glob("*.pid"))) < 2:
+            assert proc.poll() is None, f"launch ended early: {proc.stdout.read()}"
+            assert time.monotonic() < deadline, "the two JAX processes did not start in 60 s"
+            time.sleep(0.2)
+        victim = int((pid_dir / "1.pid").read_text())
+        os.kill(victim, signal.SIGKILL)
+        start = time.monotonic()
+        code = proc.wait(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = proc.stdout.read()
+    assert code != 0, f"expected a non-zero exit after a process was killed, found 0:\n{output}"
+    assert "process 1 exited with code 137" in output, output
+    assert elapsed < 60, f"expected exit within 60 s, took {elapsed:.1f} s"
+    assert processes_with_env(str(pid_dir)) == [], "processes survived the failed launch"
+
+
+@pytest.mark.multiprocess
+def test_missing_peer_fails_with_a_clear_message_instead_of_hanging():
+    """Process 1 of 2 alone: it must give up after JAXDIST_TIMEOUT, naming what it waited on."""
+    coordinator = f"127.0.0.1:{launch.free_port()}"
+    env = clean_env(JAXDIST_COORDINATOR=coordinator, JAXDIST_NUM_PROCESSES="2",
+                    JAXDIST_PROCESS_ID="1", JAXDIST_TIMEOUT="3")
+    start = time.monotonic()
+    proc = subprocess.run([*JAXDIST, "mesh", "show", "ring-4"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, f"expected a failure without process 0, found exit 0: {proc.stdout}"
+    expected = f"process 1 of 2 (from jaxdist-env) has waited 3 s for all processes to join at coordinator {coordinator}"
+    assert expected in proc.stderr, f"expected {expected!r} in stderr, found:\n{proc.stderr[-2000:]}"
+    assert elapsed < 45, f"expected to give up soon after the 3 s timeout, took {elapsed:.1f} s"
