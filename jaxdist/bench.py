@@ -173,13 +173,20 @@ def run(
     max_error = jax.jit(
         lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
     )
-    measured: dict[tuple[int, str], tuple[float, float, float]] = {}
+    # The link the cost model uses: one ppermute shift round the ring, timed at every
+    # benchmark size plus two fixed ones so that a fit is possible even for a single size.
+    fit_sizes = sorted(set(sizes) | {2**10, 2**20})
     p2p_times = []
+    for nbytes in fit_sizes:
+        x = _make_input(mesh, max(1, nbytes // dtype.itemsize), dtype, seed=nbytes)
+        p2p_times.append(_timed(_per_device(mesh, shift), x, warmup, iters)[1])
+    link = cost_model.fit("p2p", (p,), fit_sizes, p2p_times)
+    say(f"  point-to-point link: alpha {link.alpha * 1e6:.1f} us, {link.bandwidth / 1e9:.2f} GB/s")
+
+    measured: dict[tuple[int, str], tuple[float, float, float]] = {}
     for nbytes in sizes:
         count = max(1, nbytes // dtype.itemsize)
         x = _make_input(mesh, count, dtype, seed=nbytes)
-        _, p2p = _timed(_per_device(mesh, shift), x, warmup, iters)
-        p2p_times.append(p2p)
         reference = _per_device(mesh, lambda v: jax.lax.psum(v, flat_axes))(x)
         for algorithm in runnable:
             opts = {k: v for k, v in options.items() if k in _OPTIONS_OF.get(algorithm, ())}
@@ -192,7 +199,6 @@ def run(
             say(f"  {format_size(nbytes):>6s} {algorithm:<20s} {seconds * 1e6:12.1f} us")
         del x, reference
 
-    link = cost_model.fit("p2p", (p,), [s for s in sizes], p2p_times)
     rows = []
     for (nbytes, algorithm), (seconds, err, compile_s) in measured.items():
         if algorithm not in algorithms:

@@ -1,0 +1,134 @@
+"""The alpha-beta cost model, its fit, and the `jaxdist bench allreduce` command."""
+
+import json
+import math
+
+import pytest
+
+from jaxdist import bench, cost_model
+from jaxdist.cli import main
+
+LINK = cost_model.Link(alpha=10e-6, beta=1 / 10e9)
+S = 64 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "sizes", "steps", "volume"),
+    [
+        ("ring", (8,), 14, 2 * 7 / 8),
+        ("native", (8,), 14, 2 * 7 / 8),
+        ("bidirectional_ring", (8,), 14, 7 / 8),
+        ("halving_doubling", (8,), 6, 2 * 7 / 8),
+        ("parameter_server", (8,), 14, 14),
+        # 2-D torus: 2(X+Y-2) steps and 2(XY-1)/(XY) volume (REFERENCE §5)
+        ("torus2d", (4, 2), 2 * (2 + 4 - 2), 2 * 7 / 8),
+        ("torus2d", (48, 72), 2 * (72 + 48 - 2), 2 * (3456 - 1) / 3456),
+        ("hierarchical", (2, 4), 2 * (4 + 2 - 2), 2 * 7 / 8),
+    ],
+)
+def test_terms_match_the_reference_formulas(algorithm, sizes, steps, volume):
+    terms = cost_model.terms(algorithm, sizes)
+    assert sum(t.steps for t in terms) == pytest.approx(steps)
+    assert sum(t.volume for t in terms) == pytest.approx(volume)
+    expected = steps * LINK.alpha + volume * S * LINK.beta
+    assert cost_model.predict(algorithm, S, sizes, LINK) == pytest.approx(expected)
+
+
+def test_parameter_server_grows_linearly_and_ring_stays_flat():
+    ps = [cost_model.predict("parameter_server", S, (p,), LINK) for p in (2, 4, 8, 16)]
+    ring = [cost_model.predict("ring", S, (p,), LINK) for p in (2, 4, 8, 16)]
+    assert ps[3] / ps[0] == pytest.approx(15, rel=0.01)
+    assert ring[3] / ring[0] < 2.0
+
+
+def test_hierarchical_prices_each_phase_on_its_own_link():
+    fast, slow = cost_model.Link(1e-6, 1 / 100e9), cost_model.Link(20e-6, 1 / 1e9)
+    net = cost_model.Network(intra=fast, inter=slow)
+    hosts, local = 2, 4
+    expected = (
+        2 * (local - 1) * fast.alpha
+        + 2 * (local - 1) / local * S * fast.beta
+        + 2 * (hosts - 1) * slow.alpha
+        + 2 * (hosts - 1) / hosts * (S / local) * slow.beta
+    )
+    assert cost_model.predict("hierarchical", S, (hosts, local), net) == pytest.approx(expected)
+    # A flat ring across both hosts runs every step at the slow link's pace.
+    assert cost_model.predict("ring", S, (hosts, local), net) > 3 * expected
+
+
+def test_fit_recovers_alpha_and_beta():
+    sizes = [2**k for k in range(10, 27, 2)]
+    times = [cost_model.predict("ring", s, (8,), LINK) for s in sizes]
+    fitted = cost_model.fit("ring", (8,), sizes, times)
+    assert fitted.alpha == pytest.approx(LINK.alpha, rel=1e-6)
+    assert fitted.beta == pytest.approx(LINK.beta, rel=1e-6)
+    p2p = cost_model.fit("p2p", (), sizes, [LINK.alpha + s * LINK.beta for s in sizes])
+    assert p2p.bandwidth == pytest.approx(10e9, rel=1e-6)
+
+
+def test_fit_and_terms_errors():
+    with pytest.raises(ValueError, match="at least two"):
+        cost_model.fit("ring", (8,), [1], [1.0])
+    with pytest.raises(ValueError, match="power-of-two"):
+        cost_model.terms("halving_doubling", (6,))
+    with pytest.raises(ValueError, match="needs two axes"):
+        cost_model.terms("torus2d", (8,))
+    with pytest.raises(ValueError, match="unknown allreduce algorithm"):
+        cost_model.terms("tree", (8,))
+
+
+def test_bus_bandwidth_follows_nccl_tests():
+    algbw, busbw = cost_model.bus_bandwidth(8e6, 1e-3, 8)
+    assert algbw == pytest.approx(8e9)
+    assert busbw == pytest.approx(8e9 * 2 * 7 / 8)
+
+
+@pytest.mark.parametrize(
+    ("text", "sizes"),
+    [
+        ("4K:64K", [4096, 16384, 65536]),
+        ("1M", [2**20]),
+        ("100,4K,2G", [100, 4096, 2 * 2**30]),
+    ],
+)
+def test_parse_sizes(text, sizes):
+    assert bench.parse_sizes(text) == sizes
+
+
+def test_parse_size_rejects_garbage():
+    with pytest.raises(ValueError, match="bad size '4Q'"):
+        bench.parse_size("4Q")
+
+
+def test_bench_cli_checks_every_algorithm_against_psum(tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = [
+        "bench", "allreduce", "--mesh", "torus-4x2", "--sizes", "4K,64K",
+        "--warmup", "1", "--iters", "2", "--json", str(out_json), "--plot", str(out_png), "--quiet",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    result = json.loads(out_json.read_text())
+    assert {r["algorithm"] for r in result["rows"]} == set(bench.collectives.ALGORITHMS)
+    assert len(result["rows"]) == 2 * len(bench.collectives.ALGORITHMS)
+    for row in result["rows"]:
+        assert row["max_error"] < 1e-4, row
+        assert row["seconds"] > 0 and row["predicted_seconds"] > 0
+        p = result["devices"]
+        assert row["busbw"] == pytest.approx(row["nbytes"] / row["seconds"] * 2 * (p - 1) / p)
+        if row["algorithm"] == "native":
+            assert row["vs_psum"] == 1.0
+    assert result["link"]["alpha_s"] >= 0 and result["link"]["beta_s_per_byte"] >= 0
+    assert "busbw(GB/s)" in table and "torus2d" in table
+    assert out_png.stat().st_size > 1000
+
+
+def test_bench_skips_what_cannot_run_and_rejects_bad_names(capsys):
+    assert main(["bench", "allreduce", "--mesh", "ring-8", "--algorithms", "rign"]) == 2
+    assert "unknown algorithm(s) ['rign']" in capsys.readouterr().err
+    argv = ["bench", "allreduce", "--mesh", "ring-8", "--sizes", "1K", "--iters", "1", "--quiet",
+            "--algorithms", "ring,torus2d"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "# skipped torus2d: needs a 2-axis mesh" in out
+    assert math.isfinite(float(out.split("\n")[3].split()[2]))

@@ -1,0 +1,120 @@
+"""Mesh specs, presets, builders and the `jaxdist mesh` command."""
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdist import meshes
+from jaxdist.cli import main
+
+REQUIRED_PRESETS = ("ring-8", "torus-4x2", "torus-2x4", "hierarchical-2x4")
+PLANNING_PRESETS = ("abci-torus-3456", "tpu-v3-pod-1024", "dgx-h100-32x8", "dgx-h100-448x8")
+
+
+@pytest.mark.parametrize("name", REQUIRED_PRESETS + PLANNING_PRESETS)
+def test_every_preset_loads_as_a_valid_spec(name):
+    spec = meshes.load(name)
+    assert spec.name == name
+    assert spec.size == int(np.prod(spec.shape))
+
+
+def test_presets_list_holds_the_required_ones():
+    assert set(REQUIRED_PRESETS + PLANNING_PRESETS) <= set(meshes.presets())
+
+
+def test_planning_presets_have_their_sizes():
+    assert meshes.load("abci-torus-3456").size == 3456
+    assert meshes.load("tpu-v3-pod-1024").size == 1024
+    assert meshes.load("dgx-h100-448x8").size == 3584
+    assert meshes.load("dgx-h100-448x8").devices_per_host == 8
+
+
+@pytest.mark.parametrize(
+    ("builder", "shape", "names"),
+    [
+        (lambda: meshes.ring(8), (8,), ("x",)),
+        (lambda: meshes.ring(3), (3,), ("x",)),
+        (lambda: meshes.torus2d(4, 2), (4, 2), ("y", "x")),
+        (lambda: meshes.hierarchical(2, 4), (2, 4), ("host", "local")),
+    ],
+)
+def test_builders(builder, shape, names):
+    mesh = builder()
+    assert mesh.devices.shape == shape
+    assert tuple(mesh.axis_names) == names
+    ids = [d.id for d in mesh.devices.reshape(-1)]
+    assert ids == sorted(ids), "ring neighbours must be adjacent devices"
+
+
+def test_build_from_preset_matches_builder():
+    assert (meshes.build("torus-4x2").devices == meshes.torus2d(4, 2).devices).all()
+
+
+def test_hierarchical_keeps_each_host_on_one_row():
+    spec = meshes.load("hierarchical-2x4")
+    grid = meshes.device_grid(spec)
+    hosts = meshes.host_of(spec, grid)
+    for row in hosts:
+        assert len(set(row)) == 1
+    assert sorted(hosts[:, 0]) == [0, 1]
+
+
+def test_spec_that_does_not_fit_says_what_and_how():
+    spec = meshes.load("tpu-v3-pod-1024")
+    with pytest.raises(meshes.MeshDoesNotFitError) as err:
+        meshes.build(spec)
+    message = str(err.value)
+    assert "1024 devices" in message and f"{jax.device_count()} device(s) present" in message
+    assert "xla_force_host_platform_device_count" in message
+
+
+def test_spec_validation_errors(tmp_path):
+    with pytest.raises(meshes.MeshSpecError, match="layout 'torus2d' needs 2 axis"):
+        meshes.MeshSpec("bad", "torus2d", (("x", 8),))
+    with pytest.raises(meshes.MeshSpecError, match="layout must be one of"):
+        meshes.MeshSpec("bad", "star", (("x", 8),))
+    with pytest.raises(meshes.MeshSpecError, match="axis names must be distinct"):
+        meshes.MeshSpec("bad", "torus2d", (("x", 2), ("x", 4)))
+    with pytest.raises(meshes.MeshSpecError, match="must have size >= 1"):
+        meshes.MeshSpec("bad", "ring", (("x", 0),))
+    with pytest.raises(meshes.MeshSpecError, match="must equal devices_per_host"):
+        meshes.MeshSpec("bad", "hierarchical", (("host", 2), ("local", 4)), devices_per_host=2)
+    with pytest.raises(meshes.MeshSpecError, match=r"no mesh preset named 'nope'.*ring-8"):
+        meshes.load("nope")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('layout = "ring"\naxes = [{ name = "x", size = 2, extra = 1 }]\n')
+    with pytest.raises(meshes.MeshSpecError, match="each axis must be a table"):
+        meshes.load(bad)
+    bad.write_text('layout = "ring"\nshape = [2]\n')
+    with pytest.raises(meshes.MeshSpecError, match="unknown keys \\['shape'\\]"):
+        meshes.load(bad)
+    bad.write_text("layout = \n")
+    with pytest.raises(meshes.MeshSpecError, match="is not valid TOML"):
+        meshes.load(bad)
+
+
+def test_load_by_path(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text(
+        'layout = "hierarchical"\ndevices_per_host = 2\n'
+        'axes = [{ name = "host", size = 4 }, { name = "local", size = 2 }]\n'
+    )
+    spec = meshes.load(path)
+    assert spec.name == "mine" and spec.shape == (4, 2) and spec.num_hosts == 4
+    assert meshes.build(spec).devices.shape == (4, 2)
+
+
+def test_mesh_show_prints_grid_and_hosts(capsys):
+    assert main(["mesh", "show", "hierarchical-2x4"]) == 0
+    out = capsys.readouterr().out
+    assert "layout=hierarchical host=2 x local=4" in out
+    assert "host=0     0[0]   1[0]   2[0]   3[0]" in out
+    assert "host=1     4[1]   5[1]   6[1]   7[1]" in out
+
+
+def test_mesh_show_fails_clearly_for_a_mesh_that_does_not_fit(capsys):
+    assert main(["mesh", "show", "dgx-h100-32x8"]) == 1
+    captured = capsys.readouterr()
+    assert "256 devices" in captured.out
+    assert "does not fit: 8 device(s) present" in captured.err
+    assert main(["mesh", "show", "no-such-mesh"]) == 2
