@@ -15,7 +15,8 @@ def clean_env(**extra: str) -> dict[str, str]:
     """This environment minus what conftest forced (8 devices) and any process-group setting:
     each child chooses its own device count."""
     env = {
-        k: v for k, v in os.environ.items()
+        k: v
+        for k, v in os.environ.items()
         if not k.startswith("JAXDIST_") and k not in ("XLA_FLAGS", "JAX_PLATFORMS")
     }
     env["JAX_PLATFORMS"] = "cpu"

@@ -89,8 +89,13 @@ def check_allreduce(n: int = 1003) -> None:
         x, expected = _global_input(mesh, axes, n)
         reference = _local_rows(_run(mesh, axes, "native", axes, x))
         for row in reference:
-            np.testing.assert_allclose(row, expected, rtol=1e-5, atol=1e-5, err_msg=(
-                f"psum on {outer}x{inner}: expected the numpy row sum"))
+            np.testing.assert_allclose(
+                row,
+                expected,
+                rtol=1e-5,
+                atol=1e-5,
+                err_msg=(f"psum on {outer}x{inner}: expected the numpy row sum"),
+            )
         for algorithm in collectives.ALGORITHMS:
             axis_name = axes  # two-level schedules read it as (outer, inner), the rest as one axis
             found = _local_rows(_run(mesh, axes, algorithm, axis_name, x))
@@ -110,7 +115,9 @@ def check_host() -> None:
     expected = f"10.213.0.{jax.process_index() + 1}"
     assert address == expected, f"expected {found} to resolve to {expected}, found {address}"
     coordinator = os.environ["JAXDIST_COORDINATOR"]
-    assert coordinator.startswith("10.213.0.1:"), f"expected host 0 coordinating, found {coordinator}"
+    assert coordinator.startswith("10.213.0.1:"), (
+        f"expected host 0 coordinating, found {coordinator}"
+    )
     print(f"CHECK host OK {found} {address}")
 
 

@@ -75,10 +75,24 @@ def test_without_root_it_says_so(monkeypatch):
 @needs_namespaces
 @pytest.mark.multiprocess
 def test_four_hosts_allreduce_and_teardown():
-    argv = [*JAXDIST, "cluster", "--hosts", "4", "--bandwidth", "1gbit", "--timeout", "150",
-            "--", sys.executable, WORKER, "host", "allreduce"]
-    proc = subprocess.run(argv, env=clean_env(), cwd=REPO, capture_output=True, text=True,
-                          timeout=170)
+    argv = [
+        *JAXDIST,
+        "cluster",
+        "--hosts",
+        "4",
+        "--bandwidth",
+        "1gbit",
+        "--timeout",
+        "150",
+        "--",
+        sys.executable,
+        WORKER,
+        "host",
+        "allreduce",
+    ]
+    proc = subprocess.run(
+        argv, env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=170
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"expected exit 0, found {proc.returncode}:\n{output}"
     run = _run_names(output)
@@ -93,11 +107,26 @@ def test_four_hosts_allreduce_and_teardown():
 @pytest.mark.multiprocess
 def test_failing_command_tears_down_and_exits_with_its_code():
     proc = subprocess.run(
-        [*JAXDIST, "cluster", "--hosts", "2", "--", "sh", "-c", 'test "$JAXDIST_PROCESS_ID" = 0 || exit 7; sleep 30'],
-        env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=60,
+        [
+            *JAXDIST,
+            "cluster",
+            "--hosts",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            'test "$JAXDIST_PROCESS_ID" = 0 || exit 7; sleep 30',
+        ],
+        env=clean_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 7, f"expected host 1's exit code 7, found {proc.returncode}:\n{output}"
+    assert proc.returncode == 7, (
+        f"expected host 1's exit code 7, found {proc.returncode}:\n{output}"
+    )
     _assert_gone(_run_names(output))
 
 
@@ -107,8 +136,11 @@ def test_sigterm_tears_down():
     token = uuid.uuid4().hex
     proc = subprocess.Popen(
         [*JAXDIST, "cluster", "--hosts", "2", "--grace", "2", "--", "sleep", "60"],
-        env=clean_env(JAXDIST_TEST_TOKEN=token), cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        env=clean_env(JAXDIST_TEST_TOKEN=token),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     announced = proc.stdout.readline()
     run = _run_names(announced)
@@ -132,8 +164,11 @@ def test_latency_needs_netem_or_says_so():
     except cluster.ClusterError as err:
         assert "--latency 0" in str(err), f"expected a hint to pass --latency 0, found: {err}"
     else:
-        shown = subprocess.run(["tc", "-n", c.host_names[0], "qdisc", "show", "dev", "eth0"],
-                               capture_output=True, text=True).stdout
+        shown = subprocess.run(
+            ["tc", "-n", c.host_names[0], "qdisc", "show", "dev", "eth0"],
+            capture_output=True,
+            text=True,
+        ).stdout
         assert "netem" in shown and "tbf" in shown, f"expected tbf + netem on eth0, found {shown}"
     finally:
         assert c.destroy() == []
@@ -144,6 +179,7 @@ def test_latency_needs_netem_or_says_so():
 def test_cleanup_removes_leftovers():
     name = f"{cluster.PREFIX}{uuid.uuid4().hex[:4]}-h0"
     subprocess.run(["ip", "netns", "add", name], check=True)
+    made_etc = not cluster.NETNS_ETC.exists()
     (cluster.NETNS_ETC / name).mkdir(parents=True)
     (cluster.NETNS_ETC / name / "hosts").write_text("10.213.0.1 x\n")
     try:
@@ -153,3 +189,5 @@ def test_cleanup_removes_leftovers():
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
         shutil.rmtree(cluster.NETNS_ETC / name, ignore_errors=True)
+        if made_etc:
+            cluster.NETNS_ETC.rmdir()

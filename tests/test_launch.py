@@ -24,8 +24,14 @@ def test_local_workers_set_the_process_group_variables():
     coordinators = {w.env[distributed.ENV_COORDINATOR] for w in workers}
     assert len(coordinators) == 1, f"expected one coordinator for all, found {coordinators}"
     assert next(iter(coordinators)).startswith("127.0.0.1:")
-    found = [(w.env[distributed.ENV_PROCESS_ID], w.env[distributed.ENV_NUM_PROCESSES],
-              w.env[distributed.ENV_LOCAL_DEVICES]) for w in workers]
+    found = [
+        (
+            w.env[distributed.ENV_PROCESS_ID],
+            w.env[distributed.ENV_NUM_PROCESSES],
+            w.env[distributed.ENV_LOCAL_DEVICES],
+        )
+        for w in workers
+    ]
     assert found == [("0", "3", "2"), ("1", "3", "2"), ("2", "3", "2")]
 
 
@@ -64,8 +70,14 @@ def test_detect_single_process_and_slurm(monkeypatch):
         if name.startswith(("SLURM_", "OMPI_", "TPU_")) or name == "KUBERNETES_SERVICE_HOST":
             monkeypatch.delenv(name)
     assert not distributed.detect().is_multiprocess
-    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2",
-             "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_NODES": "2"}
+    slurm = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_NUM_NODES": "2",
+    }
     for k, v in slurm.items():
         monkeypatch.setenv(k, v)
     group = distributed.detect()
@@ -77,10 +89,14 @@ def test_detect_single_process_and_slurm(monkeypatch):
 @pytest.mark.multiprocess
 def test_supervise_labels_output_and_returns_zero():
     out, log = io.StringIO(), io.StringIO()
-    workers = [launch.Worker([PY, "-c", f"print('hello from {i}'); print('bye')"]) for i in range(3)]
+    workers = [
+        launch.Worker([PY, "-c", f"print('hello from {i}'); print('bye')"]) for i in range(3)
+    ]
     assert launch.supervise(workers, out=out, log=log) == 0
     lines = sorted(out.getvalue().splitlines())
-    expected = sorted([f"[p{i}] hello from {i}" for i in range(3)] + [f"[p{i}] bye" for i in range(3)])
+    expected = sorted(
+        [f"[p{i}] hello from {i}" for i in range(3)] + [f"[p{i}] bye" for i in range(3)]
+    )
     assert lines == expected
 
 
@@ -100,7 +116,9 @@ def test_supervise_stops_the_others_on_failure():
     code = launch.supervise(workers, grace_s=2, out=io.StringIO(), log=log)
     elapsed = time.monotonic() - start
     assert code == 3, f"expected the failing worker's exit code 3, found {code}"
-    assert elapsed < 10, f"expected the others stopped within the grace period, took {elapsed:.1f} s"
+    assert elapsed < 10, (
+        f"expected the others stopped within the grace period, took {elapsed:.1f} s"
+    )
     assert "process 2 exited with code 3" in log.getvalue()
     assert processes_with_env(token) == [], "processes survived the launcher"
 
@@ -109,7 +127,10 @@ def test_supervise_stops_the_others_on_failure():
 def test_supervise_timeout_exits_124():
     workers = [launch.Worker([PY, "-c", "import time; time.sleep(60)"])]
     start = time.monotonic()
-    assert launch.supervise(workers, timeout_s=1, grace_s=1, out=io.StringIO(), log=io.StringIO()) == 124
+    assert (
+        launch.supervise(workers, timeout_s=1, grace_s=1, out=io.StringIO(), log=io.StringIO())
+        == 124
+    )
     assert time.monotonic() - start < 10
 
 
@@ -118,9 +139,23 @@ def test_ctrl_c_stops_all(tmp_path):
     token = uuid.uuid4().hex
     env = clean_env(JAXDIST_TEST_TOKEN=token)
     proc = subprocess.Popen(
-        [*JAXDIST, "launch", "--processes", "2", "--grace", "2", "--",
-         PY, "-c", "import time; print('up', flush=True); time.sleep(60)"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            *JAXDIST,
+            "launch",
+            "--processes",
+            "2",
+            "--grace",
+            "2",
+            "--",
+            PY,
+            "-c",
+            "import time; print('up', flush=True); time.sleep(60)",
+        ],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     seen = []
     for line in proc.stdout:  # wait until both workers run
@@ -143,7 +178,11 @@ def test_killed_jax_process_fails_the_launch_within_60s(tmp_path):
     env = clean_env(JAXDIST_TEST_PID_DIR=str(pid_dir))
     proc = subprocess.Popen(
         [*JAXDIST, "launch", "--processes", "2", "--timeout", "120", "--", PY, WORKER, "hang"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 60
@@ -170,13 +209,27 @@ def test_killed_jax_process_fails_the_launch_within_60s(tmp_path):
 def test_missing_peer_fails_with_a_clear_message_instead_of_hanging():
     """Process 1 of 2 alone: it must give up after JAXDIST_TIMEOUT, naming what it waited on."""
     coordinator = f"127.0.0.1:{launch.free_port()}"
-    env = clean_env(JAXDIST_COORDINATOR=coordinator, JAXDIST_NUM_PROCESSES="2",
-                    JAXDIST_PROCESS_ID="1", JAXDIST_TIMEOUT="3")
+    env = clean_env(
+        JAXDIST_COORDINATOR=coordinator,
+        JAXDIST_NUM_PROCESSES="2",
+        JAXDIST_PROCESS_ID="1",
+        JAXDIST_TIMEOUT="3",
+    )
     start = time.monotonic()
-    proc = subprocess.run([*JAXDIST, "mesh", "show", "ring-4"], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*JAXDIST, "mesh", "show", "ring-4"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     elapsed = time.monotonic() - start
-    assert proc.returncode != 0, f"expected a failure without process 0, found exit 0: {proc.stdout}"
+    assert proc.returncode != 0, (
+        f"expected a failure without process 0, found exit 0: {proc.stdout}"
+    )
     expected = f"process 1 of 2 (from jaxdist-env) has waited 3 s for all processes to join at coordinator {coordinator}"
-    assert expected in proc.stderr, f"expected {expected!r} in stderr, found:\n{proc.stderr[-2000:]}"
+    assert expected in proc.stderr, (
+        f"expected {expected!r} in stderr, found:\n{proc.stderr[-2000:]}"
+    )
     assert elapsed < 45, f"expected to give up soon after the 3 s timeout, took {elapsed:.1f} s"

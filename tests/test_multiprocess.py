@@ -18,12 +18,25 @@ pytestmark = pytest.mark.multiprocess
 
 
 def run_launch(processes: int, devices: int, *command: str, timeout: int = 150) -> str:
-    argv = [*JAXDIST, "launch", "--processes", str(processes), "--devices-per-process",
-            str(devices), "--timeout", str(timeout - 10), "--", *command]
-    proc = subprocess.run(argv, env=clean_env(), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    argv = [
+        *JAXDIST,
+        "launch",
+        "--processes",
+        str(processes),
+        "--devices-per-process",
+        str(devices),
+        "--timeout",
+        str(timeout - 10),
+        "--",
+        *command,
+    ]
+    proc = subprocess.run(
+        argv, env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"expected exit 0 from {' '.join(argv)}, found {proc.returncode}:\n{output}"
+    assert proc.returncode == 0, (
+        f"expected exit 0 from {' '.join(argv)}, found {proc.returncode}:\n{output}"
+    )
     return output
 
 
@@ -42,8 +55,9 @@ def test_two_processes_two_devices_all_algorithms_and_host_rows():
         assert f"[p{p}] CHECK mesh OK rows=[[0, 0], [1, 1]]" in output, output
     # `mesh show`-style grid: host 0's devices on the first row, host 1's on the second.
     grid = [line for line in output.splitlines() if line.startswith("[p0]     host=")]
-    assert len(grid) == 2 and all(f"[{h}]" in row and f"[{1 - h}]" not in row
-                                  for h, row in enumerate(grid)), f"rows by host: {grid}"
+    assert len(grid) == 2 and all(
+        f"[{h}]" in row and f"[{1 - h}]" not in row for h, row in enumerate(grid)
+    ), f"rows by host: {grid}"
     assert_all_algorithms(output, 2, "2x2")
 
 
@@ -55,16 +69,31 @@ def test_four_processes_one_device_all_algorithms():
 
 def test_bench_allreduce_runs_unchanged_and_only_process_0_prints_the_table():
     output = run_launch(
-        2, 2, *JAXDIST, "bench", "allreduce", "--mesh", "ring-4", "--sizes", "16K,64K",
-        "--algorithms", "ring,native", "--iters", "2", "--warmup", "1", "--quiet",
+        2,
+        2,
+        *JAXDIST,
+        "bench",
+        "allreduce",
+        "--mesh",
+        "ring-4",
+        "--sizes",
+        "16K,64K",
+        "--algorithms",
+        "ring,native",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--quiet",
     )
     table = [line for line in output.splitlines() if "busbw" in line]
     assert table and all(line.startswith("[p0]") for line in table), (
         f"expected the table header from process 0 only, found {table}:\n{output}"
     )
     for algorithm in ("ring", "native"):
-        assert any(line.startswith("[p0]") and f" {algorithm} " in line
-                   for line in output.splitlines()), f"no {algorithm} row:\n{output}"
+        assert any(
+            line.startswith("[p0]") and f" {algorithm} " in line for line in output.splitlines()
+        ), f"no {algorithm} row:\n{output}"
 
 
 # The data-parallel train step across processes (2 processes == 1 process with the same global

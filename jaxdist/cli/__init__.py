@@ -16,6 +16,9 @@ import sys
 SUBCOMMANDS = (
     "jaxdist.cli.mesh",
     "jaxdist.cli.bench",
+    "jaxdist.cli.launch",
+    "jaxdist.cli.cluster",
+    "jaxdist.cli.data",
 )
 
 
@@ -50,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     # Pre-parse only --cpu-devices so the environment is set before JAX is imported.
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--cpu-devices", type=int, default=None)
-    known, _ = pre.parse_known_args(argv)
+    # Only before "--": what follows is the command that `launch` / `cluster` run.
+    known, _ = pre.parse_known_args(argv[: argv.index("--")] if "--" in argv else argv)
     if known.cpu_devices is not None:
         if known.cpu_devices < 1:
             print(f"jaxdist: --cpu-devices must be >= 1, got {known.cpu_devices}", file=sys.stderr)
@@ -61,6 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if getattr(args, "joins_process_group", True):
+        # One process of many (JAXDIST_* variables from `jaxdist launch` / `cluster`, or SLURM,
+        # Open MPI, ...): join the run before the subcommand starts JAX. No-op otherwise.
+        from jaxdist import distributed
+
+        try:
+            distributed.initialize(local_device_count=known.cpu_devices)
+        except distributed.DistributedInitError as err:
+            print(f"jaxdist: {err}", file=sys.stderr)
+            return 1
     return int(args.func(args) or 0)
 
 

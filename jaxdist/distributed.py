@@ -1,0 +1,296 @@
+"""Joining a multi-process run: one call, :func:`initialize`, before JAX starts its backend.
+
+Where the process group comes from, first match wins:
+
+1. explicit arguments to :func:`initialize`;
+2. jaxdist's own variables ``JAXDIST_COORDINATOR`` (``host:port`` of process 0),
+   ``JAXDIST_NUM_PROCESSES``, ``JAXDIST_PROCESS_ID`` and optionally ``JAXDIST_LOCAL_DEVICES``
+   (forced CPU devices per process) and ``JAXDIST_TIMEOUT`` (seconds) -- set by
+   ``jaxdist launch`` and ``jaxdist cluster``, or by hand;
+3. a cluster JAX recognises itself (``jax._src.clusters``): SLURM (``srun``), Open MPI
+   (``mpirun``), a Cloud TPU VM / pod slice, a Kubernetes indexed Job. jaxdist only checks
+   their environment variables here (no network queries) and leaves the details -- the
+   coordinator host, the ranks -- to ``jax.distributed.initialize``.
+
+When none of these applies, or the run has a single process, :func:`initialize` does nothing
+and JAX runs as one process. On CPU, cross-process collectives use gloo; JAX's distributed
+runtime carries the rendezvous, heartbeats and the key-value store gloo bootstraps from --
+jaxdist adds no transport of its own.
+
+A process that cannot reach its peers raises :class:`DistributedInitError` naming the process,
+the coordinator address and the timeout that ran out, instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+from dataclasses import dataclass
+
+ENV_COORDINATOR = "JAXDIST_COORDINATOR"
+ENV_NUM_PROCESSES = "JAXDIST_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAXDIST_PROCESS_ID"
+ENV_LOCAL_DEVICES = "JAXDIST_LOCAL_DEVICES"
+ENV_TIMEOUT = "JAXDIST_TIMEOUT"
+JAXDIST_ENV = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+
+DEFAULT_TIMEOUT_S = 300
+# A peer that stops sending heartbeats for this long is declared dead and the survivors fail,
+# rather than blocking forever inside a collective.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 60
+
+
+class DistributedInitError(RuntimeError):
+    """This process could not join the process group (bad configuration or a timeout)."""
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """Where this process sits in a multi-process run, and who told us.
+
+    Attributes:
+      source: ``"arguments"``, ``"jaxdist-env"``, or the name of a cluster JAX detects
+        (``"slurm"``, ``"ompi"``, ``"tpu"``, ``"kubernetes"``); ``"none"`` for a single process.
+      coordinator_address: ``host:port`` of process 0; ``None`` lets JAX find it (clusters).
+      num_processes / process_id: ``None`` lets JAX find them (clusters).
+      local_device_count: forced CPU devices in this process; ``None`` leaves the platform's.
+    """
+
+    source: str
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_count: int | None = None
+
+    @property
+    def is_multiprocess(self) -> bool:
+        return self.source != "none" and self.num_processes != 1
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise DistributedInitError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _detect_cluster() -> tuple[str, int | None] | None:
+    """(name, process count if known) of a cluster that ``jax.distributed`` detects itself.
+
+    Mirrors the cheap, environment-only part of ``jax._src.clusters``' ``is_env_present``
+    checks (those for GCE TPU and Kubernetes would contact a metadata server or the
+    Kubernetes API, which a single-process run must never wait on).
+    """
+    env = os.environ
+    if "OMPI_MCA_orte_hnp_uri" in env:  # mpirun (Open MPI <= 4)
+        return "ompi", _env_int("OMPI_COMM_WORLD_SIZE")
+    slurm = (
+        "SLURM_JOB_ID",
+        "SLURM_STEP_NODELIST",
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+        "SLURM_LOCALID",
+        "SLURM_STEP_NUM_NODES",
+    )
+    if all(v in env for v in slurm):  # inside srun
+        return "slurm", _env_int("SLURM_NTASKS")
+    if "TPU_WORKER_HOSTNAMES" in env or "TPU_PROCESS_ADDRESSES" in env:  # TPU VM / GKE TPU
+        hosts = (env.get("TPU_PROCESS_ADDRESSES") or env["TPU_WORKER_HOSTNAMES"]).split(",")
+        return "tpu", len(hosts)
+    if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:  # indexed Job
+        return "kubernetes", None
+    return None
+
+
+def detect(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_count: int | None = None,
+) -> ProcessGroup:
+    """Work out the process group from arguments, ``JAXDIST_*`` variables or the cluster.
+
+    Starts nothing and imports nothing from JAX; :func:`initialize` acts on the result.
+    """
+    if local_device_count is None:
+        local_device_count = _env_int(ENV_LOCAL_DEVICES)
+    if local_device_count is not None and local_device_count < 1:
+        raise DistributedInitError(f"local device count must be >= 1, got {local_device_count}")
+
+    explicit = (coordinator_address, num_processes, process_id)
+    if any(v is not None for v in explicit):
+        source = "arguments"
+    elif any(os.environ.get(name) for name in JAXDIST_ENV):
+        source = "jaxdist-env"
+        coordinator_address = os.environ.get(ENV_COORDINATOR) or None
+        num_processes = _env_int(ENV_NUM_PROCESSES)
+        process_id = _env_int(ENV_PROCESS_ID)
+    else:
+        cluster = _detect_cluster()
+        if cluster is None:
+            return ProcessGroup("none", local_device_count=local_device_count)
+        name, count = cluster
+        return ProcessGroup(name, num_processes=count, local_device_count=local_device_count)
+
+    missing = [
+        n
+        for n, v in zip(JAXDIST_ENV, (coordinator_address, num_processes, process_id), strict=True)
+        if v is None
+    ]
+    if missing:
+        raise DistributedInitError(
+            f"incomplete process group from {source}: coordinator_address={coordinator_address!r}, "
+            f"num_processes={num_processes!r}, process_id={process_id!r}; all three are needed "
+            f"(missing: {', '.join(missing)})"
+        )
+    assert num_processes is not None and process_id is not None and coordinator_address
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise DistributedInitError(
+            f"process_id must be in [0, num_processes): got process_id={process_id}, "
+            f"num_processes={num_processes}"
+        )
+    if ":" not in coordinator_address:
+        raise DistributedInitError(
+            f"coordinator address must be host:port, got {coordinator_address!r}"
+        )
+    return ProcessGroup(source, coordinator_address, num_processes, process_id, local_device_count)
+
+
+def _set_cpu_device_count(count: int) -> None:
+    """Force ``count`` CPU devices; JAX reads this once, when the CPU backend starts."""
+    import jax
+
+    # ``jax_num_cpu_devices`` wins over XLA_FLAGS' host-device count; keep both in step so a
+    # later reader of XLA_FLAGS (or a child process) sees the same number.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    local_device_count: int | None = None,
+    timeout_s: int | None = None,
+    heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S,
+    cpu_collectives: str = "gloo",
+) -> ProcessGroup:
+    """Join the multi-process run this process belongs to; a no-op for a single process.
+
+    Must run before anything starts a JAX backend (``jax.devices()``, a computation, ...).
+
+    Args:
+      coordinator_address: ``host:port`` of process 0 (it binds the port on all interfaces).
+      num_processes: processes in the run.
+      process_id: this process, in ``[0, num_processes)``.
+      local_device_count: force this many CPU devices in this process (and the CPU platform);
+        default ``$JAXDIST_LOCAL_DEVICES``, else the platform's own devices.
+      timeout_s: how long to wait for all processes to join, and for the CPU backend's
+        topology exchange; default ``$JAXDIST_TIMEOUT`` or 300.
+      heartbeat_timeout_s: a peer silent this long counts as dead, failing the survivors.
+      cpu_collectives: cross-process collectives on CPU (``"gloo"`` or ``"mpi"``).
+
+    Returns:
+      The :class:`ProcessGroup` joined (``source == "none"`` when single-process).
+
+    Raises:
+      DistributedInitError: incomplete configuration, a backend already started, or peers
+        that did not show up within the timeout.
+    """
+    import jax
+    from jax._src import distributed as jax_distributed
+    from jax._src import xla_bridge
+
+    group = detect(coordinator_address, num_processes, process_id, local_device_count)
+    if timeout_s is None:
+        timeout_s = _env_int(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S
+    if jax.distributed.is_initialized():
+        return group
+    if not group.is_multiprocess and group.local_device_count is None:
+        return group  # single process, nothing to configure: fine even after JAX started
+    if xla_bridge.backends_are_initialized():
+        raise DistributedInitError(
+            "jaxdist.distributed.initialize() must run before JAX starts a backend, but one is "
+            "already running (something called jax.devices() or ran a computation first)"
+        )
+    if group.local_device_count is not None:
+        _set_cpu_device_count(group.local_device_count)
+    if not group.is_multiprocess:
+        return group
+
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    # The CPU client exchanges device topologies through the coordinator when it starts; by
+    # default it waits minutes for a missing peer. Bound it by the same timeout.
+    minutes = max(1, math.ceil(timeout_s / 60))
+    jax.config.update("jax_cpu_get_local_topology_timeout_minutes", minutes)
+    jax.config.update("jax_cpu_get_global_topology_timeout_minutes", minutes)
+
+    who = (
+        f"process {group.process_id if group.process_id is not None else '?'} of "
+        f"{group.num_processes if group.num_processes is not None else '?'} "
+        f"(from {group.source})"
+    )
+    # When peers never show up, JAX's runtime aborts the process from C++ (a fatal
+    # DEADLINE_EXCEEDED) rather than raising, so say who waited on what just before that.
+    watchdog = threading.Timer(
+        max(timeout_s - 1.0, 0.9 * timeout_s),
+        lambda: print(
+            f"jaxdist: {who} has waited {timeout_s} s for all processes to join at coordinator "
+            f"{group.coordinator_address or '(auto)'} and gives up now (the JAX runtime aborts "
+            f"with DEADLINE_EXCEEDED). Check that every process started, got the same "
+            f"coordinator address and process count, and can reach the port.",
+            file=sys.stderr,
+            flush=True,
+        ),
+    )
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=group.coordinator_address,
+            num_processes=group.num_processes,
+            process_id=group.process_id,
+            initialization_timeout=int(timeout_s),
+            heartbeat_timeout_seconds=int(heartbeat_timeout_s),
+            shutdown_timeout_seconds=int(timeout_s),
+        )
+    except Exception as err:  # XlaRuntimeError, ValueError, ... all mean "could not join"
+        text = str(err)
+        timed_out = "DEADLINE_EXCEEDED" in text or "timed out" in text.lower()
+        what = (
+            f"timed out after {timeout_s} s waiting for all processes to join"
+            if timed_out
+            else "failed to join"
+        )
+        raise DistributedInitError(
+            f"jaxdist: {who} {what} at coordinator {group.coordinator_address or '(auto)'}: "
+            f"{text.strip().splitlines()[0] if text.strip() else type(err).__name__}. "
+            f"Check that process 0 is running, that every process got the same coordinator "
+            f"address and process count, and that the port is reachable."
+        ) from err
+    finally:
+        watchdog.cancel()
+    return ProcessGroup(
+        group.source,
+        group.coordinator_address or jax_distributed.global_state.coordinator_address,
+        # From the runtime's state, not jax.process_count(): that would start the backend.
+        jax_distributed.global_state.num_processes,
+        jax_distributed.global_state.process_id,
+        group.local_device_count,
+    )
+
+
+def shutdown() -> None:
+    """Leave the process group (no-op when single-process); waits for the peers to leave."""
+    import jax
+
+    if jax.distributed.is_initialized():
+        jax.distributed.shutdown()
