@@ -1,0 +1,178 @@
+"""``jaxdist data convert|inspect|bench|fake``: prepare, check and time the input pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    data = subparsers.add_parser("data", help="prepare, inspect and benchmark datasets")
+    # Single-process tools: never join a multi-process JAX run.
+    data.set_defaults(joins_process_group=False)
+    actions = data.add_subparsers(dest="data_action", metavar="ACTION")
+
+    convert = actions.add_parser(
+        "convert", help="pack a ROOT/{train,val}/<class>/*.JPEG folder into ArrayRecord shards"
+    )
+    convert.add_argument("--src", required=True, metavar="ROOT", help="folder dataset root")
+    convert.add_argument("--dst", required=True, metavar="OUT", help="output folder")
+    convert.add_argument("--shards", type=int, required=True, metavar="N", help="train shards")
+    convert.add_argument(
+        "--val-shards",
+        type=int,
+        default=None,
+        metavar="M",
+        help="shards for val (default: in proportion to its size)",
+    )
+    convert.add_argument(
+        "--verify",
+        action="store_true",
+        help="fully decode every image so corrupt files fail now, not in training",
+    )
+    convert.set_defaults(func=convert_dataset)
+
+    inspect = actions.add_parser(
+        "inspect", help="print images per split and class of a folder or ArrayRecord dataset"
+    )
+    inspect.add_argument("path", metavar="PATH", help="folder root or converted ArrayRecord folder")
+    inspect.set_defaults(func=inspect_dataset)
+
+    bench = actions.add_parser("bench", help="images/s of the training input pipeline")
+    bench.add_argument(
+        "--source",
+        default="synthetic",
+        choices=("folder", "arrayrecord", "synthetic", "digits", "mnist5k"),
+    )
+    bench.add_argument("--root", default=None, help="dataset folder (folder / arrayrecord)")
+    bench.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    bench.add_argument("--steps", type=int, default=20, help="timed batches (default 20)")
+    bench.add_argument("--warmup", type=int, default=2, help="untimed batches first (default 2)")
+    bench.add_argument("--image-size", type=int, default=224)
+    bench.add_argument("--dtype", default="float32", choices=("float32", "uint8"))
+    bench.add_argument("--workers", type=int, default=0, help="grain worker processes")
+    bench.add_argument("--threads", type=int, default=2, help="read threads per process/worker")
+    bench.set_defaults(func=bench_pipeline)
+
+    fake = actions.add_parser("fake", help="write a small ImageNet-format folder of JPEGs")
+    fake.add_argument("dst", metavar="ROOT")
+    fake.add_argument("--classes", type=int, default=10)
+    fake.add_argument("--train-per-class", type=int, default=20)
+    fake.add_argument("--val-per-class", type=int, default=5)
+    fake.add_argument("--min-size", type=int, default=200)
+    fake.add_argument("--max-size", type=int, default=500)
+    fake.add_argument("--seed", type=int, default=0)
+    fake.set_defaults(func=fake_dataset)
+
+
+def _fail(err: Exception) -> int:
+    print(f"jaxdist data: {err}", file=sys.stderr)
+    return 2
+
+
+def convert_dataset(args: argparse.Namespace) -> int:
+    from jaxdist.data.arrayrecord import convert_folder
+    from jaxdist.data.sources import DatasetError
+
+    def progress(split: str, done: int, total: int, seconds: float) -> None:
+        rate = done / seconds if seconds > 0 else 0.0
+        end = "\n" if done == total else "\r"
+        print(
+            f"  {split}: {done:,}/{total:,} images ({100 * done / total:5.1f}%), {rate:,.0f}/s",
+            end=end,
+            flush=True,
+        )
+
+    print(f"converting {args.src} -> {args.dst} ({args.shards} train shards)")
+    try:
+        meta = convert_folder(
+            args.src, args.dst, args.shards, args.val_shards, progress=progress, verify=args.verify
+        )
+    except (DatasetError, ValueError, OSError) as err:
+        return _fail(err)
+    for split, info in meta["splits"].items():
+        print(f"{split}: {info['num_records']:,} records in {len(info['shards'])} shard(s)")
+    print(f"wrote {Path(args.dst) / 'metadata.json'} ({len(meta['classes'])} classes)")
+    return 0
+
+
+def inspect_dataset(args: argparse.Namespace) -> int:
+    from jaxdist.data.arrayrecord import METADATA, ArrayRecordSource
+    from jaxdist.data.sources import DatasetError, ImageFolderSource
+
+    root = Path(args.path)
+    kind = "arrayrecord" if (root / METADATA).exists() else "folder"
+    try:
+        splits = {}
+        for split in ("train", "val"):
+            if kind == "folder" and split != "train" and not (root / split).is_dir():
+                continue
+            try:
+                if kind == "folder":
+                    source = ImageFolderSource(root, split)
+                    labels = source.labels.tolist()
+                else:
+                    source = ArrayRecordSource(root, split)
+                    labels = [source[i]["label"] for i in range(len(source))]
+            except DatasetError:
+                if split == "train":
+                    raise
+                continue
+            splits[split] = (source.classes, Counter(labels))
+    except DatasetError as err:
+        return _fail(err)
+    print(f"{root} ({kind})")
+    for split, (classes, counts) in splits.items():
+        total = sum(counts.values())
+        print(f"  {split}: {total:,} images, {len(counts)} of {len(classes)} classes")
+        for label, name in enumerate(classes):
+            print(f"    {name:<24s} {counts.get(label, 0):>8,d}")
+    return 0
+
+
+def bench_pipeline(args: argparse.Namespace) -> int:
+    from jaxdist.data.bench import measure
+    from jaxdist.data.config import DataConfig
+    from jaxdist.data.sources import DatasetError
+
+    try:
+        config = DataConfig(
+            source=args.source,
+            root=args.root,
+            image_size=args.image_size,
+            dtype=args.dtype,
+            worker_count=args.workers,
+            read_threads=args.threads,
+        )
+        rate = measure(config, args.batch, args.steps, args.warmup)
+    except (DatasetError, ValueError) as err:
+        return _fail(err)
+    print(
+        f"data bench: source={args.source} batch={args.batch} image={args.image_size} "
+        f"dtype={args.dtype} workers={args.workers} threads={args.threads}"
+    )
+    print(
+        f"  {rate.images_per_s:,.0f} images/s over {rate.batches} batches ({rate.seconds:.2f} s); "
+        f"first batch after {rate.first_batch_s:.2f} s"
+    )
+    return 0
+
+
+def fake_dataset(args: argparse.Namespace) -> int:
+    from jaxdist.data.fake import write_image_folder
+
+    root = write_image_folder(
+        args.dst,
+        args.classes,
+        args.train_per_class,
+        args.val_per_class,
+        (args.min_size, args.max_size),
+        args.seed,
+    )
+    print(
+        f"wrote {root}: {args.classes} classes x ({args.train_per_class} train + "
+        f"{args.val_per_class} val) JPEGs of {args.min_size}-{args.max_size} px"
+    )
+    return 0

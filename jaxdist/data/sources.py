@@ -1,0 +1,240 @@
+"""Random-access data sources: an ImageNet-style JPEG folder, synthetic images, in-memory arrays.
+
+A source is what grain calls a ``RandomAccessDataSource``: ``len(source)`` and
+``source[i] -> record``. Records come in two kinds, told apart by ``source.encoded``:
+
+* encoded: ``{"jpeg": bytes, "label": int, "name": str}`` -- ``name`` is the file the bytes came
+  from, so a decode error can say which file is broken;
+* decoded: ``{"image": uint8[H, W, C], "label": int}``.
+
+Sources know nothing about shuffling, sharding or batching; :mod:`jaxdist.data.pipeline` does
+that with grain. The ArrayRecord source lives in :mod:`jaxdist.data.arrayrecord`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+# ImageNet channel statistics in 0-255 units (the usual torchvision / flax values).
+IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+JPEG_SUFFIXES = (".jpeg", ".jpg")
+SPLITS = ("train", "val")
+
+
+def folder_layout(root: str | os.PathLike) -> str:
+    """The expected folder layout, for error messages."""
+    return f"expected {root}/train/<class>/*.JPEG and {root}/val/<class>/*.JPEG"
+
+
+class DatasetError(ValueError):
+    """A dataset is missing or malformed; the message names the path and the expected layout."""
+
+
+@runtime_checkable
+class ImageSource(Protocol):
+    """What the pipeline needs from a source."""
+
+    encoded: bool  # records hold JPEG bytes (True) or decoded uint8 images (False)
+    classes: tuple[str, ...]
+    mean: tuple[float, ...]  # per-channel, 0-255 units, used for normalisation
+    std: tuple[float, ...]
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+
+def list_image_folder(
+    root: str | os.PathLike, split: str, classes: Sequence[str] | None = None
+) -> tuple[tuple[str, ...], list[str], np.ndarray]:
+    """List ``ROOT/<split>/<class>/*.JPEG``.
+
+    Args:
+      root: dataset root.
+      split: ``"train"`` or ``"val"``.
+      classes: the label space; ``None`` means the sorted class folders of ``ROOT/train``, so
+        that train and val agree on label ids.
+
+    Returns:
+      ``(classes, files, labels)``: files are paths relative to ``root``, sorted by class then
+      file name; ``labels[i]`` is the class index of ``files[i]``.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise DatasetError(
+            f"dataset root {root} does not exist or is not a folder; {folder_layout(root)}"
+        )
+    if classes is None:
+        classes = _class_folders(root, "train")
+    split_dir = root / split
+    if not split_dir.is_dir():
+        raise DatasetError(f"no split folder {split_dir}; {folder_layout(root)}")
+    present = _class_folders(root, split) if split != "train" else tuple(classes)
+    unknown = sorted(set(present) - set(classes))
+    if unknown:
+        raise DatasetError(
+            f"{split_dir} has class folders that {root}/train lacks: {unknown[:5]}"
+            f"{' ...' if len(unknown) > 5 else ''}; every split must use the train classes"
+        )
+    files: list[str] = []
+    labels: list[int] = []
+    for label, name in enumerate(classes):
+        class_dir = split_dir / name
+        if not class_dir.is_dir():
+            continue  # a val split may lack a class; train folders were listed from disk
+        names = sorted(
+            e.name
+            for e in os.scandir(class_dir)
+            if e.is_file() and os.path.splitext(e.name)[1].lower() in JPEG_SUFFIXES
+        )
+        if not names:
+            raise DatasetError(
+                f"class folder {class_dir} has no JPEG files (*.JPEG, *.jpeg, *.jpg); "
+                f"{folder_layout(root)}"
+            )
+        files.extend(f"{split}/{name}/{n}" for n in names)
+        labels.extend([label] * len(names))
+    return tuple(classes), files, np.asarray(labels, dtype=np.int32)
+
+
+def _class_folders(root: Path, split: str) -> tuple[str, ...]:
+    split_dir = root / split
+    if not split_dir.is_dir():
+        raise DatasetError(f"no split folder {split_dir}; {folder_layout(root)}")
+    names = sorted(e.name for e in os.scandir(split_dir) if e.is_dir())
+    if not names:
+        raise DatasetError(
+            f"no class folders under {split_dir}; expected {split_dir}/<class>/*.JPEG"
+        )
+    return tuple(names)
+
+
+class ImageFolderSource:
+    """JPEG files laid out as ``ROOT/<split>/<class>/*.JPEG`` (classes = sorted folder names).
+
+    The listing happens once, at construction; records read the file on access, so the
+    source is cheap to pickle into grain worker processes.
+    """
+
+    encoded = True
+    mean = IMAGENET_MEAN
+    std = IMAGENET_STD
+
+    def __init__(
+        self, root: str | os.PathLike, split: str, classes: Sequence[str] | None = None
+    ) -> None:
+        self.root = Path(root)
+        self.split = split
+        self.classes, self.files, self.labels = list_image_folder(root, split, classes)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        path = self.root / self.files[index]
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise DatasetError(f"cannot read {path}: {err}") from err
+        return {"jpeg": data, "label": int(self.labels[index]), "name": str(path)}
+
+    def __repr__(self) -> str:
+        return f"ImageFolderSource({str(self.root)!r}, {self.split!r}, {len(self)} images, {len(self.classes)} classes)"
+
+
+class SyntheticSource:
+    """Random uint8 images and labels, a pure function of ``(seed, index)``.
+
+    For throughput runs: no files, no decode, so it measures the rest of the pipeline and the
+    train step. Images are generated on access, so a source of ImageNet's size costs nothing.
+    """
+
+    encoded = False
+    mean = IMAGENET_MEAN
+    std = IMAGENET_STD
+
+    def __init__(
+        self,
+        num_records: int,
+        image_shape: tuple[int, int, int] = (224, 224, 3),
+        num_classes: int = 1000,
+        seed: int = 0,
+    ) -> None:
+        if num_records < 1 or num_classes < 1 or len(image_shape) != 3 or min(image_shape) < 1:
+            raise ValueError(
+                f"synthetic source needs num_records >= 1, num_classes >= 1 and an (H, W, C) "
+                f"image_shape; got {num_records}, {num_classes}, {image_shape}"
+            )
+        self.num_records = num_records
+        self.image_shape = tuple(image_shape)
+        self.classes = tuple(str(i) for i in range(num_classes))
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.num_records
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        rng = np.random.default_rng((self.seed, int(index)))
+        image = rng.integers(0, 256, size=self.image_shape, dtype=np.uint8)
+        return {"image": image, "label": int(rng.integers(len(self.classes)))}
+
+    def __repr__(self) -> str:
+        return f"SyntheticSource({self.num_records}, {self.image_shape}, {len(self.classes)} classes, seed={self.seed})"
+
+
+class ArraySource:
+    """Decoded images held in memory: ``images`` uint8 ``[N, H, W, C]``, ``labels`` ``[N]``."""
+
+    encoded = False
+
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        classes: Sequence[str],
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+        name: str = "arrays",
+    ) -> None:
+        images = np.asarray(images)
+        labels = np.asarray(labels)
+        if images.dtype != np.uint8 or images.ndim != 4:
+            raise ValueError(
+                f"{name}: images must be uint8 [N, H, W, C], got {images.dtype} {images.shape}"
+            )
+        if labels.shape != (images.shape[0],):
+            raise ValueError(
+                f"{name}: labels must have shape ({images.shape[0]},), got {labels.shape}"
+            )
+        if len(images) == 0:
+            raise DatasetError(f"{name}: no images")
+        self.images = images
+        self.labels = labels.astype(np.int32)
+        self.classes = tuple(classes)
+        channels = images.shape[-1]
+        # Statistics of these very images unless given (e.g. a held-out split passes train's).
+        self.mean = (
+            tuple(mean)
+            if mean is not None
+            else tuple(images.reshape(-1, channels).mean(0).tolist())
+        )
+        self.std = (
+            tuple(std) if std is not None else tuple(images.reshape(-1, channels).std(0).tolist())
+        )
+        self.name = name
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return {"image": self.images[index], "label": int(self.labels[index])}
+
+    def __repr__(self) -> str:
+        return f"ArraySource({self.name!r}, {self.images.shape}, {len(self.classes)} classes)"
