@@ -28,7 +28,7 @@ def count_by_hand(block: str, stage_sizes, num_classes=1000, width=64, in_channe
     """Parameter count of a ResNet from its architecture alone, independent of flax.
 
     Every conv has no bias and is followed by a norm with 2 parameters per channel.
-    ResNet-50 worked through: stem 7·7·3·64 + 2·64 = 9,536; stage blocks sum to 23,398,784
+    ResNet-50 worked through: stem 7·7·3·64 + 2·64 = 9,536; stage blocks sum to 23,498,496
     (the first block of each stage carries a 1x1 projection shortcut); head 2048·1000 + 1000 =
     2,049,000; total 25,557,032, torchvision's count for v1.5 (v1 and v1.5 differ only in
     where the stride sits, not in shapes).
@@ -121,7 +121,9 @@ def test_zero_init_last_bn_scale(block, last_norm, zero_init):
     assert len(last) == 3, f"expected one last norm per block (3), found {sorted(last)}"
     expected = 0.0 if zero_init else 1.0
     for path, scale in last.items():
-        assert np.all(np.asarray(scale) == expected), f"{path}: expected all {expected}, found {scale}"
+        assert np.all(np.asarray(scale) == expected), (
+            f"{path}: expected all {expected}, found {scale}"
+        )
     assert others, "expected the other norms' scales too"
     for path, scale in others.items():
         assert np.all(np.asarray(scale) == 1.0), f"{path}: expected ones, found {scale}"
@@ -171,7 +173,9 @@ def test_small_stem_trains_on_28x28():
 
 
 def _tiny(norm=models.default_norm):
-    return ResNet(stage_sizes=(1, 1), block="basic", width=4, num_classes=3, stem="small", norm=norm)
+    return ResNet(
+        stage_sizes=(1, 1), block="basic", width=4, num_classes=3, stem="small", norm=norm
+    )
 
 
 def test_cross_replica_batchnorm_under_shard_map_matches_full_batch():

@@ -85,8 +85,16 @@ SCHEDULE_TABLE = [
     ),
     # cosine to a floor: midpoint is halfway between peak and end.
     (("cosine", 1.0, 2, 12, 0.2, 2.0, 0.0), [(7.0, 0.6), (12.0, 0.2)]),
-    # Goyal: warm-up from 0.1 to 3.2 over 5 epochs, then constant (before the step decays).
-    (("constant", 3.2, 5, 90, 0.0, 2.0, 0.1), [(0.0, 0.1), (2.5, 1.65), (5.0, 3.2), (89.0, 3.2)]),
+    # warm-up from 0.1 to 3.2 over 5 epochs, then constant
+    (
+        ("constant", 3.2, 5, 90, 0.0, 2.0, 0.1),
+        [(0.0, 0.1), (2.5, 1.65), (5.0, 3.2), (89.0, 3.2)],
+    ),
+    # Goyal's full schedule: warm-up from 0.1 to 3.2, then x0.1 at epochs 30, 60, 80.
+    (
+        ("step", 3.2, 5, 90, 0.0, 2.0, 0.1, (30, 60, 80)),
+        [(2.5, 1.65), (29.9, 3.2), (30.0, 0.32), (59.0, 0.32), (60.0, 0.032), (85.0, 0.0032)],
+    ),
     # no warm-up, fractional epochs
     (("poly", 1.0, 0, 4, 0.0, 1.0, 0.0), [(0.0, 1.0), (1.5, 0.625), (4.0, 0.0)]),
 ]
@@ -94,8 +102,10 @@ SCHEDULE_TABLE = [
 
 @pytest.mark.parametrize("args, points", SCHEDULE_TABLE)
 def test_lr_schedule_values(args, points):
-    kind, peak, warmup, total, end, power, init = args
-    schedule = optim.lr_schedule(kind, peak, warmup, total, end, power, init_lr=init)
+    kind, peak, warmup, total, end, power, init, *steps = args
+    schedule = optim.lr_schedule(
+        kind, peak, warmup, total, end, power, init_lr=init, step_epochs=steps[0] if steps else ()
+    )
     for epoch, expected in points:
         found = float(schedule(epoch))
         assert found == pytest.approx(expected, rel=1e-5, abs=1e-6), (
@@ -112,10 +122,14 @@ def test_lr_schedule_is_traceable_on_a_fractional_epoch():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"kind": "step"}, "kind must be one of"),
+        ({"kind": "exponential"}, "kind must be one of"),
         ({"warmup_epochs": 10}, "warmup_epochs < total_epochs"),
         ({"peak_lr": -1.0}, "peak_lr must be a finite non-negative"),
         ({"kind": "poly", "power": 0.0}, "positive power"),
+        ({"kind": "step"}, r"increasing step_epochs in \(warmup_epochs, total_epochs\]"),
+        ({"kind": "step", "step_epochs": (5, 3)}, "increasing step_epochs"),
+        ({"kind": "step", "step_epochs": (11,)}, "increasing step_epochs"),
+        ({"step_epochs": (5,)}, "only applies to kind='step'"),
     ],
 )
 def test_lr_schedule_rejects_bad_config(kwargs, message):
@@ -171,7 +185,9 @@ def test_lars_masks_bn_and_biases_to_plain_momentum_sgd():
         np.testing.assert_allclose(
             lars_params[path[0]][path[1]], unmasked[path[0]][path[1]], rtol=1e-6
         )
-        assert not np.allclose(lars_params[path[0]][path[1]], sgd_params[path[0]][path[1]], rtol=1e-3)
+        assert not np.allclose(
+            lars_params[path[0]][path[1]], sgd_params[path[0]][path[1]], rtol=1e-3
+        )
 
 
 def test_lars_kernel_update_is_trust_ratio_scaled():
@@ -191,7 +207,9 @@ def test_sgd_momentum_decays_kernels_only():
     tx = optim.sgd_momentum(lr, momentum=0.9, nesterov=False, weight_decay=wd)
     updates, _ = tx.update(grads, tx.init(params), params)
     np.testing.assert_allclose(
-        updates["head"]["kernel"], -lr * (grads["head"]["kernel"] + wd * params["head"]["kernel"]), rtol=1e-6
+        updates["head"]["kernel"],
+        -lr * (grads["head"]["kernel"] + wd * params["head"]["kernel"]),
+        rtol=1e-6,
     )
     np.testing.assert_allclose(updates["head"]["bias"], -lr * grads["head"]["bias"], rtol=1e-6)
     np.testing.assert_allclose(updates["norm"]["scale"], -lr * grads["norm"]["scale"], rtol=1e-6)
@@ -217,7 +235,9 @@ def test_learning_rate_is_set_per_step_inside_jit(name):
         updates, state = step(params, state, jnp.float32(epoch))
         assert float(optim.get_learning_rate(state)) == pytest.approx(lr)
         if name == "sgd":  # no momentum, no decay: the update is -lr * grad
-            np.testing.assert_allclose(updates["head"]["bias"], -lr * _grads(0)["head"]["bias"], rtol=1e-6)
+            np.testing.assert_allclose(
+                updates["head"]["bias"], -lr * _grads(0)["head"]["bias"], rtol=1e-6
+            )
     assert step._cache_size() == 1, "setting the learning rate retraced the step"
 
 
