@@ -8,8 +8,8 @@ os.environ["XLA_FLAGS"] = " ".join(
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,398 @@
+"""Mesh-aware data-parallel train and eval steps that research code imports.
+
+The five-line use::
+
+    step = jaxdist.train_step.TrainStep(loss_fn, optax.sgd(0.1, 0.9), mesh, allreduce="torus2d")
+    state = step.init(params, model_state)
+    for batch in batches:
+        state, metrics = step(state, step.shard_batch(batch), rng)
+
+``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`` sees one
+device's shard of the batch. Inside one ``jax.jit``-ed ``jax.shard_map`` program each device
+
+1. computes gradients on its shard (optionally summed over ``accumulation_steps`` micro-batches,
+   and of a scaled loss for float16),
+2. averages them across the data axes with the chosen :mod:`jaxdist.collectives` schedule, one
+   call per gradient bucket (:mod:`jaxdist.buckets`), buckets in backward order,
+3. applies the optax update -- or, with ``zero1=True``, reduce-scatters the gradients, updates
+   only its own 1/p slice of the parameters and optimizer state, and all-gathers the parameters.
+
+Model state (BatchNorm running statistics) and metrics are averaged over the data axes, so every
+device holds the same state after each step. The state argument is donated.
+
+The shard_map runs with ``check_vma=False``: the parameters are replicated (``P()``) on the way
+in and out, and in between each device must see *its own* gradient so that the chosen schedule,
+not autodiff's implicit psum, does the averaging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from jax import lax
+from jax.flatten_util import ravel_pytree
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import buckets as bucketing
+from jaxdist import collectives
+from jaxdist.loss_scale import DynamicLossScale, all_finite, select_tree
+
+LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, dict]]]
+EvalFn = Callable[[Any, Any, Any], dict]
+
+
+class TrainState(struct.PyTreeNode):
+    """Everything a step changes. A pytree: it is donated, sharded and checkpointed as one."""
+
+    step: jax.Array
+    params: Any
+    model_state: Any
+    opt_state: Any
+    loss_scale: DynamicLossScale | None = None
+
+
+def _data_axes(mesh: Mesh, data_axes) -> str | tuple[str, ...]:
+    axes = tuple(mesh.axis_names) if data_axes is None else data_axes
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    missing = [a for a in names if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"data axes {missing} are not axes of the mesh {tuple(mesh.axis_names)}")
+    return names[0] if len(names) == 1 else names
+
+
+class TrainStep:
+    """A jitted data-parallel train step on ``mesh``; see the module docstring.
+
+    Args:
+      loss_fn: ``(params, model_state, batch, rng) -> (loss, (model_state, metrics))`` on one
+        device's shard; ``metrics`` is a dict of scalars.
+      optimizer: any optax transformation (with ``zero1``: an element-wise one, see below).
+      mesh: the device mesh; ``data_axes`` (default: all its axes) split the batch.
+      allreduce: a name from :data:`jaxdist.collectives.ALGORITHMS`; ``allreduce_options`` go to
+        it (``transfer_dtype=jnp.bfloat16`` sends gradients in bf16, accumulating in float32).
+      bucket_bytes: gradient fusion threshold; ``None`` or 0: one bucket for all gradients.
+      accumulation_steps: micro-batches per device whose gradients are summed before one
+        allreduce; the per-device batch must divide by it.
+      zero1: shard optimizer state and the update across the data axes (ZeRO stage 1). The
+        optimizer then sees one flat float32 vector per device, so it must be element-wise
+        (SGD, momentum, Adam, ...): per-layer rules (LARS trust ratios, masks by ndim) need the
+        whole layer and are not supported with it.
+      loss_scale: a :class:`DynamicLossScale` for float16 training, or ``None``.
+      donate: donate the state buffers to the step.
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        optimizer: optax.GradientTransformation,
+        mesh: Mesh,
+        *,
+        data_axes: str | tuple[str, ...] | None = None,
+        allreduce: str = "native",
+        allreduce_options: Mapping[str, Any] | None = None,
+        bucket_bytes: int | None = bucketing.DEFAULT_BUCKET_BYTES,
+        accumulation_steps: int = 1,
+        zero1: bool = False,
+        loss_scale: DynamicLossScale | None = None,
+        donate: bool = True,
+    ):
+        if allreduce not in collectives.ALGORITHMS:
+            raise ValueError(
+                f"unknown allreduce {allreduce!r}; expected one of {collectives.ALGORITHMS}"
+            )
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.mesh = mesh
+        self.data_axes = _data_axes(mesh, data_axes)
+        if allreduce in collectives.TWO_LEVEL and not (
+            isinstance(self.data_axes, tuple) and len(self.data_axes) == 2
+        ):
+            raise ValueError(
+                f"allreduce {allreduce!r} needs two data axes (outer, inner), got {self.data_axes!r}"
+            )
+        self.allreduce = allreduce
+        self.allreduce_options = dict(allreduce_options or {})
+        self.bucket_bytes = bucket_bytes
+        self.accumulation_steps = accumulation_steps
+        self.zero1 = zero1
+        self.loss_scale = loss_scale
+        self.donate = donate
+        self.num_replicas = int(np.prod([mesh.shape[a] for a in np.atleast_1d(self.data_axes)]))
+        self.trace_count = 0  # how many times the step was traced (compiled); tests guard on it
+        self.buckets: list[list[int]] | None = None
+        self._compiled: Callable | None = None
+        self._zero_size: int | None = None
+
+    # ------------------------------------------------------------------ state and batches
+
+    def init(self, params: Any, model_state: Any = None) -> TrainState:
+        """The initial state, placed on the mesh (replicated; ZeRO-1 state sharded)."""
+        params = jax.tree.map(jnp.asarray, params)
+        model_state = {} if model_state is None else model_state
+        if self.zero1:
+            flat, _ = ravel_pytree(params)
+            if flat.dtype != jnp.float32:
+                raise TypeError(f"zero1 keeps a float32 master copy; parameters are {flat.dtype}")
+            self._zero_size = self.num_replicas * -(-flat.size // self.num_replicas)
+            opt_state = self.optimizer.init(jnp.zeros((self._zero_size,), jnp.float32))
+        else:
+            opt_state = self.optimizer.init(params)
+        state = TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            model_state=model_state,
+            opt_state=opt_state,
+            loss_scale=self.loss_scale,
+        )
+        shardings = jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec), self.state_specs(state)
+        )
+        return jax.device_put(state, shardings)
+
+    def state_specs(self, state: TrainState) -> TrainState:
+        """PartitionSpecs of the state: replicated, except ZeRO-1's optimizer-state slices."""
+
+        def opt_spec(leaf):
+            if self.zero1 and leaf.shape == (self._zero_size,):
+                return P(self.data_axes)
+            return P()
+
+        return TrainState(
+            step=P(),
+            params=jax.tree.map(lambda _: P(), state.params),
+            model_state=jax.tree.map(lambda _: P(), state.model_state),
+            opt_state=jax.tree.map(opt_spec, state.opt_state),
+            loss_scale=jax.tree.map(lambda _: P(), state.loss_scale),
+        )
+
+    def shard_batch(self, batch: Any) -> Any:
+        """Place a batch on the mesh, split along its leading axis over the data axes.
+
+        Each process passes its own part of the global batch (all of it on one process)."""
+        sharding = NamedSharding(self.mesh, P(self.data_axes))
+        local_replicas = self.num_replicas // jax.process_count()
+
+        def place(x):
+            x = np.asarray(x)
+            if x.ndim == 0 or x.shape[0] % local_replicas:
+                raise ValueError(
+                    f"batch leading axis {x.shape[:1]} must divide evenly over the "
+                    f"{local_replicas} local data-parallel device(s) of this process"
+                )
+            return jax.make_array_from_process_local_data(sharding, x)
+
+        return jax.tree.map(place, batch)
+
+    # ------------------------------------------------------------------ the step
+
+    def __call__(self, state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
+        if self._compiled is None:
+            self._compiled = self._build(state)
+        return self._compiled(state, batch, rng)
+
+    def _build(self, state: TrainState) -> Callable:
+        specs = self.state_specs(state)
+        sharded = jax.shard_map(
+            self._body,
+            mesh=self.mesh,
+            in_specs=(specs, P(self.data_axes), P()),
+            out_specs=(specs, P()),
+            check_vma=False,
+        )
+        return jax.jit(sharded, donate_argnums=(0,) if self.donate else ())
+
+    def _body(self, state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
+        self.trace_count += 1
+        axes = self.data_axes
+        rng = jax.random.fold_in(rng, lax.axis_index(axes))
+        scale = None if state.loss_scale is None else state.loss_scale.scale
+        grads, model_state, loss, metrics = self._local_gradients(
+            state.params, state.model_state, batch, rng, scale
+        )
+        # Every device leaves the step with the same model state and metrics.
+        model_state, loss, metrics = lax.pmean((model_state, loss, metrics), axes)
+
+        if self.zero1:
+            params, opt_state, finite = self._zero1_update(state, grads)
+        else:
+            if self.buckets is None:
+                self.buckets = self._plan_buckets(state, batch, rng)
+            grads = bucketing.bucketed_allreduce(
+                grads, axes, self.buckets, self.allreduce, op="mean", **self.allreduce_options
+            )
+            if state.loss_scale is not None:
+                grads = state.loss_scale.unscale(grads)
+            finite = all_finite(grads)  # same on every device: the reduced gradients are
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+
+        new_state = state.replace(
+            step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
+        )
+        metrics = {**metrics, "loss": loss}
+        if state.loss_scale is not None:
+            # A step with inf/NaN gradients changes nothing but the (lowered) loss scale.
+            new_state = select_tree(finite, new_state, state.replace(step=state.step + 1))
+            new_state = new_state.replace(loss_scale=state.loss_scale.update(finite))
+            metrics = {**metrics, "loss_scale": state.loss_scale.scale, "grads_finite": finite}
+        return new_state, metrics
+
+    def _local_gradients(self, params, model_state, batch, rng, scale):
+        """Gradients of this device's shard, summed over micro-batches when accumulating."""
+
+        def grad_of(micro_batch, model_state, rng):
+            def objective(params):
+                loss, (new_model_state, metrics) = self.loss_fn(
+                    params, model_state, micro_batch, rng
+                )
+                scaled = loss if scale is None else loss * scale.astype(loss.dtype)
+                return scaled, (loss, new_model_state, metrics)
+
+            grads, (loss, new_model_state, metrics) = jax.grad(objective, has_aux=True)(params)
+            return grads, new_model_state, loss, metrics
+
+        k = self.accumulation_steps
+        if k == 1:
+            return grad_of(batch, model_state, rng)
+        local = jax.tree.leaves(batch)[0].shape[0]
+        if local % k:
+            raise ValueError(
+                f"per-device batch of {local} does not split into accumulation_steps={k} micro-batches"
+            )
+        micro_batches = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+        def accumulate(carry, xs):
+            grads_sum, model_state, loss_sum, metrics_sum = carry
+            micro_batch, index = xs
+            grads, model_state, loss, metrics = grad_of(
+                micro_batch, model_state, jax.random.fold_in(rng, index)
+            )
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
+            return (
+                add(grads_sum, grads),
+                model_state,
+                loss_sum + loss,
+                add(metrics_sum, metrics),
+            ), None
+
+        first = jax.tree.map(lambda x: x[0], micro_batches)
+        shapes = jax.eval_shape(grad_of, first, model_state, rng)
+        zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
+        carry = (zeros(shapes[0]), model_state, zeros(shapes[2]), zeros(shapes[3]))
+        (grads, model_state, loss, metrics), _ = lax.scan(
+            accumulate, carry, (micro_batches, jnp.arange(k))
+        )
+        mean = lambda tree: jax.tree.map(lambda x: x / k, tree)  # noqa: E731
+        return mean(grads), model_state, loss / k, mean(metrics)
+
+    def _plan_buckets(self, state, batch, rng) -> list[list[int]]:
+        """Gradient buckets in backward order (traced once, abstractly, at the first step)."""
+        axes = (self.data_axes,) if isinstance(self.data_axes, str) else self.data_axes
+        axis_env = [(a, self.mesh.shape[a]) for a in axes]
+        abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+        order = bucketing.backward_order(
+            lambda p, ms, b, r: self.loss_fn(p, ms, b, r)[0],
+            abstract(state.params),
+            *abstract((state.model_state, batch, rng)),
+            axis_env=axis_env,
+        )
+        return bucketing.plan_buckets(bucketing.leaf_bytes(state.params), order, self.bucket_bytes)
+
+    def _zero1_update(self, state: TrainState, grads: Any):
+        """ZeRO-1: reduce-scatter gradients, update this device's slice, all-gather params."""
+        axes = self.data_axes
+        flat_grads, _ = ravel_pytree(grads)
+        flat_params, unravel = ravel_pytree(state.params)
+        opts = {
+            k: v
+            for k, v in self.allreduce_options.items()
+            if k in ("transfer_dtype", "unroll_limit")
+        }
+        grad_slice = collectives.reduce_scatter(flat_grads, axes, **opts) / self.num_replicas
+        if state.loss_scale is not None:
+            grad_slice = grad_slice / state.loss_scale.scale
+        # Each device checks only its slice; the step is skipped everywhere if any slice is bad.
+        finite = lax.pmin(all_finite(grad_slice).astype(jnp.int32), axes) > 0
+        slice_size = self._zero_size // self.num_replicas
+        padded = jnp.pad(flat_params, (0, self._zero_size - flat_params.size))
+        param_slice = lax.dynamic_slice_in_dim(
+            padded, lax.axis_index(axes) * slice_size, slice_size
+        )
+        updates, opt_state = self.optimizer.update(grad_slice, state.opt_state, param_slice)
+        new_slice = optax.apply_updates(param_slice, updates)
+        new_flat = collectives.all_gather(new_slice, axes, **opts)[: flat_params.size]
+        return unravel(new_flat), opt_state, finite
+
+
+class EvalStep:
+    """A jitted eval step on the same mesh: ``eval_fn(params, model_state, batch)`` returns a
+    dict of per-device *sums* (e.g. correct predictions, example count); the step returns their
+    totals over the data axes."""
+
+    def __init__(
+        self, eval_fn: EvalFn, mesh: Mesh, *, data_axes: str | tuple[str, ...] | None = None
+    ):
+        self.mesh = mesh
+        self.data_axes = _data_axes(mesh, data_axes)
+
+        def body(params, model_state, batch):
+            return lax.psum(eval_fn(params, model_state, batch), self.data_axes)
+
+        self._step = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P(), P(), P(self.data_axes)),
+                out_specs=P(),
+                check_vma=False,
+            )
+        )
+
+    def __call__(self, state: TrainState, batch: Any) -> dict:
+        return self._step(state.params, state.model_state, batch)
+
+
+# --------------------------------------------------------------------------- flax classifiers
+
+
+def classifier_loss(model, *, num_classes: int, label_smoothing: float = 0.0) -> LossFn:
+    """``loss_fn`` for a flax linen classifier taking ``(images, train=...)`` with BatchNorm
+    state in the ``batch_stats`` collection; batches are ``{"image", "label"}`` dicts."""
+    from jaxdist.optim import smoothed_cross_entropy
+
+    def loss_fn(params, model_state, batch, rng):
+        variables = {"params": params, **model_state}
+        logits, new_state = model.apply(
+            variables, batch["image"], train=True, mutable=list(model_state), rngs={"dropout": rng}
+        )
+        loss = smoothed_cross_entropy(logits, batch["label"], num_classes, label_smoothing).mean()
+        accuracy = (jnp.argmax(logits, -1) == batch["label"]).mean()
+        return loss, (new_state, {"accuracy": accuracy})
+
+    return loss_fn
+
+
+def classifier_eval(model) -> EvalFn:
+    """``eval_fn`` counting top-1 and top-5 hits; a ``mask`` in the batch drops padding."""
+
+    def eval_fn(params, model_state, batch):
+        logits = model.apply({"params": params, **model_state}, batch["image"], train=False)
+        labels = batch["label"]
+        mask = batch.get("mask", jnp.ones(labels.shape, bool)).astype(jnp.float32)
+        top5 = jnp.argsort(logits, -1)[..., -5:]
+        return {
+            "top1": jnp.sum((top5[..., -1] == labels) * mask),
+            "top5": jnp.sum(jnp.any(top5 == labels[..., None], -1) * mask),
+            "count": jnp.sum(mask),
+        }
+
+    return eval_fn

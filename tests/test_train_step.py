@@ -1,0 +1,335 @@
+"""Data-parallel train steps against plain single-device training."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxdist import buckets, collectives, meshes
+from jaxdist import train_step as ts
+from jaxdist.batchnorm import CrossReplicaBatchNorm, replica_mean
+from jaxdist.loss_scale import DynamicLossScale
+
+NUM_CLASSES = 4
+STEPS = 3
+
+
+class Net(nn.Module):
+    """Dense -> (cross-replica) BatchNorm -> relu -> Dense -> relu -> Dense."""
+
+    norm_axis: object = None
+    group_size: int | None = None
+    use_norm: bool = True
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        x = nn.Dense(16)(x)
+        if self.use_norm:
+            x = CrossReplicaBatchNorm(
+                use_running_average=not train, axis_name=self.norm_axis, group_size=self.group_size
+            )(x)
+        x = nn.relu(x)
+        x = nn.relu(nn.Dense(12)(x))
+        return nn.Dense(NUM_CLASSES)(x)
+
+
+def data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "image": rng.standard_normal((n, 10)).astype(np.float32),
+        "label": rng.integers(0, NUM_CLASSES, n).astype(np.int32),
+    }
+
+
+def init_variables(use_norm=True):
+    variables = Net(use_norm=use_norm).init(
+        jax.random.key(0), np.zeros((2, 10), np.float32), train=False
+    )
+    return variables["params"], {k: v for k, v in variables.items() if k != "params"}
+
+
+def reference_training(optimizer, batches, use_norm=True):
+    """Plain single-device training on the full batch: the result every variant must match."""
+    params, model_state = init_variables(use_norm)
+    model = Net(use_norm=use_norm)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def step(params, model_state, opt_state, batch):
+        def loss(params):
+            logits, new_state = model.apply(
+                {"params": params, **model_state},
+                batch["image"],
+                train=True,
+                mutable=list(model_state),
+            )
+            targets = jax.nn.one_hot(batch["label"], NUM_CLASSES)
+            return optax.softmax_cross_entropy(logits, targets).mean(), new_state
+
+        grads, new_state = jax.grad(loss, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_state, opt_state
+
+    for batch in batches:
+        params, model_state, opt_state = step(params, model_state, opt_state, batch)
+    return params, model_state
+
+
+def distributed_training(mesh, axes, optimizer, batches, use_norm=True, group_size=None, **options):
+    params, model_state = init_variables(use_norm)
+    model = Net(norm_axis=axes, group_size=group_size, use_norm=use_norm)
+    step = ts.TrainStep(
+        ts.classifier_loss(model, num_classes=NUM_CLASSES), optimizer, mesh, **options
+    )
+    state = step.init(params, model_state)
+    for batch in batches:
+        state, metrics = step(state, step.shard_batch(batch), jax.random.key(1))
+    return state, metrics, step
+
+
+def assert_trees_close(actual, expected, atol):
+    for path, a, e in zip(
+        jax.tree_util.tree_flatten_with_path(actual)[0],
+        jax.tree.leaves(actual),
+        jax.tree.leaves(expected),
+    ):
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(e), rtol=0, atol=atol, err_msg=str(path[0])
+        )
+
+
+MESHES = {
+    "ring-8": (lambda: meshes.ring(8), "x"),
+    "torus-4x2": (lambda: meshes.torus2d(4, 2), ("y", "x")),
+    "hierarchical-2x4": (lambda: meshes.hierarchical(2, 4), ("host", "local")),
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    batches = [data(seed=s) for s in range(STEPS)]
+    return batches, reference_training(optax.sgd(0.1, momentum=0.9), batches)
+
+
+@pytest.mark.parametrize("algorithm", collectives.ALGORITHMS)
+@pytest.mark.parametrize("bucket_bytes", [None, 512])
+def test_every_allreduce_matches_single_device_training(reference, algorithm, bucket_bytes):
+    batches, (params, model_state) = reference
+    mesh_name = "torus-4x2" if algorithm in collectives.TWO_LEVEL else "ring-8"
+    make_mesh, axes = MESHES[mesh_name]
+    state, metrics, step = distributed_training(
+        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches,
+        allreduce=algorithm, bucket_bytes=bucket_bytes,
+    )  # fmt: skip
+    assert_trees_close(state.params, params, atol=2e-6)
+    assert_trees_close(state.model_state, model_state, atol=2e-6)
+    assert int(state.step) == STEPS and np.isfinite(float(metrics["loss"]))
+    expected_buckets = 1 if bucket_bytes is None else 2
+    assert len(step.buckets) >= expected_buckets
+
+
+@pytest.mark.parametrize("mesh_name", ["hierarchical-2x4"])
+def test_hierarchical_mesh(reference, mesh_name):
+    batches, (params, _) = reference
+    make_mesh, axes = MESHES[mesh_name]
+    state, _, _ = distributed_training(
+        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, allreduce="hierarchical"
+    )
+    assert_trees_close(state.params, params, atol=2e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["native", "ring", "torus2d"])
+def test_gradient_accumulation_matches_the_full_batch(algorithm):
+    # Without BatchNorm, micro-batches do not change the maths, only the memory.
+    batches = [data(seed=s) for s in range(STEPS)]
+    params, _ = reference_training(optax.sgd(0.1, momentum=0.9), batches, use_norm=False)
+    make_mesh, axes = MESHES["torus-4x2"]
+    state, _, _ = distributed_training(
+        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, use_norm=False,
+        allreduce=algorithm, accumulation_steps=4, bucket_bytes=512,
+    )  # fmt: skip
+    assert_trees_close(state.params, params, atol=2e-6)
+
+
+# Adam runs without BatchNorm: a bias feeding a BatchNorm has an exactly-zero gradient, which
+# Adam's g / sqrt(v) turns into rounding noise of size lr, on one device as on eight.
+@pytest.mark.parametrize(
+    ("optimizer", "use_norm"), [(optax.sgd(0.1, momentum=0.9), True), (optax.adam(1e-2), False)]
+)
+@pytest.mark.parametrize("mesh_name", ["ring-8", "torus-4x2"])
+def test_zero1_matches_single_device_training(mesh_name, optimizer, use_norm):
+    batches = [data(seed=s) for s in range(STEPS)]
+    params, model_state = reference_training(optimizer, batches, use_norm=use_norm)
+    make_mesh, axes = MESHES[mesh_name]
+    state, _, _step = distributed_training(
+        make_mesh(), axes, optimizer, batches, use_norm=use_norm, zero1=True
+    )
+    assert_trees_close(state.params, params, atol=3e-6)
+    assert_trees_close(state.model_state, model_state, atol=2e-6)
+    # Optimizer state is really sharded: each device holds 1/8 of the momentum.
+    momentum = next(leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim == 1)
+    assert momentum.addressable_shards[0].data.shape[0] == momentum.shape[0] // 8
+
+
+def test_compiles_once_per_batch_shape():
+    make_mesh, axes = MESHES["ring-8"]
+    params, model_state = init_variables()
+    model = Net(norm_axis=axes)
+    step = ts.TrainStep(
+        ts.classifier_loss(model, num_classes=NUM_CLASSES), optax.sgd(0.1), make_mesh()
+    )
+    state = step.init(params, model_state)
+    for seed in range(4):
+        state, _ = step(state, step.shard_batch(data(seed=seed)), jax.random.key(seed))
+    assert step.trace_count == 1
+    state, _ = step(state, step.shard_batch(data(n=128)), jax.random.key(0))
+    assert step.trace_count == 2
+
+
+def test_float16_loss_scaling_skips_inf_steps_and_converges():
+    make_mesh, _axes = MESHES["ring-8"]
+    mesh = make_mesh()
+    params, model_state = init_variables(use_norm=False)
+    model = Net(use_norm=False)
+    inner = ts.classifier_loss(model, num_classes=NUM_CLASSES)
+
+    def loss_fn(params, model_state, batch, rng):
+        half = jax.tree.map(lambda p: p.astype(jnp.float16), params)  # float16 compute
+        loss, aux = inner(
+            half, model_state, {**batch, "image": batch["image"].astype(jnp.float16)}, rng
+        )
+        # An injected overflow: a batch flagged "poison" makes every gradient inf.
+        return loss.astype(jnp.float32) * jnp.where(batch["poison"][0], jnp.inf, 1.0), aux
+
+    scale = DynamicLossScale.create(initial_scale=2.0**10, period=3)
+    step = ts.TrainStep(
+        loss_fn, optax.sgd(0.3, momentum=0.9), mesh, allreduce="ring", loss_scale=scale
+    )
+    state = step.init(params, model_state)
+    batch = data()
+
+    def run(state, poison):
+        flagged = {**batch, "poison": np.full((64,), poison)}
+        return step(state, step.shard_batch(flagged), jax.random.key(0))
+
+    state, metrics = run(state, poison=False)
+    before = jax.device_get(state.params)  # the step donates its input state
+    state, metrics = run(state, poison=True)
+    assert not bool(metrics["grads_finite"])
+    assert float(state.loss_scale.scale) == 2.0**9, "an overflow halves the scale"
+    assert_trees_close(state.params, before, atol=0)
+    assert int(state.step) == 2
+    losses = []
+    for _ in range(12):
+        state, metrics = run(state, poison=False)
+        losses.append(float(metrics["loss"]))
+    assert float(state.loss_scale.scale) == 2.0**10 * 2**3, "3 good periods of 3 steps regrow it"
+    assert losses[-1] < 0.8 * losses[0], f"float16 training did not converge: {losses}"
+
+
+def test_bf16_transfer_stays_close_to_float32(reference):
+    batches, (params, _) = reference
+    make_mesh, axes = MESHES["torus-4x2"]
+    state, _, _ = distributed_training(
+        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, allreduce="torus2d",
+        allreduce_options={"transfer_dtype": jnp.bfloat16},
+    )  # fmt: skip
+    # bf16 messages round gradients to 8 bits; three steps move weights by ~1e-3 at most.
+    assert_trees_close(state.params, params, atol=2e-3)
+
+
+def test_batchnorm_groups_and_consistent_running_statistics():
+    make_mesh, axes = MESHES["ring-8"]
+    batches = [data()]  # one step: both runs start from the same weights
+    state, _, _ = distributed_training(make_mesh(), axes, optax.sgd(0.1), batches, group_size=2)
+    whole, _, _ = distributed_training(make_mesh(), axes, optax.sgd(0.1), batches)
+    stats = state.model_state["batch_stats"]["CrossReplicaBatchNorm_0"]["mean"]
+    whole_stats = whole.model_state["batch_stats"]["CrossReplicaBatchNorm_0"]["mean"]
+    shards = [np.asarray(s.data) for s in stats.addressable_shards]
+    for shard in shards[1:]:
+        np.testing.assert_array_equal(shard, shards[0])  # every device holds the same statistics
+    # Running means are linear in the batch means, so groups average to the whole-axis value.
+    np.testing.assert_allclose(np.asarray(stats), np.asarray(whole_stats), atol=1e-6)
+    assert not np.allclose(
+        np.asarray(state.params["Dense_0"]["kernel"]), np.asarray(whole.params["Dense_0"]["kernel"])
+    ), "group statistics normalise differently, so the weights must differ"
+
+
+@pytest.mark.parametrize("group_size", [None, 1, 2, 4])
+def test_replica_mean_groups(group_size):
+    mesh = meshes.ring(8)
+    values = np.arange(8, dtype=np.float32)[:, None] * np.ones((8, 3), np.float32)
+    sharded = jax.device_put(values, jax.sharding.NamedSharding(mesh, jax.P("x")))
+    out = jax.jit(
+        jax.shard_map(
+            lambda v: replica_mean(v, "x", group_size),
+            mesh=mesh,
+            in_specs=jax.P("x"),
+            out_specs=jax.P("x"),
+        )
+    )(sharded)
+    k = group_size or 8
+    expected = np.repeat(values.reshape(8 // k, k, 3).mean(1), k, axis=0)
+    np.testing.assert_allclose(np.asarray(out), expected)
+
+
+def test_eval_step_counts_like_a_single_device():
+    make_mesh, axes = MESHES["torus-4x2"]
+    mesh = make_mesh()
+    params, model_state = init_variables()
+    step = ts.TrainStep(
+        ts.classifier_loss(Net(norm_axis=axes), num_classes=NUM_CLASSES), optax.sgd(0.1), mesh
+    )
+    state = step.init(params, model_state)
+    state, _ = step(state, step.shard_batch(data()), jax.random.key(0))
+    batch = data(seed=7)
+    batch["mask"] = np.arange(64) < 60  # the last 4 examples are padding
+    totals = ts.EvalStep(ts.classifier_eval(Net(norm_axis=axes)), mesh)(
+        state, step.shard_batch(batch)
+    )
+    logits = Net().apply(
+        {"params": jax.device_get(state.params), **jax.device_get(state.model_state)},
+        batch["image"],
+        train=False,
+    )
+    hits = (np.argmax(logits, -1) == batch["label"])[:60]
+    assert float(totals["count"]) == 60
+    assert float(totals["top1"]) == hits.sum()
+    assert float(totals["top5"]) == 60  # 4 classes: the true one is always in the top 5
+
+
+def test_bucket_planning_follows_backward_order():
+    params, _model_state = init_variables(use_norm=False)
+    model = Net(use_norm=False)
+
+    def loss(p, x):
+        return model.apply({"params": p}, x).sum()
+
+    order = buckets.backward_order(loss, params, np.zeros((2, 10), np.float32))
+    names = [
+        jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
+    ordered = [names[k] for k in order]
+    assert [n.split("'")[1] for n in ordered[::2]] == ["Dense_2", "Dense_1", "Dense_0"]
+    sizes = buckets.leaf_bytes(params)
+    plan = buckets.plan_buckets(sizes, order, bucket_bytes=1)
+    assert plan == [[k] for k in order]
+    assert buckets.plan_buckets(sizes, order, None) == [order]
+    with pytest.raises(ValueError, match="permutation"):
+        buckets.plan_buckets(sizes, [0, 0], 10)
+
+
+def test_clear_errors():
+    mesh = meshes.ring(8)
+    loss = ts.classifier_loss(Net(), num_classes=NUM_CLASSES)
+    with pytest.raises(ValueError, match="unknown allreduce 'rign'"):
+        ts.TrainStep(loss, optax.sgd(0.1), mesh, allreduce="rign")
+    with pytest.raises(ValueError, match=r"data axes \['data'\] are not axes of the mesh"):
+        ts.TrainStep(loss, optax.sgd(0.1), mesh, data_axes="data")
+    with pytest.raises(ValueError, match="needs two data axes"):
+        ts.TrainStep(loss, optax.sgd(0.1), mesh, allreduce="torus2d")
+    step = ts.TrainStep(loss, optax.sgd(0.1), mesh)
+    with pytest.raises(ValueError, match="must divide evenly over the 8 local"):
+        step.shard_batch(data(n=12))
