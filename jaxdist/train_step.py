@@ -44,6 +44,10 @@ from jaxdist import buckets as bucketing
 from jaxdist import collectives
 from jaxdist.loss_scale import DynamicLossScale, all_finite, select_tree
 
+# Measurement only: skip the gradient allreduce, so each device trains on its own shard. The
+# train-step benchmark times this to split a step into compute and communication.
+NO_ALLREDUCE = "none"
+
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, dict]]]
 EvalFn = Callable[[Any, Any, Any], dict]
 
@@ -75,8 +79,8 @@ class TrainStep:
         device's shard; ``metrics`` is a dict of scalars.
       optimizer: any optax transformation (with ``zero1``: an element-wise one, see below).
       mesh: the device mesh; ``data_axes`` (default: all its axes) split the batch.
-      allreduce: a name from :data:`jaxdist.collectives.ALGORITHMS`; ``allreduce_options`` go to
-        it (``transfer_dtype=jnp.bfloat16`` sends gradients in bf16, accumulating in float32).
+      allreduce: a name from :data:`jaxdist.collectives.ALGORITHMS` (or :data:`NO_ALLREDUCE`,
+        for measurements only); ``allreduce_options`` go to it (``transfer_dtype=jnp.bfloat16`` sends gradients in bf16, accumulating in float32).
       bucket_bytes: gradient fusion threshold; ``None`` or 0: one bucket for all gradients.
       accumulation_steps: micro-batches per device whose gradients are summed before one
         allreduce; the per-device batch must divide by it.
@@ -103,7 +107,7 @@ class TrainStep:
         loss_scale: DynamicLossScale | None = None,
         donate: bool = True,
     ):
-        if allreduce not in collectives.ALGORITHMS:
+        if allreduce not in (*collectives.ALGORITHMS, NO_ALLREDUCE):
             raise ValueError(
                 f"unknown allreduce {allreduce!r}; expected one of {collectives.ALGORITHMS}"
             )
@@ -156,7 +160,9 @@ class TrainStep:
         shardings = jax.tree.map(
             lambda spec: NamedSharding(self.mesh, spec), self.state_specs(state)
         )
-        return jax.device_put(state, shardings)
+        # device_put may alias the caller's buffers on devices they already live on; the step
+        # donates its state, so it gets buffers of its own.
+        return jax.tree.map(jnp.copy, jax.device_put(state, shardings))
 
     def state_specs(self, state: TrainState) -> TrainState:
         """PartitionSpecs of the state: replicated, except ZeRO-1's optimizer-state slices."""
@@ -226,9 +232,10 @@ class TrainStep:
         else:
             if self.buckets is None:
                 self.buckets = self._plan_buckets(state, batch, rng)
-            grads = bucketing.bucketed_allreduce(
-                grads, axes, self.buckets, self.allreduce, op="mean", **self.allreduce_options
-            )
+            if self.allreduce != NO_ALLREDUCE:
+                grads = bucketing.bucketed_allreduce(
+                    grads, axes, self.buckets, self.allreduce, op="mean", **self.allreduce_options
+                )
             if state.loss_scale is not None:
                 grads = state.loss_scale.unscale(grads)
             finite = all_finite(grads)  # same on every device: the reduced gradients are

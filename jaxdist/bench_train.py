@@ -1,0 +1,199 @@
+"""Train-step benchmark: jaxdist's data-parallel step against the step a user would write.
+
+The baseline is the plain data-parallel step of the flax examples, written with ``shard_map``:
+``jax.grad`` on each device's shard, ``lax.pmean`` of the gradients, the optax update. Every
+variant trains the same small ResNet with cross-replica BatchNorm on the same batches and mesh.
+
+Each variant also runs with its gradient communication removed (the baseline without its
+pmean, jaxdist with ``allreduce="none"``); the difference is the time the allreduce adds to a
+step -- Poseidon's compute / communication split. Variants are timed in interleaved rounds so
+that load from other processes on a shared machine hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import models
+from jaxdist import train_step as ts
+
+
+@dataclass
+class Measurement:
+    variant: str
+    step_seconds: float  # median
+    images_per_second: float
+    vs_baseline: float  # images/s over the baseline's
+    compute_seconds: float  # median step time without gradient communication
+    communication_seconds: float  # step_seconds - compute_seconds
+
+
+def small_resnet(axes, width: int, num_classes: int) -> nn.Module:
+    """ResNet-18 with the small (CIFAR-sized) stem and cross-replica BatchNorm over ``axes``."""
+    norm = models.default_norm
+    return models.resnet18(
+        stem="small",
+        width=width,
+        num_classes=num_classes,
+        norm=lambda **kw: norm(axis_name=axes, **kw),
+    )
+
+
+def baseline_step(model: nn.Module, optimizer, mesh: Mesh, axes, communicate: bool) -> Callable:
+    """The hand-written data-parallel step (flax-example style, on shard_map)."""
+
+    def body(params, batch_stats, opt_state, batch):
+        def loss_fn(params):
+            logits, new_state = model.apply(
+                {"params": params, "batch_stats": batch_stats},
+                batch["image"],
+                train=True,
+                mutable=["batch_stats"],
+            )
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+            return loss, new_state["batch_stats"]
+
+        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        if communicate:
+            grads = lax.pmean(grads, axes)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, lax.pmean(batch_stats, axes), opt_state, lax.pmean(loss, axes)
+
+    sharded = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(), P(), P(), P(axes)),
+        out_specs=(P(), P(), P(), P()),
+        check_vma=False,
+    )
+    return jax.jit(sharded, donate_argnums=(0, 1, 2))
+
+
+def run(
+    mesh: Mesh,
+    algorithms: Sequence[str] = ("native", "ring", "torus2d"),
+    *,
+    per_device_batch: int = 16,
+    image_size: int = 32,
+    width: int = 16,
+    num_classes: int = 10,
+    steps: int = 3,
+    rounds: int = 5,
+    bucket_bytes: int | None = ts.bucketing.DEFAULT_BUCKET_BYTES,
+    progress: Callable[[str], None] | None = None,
+) -> list[Measurement]:
+    """Images/s of each variant; the baseline is the first row."""
+    say = progress or (lambda _msg: None)
+    names = tuple(mesh.axis_names)
+    axes = names[0] if len(names) == 1 else names
+    model = small_resnet(axes, width, num_classes)
+    init_model = small_resnet(None, width, num_classes)
+    global_batch = per_device_batch * mesh.size
+    rng = np.random.default_rng(0)
+    host_batch = {
+        "image": rng.standard_normal((global_batch, image_size, image_size, 3)).astype(np.float32),
+        "label": rng.integers(0, num_classes, global_batch).astype(np.int32),
+    }
+    # On the host, so that every variant gets device buffers of its own to donate.
+    variables = jax.device_get(
+        init_model.init(jax.random.key(0), host_batch["image"][:2], train=False)
+    )
+    optimizer = optax.sgd(0.1, momentum=0.9)
+
+    replicated = NamedSharding(mesh, P())
+    placer = ts.TrainStep(ts.classifier_loss(model, num_classes=num_classes), optimizer, mesh)
+    batch = placer.shard_batch(host_batch)
+    runners: dict[str, Callable[[], None]] = {}
+    for communicate in (True, False):
+        step = baseline_step(model, optimizer, mesh, axes, communicate)
+        carry = jax.device_put(
+            [variables["params"], variables["batch_stats"], optimizer.init(variables["params"])],
+            replicated,
+        )
+
+        def run_baseline(step=step, carry=carry):
+            params, stats, opt_state, _ = step(*carry, batch)
+            carry[:] = [params, stats, opt_state]
+            jax.block_until_ready(params)
+
+        runners["baseline" + ("" if communicate else "/none")] = run_baseline
+
+    for algorithm in algorithms:
+        for allreduce in (algorithm, ts.NO_ALLREDUCE):
+            step = ts.TrainStep(
+                ts.classifier_loss(model, num_classes=num_classes),
+                optimizer,
+                mesh,
+                allreduce=allreduce,
+                bucket_bytes=bucket_bytes,
+            )
+            holder = [step.init(variables["params"], {"batch_stats": variables["batch_stats"]})]
+
+            def run_jaxdist(step=step, holder=holder):
+                holder[0], _ = step(holder[0], batch, jax.random.key(0))
+                jax.block_until_ready(holder[0].params)
+
+            suffix = "" if allreduce == algorithm else "/none"
+            runners[f"jaxdist {algorithm}{suffix}"] = run_jaxdist
+
+    for name, runner in runners.items():  # compile and warm up
+        start = time.perf_counter()
+        runner()
+        runner()
+        say(f"  compiled {name} ({time.perf_counter() - start:.1f} s)")
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for r in range(rounds):
+        for name, runner in runners.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                runner()
+            times[name].append((time.perf_counter() - start) / steps)
+        say(f"  round {r + 1}/{rounds} done")
+
+    median = {name: statistics.median(t) for name, t in times.items()}
+    results = []
+    for name in [n for n in runners if not n.endswith("/none")]:
+        step_s, compute_s = median[name], median[f"{name}/none"]
+        results.append(
+            Measurement(
+                variant=name,
+                step_seconds=step_s,
+                images_per_second=global_batch / step_s,
+                vs_baseline=median["baseline"] / step_s,
+                compute_seconds=compute_s,
+                communication_seconds=step_s - compute_s,
+            )
+        )
+    return results
+
+
+def format_table(results: list[Measurement], mesh: Mesh, global_batch: int) -> str:
+    lines = [
+        f"# train step on mesh {dict(mesh.shape)} ({mesh.size} {mesh.devices.flat[0].platform} "
+        f"devices), global batch {global_batch}",
+        f"{'variant':<20s} {'step(ms)':>9s} {'images/s':>9s} {'x baseline':>10s} "
+        f"{'compute(ms)':>11s} {'comm(ms)':>9s}",
+    ]
+    for m in results:
+        lines.append(
+            f"{m.variant:<20s} {m.step_seconds * 1e3:9.1f} {m.images_per_second:9.1f} "
+            f"{m.vs_baseline:10.3f} {m.compute_seconds * 1e3:11.1f} "
+            f"{m.communication_seconds * 1e3:9.1f}"
+        )
+    return "\n".join(lines)
+
+
+def to_json(results: list[Measurement]) -> list[dict]:
+    return [asdict(m) for m in results]
