@@ -12,6 +12,7 @@ that load from other processes on a shared machine hits all of them alike.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -197,3 +198,52 @@ def format_table(results: list[Measurement], mesh: Mesh, global_batch: int) -> s
 
 def to_json(results: list[Measurement]) -> list[dict]:
     return [asdict(m) for m in results]
+
+
+def schedule_summary(compiled_hlo: str) -> dict:
+    """Where gradient ``collective-permute`` ops sit among the convolutions in XLA's scheduled
+    entry computation (compiled HLO lists instructions in execution order)."""
+    entry = compiled_hlo[compiled_hlo.index("\nENTRY") :]
+    kinds = []
+    for line in entry.splitlines()[1:]:
+        match = re.match(r"\s*(?:ROOT )?%(\S+) = .*? ([a-z][a-z0-9-]*)\(", line)
+        if match:
+            name, kind = match.groups()
+            kinds.append("convolution" if "convolution" in name or kind == "convolution" else kind)
+    convolutions = [i for i, k in enumerate(kinds) if k == "convolution"]
+    permutes = [i for i, k in enumerate(kinds) if k == "collective-permute"]
+    first = permutes[0] if permutes else None
+    return {
+        "instructions": len(kinds),
+        "convolutions": len(convolutions),
+        "collective_permutes": len(permutes),
+        "all_reduces": kinds.count("all-reduce"),
+        "first_permute_at": first,
+        "last_convolution_at": convolutions[-1] if convolutions else None,
+        "convolutions_after_first_permute": sum(c > first for c in convolutions) if permutes else 0,
+    }
+
+
+def compiled_step_hlo(
+    mesh: Mesh,
+    algorithm: str,
+    *,
+    bucket_bytes: int,
+    width: int = 16,
+    per_device_batch: int = 8,
+    image_size: int = 32,
+) -> tuple[str, int]:
+    """Compiled HLO text of one jaxdist train step, and its number of gradient buckets."""
+    names = tuple(mesh.axis_names)
+    axes = names[0] if len(names) == 1 else names
+    model, init_model = small_resnet(axes, width, 10), small_resnet(None, width, 10)
+    images = np.zeros((per_device_batch * mesh.size, image_size, image_size, 3), np.float32)
+    variables = jax.device_get(init_model.init(jax.random.key(0), images[:2], train=False))
+    step = ts.TrainStep(
+        ts.classifier_loss(model, num_classes=10), optax.sgd(0.1), mesh,
+        allreduce=algorithm, bucket_bytes=bucket_bytes,
+    )  # fmt: skip
+    state = step.init(variables["params"], {"batch_stats": variables["batch_stats"]})
+    batch = step.shard_batch({"image": images, "label": np.zeros(len(images), np.int32)})
+    lowered = step.lower(state, batch, jax.random.key(0))
+    return lowered.compile().as_text(), len(step.buckets)

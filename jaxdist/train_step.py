@@ -205,6 +205,12 @@ class TrainStep:
             self._compiled = self._build(state)
         return self._compiled(state, batch, rng)
 
+    def lower(self, state: TrainState, batch: Any, rng: jax.Array):
+        """The lowered step (``.compile().as_text()`` shows XLA's scheduled program)."""
+        if self._compiled is None:
+            self._compiled = self._build(state)
+        return self._compiled.lower(state, batch, rng)
+
     def _build(self, state: TrainState) -> Callable:
         specs = self.state_specs(state)
         sharded = jax.shard_map(

@@ -333,3 +333,19 @@ def test_clear_errors():
     step = ts.TrainStep(loss, optax.sgd(0.1), mesh)
     with pytest.raises(ValueError, match="must divide evenly over the 8 local"):
         step.shard_batch(data(n=12))
+
+
+def test_buckets_let_xla_schedule_gradient_collectives_inside_backward():
+    from jaxdist import bench_train
+
+    mesh = meshes.torus2d(4, 2)
+    small = dict(width=4, per_device_batch=2, image_size=8)
+    one, n_one = bench_train.compiled_step_hlo(mesh, "ring", bucket_bytes=0, **small)
+    many, n_many = bench_train.compiled_step_hlo(mesh, "ring", bucket_bytes=2048, **small)
+    one, many = bench_train.schedule_summary(one), bench_train.schedule_summary(many)
+    assert n_one == 1 and n_many > 3
+    assert one["collective_permutes"] == 14 and many["collective_permutes"] == 14 * n_many
+    # One bucket needs every gradient: it can only start after the last backward convolution.
+    assert one["convolutions_after_first_permute"] == 0
+    # With buckets in backward order the first one is scheduled while backward still runs.
+    assert many["convolutions_after_first_permute"] > 0

@@ -64,6 +64,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--bucket-mb", type=float, default=16.0, help="gradient bucket size in MiB (0: one bucket)"
     )
     t.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    t.add_argument(
+        "--show-schedule",
+        metavar="ALGORITHM",
+        help="instead of timing: compile the step with this allreduce and report where XLA "
+        "scheduled the gradient collective-permutes among the backward convolutions",
+    )
     t.set_defaults(func=run_train_step)
 
 
@@ -147,6 +153,16 @@ def run_train_step(args: argparse.Namespace) -> int:
         print(f"jaxdist bench: {err}", file=sys.stderr)
         return 2
     leader = jax.process_index() == 0
+    if args.show_schedule:
+        text, num_buckets = bench_train.compiled_step_hlo(
+            mesh, args.show_schedule, bucket_bytes=int(args.bucket_mb * 2**20), width=args.width,
+            per_device_batch=args.per_device_batch, image_size=args.image_size,
+        )  # fmt: skip
+        if leader:
+            print(f"# {args.show_schedule} step, {num_buckets} gradient bucket(s)")
+            for key, value in bench_train.schedule_summary(text).items():
+                print(f"{key:<36s} {value}")
+        return 0
 
     def progress(line: str) -> None:
         if leader:
