@@ -331,9 +331,11 @@ def halving_doubling_allreduce(
     while d < p:  # recursive doubling
         upper = (i // d) % 2  # 1: my segment is the upper half of the doubled one
         theirs = _send(segment, axis_name, [(j, j ^ d) for j in range(p)], transfer_dtype)
-        doubled = jnp.zeros((2 * segment.size,), segment.dtype)
-        doubled = lax.dynamic_update_slice_in_dim(doubled, segment, upper * segment.size, 0)
-        segment = lax.dynamic_update_slice_in_dim(doubled, theirs, (1 - upper) * segment.size, 0)
+        # Written as one concatenation of two selects: XLA fuses it into a single pass.
+        is_upper = upper == 1
+        segment = jnp.concatenate(
+            [jnp.where(is_upper, theirs, segment), jnp.where(is_upper, segment, theirs)]
+        )
         d *= 2
     return segment[: flat.size]
 
