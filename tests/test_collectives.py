@@ -283,3 +283,18 @@ def test_bad_op_and_options():
         per_device(
             mesh, lambda v: collectives.allreduce(v, "x", "ring", op="mean"), x.astype(np.int32)
         )
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "torus2d", "halving_doubling", "parameter_server"])
+def test_float16_with_float32_accumulation(algorithm):
+    mesh = meshes.torus2d(2, 4)
+    x = random_rows(8, (257,), np.float16)
+    out = per_device(
+        mesh,
+        lambda v: collectives.allreduce(v, ("y", "x"), algorithm, accumulate_dtype=jnp.float32),
+        x,
+    )
+    assert out.dtype == np.float16
+    expected = x.astype(np.float32).sum(0).astype(np.float16)
+    for row in out:  # float32 partial sums, one rounding to float16 at the end
+        np.testing.assert_array_equal(row, expected)

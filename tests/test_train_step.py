@@ -349,3 +349,26 @@ def test_buckets_let_xla_schedule_gradient_collectives_inside_backward():
     assert one["convolutions_after_first_permute"] == 0
     # With buckets in backward order the first one is scheduled while backward still runs.
     assert many["convolutions_after_first_permute"] > 0
+
+
+def test_bfloat16_compute_with_float32_master_weights_trains():
+    class HalfNet(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=True):
+            x = nn.relu(nn.Dense(16, dtype=jnp.bfloat16)(x))
+            return nn.Dense(NUM_CLASSES, dtype=jnp.bfloat16)(x)
+
+    mesh = meshes.ring(8)
+    params = HalfNet().init(jax.random.key(0), np.zeros((2, 10), np.float32))["params"]
+    step = ts.TrainStep(
+        ts.classifier_loss(HalfNet(), num_classes=NUM_CLASSES), optax.sgd(0.3, 0.9), mesh,
+        allreduce="ring", allreduce_options={"transfer_dtype": jnp.bfloat16},
+    )  # fmt: skip
+    state = step.init(params)
+    batch = step.shard_batch(data())
+    losses = []
+    for _ in range(10):
+        state, metrics = step(state, batch, jax.random.key(0))
+        losses.append(float(metrics["loss"]))
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(state.params))
+    assert losses[-1] < 0.8 * losses[0], f"bf16 training did not converge: {losses}"
