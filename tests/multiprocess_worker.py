@@ -6,11 +6,18 @@ Usage: ``python tests/multiprocess_worker.py CHECK [CHECK ...]`` with CHECK one 
 * ``allreduce``: every algorithm in ``jaxdist.collectives.ALGORITHMS`` against ``psum``;
 * ``host``: inside ``jaxdist cluster``: this process's hostname is its emulated host's and
   resolves to that host's bridge address (what gloo advertises to its peers);
+* ``train``: a data-parallel :class:`jaxdist.train_step.TrainStep` (MLP with cross-replica
+  BatchNorm) for every case in :data:`TRAIN_CASES`, each process feeding its own slice of the
+  global batch; the final parameters and BatchNorm statistics go to
+  ``$JAXDIST_TEST_OUT_DIR/train-<case>-p<id>.npz`` for the test to compare with one process;
 * ``hang``: write this process's pid to ``$JAXDIST_TEST_PID_DIR/<id>.pid``, then wait
   forever (the launcher-failure test kills one of these).
 
 Each passing check prints ``CHECK <name> OK ...``; a failure raises (non-zero exit) with what
 was expected and what was found. The process group comes from the ``JAXDIST_*`` variables.
+
+Importing this module joins no process group (only running it does), so the test process can
+import :func:`train_case` and compute the one-process reference with the very same code.
 """
 
 from __future__ import annotations
@@ -19,16 +26,19 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+import optax
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import collectives, distributed, meshes
-
-GROUP = distributed.initialize()
+from jaxdist import train_step as ts
+from jaxdist.batchnorm import CrossReplicaBatchNorm
 
 
 def check_mesh() -> None:
@@ -121,6 +131,108 @@ def check_host() -> None:
     print(f"CHECK host OK {found} {address}")
 
 
+# --------------------------------------------------------------------------- train step
+
+NUM_CLASSES = 4
+TRAIN_STEPS = 3
+GLOBAL_BATCH = 32  # divides over 1, 2, 4 and 8 devices
+
+
+class MLP(nn.Module):
+    """Dense -> cross-replica BatchNorm -> relu -> Dense -> relu -> Dense.
+
+    BatchNorm's statistics are averaged over every data-parallel device, so they are the global
+    batch's whatever the process count: the model couples the shards, not only the gradients.
+    """
+
+    norm_axis: collectives.AxisName | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+        x = nn.Dense(16)(x)
+        x = CrossReplicaBatchNorm(use_running_average=not train, axis_name=self.norm_axis)(x)
+        x = nn.relu(x)
+        x = nn.relu(nn.Dense(12)(x))
+        return nn.Dense(NUM_CLASSES)(x)
+
+
+def global_batch(seed: int) -> dict[str, np.ndarray]:
+    """Step ``seed``'s global batch: the same numbers in every process."""
+    rng = np.random.default_rng(seed)
+    return {
+        "image": rng.standard_normal((GLOBAL_BATCH, 10)).astype(np.float32),
+        "label": rng.integers(0, NUM_CLASSES, GLOBAL_BATCH).astype(np.int32),
+    }
+
+
+def _ring_mesh(devices: int) -> tuple[Mesh, collectives.AxisName]:
+    return meshes.ring(devices), "x"
+
+
+def _host_mesh(devices: int) -> tuple[Mesh, collectives.AxisName]:
+    # Two rows (hosts when two processes run), the inner axis inside a process.
+    return meshes.hierarchical(2, devices // 2), ("host", "local")
+
+
+# name -> (mesh builder taking the total device count, TrainStep options). The two-level
+# schedules run on the host-aware mesh, so their inner axis stays inside a process and their
+# outer ring crosses processes; bucket_bytes=512 splits the gradients into several buckets.
+TRAIN_CASES: dict[str, tuple[Callable[[int], tuple[Mesh, collectives.AxisName]], dict]] = {
+    "native": (_ring_mesh, {"allreduce": "native"}),
+    "ring": (_ring_mesh, {"allreduce": "ring", "bucket_bytes": 512}),
+    "hierarchical": (_host_mesh, {"allreduce": "hierarchical"}),
+    "torus2d": (_host_mesh, {"allreduce": "torus2d", "bucket_bytes": 512}),
+    "ring_zero1": (_ring_mesh, {"allreduce": "ring", "zero1": True}),
+}
+
+
+def train_case(name: str, devices: int) -> tuple[dict[str, np.ndarray], float]:
+    """Run ``TRAIN_STEPS`` steps of case ``name`` on the first ``devices`` devices.
+
+    Each process passes its own contiguous slice of every global batch to ``shard_batch`` (the
+    whole batch on one process). Returns the final parameters and BatchNorm statistics as
+    ``{"params/...": array}`` (fetched from this process's replica) and the last loss.
+    """
+    make_mesh, options = TRAIN_CASES[name]
+    mesh, axes = make_mesh(devices)
+    model = MLP(norm_axis=axes)
+    variables = MLP().init(jax.random.key(0), np.zeros((2, 10), np.float32), train=False)
+    params = variables["params"]
+    model_state = {k: v for k, v in variables.items() if k != "params"}
+    step = ts.TrainStep(
+        ts.classifier_loss(model, num_classes=NUM_CLASSES),
+        optax.sgd(0.1, momentum=0.9),
+        mesh,
+        **options,
+    )
+    state = step.init(params, model_state)
+    rows = GLOBAL_BATCH // jax.process_count()
+    mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
+    metrics: dict = {}
+    for seed in range(TRAIN_STEPS):
+        local = {k: v[mine] for k, v in global_batch(seed).items()}
+        state, metrics = step(state, step.shard_batch(local), jax.random.key(1))
+    found = {}
+    for prefix, tree in (("params", state.params), ("batch_stats", state.model_state)):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            key = prefix + jax.tree_util.keystr(path)
+            # Replicated: this process's first shard is the whole array.
+            found[key] = np.asarray(leaf.addressable_shards[0].data)
+    return found, float(np.asarray(metrics["loss"].addressable_shards[0].data))
+
+
+def check_train() -> None:
+    """Every train case on all devices of all processes; results saved for the test."""
+    folder = os.environ.get("JAXDIST_TEST_OUT_DIR")
+    for name in TRAIN_CASES:
+        found, loss = train_case(name, jax.device_count())
+        assert np.isfinite(loss), f"train {name}: expected a finite loss, found {loss}"
+        if folder:
+            path = os.path.join(folder, f"train-{name}-p{jax.process_index()}.npz")
+            np.savez(path, loss=np.float32(loss), **found)
+        print(f"CHECK train {name} OK loss={loss:.6f}")
+
+
 def hang() -> None:
     folder = os.environ["JAXDIST_TEST_PID_DIR"]
     # Make every process reach the collective runtime first, so a kill hits a live run.
@@ -135,15 +247,22 @@ def hang() -> None:
         time.sleep(1)
 
 
-CHECKS = {"mesh": check_mesh, "allreduce": check_allreduce, "host": check_host, "hang": hang}
+CHECKS = {
+    "mesh": check_mesh,
+    "allreduce": check_allreduce,
+    "host": check_host,
+    "train": check_train,
+    "hang": hang,
+}
 
 if __name__ == "__main__":
     unknown = [c for c in sys.argv[1:] if c not in CHECKS]
     if unknown or len(sys.argv) < 2:
         sys.exit(f"usage: {sys.argv[0]} {{{','.join(CHECKS)}}} ...; got {sys.argv[1:]}")
+    group = distributed.initialize()
     print(
         f"process {jax.process_index()} of {jax.process_count()}: "
-        f"{jax.local_device_count()} local / {jax.device_count()} devices ({GROUP.source})"
+        f"{jax.local_device_count()} local / {jax.device_count()} devices ({group.source})"
     )
     for name in sys.argv[1:]:
         CHECKS[name]()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jaxdist.collectives import ALGORITHMS
@@ -17,7 +18,13 @@ from tests._procs import JAXDIST, REPO, WORKER, clean_env
 pytestmark = pytest.mark.multiprocess
 
 
-def run_launch(processes: int, devices: int, *command: str, timeout: int = 150) -> str:
+def run_launch(
+    processes: int,
+    devices: int,
+    *command: str,
+    timeout: int = 150,
+    env: dict[str, str] | None = None,
+) -> str:
     argv = [
         *JAXDIST,
         "launch",
@@ -31,7 +38,12 @@ def run_launch(processes: int, devices: int, *command: str, timeout: int = 150) 
         *command,
     ]
     proc = subprocess.run(
-        argv, env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout
+        argv,
+        env=clean_env(**(env or {})),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, (
@@ -96,5 +108,32 @@ def test_bench_allreduce_runs_unchanged_and_only_process_0_prints_the_table():
         ), f"no {algorithm} row:\n{output}"
 
 
-# The data-parallel train step across processes (2 processes == 1 process with the same global
-# batch) is added here once the train step exists.
+def test_train_step_on_two_processes_matches_one_process(tmp_path):
+    """2 processes x 2 devices, each feeding its half of the global batch, end with the same
+    parameters and BatchNorm statistics as one process of 4 devices fed the whole batch."""
+    from tests.multiprocess_worker import TRAIN_CASES, train_case
+
+    output = run_launch(
+        2, 2, sys.executable, WORKER, "train", env={"JAXDIST_TEST_OUT_DIR": str(tmp_path)}
+    )
+    for name in TRAIN_CASES:
+        # One process with the same global batch and mesh shape: the first 4 of this test
+        # process's 8 devices, running exactly the workers' code.
+        expected, expected_loss = train_case(name, 4)
+        for p in range(2):
+            assert f"[p{p}] CHECK train {name} OK" in output, output
+            saved = np.load(tmp_path / f"train-{name}-p{p}.npz")
+            assert sorted(k for k in saved.files if k != "loss") == sorted(expected), (
+                f"{name}: expected leaves {sorted(expected)}, process {p} saved {saved.files}"
+            )
+            for key, value in expected.items():
+                np.testing.assert_allclose(
+                    saved[key],
+                    value,
+                    rtol=0,
+                    atol=2e-6,
+                    err_msg=f"{name}: {key} on process {p} of 2 vs one process",
+                )
+            np.testing.assert_allclose(
+                saved["loss"], expected_loss, rtol=0, atol=2e-6, err_msg=f"{name}: last loss"
+            )

@@ -1,0 +1,113 @@
+"""Time single ``ppermute`` patterns across processes, to see what limits the schedules.
+
+Run it once per process, e.g. on the emulated cluster::
+
+    sudo jaxdist cluster --hosts 4 --devices-per-host 1 --bandwidth 1gbit -- \\
+        python benchmarks/ppermute_patterns.py --sizes 1K,1M,16M
+
+Every schedule in :mod:`jaxdist.collectives` is a chain of ``ppermute`` steps; over gloo each
+step is one rendezvous-then-send per (source, target) pair. This script times the building
+blocks one at a time on a flat 1-D mesh of all devices, ``size`` bytes per device:
+
+* ``shift``: every device sends to ``i + 1`` (one ring step, all links busy one way);
+* ``swap1`` / ``swap2``: every device swaps with ``i XOR 1`` / ``i XOR 2`` (a 2-device ring
+  step, and a halving-doubling step): both directions of one connection busy;
+* ``one_way``: only even devices send, to ``i + 1`` (half the links idle);
+* ``shift_x4``: four dependent shifts of ``size / 4`` each: the same bytes as ``shift`` in
+  four steps, so the difference is the per-step overhead;
+* ``psum``: gloo's own allreduce of ``size`` bytes, for scale.
+
+Prints one line per (pattern, size) from process 0: median seconds and the MB/s each device's
+link carried (bytes sent per device / time); ``--json PATH`` writes them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import bench, distributed, meshes
+
+
+def patterns(p: int) -> dict[str, tuple[Callable[[jax.Array], jax.Array], float]]:
+    """name -> (per-device body, bytes each device sends as a fraction of its buffer)."""
+
+    def perm(pairs: list[tuple[int, int]]) -> Callable[[jax.Array], jax.Array]:
+        return lambda v: lax.ppermute(v, "x", pairs)
+
+    def shift_x4(v: jax.Array) -> jax.Array:
+        parts = jnp.split(v, 4)
+        out = []
+        carry = jnp.zeros_like(parts[0])
+        for part in parts:  # each step depends on the previous, like a ring's steps
+            carry = lax.ppermute(part + carry, "x", [(j, (j + 1) % p) for j in range(p)])
+            out.append(carry)
+        return jnp.concatenate(out)
+
+    found = {
+        "shift": (perm([(j, (j + 1) % p) for j in range(p)]), 1.0),
+        "swap1": (perm([(j, j ^ 1) for j in range(p)]), 1.0),
+        "one_way": (perm([(j, j + 1) for j in range(0, p, 2)]), 1.0),
+        "shift_x4": (shift_x4, 1.0),
+        "psum": (lambda v: lax.psum(v, "x"), 2 * (p - 1) / p),
+    }
+    if p >= 4:
+        found["swap2"] = (perm([(j, j ^ 2) for j in range(p)]), 1.0)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1K,1M,16M", help="bytes per device, e.g. 1K,16M")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    distributed.initialize()
+    p = jax.device_count()
+    mesh = meshes.ring(p)
+    leader = jax.process_index() == 0
+    rows = []
+    for nbytes in bench.parse_sizes(args.sizes):
+        count = nbytes // 4
+        host = np.ones((p, count), np.float32)
+        x = jax.make_array_from_callback(
+            host.shape, NamedSharding(mesh, P("x")), lambda index, h=host: h[index]
+        )
+        for name, (body, sent) in patterns(p).items():
+            fn = jax.jit(
+                jax.shard_map(
+                    lambda v, b=body: b(v[0])[None], mesh=mesh, in_specs=P("x"), out_specs=P("x")
+                )
+            )
+            jax.block_until_ready(fn(x))  # compile and warm up
+            times = []
+            for _ in range(args.iters):
+                start = time.perf_counter()
+                jax.block_until_ready(fn(x))
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+            rate = sent * nbytes / seconds / 1e6
+            rows.append({"pattern": name, "nbytes": nbytes, "seconds": seconds, "MB_per_s": rate})
+            if leader:
+                print(
+                    f"{bench.format_size(nbytes):>6s} {name:<9s} {seconds * 1e3:9.2f} ms "
+                    f"{rate:8.1f} MB/s per device link",
+                    flush=True,
+                )
+    if leader and args.json:
+        with open(args.json, "w") as f:
+            json.dump({"devices": p, "processes": jax.process_count(), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
