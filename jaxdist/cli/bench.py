@@ -73,44 +73,53 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.set_defaults(func=run_train_step)
 
 
-def run_allreduce(args: argparse.Namespace) -> int:
-    import jax
+class _UsageError(ValueError):
+    """A bad argument value: printed as one line, exit code 2."""
 
-    from jaxdist import bench, collectives, meshes
+
+def _algorithms_and_mesh(text: str, mesh_name: str):
+    """Parse ``--algorithms`` ("all" or comma-separated) and build ``--mesh``."""
+    from jaxdist import collectives, meshes
 
     algorithms = (
         collectives.ALGORITHMS
-        if args.algorithms == "all"
-        else tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
+        if text == "all"
+        else tuple(a.strip() for a in text.split(",") if a.strip())
     )
     unknown = [a for a in algorithms if a not in collectives.ALGORITHMS]
     if unknown:
-        print(
-            f"jaxdist bench: unknown algorithm(s) {unknown}; expected {collectives.ALGORITHMS}",
-            file=sys.stderr,
-        )
-        return 2
+        raise _UsageError(f"unknown algorithm(s) {unknown}; expected {collectives.ALGORITHMS}")
+    spec = meshes.load(mesh_name)
+    return algorithms, spec, meshes.build(spec)
+
+
+def _leader_printer(enabled: bool):
+    import jax
+
+    def say(line: str) -> None:
+        if enabled and jax.process_index() == 0:
+            print(line, file=sys.stderr, flush=True)
+
+    return say
+
+
+def run_allreduce(args: argparse.Namespace) -> int:
+    import jax
+
+    from jaxdist import bench
+
     try:
+        algorithms, spec, mesh = _algorithms_and_mesh(args.algorithms, args.mesh)
         sizes = bench.parse_sizes(args.sizes, args.factor)
-        spec = meshes.load(args.mesh)
-        mesh = meshes.build(spec)
     except ValueError as err:
         print(f"jaxdist bench: {err}", file=sys.stderr)
         return 2
-    leader = jax.process_index() == 0
     options = {"inter_algorithm": args.inter_algorithm}
     if args.transfer_dtype:
         options["transfer_dtype"] = args.transfer_dtype
-
-    def progress(line: str) -> None:
-        if leader and not args.quiet:
-            print(line, file=sys.stderr, flush=True)
-
-    if leader:
-        print(
-            f"# measuring {len(algorithms)} algorithm(s) x {len(sizes)} size(s) on {spec.name}",
-            file=sys.stderr,
-        )
+    _leader_printer(True)(
+        f"# measuring {len(algorithms)} algorithm(s) x {len(sizes)} size(s) on {spec.name}"
+    )
     result = bench.run(
         mesh,
         sizes,
@@ -120,9 +129,9 @@ def run_allreduce(args: argparse.Namespace) -> int:
         iters=args.iters,
         mesh_name=spec.name,
         options=options,
-        progress=progress,
+        progress=_leader_printer(not args.quiet),
     )
-    if leader:
+    if jax.process_index() == 0:
         print(bench.format_table(result))
         if args.json:
             bench.save_json(result, args.json)
@@ -136,19 +145,10 @@ def run_train_step(args: argparse.Namespace) -> int:
 
     import jax
 
-    from jaxdist import bench_train, collectives, meshes
+    from jaxdist import bench_train
 
-    algorithms = tuple(a.strip() for a in args.algorithms.split(",") if a.strip())
-    unknown = [a for a in algorithms if a not in collectives.ALGORITHMS]
-    if unknown:
-        print(
-            f"jaxdist bench: unknown algorithm(s) {unknown}; expected {collectives.ALGORITHMS}",
-            file=sys.stderr,
-        )
-        return 2
     try:
-        spec = meshes.load(args.mesh)
-        mesh = meshes.build(spec)
+        algorithms, _, mesh = _algorithms_and_mesh(args.algorithms, args.mesh)
     except ValueError as err:
         print(f"jaxdist bench: {err}", file=sys.stderr)
         return 2
@@ -163,11 +163,6 @@ def run_train_step(args: argparse.Namespace) -> int:
             for key, value in bench_train.schedule_summary(text).items():
                 print(f"{key:<36s} {value}")
         return 0
-
-    def progress(line: str) -> None:
-        if leader:
-            print(line, file=sys.stderr, flush=True)
-
     results = bench_train.run(
         mesh,
         algorithms,
@@ -177,7 +172,7 @@ def run_train_step(args: argparse.Namespace) -> int:
         steps=args.steps,
         rounds=args.rounds,
         bucket_bytes=int(args.bucket_mb * 2**20),
-        progress=progress,
+        progress=_leader_printer(True),
     )
     if leader:
         print(bench_train.format_table(results, mesh, args.per_device_batch * mesh.size))
