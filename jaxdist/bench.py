@@ -102,16 +102,25 @@ def skip_reason(algorithm: str, mesh: Mesh) -> str | None:
 
 
 def _timed(fn: Callable, arg, warmup: int, iters: int) -> tuple[float, float]:
-    """(compile seconds, median run seconds) of ``fn(arg)``."""
+    """(compile seconds, median run seconds) of ``fn(arg)``.
+
+    ``fn`` donates its input, as a train step donates its gradient buffers, so every call gets
+    a fresh copy made outside the timed region.
+    """
     start = time.perf_counter()
     compiled = fn.lower(arg).compile()
     compile_seconds = time.perf_counter() - start
+
+    def fresh():
+        return jax.block_until_ready(jnp.copy(arg))
+
     for _ in range(warmup):
-        jax.block_until_ready(compiled(arg))
+        jax.block_until_ready(compiled(fresh()))
     times = []
     for _ in range(iters):
+        x = fresh()
         start = time.perf_counter()
-        jax.block_until_ready(compiled(arg))
+        jax.block_until_ready(compiled(x))
         times.append(time.perf_counter() - start)
     return compile_seconds, statistics.median(times)
 
@@ -130,10 +139,11 @@ def _make_input(mesh: Mesh, count: int, dtype, seed: int) -> jax.Array:
     return jax.make_array_from_callback(shape, sharding, shard)
 
 
-def _per_device(mesh: Mesh, body: Callable) -> Callable:
+def _per_device(mesh: Mesh, body: Callable, donate: bool = True) -> Callable:
     names = tuple(mesh.axis_names)
     return jax.jit(
-        jax.shard_map(lambda x: body(x[0])[None], mesh=mesh, in_specs=P(names), out_specs=P(names))
+        jax.shard_map(lambda x: body(x[0])[None], mesh=mesh, in_specs=P(names), out_specs=P(names)),
+        donate_argnums=(0,) if donate else (),
     )
 
 
@@ -187,14 +197,14 @@ def run(
     for nbytes in sizes:
         count = max(1, nbytes // dtype.itemsize)
         x = _make_input(mesh, count, dtype, seed=nbytes)
-        reference = _per_device(mesh, lambda v: jax.lax.psum(v, flat_axes))(x)
+        reference = _per_device(mesh, lambda v: jax.lax.psum(v, flat_axes), donate=False)(x)
         for algorithm in runnable:
             opts = {k: v for k, v in options.items() if k in _OPTIONS_OF.get(algorithm, ())}
             fn = _per_device(
                 mesh, lambda v, a=algorithm, o=opts: collectives.allreduce(v, flat_axes, a, **o)
             )
             compile_s, seconds = _timed(fn, x, warmup, iters)
-            err = float(max_error(fn(x), reference))
+            err = float(max_error(fn(jnp.copy(x)), reference))
             measured[(nbytes, algorithm)] = (seconds, err, compile_s)
             say(f"  {format_size(nbytes):>6s} {algorithm:<20s} {seconds * 1e6:12.1f} us")
         del x, reference

@@ -139,6 +139,7 @@ def _ring_all_gather(
     directions: Sequence[int],
     transfer_dtype,
     unroll_limit: int,
+    into: jax.Array | None = None,
 ) -> jax.Array:
     """All-gather one flat shard per ring (ring ``k`` in direction ``directions[k]``) into one
     flat buffer of ``len(directions) * p`` chunks, ring ``k``'s in chunks ``[k p, (k + 1) p)``.
@@ -146,7 +147,8 @@ def _ring_all_gather(
     The device at ring position ``r`` owns chunk ``r`` of its ring. At step ``s`` every device
     forwards the chunk it received last and writes the arriving one, chunk ``r - s - 1``, in
     place. Buffers stay flat on purpose: on a ``(p, m)`` view XLA:CPU fuses each update with a
-    bitcast into a loop over the whole buffer instead of writing one chunk.
+    bitcast into a loop over the whole buffer instead of writing one chunk. The result is
+    written over ``into`` when given (see :func:`all_gather`).
     """
     p = axis_size(axis_name)
     i = lax.axis_index(axis_name)
@@ -165,7 +167,10 @@ def _ring_all_gather(
             gathered = place(gathered, lane, r - s - 1, block)
         return gathered, in_flight
 
-    gathered = jnp.zeros((len(directions) * p * chunk,), shards[0].dtype)
+    size = len(directions) * p * chunk
+    if into is not None and into.shape != (size,):
+        raise ValueError(f"all_gather: `into` must have shape ({size},), got {into.shape}")
+    gathered = jnp.zeros((size,), shards[0].dtype) if into is None else into
     for lane, (block, r) in enumerate(zip(shards, positions)):
         gathered = place(gathered, lane, r, block)
     gathered, _ = _repeat(p - 1, step, (gathered, tuple(shards)), unroll_limit)
@@ -189,14 +194,27 @@ def reduce_scatter(
 
 
 def all_gather(
-    shard: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
+    shard: jax.Array,
+    axis_name: AxisName,
+    *,
+    into: jax.Array | None = None,
+    transfer_dtype=None,
+    unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
     """Ring all-gather, ``p - 1`` steps: device ``i`` contributes chunk ``i``; every device
-    returns the ``p`` chunks concatenated in order (flattened, padding included)."""
+    returns the ``p`` chunks concatenated in order (flattened, padding included).
+
+    ``into``: an optional flat buffer of ``p * shard.size`` elements whose contents are
+    overwritten by the result. Passing the (padded) input of the preceding reduce-scatter lets
+    XLA write the gathered chunks into that memory when nothing else still reads it, instead
+    of allocating and zero-filling a new buffer.
+    """
     p = axis_size(axis_name)
     if p == 1:
         return shard.reshape(-1)
-    return _ring_all_gather([shard.reshape(-1)], axis_name, (1,), transfer_dtype, unroll_limit)
+    return _ring_all_gather(
+        [shard.reshape(-1)], axis_name, (1,), transfer_dtype, unroll_limit, into=into
+    )
 
 
 # --------------------------------------------------------------------------- the schedules
@@ -218,13 +236,10 @@ def ring_allreduce(
     flat: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
 ) -> jax.Array:
     """Ring allreduce: reduce-scatter then all-gather, ``p - 1`` steps each, every link busy."""
-    shard = reduce_scatter(
-        flat, axis_name, transfer_dtype=transfer_dtype, unroll_limit=unroll_limit
-    )
-    gathered = all_gather(
-        shard, axis_name, transfer_dtype=transfer_dtype, unroll_limit=unroll_limit
-    )
-    return gathered[: flat.size]
+    opts = dict(transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
+    padded = _pad_to_chunks(flat, axis_size(axis_name))
+    shard = reduce_scatter(padded, axis_name, **opts)
+    return all_gather(shard, axis_name, into=padded, **opts)[: flat.size]
 
 
 def bidirectional_ring_allreduce(
@@ -240,9 +255,10 @@ def bidirectional_ring_allreduce(
     directions = (1, -1)  # chunks [0, p) go clockwise, chunks [p, 2p) counter-clockwise
     padded = _pad_to_chunks(flat, 2 * p)
     shards = _ring_reduce_scatter(padded, axis_name, directions, transfer_dtype, unroll_limit)
-    return _ring_all_gather(shards, axis_name, directions, transfer_dtype, unroll_limit)[
-        : flat.size
-    ]
+    gathered = _ring_all_gather(
+        shards, axis_name, directions, transfer_dtype, unroll_limit, into=padded
+    )
+    return gathered[: flat.size]
 
 
 def torus2d_allreduce(
@@ -262,9 +278,10 @@ def torus2d_allreduce(
     """
     outer, inner = axis_name
     opts = dict(transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
-    row_sum = reduce_scatter(flat, inner, **opts)
+    padded = _pad_to_chunks(flat, axis_size(inner))
+    row_sum = reduce_scatter(padded, inner, **opts)
     full_sum = ring_allreduce(row_sum, outer, **opts)
-    return all_gather(full_sum, inner, **opts)[: flat.size]
+    return all_gather(full_sum, inner, into=padded, **opts)[: flat.size]
 
 
 def hierarchical_allreduce(
@@ -292,9 +309,10 @@ def hierarchical_allreduce(
             f"{tuple(a for a in ALGORITHMS if a not in TWO_LEVEL)}, got {inter_algorithm!r}"
         )
     opts = dict(transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
-    host_sum = reduce_scatter(flat, local, **opts)
+    padded = _pad_to_chunks(flat, axis_size(local))
+    host_sum = reduce_scatter(padded, local, **opts)
     full_sum = _SCHEDULES[inter_algorithm](host_sum, host, **opts)
-    return all_gather(full_sum, local, **opts)[: flat.size]
+    return all_gather(full_sum, local, into=padded, **opts)[: flat.size]
 
 
 def halving_doubling_allreduce(
