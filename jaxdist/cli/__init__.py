@@ -19,6 +19,8 @@ SUBCOMMANDS = (
     "jaxdist.cli.launch",
     "jaxdist.cli.cluster",
     "jaxdist.cli.data",
+    "jaxdist.cli.train",
+    "jaxdist.cli.plot",
 )
 
 

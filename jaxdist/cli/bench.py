@@ -42,6 +42,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no per-measurement progress lines")
     p.set_defaults(func=run_allreduce)
 
+    from jaxdist.cli import bench_resnet
+
+    bench_resnet.register_kind(kinds)
+
     t = kinds.add_parser(
         "train-step",
         help="images/s of the jaxdist train step against a plain jit + pmean step",

@@ -1,0 +1,88 @@
+"""``jaxdist plot WORKDIR [WORKDIR ...] [--out PNG]``: training curves against epochs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plot",
+        help="draw loss, accuracy, learning rate and batch size against epochs",
+        description="Read WORKDIR/metrics.jsonl of one or more runs and draw four panels "
+        "(train loss, eval top-1, learning rate, global batch size) against epochs.",
+    )
+    p.add_argument("workdirs", nargs="+", metavar="WORKDIR", help="run directories")
+    p.add_argument("--out", default=None, help="PNG path (default WORKDIR/curves.png)")
+    p.add_argument("--title", default=None, help="figure title")
+    p.set_defaults(func=run_plot, joins_process_group=False)
+
+
+def read_metrics(workdir: str | Path) -> dict[str, list[dict]]:
+    """``{"train": [...], "eval": [...]}`` records of a run, by step; for a step logged twice
+    (a resumed run repeats the steps after its checkpoint) the later record wins."""
+    path = Path(workdir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; expected the metrics of a `jaxdist train` run")
+    by_kind: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_kind.setdefault(record["kind"], {})[record["step"]] = record
+    return {kind: [records[s] for s in sorted(records)] for kind, records in by_kind.items()}
+
+
+def plot_runs(workdirs: list[str | Path], out: str | Path, title: str | None = None) -> Path:
+    """Draw the runs' curves into ``out`` (PNG) and return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    panels = [
+        (axes[0, 0], "train", "loss", "train loss"),
+        (axes[0, 1], "eval", "top1", "eval top-1"),
+        (axes[1, 0], "train", "lr", "learning rate"),
+        (axes[1, 1], "train", "batch_size", "global batch size"),
+    ]
+    for workdir in workdirs:
+        runs = read_metrics(workdir)
+        for ax, kind, key, label in panels:
+            records = [r for r in runs.get(kind, []) if key in r]
+            ax.plot(
+                [r["epoch"] for r in records],
+                [r[key] for r in records],
+                marker="o" if kind == "eval" else None,
+                drawstyle="steps-pre" if key == "batch_size" else "default",
+                markersize=3,
+                label=Path(workdir).name,
+            )
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("epoch")
+    axes[0, 0].set_yscale("log")
+    axes[0, 1].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    out = args.out or Path(args.workdirs[0]) / "curves.png"
+    try:
+        path = plot_runs(args.workdirs, out, args.title)
+    except FileNotFoundError as err:
+        print(f"jaxdist plot: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0

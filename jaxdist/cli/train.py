@@ -1,0 +1,57 @@
+"""``jaxdist train RECIPE [--workdir DIR] [--set key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Exit status of a run stopped by SIGTERM after saving its checkpoint (128 + 15, the shell's
+# convention), so a job scheduler sees that it did not finish.
+PREEMPTED_EXIT_CODE = 143
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train a recipe (resumes from the workdir's newest checkpoint)",
+        description="Train the recipe file RECIPE (a path, or a name in recipes/). Metrics go "
+        "to WORKDIR/metrics.jsonl, the MLPerf-style event log to WORKDIR/events.log, "
+        "checkpoints to WORKDIR/checkpoints; an existing checkpoint there is resumed.",
+    )
+    p.add_argument("recipe", help="recipe file or name, e.g. recipes/mnist_small_batch.py")
+    p.add_argument("--workdir", default=None, help="run directory (default runs/<recipe name>)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set data.source=synthetic (repeatable)",
+    )
+    p.add_argument("--print-config", action="store_true", help="print the config and exit")
+    p.set_defaults(func=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from jaxdist import config as config_lib
+
+    try:
+        path = config_lib.resolve_recipe_path(args.recipe)
+        config = config_lib.apply_overrides(config_lib.load_recipe(path), args.overrides)
+    except config_lib.ConfigError as err:
+        print(f"jaxdist train: {err}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(config)
+        return 0
+    from jaxdist.trainer import Trainer
+
+    workdir = Path(args.workdir or Path("runs") / path.stem)
+    summary = Trainer(config, workdir).run()
+    if summary["preempted"]:
+        print(f"jaxdist train: stopped by SIGTERM at step {summary['step']}; checkpoint saved")
+        return PREEMPTED_EXIT_CODE
+    evals = ", ".join(f"{k} {summary[k]:.4f}" for k in ("top1", "top5") if k in summary)
+    print(f"done: step {summary['step']}, epoch {summary['epoch']:.2f}; {evals}")
+    return 0

@@ -1,0 +1,269 @@
+"""Recipes: Python files whose ``get_config()`` returns an ``ml_collections.ConfigDict``.
+
+A recipe states what it reproduces, the command, the hardware and the expected result in its
+docstring, and computes derived values itself (the learning rate from the batch size, ...),
+preferably as ``FieldReference`` arithmetic so that ``--set batch_size=...`` moves them too::
+
+    config.batch_size = 1024
+    config.lr.peak = config.get_ref("lr_base") * config.get_ref("batch_size") / 256
+
+:func:`load_recipe` imports a recipe by path (or by name from ``recipes/``) and
+:func:`apply_overrides` applies ``key=value`` strings with the config's own type checking: a
+value must have the type of the field it replaces (ints are accepted for floats), and an
+unknown key is an error that names the nearest known keys.
+
+The fields the trainer reads are listed in :data:`REQUIRED_KEYS`; :func:`base_config`
+provides them all with defaults, and a recipe starts from it and changes what it needs.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+# Top-level fields every recipe must define (base_config() has them all).
+REQUIRED_KEYS = (
+    "model",
+    "data",
+    "mesh",
+    "allreduce",
+    "batch_size",
+    "batch_ramp",
+    "max_per_device_batch",
+    "num_epochs",
+    "optimizer",
+    "lr",
+    "label_smoothing",
+    "eval_every_epochs",
+    "eval_batch_size",
+    "checkpoint",
+    "log_every_steps",
+    "seed",
+    "target_accuracy",
+    "max_steps",
+)
+
+
+class ConfigError(ValueError):
+    """A recipe or an override is malformed."""
+
+
+def resolve_recipe_path(recipe: str | Path) -> Path:
+    """A path to a recipe file; a bare name (``mnist_small_batch``) is looked up in ``recipes/``."""
+    path = Path(recipe)
+    if path.suffix != ".py" and not path.exists():
+        path = RECIPES_DIR / f"{recipe}.py"
+    if not path.is_file():
+        known = sorted(p.stem for p in RECIPES_DIR.glob("*.py") if not p.stem.startswith("_"))
+        raise ConfigError(f"recipe {str(recipe)!r} not found (looked for {path}); known: {known}")
+    return path
+
+
+def load_recipe(recipe: str | Path) -> ml_collections.ConfigDict:
+    """Import the recipe file and return its ``get_config()``, checked for required keys."""
+    path = resolve_recipe_path(recipe)
+    spec = importlib.util.spec_from_file_location(f"jaxdist_recipe_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+        raise ConfigError(f"recipe {path} defines no get_config() function")
+    config = module.get_config()
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(
+            f"recipe {path}: get_config() must return an ml_collections.ConfigDict, "
+            f"got {type(config).__name__}"
+        )
+    missing = [k for k in REQUIRED_KEYS if k not in config]
+    if missing:
+        raise ConfigError(f"recipe {path} lacks required keys {missing}")
+    return config
+
+
+def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    """Dotted names of every leaf field (``data.source``, ``lr.peak``, ...)."""
+    keys = []
+    for name in config:
+        value = config[name]
+        if isinstance(value, ml_collections.ConfigDict):
+            keys += flat_keys(value, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def _parse_value(text: str, current: Any) -> Any:
+    """The override ``text`` as a Python value shaped like ``current``."""
+    if isinstance(current, str):
+        return text  # strings need no quotes: --set data.source=synthetic
+    if isinstance(current, bool):
+        lowered = text.strip().lower()
+        if lowered in ("true", "1", "yes"):
+            return True
+        if lowered in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"expected a boolean (true/false), got {text!r}")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text  # a bare word: only acceptable where the field is None or a string
+    if isinstance(current, tuple) and isinstance(value, list):
+        value = tuple(value)
+    return value
+
+
+def apply_overrides(
+    config: ml_collections.ConfigDict, overrides: Iterable[str]
+) -> ml_collections.ConfigDict:
+    """Apply ``key=value`` strings (``--set`` arguments) to ``config`` in place and return it.
+
+    ``key`` is a dotted path to an existing field; ``value`` is parsed as a Python literal
+    (strings need no quotes, booleans may be written true/false) and must have the field's
+    type. Derived fields that are ``FieldReference`` expressions follow their inputs.
+    """
+    keys = flat_keys(config)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        if key not in keys:
+            near = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(near)}?" if near else ""
+            raise ConfigError(f"unknown config key {key!r}{hint} (known keys: {', '.join(keys)})")
+        *parents, leaf = key.split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        current = node[leaf]
+        value = _parse_value(text, current)
+        if current is not None and isinstance(value, str) and not isinstance(current, str):
+            raise ConfigError(
+                f"--set {key}: expected a {type(current).__name__} like {current!r}, got {text!r}"
+            )
+        try:
+            node[leaf] = value
+        except TypeError as err:
+            raise ConfigError(
+                f"--set {key}: expected a {type(current).__name__} like {current!r}, got "
+                f"{value!r} ({type(value).__name__})"
+            ) from err
+    return config
+
+
+def batch_stages(config: ml_collections.ConfigDict) -> tuple[tuple[float, int], ...]:
+    """``(start_epoch, global_batch)`` stages from ``batch_ramp`` and ``batch_size``.
+
+    ``batch_ramp = ((2, 128), (4, 256))`` with ``batch_size = 512`` means 128 images per step
+    until epoch 2, 256 until epoch 4, then 512 (each pair is ``(until_epoch, batch)``).
+    """
+    stages, start = [], 0.0
+    for index, pair in enumerate(config.batch_ramp):
+        if len(pair) != 2:
+            raise ConfigError(f"batch_ramp[{index}] must be (until_epoch, batch), got {pair!r}")
+        until, batch = pair
+        stages.append((start, int(batch)))
+        start = until
+    stages.append((start, int(config.batch_size)))
+    return tuple(stages)
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every field the trainer reads, with defaults; recipes start here.
+
+    Fields:
+      model: ``name`` (``jaxdist.models`` registry), ``width``, ``stem``, ``dtype``
+        (``float32``/``bfloat16``), ``zero_init_last_bn_scale``, BatchNorm ``bn_momentum``,
+        ``bn_epsilon`` and ``bn_group_size`` (devices per statistics group: ``None`` = the
+        whole data axis, 1 = per-device BN).
+      data: :class:`jaxdist.data.DataConfig` fields.
+      mesh: a preset in ``meshes/`` or a path to a mesh TOML; ``""`` = one axis over all devices.
+      allreduce, bucket_bytes: gradient averaging (:class:`jaxdist.train_step.TrainStep`).
+      batch_size, batch_ramp: global batch; ``batch_ramp`` holds ``(until_epoch, batch)``
+        pairs run before ``batch_size`` (see :func:`batch_stages`).
+      max_per_device_batch: larger per-device batches are split into accumulation steps.
+      num_epochs: training length; the LR schedule ends there.
+      optimizer: ``name`` (``sgd``/``lars``) and its hyperparameters.
+      lr: ``kind`` and arguments of :func:`jaxdist.optim.lr_schedule` (in epochs).
+      label_smoothing: for the cross-entropy.
+      eval_every_epochs, eval_batch_size: periodic top-1/top-5 on the held-out split.
+      checkpoint: ``every_steps`` (0: only at the end), ``keep`` (last k), ``async_save``.
+      log_every_steps: progress line and metrics record interval.
+      seed: parameter init, data order and augmentation.
+      target_accuracy: top-1 at which the event log's ``run_stop`` says ``success``.
+      max_steps: stop after this many steps in total (0: run all epochs); for smoke runs.
+    """
+    c = ml_collections.ConfigDict()
+    c.model = ml_collections.ConfigDict(
+        dict(
+            name="resnet50",
+            width=64,
+            stem="imagenet",
+            dtype="float32",
+            zero_init_last_bn_scale=True,
+            bn_momentum=0.9,
+            bn_epsilon=1e-5,
+            bn_group_size=None,
+        )
+    )
+    c.data = ml_collections.ConfigDict(
+        dict(
+            source="synthetic",
+            root="",
+            image_size=224,
+            dtype="float32",
+            seed=0,
+            worker_count=0,
+            read_threads=2,
+            prefetch_batches=2,
+            synthetic_train_examples=1_281_167,
+            synthetic_eval_examples=50_000,
+            num_classes=1000,
+            val_fraction=0.2,
+        )
+    )
+    c.mesh = ""
+    c.allreduce = "native"
+    c.bucket_bytes = 16 * 2**20
+    c.batch_size = 256
+    c.batch_ramp = ()
+    c.max_per_device_batch = 256
+    c.num_epochs = 90.0
+    c.optimizer = ml_collections.ConfigDict(
+        dict(
+            name="sgd",
+            momentum=0.9,
+            nesterov=True,
+            weight_decay=1e-4,
+            trust_coefficient=0.001,
+            eps=0.0,
+        )
+    )
+    c.lr = ml_collections.ConfigDict(
+        dict(
+            kind="cosine",
+            peak=0.1,
+            warmup_epochs=5.0,
+            end_lr=0.0,
+            power=2.0,
+            init_lr=0.0,
+            step_epochs=(),
+            step_factor=0.1,
+        )
+    )
+    c.label_smoothing = 0.0
+    c.eval_every_epochs = 1.0
+    c.eval_batch_size = 256
+    c.checkpoint = ml_collections.ConfigDict(dict(every_steps=1000, keep=3, async_save=True))
+    c.log_every_steps = 50
+    c.seed = 0
+    c.target_accuracy = 0.759
+    c.max_steps = 0
+    return c

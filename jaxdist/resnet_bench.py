@@ -1,0 +1,192 @@
+"""ResNet-50 training throughput: jaxdist's TrainStep against the flax imagenet example.
+
+The peer is written here the way flax's ``examples/imagenet`` writes it (``models.py`` and
+``train.py``), so both run on the same devices, batch and resolution:
+
+* model: ResNet-50 v1.5 with ``nn.Conv(padding="SAME")`` (the stem ``[(3, 3), (3, 3)]``),
+  ``nn.BatchNorm(momentum=0.9, epsilon=1e-5, axis_name="batch")`` synced across all devices,
+  zero-initialised last BN scale, ``max_pool(..., padding="SAME")``;
+* step: cross-entropy on one-hot labels plus ``0.5 * 1e-4 * sum(w**2)`` over ``ndim > 1``
+  parameters, ``value_and_grad``, ``lax.pmean(grads, "batch")``, Nesterov momentum SGD, metrics
+  averaged with ``pmean``; a plain ``jax.jit`` of a ``shard_map`` over a ``batch`` axis (the
+  example uses ``pmap``, which is the same SPMD program), state not donated, as there.
+
+Both steps take already-sharded device batches, so this times the step alone; the input
+pipeline's rate (:func:`jaxdist.data.bench.measure`) is reported next to it.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import models, optim
+from jaxdist.batchnorm import CrossReplicaBatchNorm
+from jaxdist.train_step import TrainStep, classifier_loss
+
+
+class _FlaxBottleneck(nn.Module):
+    filters: int
+    strides: tuple[int, int]
+    norm: functools.partial
+
+    @nn.compact
+    def __call__(self, x):
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=jnp.float32)
+        residual = x
+        y = nn.relu(self.norm()(conv(self.filters, (1, 1))(x)))
+        y = nn.relu(self.norm()(conv(self.filters, (3, 3), self.strides)(y)))
+        y = self.norm(scale_init=nn.initializers.zeros_init())(conv(self.filters * 4, (1, 1))(y))
+        if residual.shape != y.shape:
+            residual = self.norm(name="norm_proj")(
+                conv(self.filters * 4, (1, 1), self.strides, name="conv_proj")(residual)
+            )
+        return nn.relu(residual + y)
+
+
+class FlaxExampleResNet50(nn.Module):
+    """flax ``examples/imagenet`` ResNet50 (stage sizes 3, 4, 6, 3)."""
+
+    num_classes: int = 1000
+    width: int = 64
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        norm = functools.partial(
+            nn.BatchNorm,
+            use_running_average=not train,
+            momentum=0.9,
+            epsilon=1e-5,
+            axis_name="batch",
+        )
+        x = nn.Conv(self.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False)(x)
+        x = nn.relu(norm(name="bn_init")(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+        for i, block_size in enumerate((3, 4, 6, 3)):
+            for j in range(block_size):
+                strides = (2, 2) if i > 0 and j == 0 else (1, 1)
+                x = _FlaxBottleneck(self.width * 2**i, strides, norm)(x)
+        return nn.Dense(self.num_classes)(jnp.mean(x, axis=(1, 2)))
+
+
+def flax_example_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh):
+    """The example's ``train_step`` as jit + shard_map with ``pmean`` over ``batch``."""
+
+    def train_step(params, batch_stats, opt_state, batch):
+        def loss_fn(params):
+            logits, new_state = model.apply(
+                {"params": params, "batch_stats": batch_stats},
+                batch["image"],
+                mutable=["batch_stats"],
+            )
+            one_hot = jax.nn.one_hot(batch["label"], logits.shape[-1])
+            loss = optax.softmax_cross_entropy(logits, one_hot).mean()
+            l2 = sum(jnp.sum(p**2) for p in jax.tree.leaves(params) if p.ndim > 1)
+            return loss + 1e-4 * 0.5 * l2, (new_state, logits)
+
+        (loss, (new_state, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        grads = lax.pmean(grads, "batch")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+        metrics = lax.pmean({"loss": loss, "accuracy": accuracy}, "batch")
+        return params, new_state["batch_stats"], opt_state, metrics
+
+    return jax.jit(
+        jax.shard_map(
+            train_step,
+            mesh=mesh,
+            in_specs=(P(), P(), P(), P("batch")),
+            out_specs=(P(), P(), P(), P()),
+            check_vma=False,
+        )
+    )
+
+
+@dataclass(frozen=True)
+class StepRate:
+    name: str
+    images_per_s: float
+    step_ms: float
+    compile_s: float
+
+
+def _time(name: str, run_step, batch_size: int, steps: int, warmup: int) -> StepRate:
+    start = time.perf_counter()
+    jax.block_until_ready(run_step())
+    compile_s = time.perf_counter() - start
+    for _ in range(warmup):
+        jax.block_until_ready(run_step())
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = run_step()
+    jax.block_until_ready(out)
+    seconds = (time.perf_counter() - start) / steps
+    return StepRate(name, batch_size / seconds, seconds * 1e3, compile_s)
+
+
+def measure(
+    batch_size: int, image_size: int, steps: int, warmup: int = 1, width: int = 64
+) -> list[StepRate]:
+    """Images/s of both steps on all devices, on the same random batch."""
+    devices = np.asarray(jax.devices())
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((batch_size, image_size, image_size, 3), np.float32)
+    labels = rng.integers(0, 1000, batch_size).astype(np.int32)
+    dummy = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
+    results = []
+
+    # jaxdist: the trainer's TrainStep, model and optimizer.
+    mesh = Mesh(devices, ("data",))
+    norm = functools.partial(CrossReplicaBatchNorm, axis_name="data")
+    model = models.resnet50(width=width, norm=norm)
+    variables = model.init(jax.random.key(0), dummy, train=False)
+    step = TrainStep(
+        classifier_loss(model, num_classes=1000), optim.sgd_momentum(0.1), mesh, data_axes="data"
+    )
+    params = variables.pop("params")
+    state = step.init(params, dict(variables))
+    batch = step.shard_batch({"image": images, "label": labels})
+    rng_key = jax.random.PRNGKey(0)
+    holder = {"state": state}
+
+    def jaxdist_step():
+        holder["state"], metrics = step(holder["state"], batch, rng_key)
+        return metrics
+
+    results.append(_time("jaxdist TrainStep", jaxdist_step, batch_size, steps, warmup))
+
+    # flax imagenet example.
+    mesh = Mesh(devices, ("batch",))
+    flax_model = FlaxExampleResNet50(width=width)
+    variables = flax_model.init(jax.random.key(0), dummy, train=False)
+    tx = optax.sgd(0.1, momentum=0.9, nesterov=True)
+    replicated = NamedSharding(mesh, P())
+    params = jax.device_put(variables["params"], replicated)
+    stats = jax.device_put(variables["batch_stats"], replicated)
+    opt_state = jax.device_put(tx.init(variables["params"]), replicated)
+    sharded = NamedSharding(mesh, P("batch"))
+    flax_batch = {
+        "image": jax.device_put(images, sharded),
+        "label": jax.device_put(labels, sharded),
+    }
+    train_step = flax_example_step(flax_model, tx, mesh)
+    carry = {"state": (params, stats, opt_state)}
+
+    def flax_step():
+        outputs = train_step(*carry["state"], flax_batch)
+        carry["state"] = outputs[:3]
+        return outputs[3]
+
+    results.append(_time("flax example (jit+pmean)", flax_step, batch_size, steps, warmup))
+    return results

@@ -1,0 +1,407 @@
+"""The training loop: a recipe's config in, a trained state, logs and checkpoints out.
+
+::
+
+    config = jaxdist.config.load_recipe("recipes/mnist_small_batch.py")
+    summary = Trainer(config, workdir="runs/mnist").run()
+
+Each step:
+
+1. the batch-size schedule names the step's stage; at a stage boundary the data iterator is
+   rebuilt at the stream position reached (nothing dropped or repeated) and the stage's
+   :class:`~jaxdist.train_step.TrainStep` (one per accumulation setting) compiles once for the
+   new batch shape;
+2. the learning rate is the epoch schedule at the *fractional epoch* (samples seen / dataset
+   size), written into the optimizer state before the call, so it follows the samples and not
+   the step count, and a changing value never recompiles;
+3. the step runs with an RNG folded from the seed and the step number, so a resumed run draws
+   the same numbers as an uninterrupted one.
+
+Around the steps: periodic evaluation (top-1/top-5 on the held-out split), progress lines,
+``metrics.jsonl``, an MLPerf-style event log (``events.log``: ``run_start``, ``epoch_start``,
+``eval_accuracy``, ``run_stop``; time-to-accuracy is ``run_stop - run_start`` when its
+status is ``success``) and checkpoints (:mod:`jaxdist.checkpoint`) every N steps, at the end
+and on SIGTERM. Only process 0 writes logs; every process takes part in checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import meshes, models, optim
+from jaxdist.batch_schedule import BatchSchedule
+from jaxdist.batchnorm import CrossReplicaBatchNorm
+from jaxdist.checkpoint import Checkpointer, PreemptionGuard, abstract_like
+from jaxdist.config import batch_stages
+from jaxdist.data import DataConfig, make_pipeline
+from jaxdist.data.transforms import normalize
+from jaxdist.train_step import (
+    EvalStep,
+    TrainState,
+    TrainStep,
+    classifier_eval,
+    classifier_loss,
+)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Optimizer hyperparameters each optimizer takes from config.optimizer.
+OPTIMIZER_FIELDS = {
+    "sgd": ("momentum", "nesterov", "weight_decay"),
+    "lars": ("momentum", "nesterov", "weight_decay", "trust_coefficient", "eps"),
+}
+
+
+def build_mesh(name: str) -> Mesh:
+    """The recipe's mesh preset (or TOML path); ``""``: one ``data`` axis over all devices."""
+    if not name:
+        return Mesh(np.asarray(jax.devices()), ("data",))
+    return meshes.build(meshes.load(name))
+
+
+def build_model(cfg: ml_collections.ConfigDict, num_classes: int, axis_name: Any):
+    """The recipe's model with cross-replica BatchNorm over ``axis_name`` in groups."""
+    norm = functools.partial(
+        CrossReplicaBatchNorm,
+        axis_name=axis_name,
+        group_size=cfg.bn_group_size,
+        momentum=cfg.bn_momentum,
+        epsilon=cfg.bn_epsilon,
+    )
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    return models.create(
+        cfg.name,
+        num_classes=num_classes,
+        width=cfg.width,
+        stem=cfg.stem,
+        dtype=DTYPES[cfg.dtype],
+        zero_init_last_bn_scale=cfg.zero_init_last_bn_scale,
+        norm=norm,
+    )
+
+
+class _NormalizeOnDevice:
+    """A model whose ``apply`` first normalises uint8 images (for ``data.dtype="uint8"``)."""
+
+    def __init__(self, model, mean, std) -> None:
+        self.model, self.mean, self.std = model, mean, std
+
+    def apply(self, variables, images, **kwargs):
+        return self.model.apply(variables, normalize(images, self.mean, self.std), **kwargs)
+
+
+class RunLog:
+    """``metrics.jsonl``, ``events.log`` (MLPerf ``:::MLLOG`` lines) and progress output;
+    everything is a no-op on processes other than 0."""
+
+    def __init__(self, workdir: Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self.tty = sys.stdout.isatty()
+        self._metrics = self._events = self._tensorboard = None
+        if enabled:
+            workdir.mkdir(parents=True, exist_ok=True)
+            self._metrics = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115
+            self._events = open(workdir / "events.log", "a")  # noqa: SIM115
+            try:  # TensorBoard only if a writer is installed; JSONL is the record either way.
+                from tensorboardX import SummaryWriter
+
+                self._tensorboard = SummaryWriter(str(workdir / "tensorboard"))
+            except ImportError:
+                pass
+
+    def event(self, key: str, value: Any = None, **metadata: Any) -> None:
+        """One MLPerf-style event line with a millisecond timestamp."""
+        if not self.enabled:
+            return
+        kind = "INTERVAL_START" if key.endswith("_start") else "POINT_IN_TIME"
+        if key.endswith("_stop"):
+            kind = "INTERVAL_END"
+        record = {
+            "namespace": "",
+            "time_ms": int(time.time() * 1000),
+            "event_type": kind,
+            "key": key,
+            "value": value,
+            "metadata": metadata,
+        }
+        self._events.write(":::MLLOG " + json.dumps(record) + "\n")
+        self._events.flush()
+
+    def metrics(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+        if self._tensorboard is not None:
+            for key, value in record.items():
+                if key not in ("kind", "step") and isinstance(value, float | int):
+                    self._tensorboard.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+
+    def progress(self, line: str, final: bool = False) -> None:
+        """One status line: rewritten in place on a terminal, appended otherwise."""
+        if not self.enabled:
+            return
+        if self.tty:
+            print("\r" + line.ljust(110), end="\n" if final else "", flush=True)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        for f in (self._metrics, self._events):
+            if f is not None:
+                f.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+
+class Trainer:
+    """Train ``config`` (a recipe's ConfigDict, see :func:`jaxdist.config.base_config`),
+    writing logs and checkpoints under ``workdir``; :meth:`run` resumes from the newest
+    checkpoint there, if any."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path) -> None:
+        self.config = config
+        self.workdir = Path(workdir)
+        self.mesh = build_mesh(config.mesh)
+        names = tuple(self.mesh.axis_names)
+        self.data_axes = names[0] if len(names) == 1 else names
+        self.num_replicas = self.mesh.devices.size
+        self.pipeline = make_pipeline(DataConfig.from_dict(config.data.to_dict()))
+        self.schedule = BatchSchedule(
+            batch_stages(config), dataset_size=self.pipeline.num_train_examples
+        )
+        self.plans = self.schedule.device_plans(self.num_replicas, config.max_per_device_batch)
+        self.total_steps = self.schedule.steps_for_epochs(config.num_epochs)
+        if config.max_steps:
+            self.total_steps = min(self.total_steps, config.max_steps)
+        if config.eval_batch_size % self.num_replicas:
+            raise ValueError(
+                f"eval_batch_size={config.eval_batch_size} must be a multiple of the "
+                f"{self.num_replicas} data-parallel devices"
+            )
+
+        self.model = build_model(config.model, self.pipeline.num_classes, self.data_axes)
+        applied = self.model
+        if config.data.dtype == "uint8":
+            applied = _NormalizeOnDevice(self.model, self.pipeline.mean, self.pipeline.std)
+        self.loss_fn = classifier_loss(
+            applied,
+            num_classes=self.pipeline.num_classes,
+            label_smoothing=config.label_smoothing,
+        )
+        lr = config.lr
+        self.lr_fn = jax.jit(
+            optim.lr_schedule(
+                lr.kind,
+                lr.peak,
+                lr.warmup_epochs,
+                config.num_epochs,
+                end_lr=lr.end_lr,
+                power=lr.power,
+                init_lr=lr.init_lr,
+                step_epochs=tuple(lr.step_epochs),
+                step_factor=lr.step_factor,
+            )
+        )
+        opt = config.optimizer
+        if opt.name not in OPTIMIZER_FIELDS:
+            raise ValueError(f"optimizer.name must be one of {sorted(OPTIMIZER_FIELDS)}")
+        self.optimizer = optim.make_optimizer(
+            opt.name, float(self.lr_fn(0.0)), **{k: opt[k] for k in OPTIMIZER_FIELDS[opt.name]}
+        )
+        self.eval_step = EvalStep(classifier_eval(applied), self.mesh, data_axes=self.data_axes)
+        self._train_steps: dict[int, TrainStep] = {}
+        self._replicated = NamedSharding(self.mesh, P())
+
+    # ------------------------------------------------------------------ pieces
+
+    def train_step_for(self, stage: int) -> TrainStep:
+        """The TrainStep of a stage: one per accumulation setting; a new batch shape compiles
+        once more."""
+        accumulation = self.plans[stage].accumulation_steps
+        if accumulation not in self._train_steps:
+            self._train_steps[accumulation] = TrainStep(
+                self.loss_fn,
+                self.optimizer,
+                self.mesh,
+                data_axes=self.data_axes,
+                allreduce=self.config.allreduce,
+                bucket_bytes=self.config.bucket_bytes,
+                accumulation_steps=accumulation,
+            )
+        return self._train_steps[accumulation]
+
+    def initial_state(self) -> TrainState:
+        """Parameters and BatchNorm statistics from the seed, placed on the mesh."""
+        images = jnp.zeros((1, *self.pipeline.image_shape), jnp.float32)
+        variables = self.model.init(jax.random.key(self.config.seed), images, train=False)
+        params = variables.pop("params")
+        return self.train_step_for(0).init(params, dict(variables))
+
+    def evaluate(self, state: TrainState) -> dict[str, float]:
+        """Top-1 / top-5 accuracy over the whole held-out split."""
+        step = self.train_step_for(0)
+        totals = None
+        with self.pipeline.eval_iterator(self.config.eval_batch_size) as batches:
+            for batch in batches:
+                sums = self.eval_step(state, step.shard_batch(batch))
+                totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+        totals = jax.device_get(totals)
+        count = float(totals["count"])
+        return {"top1": float(totals["top1"]) / count, "top5": float(totals["top5"]) / count}
+
+    def _set_lr(self, state: TrainState, epoch: float) -> tuple[TrainState, float]:
+        lr = float(self.lr_fn(epoch))
+        # Placed like the rest of the state, so the jitted step sees the same shardings.
+        value = jax.device_put(np.float32(lr), self._replicated)
+        return state.replace(opt_state=optim.set_learning_rate(state.opt_state, value)), lr
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, on_step: Callable[[int, TrainState], None] | None = None) -> dict[str, Any]:
+        """Train to ``num_epochs`` (or ``max_steps``), resuming if a checkpoint exists.
+
+        ``on_step(step, state)`` is called after every step (steps counted from 1).
+        Returns a summary: final step and epoch, last eval, whether it was preempted.
+        """
+        cfg = self.config
+        log = RunLog(self.workdir, enabled=jax.process_index() == 0)
+        ckpt = Checkpointer(
+            self.workdir / "checkpoints",
+            every_steps=cfg.checkpoint.every_steps,
+            keep=cfg.checkpoint.keep,
+            async_save=cfg.checkpoint.async_save,
+        )
+        state = self.initial_state()
+        step, data_state = 0, None
+        if ckpt.steps():
+            step, state, data_state, meta = ckpt.restore(abstract_like(state))
+            log.progress(f"resumed from step {step} (epoch {meta['epoch']:.3f})", final=True)
+        log.event("run_start", resumed_step=step, workdir=str(self.workdir))
+        log.event("global_batch_size", cfg.batch_size, batch_ramp=list(map(list, cfg.batch_ramp)))
+        log.event("opt_name", cfg.optimizer.name, peak_lr=cfg.lr.peak)
+
+        base_rng = jax.random.PRNGKey(cfg.seed)
+        stage, iterator = -1, None
+        last_eval: dict[str, float] = {}
+        pending: list[dict] = []
+        window_start, window_samples = time.perf_counter(), 0
+        preempted, reached_target = False, False
+        try:
+            with PreemptionGuard(ckpt.manager) as guard:
+                while step < self.total_steps:
+                    if self.schedule.stage_index_at(step) != stage:
+                        stage = self.schedule.stage_index_at(step)
+                        iterator = self._open_iterator(step, iterator, data_state)
+                        data_state = None
+                    epoch = self.schedule.epoch_at(step)
+                    if step == 0 or math.floor(epoch) > math.floor(
+                        self.schedule.epoch_at(step - 1)
+                    ):
+                        log.event("epoch_start", epoch_num=math.floor(epoch) + 1, step=step)
+                    train_step = self.train_step_for(stage)
+                    batch = train_step.shard_batch(next(iterator))
+                    state, lr = self._set_lr(state, epoch)
+                    rng = jax.random.fold_in(base_rng, step)
+                    state, metrics = train_step(state, batch, rng)
+                    step += 1
+                    batch_size = self.schedule.batch_size_at(step - 1)
+                    window_samples += batch_size
+                    pending.append(metrics)
+                    epoch = self.schedule.epoch_at(step)
+
+                    if step % cfg.log_every_steps == 0 or step == self.total_steps:
+                        fetched = jax.device_get(pending)
+                        means = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+                        elapsed = time.perf_counter() - window_start
+                        record = {
+                            "kind": "train",
+                            "step": step,
+                            "epoch": epoch,
+                            "lr": lr,
+                            "batch_size": batch_size,
+                            "images_per_sec": window_samples / elapsed,
+                            **means,
+                        }
+                        log.metrics(record)
+                        log.progress(
+                            f"step {step}/{self.total_steps} | epoch {epoch:.2f} | "
+                            f"{record['images_per_sec']:.0f} img/s | loss {means['loss']:.4f} | "
+                            f"lr {lr:.4g} | batch {batch_size}"
+                        )
+                        pending, window_start, window_samples = [], time.perf_counter(), 0
+
+                    every = cfg.eval_every_epochs
+                    previous = self.schedule.epoch_at(step - 1)
+                    if step == self.total_steps or (
+                        every > 0 and math.floor(epoch / every) > math.floor(previous / every)
+                    ):
+                        last_eval = self.evaluate(state)
+                        log.metrics({"kind": "eval", "step": step, "epoch": epoch, **last_eval})
+                        log.event("eval_accuracy", last_eval["top1"], epoch_num=epoch, step=step)
+                        log.progress(
+                            f"eval at epoch {epoch:.2f}: top-1 {last_eval['top1']:.4f}, "
+                            f"top-5 {last_eval['top5']:.4f}",
+                            final=True,
+                        )
+                        if last_eval["top1"] >= cfg.target_accuracy and not reached_target:
+                            reached_target = True
+                            log.event("target_reached", last_eval["top1"], epoch_num=epoch)
+
+                    meta = {"epoch": epoch, "samples_seen": iterator.next_sample, "stage": stage}
+                    ckpt.save(step, state, iterator.get_state(), meta)
+                    if on_step is not None:
+                        on_step(step, state)
+                    if guard.preempted(step):
+                        preempted = True
+                        break
+            if step > 0:
+                meta = {"epoch": self.schedule.epoch_at(step), "stage": stage}
+                if iterator is not None:
+                    meta["samples_seen"] = iterator.next_sample
+                    ckpt.save(step, state, iterator.get_state(), meta, force=True)
+            status = "aborted" if preempted else ("success" if reached_target else "finished")
+            log.event("run_stop", status=status, step=step, epoch=self.schedule.epoch_at(step))
+        finally:
+            ckpt.close()
+            if iterator is not None:
+                iterator.close()
+            log.close()
+        self.state = state
+        return {
+            "step": step,
+            "epoch": self.schedule.epoch_at(step),
+            "preempted": preempted,
+            **last_eval,
+        }
+
+    def _open_iterator(self, step: int, previous, data_state: dict | None):
+        """The data iterator for the stage ``step`` is in, continuing the global stream."""
+        if previous is not None:
+            previous.close()
+        start = self.schedule.samples_seen(step)
+        iterator = self.pipeline.train_iterator(
+            self.schedule.batch_size_at(step), start_sample=start
+        )
+        if data_state is not None:
+            iterator.set_state(data_state)
+        if iterator.next_sample != start:
+            raise RuntimeError(
+                f"data position {iterator.next_sample} does not match the batch schedule's "
+                f"{start} samples at step {step}; the checkpoint belongs to another schedule"
+            )
+        return iterator

@@ -1,0 +1,151 @@
+"""Recipes load, reject bad overrides, and run end to end for a few steps on tiny settings."""
+
+from pathlib import Path
+
+import pytest
+
+from jaxdist.cli import main
+from jaxdist.config import ConfigError, apply_overrides, batch_stages, load_recipe
+from jaxdist.data.fake import write_image_folder
+from jaxdist.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
+IMAGENET = [r for r in RECIPES if r.startswith("resnet50_imagenet")]
+MNIST = [r for r in RECIPES if r.startswith("mnist")]
+
+# Tiny ImageNet-like settings: 32x32 images, width-8 ResNet-50, 4 images per device.
+TINY_IMAGENET = [
+    "data.image_size=32",
+    "model.width=8",
+    "model.dtype=float32",
+    "batch_size=32",
+    "batch_ramp=()",
+    "max_per_device_batch=4",
+    "eval_batch_size=16",
+    "max_steps=2",
+    "log_every_steps=1",
+    "checkpoint.every_steps=0",
+]
+SYNTHETIC = [
+    "data.source=synthetic",
+    "data.synthetic_train_examples=64",
+    "data.synthetic_eval_examples=16",
+]
+
+
+def test_all_recipes_present():
+    assert set(IMAGENET) == {
+        "resnet50_imagenet_mikami",
+        "resnet50_imagenet_goyal",
+        "resnet50_imagenet_mlperf_lars",
+        "resnet50_imagenet_flax",
+    }
+    assert set(MNIST) == {"mnist_small_batch", "mnist_large_batch_ramp"}
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_documents_itself(name):
+    config = load_recipe(name)
+    text = (ROOT / "recipes" / f"{name}.py").read_text()
+    for word in ("Reproduces", "Command", "Hardware", "Expected"):
+        assert word in text, f"{name}: docstring lacks a {word!r} section"
+    assert batch_stages(config)[-1][1] == config.batch_size
+
+
+def test_mnist_recipes_compare_like_with_like():
+    small, large = load_recipe("mnist_small_batch"), load_recipe("mnist_large_batch_ramp")
+    assert small.num_epochs == large.num_epochs
+    assert large.batch_size >= 8 * small.batch_size and large.batch_ramp
+    assert large.label_smoothing > 0 and small.label_smoothing == 0
+
+
+def test_derived_lr_follows_batch_override():
+    config = apply_overrides(load_recipe("resnet50_imagenet_goyal"), ["batch_size=4096"])
+    assert config.lr.peak == pytest.approx(0.1 * 4096 / 256)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("lr.peek=1", "unknown config key 'lr.peek'; did you mean lr.peak"),
+        ("batch_size=abc", "expected a int like 8192, got 'abc'"),
+        ("batch_size=1.5", "expected a int like 8192, got 1.5"),
+        ("model.zero_init_last_bn_scale=maybe", "expected a boolean"),
+        ("nonsense", "not of the form key=value"),
+    ],
+)
+def test_bad_overrides_are_clear_errors(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        apply_overrides(load_recipe("resnet50_imagenet_goyal"), [override])
+
+
+def test_cli_reports_override_errors(capsys):
+    assert main(["train", "resnet50_imagenet_goyal", "--set", "lr.peek=1"]) == 2
+    assert "unknown config key 'lr.peek'" in capsys.readouterr().err
+
+
+def test_unknown_recipe():
+    with pytest.raises(ConfigError, match="recipe 'nope' not found"):
+        load_recipe("nope")
+
+
+def _smoke(name, overrides, workdir):
+    config = apply_overrides(load_recipe(name), overrides)
+    summary = Trainer(config, workdir).run()
+    assert summary["step"] == config.max_steps, summary
+    assert 0.0 <= summary["top1"] <= summary["top5"] <= 1.0
+    assert (workdir / "metrics.jsonl").read_text().count('"kind": "train"') == config.max_steps
+
+
+@pytest.mark.parametrize("name", MNIST)
+def test_mnist_recipe_smoke(name, tmp_path):
+    _smoke(name, ["max_steps=2", "batch_ramp=()", "batch_size=32", "log_every_steps=1"], tmp_path)
+
+
+def test_imagenet_recipe_on_a_fake_folder(tmp_path):
+    root = write_image_folder(tmp_path / "imagenet", num_classes=3, train_per_class=12)
+    overrides = [*TINY_IMAGENET, "data.source=folder", f"data.root={root}", "data.dtype=uint8"]
+    _smoke("resnet50_imagenet_flax", overrides, tmp_path / "run")
+
+
+# Each recipe's own mesh preset is planning-scale; the smoke runs put its schedule on 8 CPU
+# devices: the torus recipes on a 2x4 torus (so torus2d allreduce runs), per-device and
+# grouped BN kept.
+MESH_FOR_CPU = {
+    "resnet50_imagenet_mikami": [
+        "mesh=torus-2x4",
+        "batch_ramp=((0.25, 16),)",
+        "max_per_device_batch=2",
+    ],
+    "resnet50_imagenet_goyal": ["mesh="],
+    "resnet50_imagenet_mlperf_lars": ["mesh=torus-2x4", "model.bn_group_size=2"],
+    "resnet50_imagenet_flax": ["mesh="],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", IMAGENET)
+def test_imagenet_recipe_on_synthetic_data(name, tmp_path):
+    overrides = [*TINY_IMAGENET, *SYNTHETIC, *MESH_FOR_CPU[name]]
+    _smoke(name, overrides, tmp_path)
+
+
+def test_plot_writes_a_png(tmp_path):
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [
+        {"kind": "train", "step": s, "epoch": s / 4, "loss": 2.0 / s, "lr": 0.1, "batch_size": 8}
+        for s in range(1, 9)
+    ] + [{"kind": "eval", "step": 8, "epoch": 2.0, "top1": 0.5, "top5": 0.9}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(run), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_plot_missing_metrics(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "metrics.jsonl not found" in capsys.readouterr().err
