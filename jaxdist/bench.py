@@ -82,6 +82,7 @@ class Result:
     devices: int
     platform: str
     dtype: str
+    in_place: bool
     link: cost_model.Link
     rows: list[Row]
     skipped: dict[str, str]
@@ -101,18 +102,18 @@ def skip_reason(algorithm: str, mesh: Mesh) -> str | None:
     return None
 
 
-def _timed(fn: Callable, arg, warmup: int, iters: int) -> tuple[float, float]:
+def _timed(fn: Callable, arg, warmup: int, iters: int, in_place: bool) -> tuple[float, float]:
     """(compile seconds, median run seconds) of ``fn(arg)``.
 
-    ``fn`` donates its input, as a train step donates its gradient buffers, so every call gets
-    a fresh copy made outside the timed region.
+    In place, ``fn`` donates its input (as a train step hands over its gradient buffers), so
+    every call gets a fresh copy made outside the timed region.
     """
     start = time.perf_counter()
     compiled = fn.lower(arg).compile()
     compile_seconds = time.perf_counter() - start
 
     def fresh():
-        return jax.block_until_ready(jnp.copy(arg))
+        return jax.block_until_ready(jnp.copy(arg)) if in_place else arg
 
     for _ in range(warmup):
         jax.block_until_ready(compiled(fresh()))
@@ -139,7 +140,7 @@ def _make_input(mesh: Mesh, count: int, dtype, seed: int) -> jax.Array:
     return jax.make_array_from_callback(shape, sharding, shard)
 
 
-def _per_device(mesh: Mesh, body: Callable, donate: bool = True) -> Callable:
+def _per_device(mesh: Mesh, body: Callable, donate: bool = False) -> Callable:
     names = tuple(mesh.axis_names)
     return jax.jit(
         jax.shard_map(lambda x: body(x[0])[None], mesh=mesh, in_specs=P(names), out_specs=P(names)),
@@ -157,9 +158,14 @@ def run(
     iters: int = 5,
     mesh_name: str = "",
     options: dict | None = None,
+    in_place: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> Result:
-    """Measure ``algorithms`` at each of ``sizes`` (bytes per device) on ``mesh``."""
+    """Measure ``algorithms`` at each of ``sizes`` (bytes per device) on ``mesh``.
+
+    Out of place (default) the input stays valid and the result goes to a new buffer; in place
+    the input is donated, so a schedule may write its result over it (nccl-tests reports both).
+    """
     unknown = [a for a in algorithms if a not in collectives.ALGORITHMS]
     if unknown:
         raise ValueError(
@@ -189,7 +195,7 @@ def run(
     p2p_times = []
     for nbytes in fit_sizes:
         x = _make_input(mesh, max(1, nbytes // dtype.itemsize), dtype, seed=nbytes)
-        p2p_times.append(_timed(_per_device(mesh, shift), x, warmup, iters)[1])
+        p2p_times.append(_timed(_per_device(mesh, shift), x, warmup, iters, False)[1])
     link = cost_model.fit("p2p", (p,), fit_sizes, p2p_times)
     say(f"  point-to-point link: alpha {link.alpha * 1e6:.1f} us, {link.bandwidth / 1e9:.2f} GB/s")
 
@@ -197,13 +203,15 @@ def run(
     for nbytes in sizes:
         count = max(1, nbytes // dtype.itemsize)
         x = _make_input(mesh, count, dtype, seed=nbytes)
-        reference = _per_device(mesh, lambda v: jax.lax.psum(v, flat_axes), donate=False)(x)
+        reference = _per_device(mesh, lambda v: jax.lax.psum(v, flat_axes))(x)
         for algorithm in runnable:
             opts = {k: v for k, v in options.items() if k in _OPTIONS_OF.get(algorithm, ())}
             fn = _per_device(
-                mesh, lambda v, a=algorithm, o=opts: collectives.allreduce(v, flat_axes, a, **o)
+                mesh,
+                lambda v, a=algorithm, o=opts: collectives.allreduce(v, flat_axes, a, **o),
+                donate=in_place,
             )
-            compile_s, seconds = _timed(fn, x, warmup, iters)
+            compile_s, seconds = _timed(fn, x, warmup, iters, in_place)
             err = float(max_error(fn(jnp.copy(x)), reference))
             measured[(nbytes, algorithm)] = (seconds, err, compile_s)
             say(f"  {format_size(nbytes):>6s} {algorithm:<20s} {seconds * 1e6:12.1f} us")
@@ -240,6 +248,7 @@ def run(
         devices=p,
         platform=mesh.devices.flat[0].platform,
         dtype=str(dtype),
+        in_place=in_place,
         link=link,
         rows=rows,
         skipped=skipped,
@@ -260,7 +269,8 @@ def format_table(result: Result) -> str:
     link = result.link
     lines = [
         f"# allreduce on mesh {result.mesh or '?'} {result.axis_sizes} = {result.devices} "
-        f"{result.platform} devices, dtype {result.dtype}",
+        f"{result.platform} devices, dtype {result.dtype}, "
+        f"{'in place (input donated)' if result.in_place else 'out of place'}",
         f"# fitted point-to-point link: alpha = {link.alpha * 1e6:.1f} us, "
         f"beta = 1/({link.bandwidth / 1e9:.2f} GB/s)",
         f"{'size':>8s} {'algorithm':<20s} {'time(us)':>11s} {'algbw(GB/s)':>11s} "

@@ -132,3 +132,14 @@ def test_bench_skips_what_cannot_run_and_rejects_bad_names(capsys):
     out = capsys.readouterr().out
     assert "# skipped torus2d: needs a 2-axis mesh" in out
     assert math.isfinite(float(out.split("\n")[3].split()[2]))
+
+
+def test_bench_in_place_donates_and_stays_correct(tmp_path):
+    out_json = tmp_path / "in_place.json"
+    argv = ["bench", "allreduce", "--mesh", "ring-8", "--sizes", "64K", "--iters", "2",
+            "--algorithms", "native,ring,halving_doubling", "--in-place", "--quiet",
+            "--json", str(out_json)]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(out_json.read_text())
+    assert result["in_place"] is True
+    assert all(row["max_error"] < 1e-4 for row in result["rows"])

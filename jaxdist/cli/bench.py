@@ -35,6 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="send messages in this dtype (ppermute schedules and psum)",
     )
     p.add_argument("--inter-algorithm", default="ring", help="hierarchical: schedule across hosts")
+    p.add_argument(
+        "--in-place",
+        action="store_true",
+        help="donate the input so a schedule may write its result over it (as inside a train "
+        "step); default: out of place, like nccl-tests' first columns",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", metavar="PATH", help="write the table as JSON")
@@ -133,6 +139,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
         iters=args.iters,
         mesh_name=spec.name,
         options=options,
+        in_place=args.in_place,
         progress=_leader_printer(not args.quiet),
     )
     if jax.process_index() == 0:
