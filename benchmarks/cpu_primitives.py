@@ -1,0 +1,82 @@
+"""Cost of the primitive operations the allreduce schedules are made of, on forced CPU devices.
+
+    python benchmarks/cpu_primitives.py --devices 8 --mib 16
+
+Explains the ratios of `jaxdist bench allreduce` on one CPU (docs/performance.md): how much a
+psum costs next to one ppermute, a chain of small ppermutes, writing an output and zero-filling a
+buffer. Each operation runs per device inside the same shard_map harness the benchmark uses;
+the operations are timed in interleaved rounds; medians are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--mib", type=int, default=16, help="MiB per device")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdist import meshes
+
+    p = args.devices
+    n = args.mib * 2**20 // 4
+    mesh = meshes.ring(p)
+    x = jax.device_put(
+        np.random.default_rng(0).standard_normal((p, n)).astype(np.float32),
+        NamedSharding(mesh, P("x")),
+    )
+    shift = [(j, (j + 1) % p) for j in range(p)]
+
+    def chain(v):
+        block = v[: n // p]
+        for _ in range(p - 1):
+            block = lax.ppermute(block, "x", shift)
+        return block
+
+    operations = {
+        f"psum of {args.mib} MiB": lambda v: lax.psum(v, "x"),
+        f"one ppermute of {args.mib} MiB": lambda v: lax.ppermute(v, "x", shift),
+        f"{p - 1} chained ppermutes of {args.mib}/{p} MiB": chain,
+        f"return {args.mib} MiB unchanged (write the output)": lambda v: v,
+        f"zero-fill a fresh {args.mib} MiB buffer": lambda v: jnp.zeros_like(v).at[0].set(v[0]),
+        f"scale {args.mib} MiB by 2 (one elementwise pass)": lambda v: v * 2,
+    }
+    compiled = {
+        name: jax.jit(
+            jax.shard_map(
+                lambda v, op=op: op(v[0])[None], mesh=mesh, in_specs=P("x"), out_specs=P("x")
+            )
+        )
+        for name, op in operations.items()
+    }
+    for fn in compiled.values():
+        jax.block_until_ready(fn(x))
+    times: dict[str, list[float]] = {name: [] for name in compiled}
+    for _ in range(args.rounds):
+        for name, fn in compiled.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            times[name].append(time.perf_counter() - start)
+    print(f"# {p} CPU devices, {args.mib} MiB per device, median of {args.rounds}")
+    for name, ts in times.items():
+        print(f"{name:<48s} {statistics.median(ts) * 1e3:8.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
