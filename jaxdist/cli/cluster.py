@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxdist import cluster, launch
-from jaxdist.cli.launch import command_after_dashes
+from jaxdist import cluster
+from jaxdist.cli.launch import add_supervision_arguments, command_after_dashes
 
 
 def register(subparsers) -> None:
@@ -41,26 +41,12 @@ def register(subparsers) -> None:
         "default %(default)s)",
     )
     parser.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="stop everything and exit 124 after S seconds (default: no limit)",
-    )
-    parser.add_argument(
-        "--grace",
-        type=float,
-        default=launch.DEFAULT_GRACE_S,
-        metavar="S",
-        help="seconds between SIGTERM and SIGKILL when stopping processes (default %(default)s)",
-    )
-    parser.add_argument(
         "--cleanup",
         action="store_true",
         help=f"remove namespaces and /etc/netns entries left by crashed runs "
         f"(names starting with {cluster.PREFIX!r}) and exit",
     )
-    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    add_supervision_arguments(parser)
     parser.set_defaults(func=run, joins_process_group=False)
 
 

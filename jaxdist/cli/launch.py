@@ -29,6 +29,13 @@ def register(subparsers) -> None:
         metavar="K",
         help="force K CPU devices in each process (JAXDIST_LOCAL_DEVICES)",
     )
+    add_supervision_arguments(parser)
+    # The launcher itself is no member of the run it starts.
+    parser.set_defaults(func=run, joins_process_group=False)
+
+
+def add_supervision_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--timeout``, ``--grace`` and the command after ``--``: shared with ``jaxdist cluster``."""
     parser.add_argument(
         "--timeout",
         type=float,
@@ -44,8 +51,6 @@ def register(subparsers) -> None:
         help="seconds between SIGTERM and SIGKILL when stopping processes (default %(default)s)",
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
-    # The launcher itself is no member of the run it starts.
-    parser.set_defaults(func=run, joins_process_group=False)
 
 
 def run(args: argparse.Namespace) -> int:
