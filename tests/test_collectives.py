@@ -298,3 +298,12 @@ def test_float16_with_float32_accumulation(algorithm):
     expected = x.astype(np.float32).sum(0).astype(np.float16)
     for row in out:  # float32 partial sums, one rounding to float16 at the end
         np.testing.assert_array_equal(row, expected)
+
+
+def test_all_gather_into_a_buffer_of_the_wrong_size_is_an_error():
+    mesh = meshes.ring(4)
+    shards = random_rows(4, (3,))
+    with pytest.raises(ValueError, match=r"`into` must have shape \(12,\), got \(10,\)"):
+        per_device(mesh, lambda s: collectives.all_gather(s, "x", into=jnp.zeros(10)), shards)
+    out = per_device(mesh, lambda s: collectives.all_gather(s, "x", into=jnp.ones(12)), shards)
+    np.testing.assert_array_equal(out[0], shards.reshape(-1))  # every element overwritten
