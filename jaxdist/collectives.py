@@ -456,6 +456,18 @@ def allreduce(
         if op == "mean" and not jnp.issubdtype(leaf.dtype, jnp.floating):
             raise TypeError(f"op='mean' needs floating-point leaves, got dtype {leaf.dtype}")
 
+    if algorithm == "native":
+        # psum takes the whole list in one call and XLA's all-reduce combiner fuses the leaves
+        # itself: copying them into one buffer first would only add two passes over the data.
+        if set(options) - {"unroll_limit"}:
+            raise TypeError(f"allreduce algorithm 'native': bad options {options}")
+        acc = [leaf.astype(accumulate_dtype or leaf.dtype) for leaf in leaves]
+        sent = acc if transfer_dtype is None else [a.astype(transfer_dtype) for a in acc]
+        summed = [s.astype(a.dtype) for s, a in zip(lax.psum(sent, axis_name), acc)]
+        if op == "mean":
+            summed = [s / count for s in summed]
+        return jax.tree.unflatten(treedef, [s.astype(x.dtype) for s, x in zip(summed, leaves)])
+
     schedule = _SCHEDULES[algorithm]
     results: list[jax.Array | None] = [None] * len(leaves)
     by_dtype: dict[np.dtype, list[int]] = {}

@@ -18,8 +18,11 @@ pipeline's rate (:func:`jaxdist.data.bench.measure`) is reported next to it.
 from __future__ import annotations
 
 import functools
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -121,22 +124,40 @@ class StepRate:
     compile_s: float
 
 
-def _time(name: str, run_step, batch_size: int, steps: int, warmup: int) -> StepRate:
-    start = time.perf_counter()
-    jax.block_until_ready(run_step())
-    compile_s = time.perf_counter() - start
-    for _ in range(warmup):
+def _time_interleaved(
+    runners: dict[str, Callable[[], Any]], batch_size: int, steps: int, warmup: int, rounds: int
+) -> list[StepRate]:
+    """Compile and warm up every runner, then time them in alternating rounds of ``steps``
+    steps (so load from other processes hits all of them alike); medians over rounds."""
+    compile_s = {}
+    for name, run_step in runners.items():
+        start = time.perf_counter()
         jax.block_until_ready(run_step())
-    start = time.perf_counter()
-    for _ in range(steps):
-        out = run_step()
-    jax.block_until_ready(out)
-    seconds = (time.perf_counter() - start) / steps
-    return StepRate(name, batch_size / seconds, seconds * 1e3, compile_s)
+        compile_s[name] = time.perf_counter() - start
+        for _ in range(warmup):
+            jax.block_until_ready(run_step())
+    seconds: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run_step in runners.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                out = run_step()
+            jax.block_until_ready(out)
+            seconds[name].append((time.perf_counter() - start) / steps)
+    rates = []
+    for name in runners:
+        step_s = statistics.median(seconds[name])
+        rates.append(StepRate(name, batch_size / step_s, step_s * 1e3, compile_s[name]))
+    return rates
 
 
 def measure(
-    batch_size: int, image_size: int, steps: int, warmup: int = 1, width: int = 64
+    batch_size: int,
+    image_size: int,
+    steps: int,
+    warmup: int = 1,
+    width: int = 64,
+    rounds: int = 3,
 ) -> list[StepRate]:
     """Images/s of both steps on all devices, on the same random batch."""
     devices = np.asarray(jax.devices())
@@ -144,7 +165,6 @@ def measure(
     images = rng.standard_normal((batch_size, image_size, image_size, 3), np.float32)
     labels = rng.integers(0, 1000, batch_size).astype(np.int32)
     dummy = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
-    results = []
 
     # jaxdist: the trainer's TrainStep, model and optimizer.
     mesh = Mesh(devices, ("data",))
@@ -163,8 +183,6 @@ def measure(
     def jaxdist_step():
         holder["state"], metrics = step(holder["state"], batch, rng_key)
         return metrics
-
-    results.append(_time("jaxdist TrainStep", jaxdist_step, batch_size, steps, warmup))
 
     # flax imagenet example.
     mesh = Mesh(devices, ("batch",))
@@ -188,5 +206,5 @@ def measure(
         carry["state"] = outputs[:3]
         return outputs[3]
 
-    results.append(_time("flax example (jit+pmean)", flax_step, batch_size, steps, warmup))
-    return results
+    runners = {"jaxdist TrainStep": jaxdist_step, "flax example (jit+pmean)": flax_step}
+    return _time_interleaved(runners, batch_size, steps, warmup, rounds)

@@ -19,7 +19,10 @@ def register_kind(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=16, help="global batch (default 16)")
     p.add_argument("--image-size", type=int, default=224, help="resolution (default 224)")
     p.add_argument("--width", type=int, default=64, help="ResNet width (default 64 = ResNet-50)")
-    p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per round (default 2)")
+    p.add_argument(
+        "--rounds", type=int, default=4, help="alternating timing rounds, medians (default 4)"
+    )
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after compile")
     p.add_argument(
         "--pipeline-root",
@@ -40,7 +43,9 @@ def run_resnet(args: argparse.Namespace) -> int:
     from jaxdist.data import bench as data_bench
     from jaxdist.data.fake import write_image_folder
 
-    rates = resnet_bench.measure(args.batch, args.image_size, args.steps, args.warmup, args.width)
+    rates = resnet_bench.measure(
+        args.batch, args.image_size, args.steps, args.warmup, args.width, args.rounds
+    )
     with tempfile.TemporaryDirectory() as tmp:
         root = args.pipeline_root or write_image_folder(
             tmp, num_classes=4, train_per_class=64, size_range=(300, 500)
