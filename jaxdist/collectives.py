@@ -428,7 +428,8 @@ def allreduce(
 
     Args:
       x: an array or a pytree of arrays; every leaf keeps its shape and dtype. Leaves of one
-        dtype are fused into one contiguous buffer and reduced with one schedule.
+        dtype are fused into one contiguous buffer and reduced with one schedule (``native``
+        passes all leaves to one psum instead: XLA's all-reduce combiner fuses them itself).
       axis_name: one mesh axis, a tuple acting as one flattened axis, or for ``torus2d`` and
         ``hierarchical`` a tuple ``(outer, inner)``.
       algorithm: one of :data:`ALGORITHMS`.
