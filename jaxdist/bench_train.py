@@ -114,8 +114,7 @@ def run(
     optimizer = optax.sgd(0.1, momentum=0.9)
 
     replicated = NamedSharding(mesh, P())
-    placer = ts.TrainStep(ts.classifier_loss(model, num_classes=num_classes), optimizer, mesh)
-    batch = placer.shard_batch(host_batch)
+    batch = ts.shard_batch(mesh, axes, host_batch)
     runners: dict[str, Callable[[], None]] = {}
     for communicate in (True, False):
         step = baseline_step(model, optimizer, mesh, axes, communicate)

@@ -71,6 +71,26 @@ def _data_axes(mesh: Mesh, data_axes) -> str | tuple[str, ...]:
     return names[0] if len(names) == 1 else names
 
 
+def shard_batch(mesh: Mesh, data_axes: str | tuple[str, ...], batch: Any) -> Any:
+    """Place a batch on ``mesh``, split along its leading axis over ``data_axes``.
+
+    Each process passes its own part of the global batch (all of it on one process)."""
+    sharding = NamedSharding(mesh, P(data_axes))
+    replicas = int(np.prod([mesh.shape[a] for a in np.atleast_1d(data_axes)]))
+    local_replicas = replicas // jax.process_count()
+
+    def place(x):
+        x = np.asarray(x)
+        if x.ndim == 0 or x.shape[0] % local_replicas:
+            raise ValueError(
+                f"batch leading axis {x.shape[:1]} must divide evenly over the "
+                f"{local_replicas} local data-parallel device(s) of this process"
+            )
+        return jax.make_array_from_process_local_data(sharding, x)
+
+    return jax.tree.map(place, batch)
+
+
 class TrainStep:
     """A jitted data-parallel train step on ``mesh``; see the module docstring.
 
@@ -181,22 +201,8 @@ class TrainStep:
         )
 
     def shard_batch(self, batch: Any) -> Any:
-        """Place a batch on the mesh, split along its leading axis over the data axes.
-
-        Each process passes its own part of the global batch (all of it on one process)."""
-        sharding = NamedSharding(self.mesh, P(self.data_axes))
-        local_replicas = self.num_replicas // jax.process_count()
-
-        def place(x):
-            x = np.asarray(x)
-            if x.ndim == 0 or x.shape[0] % local_replicas:
-                raise ValueError(
-                    f"batch leading axis {x.shape[:1]} must divide evenly over the "
-                    f"{local_replicas} local data-parallel device(s) of this process"
-                )
-            return jax.make_array_from_process_local_data(sharding, x)
-
-        return jax.tree.map(place, batch)
+        """Place a batch on this step's mesh; see :func:`shard_batch`."""
+        return shard_batch(self.mesh, self.data_axes, batch)
 
     # ------------------------------------------------------------------ the step
 
@@ -244,7 +250,8 @@ class TrainStep:
                 )
             if state.loss_scale is not None:
                 grads = state.loss_scale.unscale(grads)
-            finite = all_finite(grads)  # same on every device: the reduced gradients are
+            # Same on every device: they all hold the same reduced gradients.
+            finite = None if state.loss_scale is None else all_finite(grads)
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
 
@@ -331,10 +338,11 @@ class TrainStep:
             if k in ("transfer_dtype", "unroll_limit")
         }
         grad_slice = collectives.reduce_scatter(flat_grads, axes, **opts) / self.num_replicas
+        finite = None
         if state.loss_scale is not None:
             grad_slice = grad_slice / state.loss_scale.scale
-        # Each device checks only its slice; the step is skipped everywhere if any slice is bad.
-        finite = lax.pmin(all_finite(grad_slice).astype(jnp.int32), axes) > 0
+            # Each device checks only its slice; the step is skipped everywhere if one is bad.
+            finite = lax.pmin(all_finite(grad_slice).astype(jnp.int32), axes) > 0
         slice_size = self._zero_size // self.num_replicas
         padded = jnp.pad(flat_params, (0, self._zero_size - flat_params.size))
         param_slice = lax.dynamic_slice_in_dim(
