@@ -205,7 +205,8 @@ def run(
         x = _make_input(mesh, count, dtype, seed=nbytes)
         reference = _per_device(mesh, lambda v: jax.lax.psum(v, flat_axes))(x)
         for algorithm in runnable:
-            opts = {k: v for k, v in options.items() if k in _OPTIONS_OF.get(algorithm, ())}
+            accepted = collectives.schedule_options(algorithm)
+            opts = {k: v for k, v in options.items() if k in accepted}
             fn = _per_device(
                 mesh,
                 lambda v, a=algorithm, o=opts: collectives.allreduce(v, flat_axes, a, **o),
@@ -253,15 +254,6 @@ def run(
         rows=rows,
         skipped=skipped,
     )
-
-
-_OPTIONS_OF = {
-    "hierarchical": ("inter_algorithm", "transfer_dtype", "unroll_limit"),
-    "parameter_server": ("server", "transfer_dtype"),
-    **{a: ("transfer_dtype", "unroll_limit") for a in ("ring", "bidirectional_ring", "torus2d")},
-    "halving_doubling": ("transfer_dtype",),
-    "native": ("transfer_dtype",),
-}
 
 
 def format_table(result: Result) -> str:

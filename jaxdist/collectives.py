@@ -24,6 +24,7 @@ shard_map with ``check_vma=False`` when the result should be declared replicated
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -398,6 +399,14 @@ assert tuple(_SCHEDULES) == ALGORITHMS
 
 
 # --------------------------------------------------------------------------- public entry point
+
+
+def schedule_options(algorithm: str) -> tuple[str, ...]:
+    """The keyword options ``algorithm``'s schedule takes (read off its signature)."""
+    if algorithm not in _SCHEDULES:
+        raise ValueError(f"unknown allreduce algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+    parameters = inspect.signature(_SCHEDULES[algorithm]).parameters.values()
+    return tuple(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def _check_axis_name(axis_name: AxisName, algorithm: str) -> int:
