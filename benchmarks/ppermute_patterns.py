@@ -17,6 +17,16 @@ blocks one at a time on a flat 1-D mesh of all devices, ``size`` bytes per devic
   four steps, so the difference is the per-step overhead;
 * ``psum``: gloo's own allreduce of ``size`` bytes, for scale.
 
+On two processes with ``L >= 2`` devices each (device ``j = h * L + k``), two more patterns
+time the inter-host step of ``hierarchical`` on two hosts; their MB/s is per *host* link and
+direction (``L`` devices' bytes):
+
+* ``host_swap``: ``(0, k) <-> (1, k)``: every device swaps with its partner on the other host;
+* ``host_crossed``: ``(0, k) -> (1, k)`` and ``(1, k) -> (0, k + 1)``: the same bytes per
+  host, but no pair of devices sends both ways;
+* ``in_host_ring``: a ring allreduce inside each host only (``hierarchical``'s intra-host
+  reduce-scatter and all-gather, without the step between hosts); MB/s is its busbw.
+
 Prints one line per (pattern, size) from process 0: median seconds and the MB/s each device's
 link carried (bytes sent per device / time); ``--json PATH`` writes them too.
 """
@@ -36,11 +46,13 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import bench, distributed, meshes
+from jaxdist import bench, collectives, distributed, meshes
 
 
-def patterns(p: int) -> dict[str, tuple[Callable[[jax.Array], jax.Array], float]]:
-    """name -> (per-device body, bytes each device sends as a fraction of its buffer)."""
+def patterns(
+    p: int, processes: int = 1
+) -> dict[str, tuple[Callable[[jax.Array], jax.Array], float]]:
+    """name -> (per-device body, bytes counted per link as a multiple of the buffer)."""
 
     def perm(pairs: list[tuple[int, int]]) -> Callable[[jax.Array], jax.Array]:
         return lambda v: lax.ppermute(v, "x", pairs)
@@ -54,16 +66,44 @@ def patterns(p: int) -> dict[str, tuple[Callable[[jax.Array], jax.Array], float]
             out.append(carry)
         return jnp.concatenate(out)
 
+    def swap_split(v: jax.Array) -> jax.Array:
+        # swap1 as two independent one-way ppermutes: each pair's directions in separate calls
+        forward = lax.ppermute(v, "x", [(j, j + 1) for j in range(0, p, 2)])
+        backward = lax.ppermute(v, "x", [(j + 1, j) for j in range(0, p, 2)])
+        return forward + backward
+
     found = {
         "shift": (perm([(j, (j + 1) % p) for j in range(p)]), 1.0),
         "swap1": (perm([(j, j ^ 1) for j in range(p)]), 1.0),
         "one_way": (perm([(j, j + 1) for j in range(0, p, 2)]), 1.0),
+        "swap1_split": (swap_split, 1.0),
         "shift_x4": (shift_x4, 1.0),
         "psum": (lambda v: lax.psum(v, "x"), 2 * (p - 1) / p),
     }
     if p >= 4:
         found["swap2"] = (perm([(j, j ^ 2) for j in range(p)]), 1.0)
+    local = p // processes
+    if processes == 2 and local >= 2:
+        found["host_swap"] = (perm([(j, (j + local) % p) for j in range(p)]), float(local))
+        crossed = [(k, local + k) for k in range(local)]
+        crossed += [(local + k, (k + 1) % local) for k in range(local)]
+        found["host_crossed"] = (perm(crossed), float(local))
+        found["in_host_ring"] = (None, 2 * (local - 1) / local)  # see in_host_ring()
     return found
+
+
+def in_host_ring(local: int, x: jax.Array) -> Callable[[jax.Array], jax.Array]:
+    """Ring allreduce over the ``local`` axis of a two-host hierarchical mesh, taking the
+    flat ``(p, n)`` input of the other patterns."""
+    mesh = meshes.hierarchical(2, local)
+    spec = P(("host", "local"))
+
+    def body(v):
+        return collectives.allreduce(v[0], "local", "ring")[None]
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+    placed = jax.device_put(x, NamedSharding(mesh, spec))  # once, outside the timing
+    return lambda _: fn(placed)
 
 
 def main() -> None:
@@ -83,12 +123,18 @@ def main() -> None:
         x = jax.make_array_from_callback(
             host.shape, NamedSharding(mesh, P("x")), lambda index, h=host: h[index]
         )
-        for name, (body, sent) in patterns(p).items():
-            fn = jax.jit(
-                jax.shard_map(
-                    lambda v, b=body: b(v[0])[None], mesh=mesh, in_specs=P("x"), out_specs=P("x")
+        for name, (body, sent) in patterns(p, jax.process_count()).items():
+            if name == "in_host_ring":
+                fn = in_host_ring(p // jax.process_count(), x)
+            else:
+                fn = jax.jit(
+                    jax.shard_map(
+                        lambda v, b=body: b(v[0])[None],
+                        mesh=mesh,
+                        in_specs=P("x"),
+                        out_specs=P("x"),
+                    )
                 )
-            )
             jax.block_until_ready(fn(x))  # compile and warm up
             times = []
             for _ in range(args.iters):
@@ -101,7 +147,7 @@ def main() -> None:
             if leader:
                 print(
                     f"{bench.format_size(nbytes):>6s} {name:<9s} {seconds * 1e3:9.2f} ms "
-                    f"{rate:8.1f} MB/s per device link",
+                    f"{rate:8.1f} MB/s per link",
                     flush=True,
                 )
     if leader and args.json:

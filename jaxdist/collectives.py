@@ -75,6 +75,14 @@ def _send(
     return lax.ppermute(x.astype(transfer_dtype), axis_name, perm).astype(x.dtype)
 
 
+def _as_sent(x: jax.Array, transfer_dtype) -> jax.Array:
+    """``x`` rounded as :func:`_send` would round it. A device keeps its own copy of a reduced
+    chunk in this form so that every device ends with the same bits, whichever one reduced it."""
+    if transfer_dtype is None or jnp.dtype(transfer_dtype) == x.dtype:
+        return x
+    return x.astype(transfer_dtype).astype(x.dtype)
+
+
 def _shift(x: jax.Array, axis_name: AxisName, direction: int, transfer_dtype) -> jax.Array:
     """Every device sends ``x`` to its neighbour ``direction`` (+1 or -1) steps round the ring."""
     p = axis_size(axis_name)
@@ -172,6 +180,7 @@ def _ring_all_gather(
     if into is not None and into.shape != (size,):
         raise ValueError(f"all_gather: `into` must have shape ({size},), got {into.shape}")
     gathered = jnp.zeros((size,), shards[0].dtype) if into is None else into
+    shards = tuple(_as_sent(block, transfer_dtype) for block in shards)
     for lane, (block, r) in enumerate(zip(shards, positions)):
         gathered = place(gathered, lane, r, block)
     gathered, _ = _repeat(p - 1, step, (gathered, tuple(shards)), unroll_limit)
@@ -262,10 +271,53 @@ def bidirectional_ring_allreduce(
     return gathered[: flat.size]
 
 
+def _crossed_pair_sum(shard: jax.Array, axis_name: tuple[str, str], transfer_dtype) -> jax.Array:
+    """Sum ``shard`` over an outer axis of two (two hosts), with no device pair sending both
+    ways.
+
+    On two hosts the outer allreduce is one pairwise swap, ``(0, k) <-> (1, k)``, and over
+    gloo a pair that sends both ways runs each direction at half the link rate
+    (docs/multihost_performance.md). So the directions take different device pairs:
+
+    1. ``(0, k) -> (1, k)`` and ``(1, k) -> (0, k + 1)``, one ppermute over both axes: host 1
+       now holds both halves of each sum; host 0 holds host 1's shard ``k`` one device over;
+    2. on host 0, ``(0, k + 1) -> (0, k)``: one hop inside the host, over the fast links.
+
+    Each host's link carries its ``n`` shards once per direction, as the ring would, in one
+    step instead of two.
+    """
+    outer, inner = axis_name
+    n = axis_size(inner)
+    # Device (h, k) is number h * n + k on the two axes taken together.
+    to_host1 = [(k, n + k) for k in range(n)]
+    to_host0 = [(n + k, (k + 1) % n) for k in range(n)]
+    arrived = _send(shard, axis_name, to_host1 + to_host0, transfer_dtype)
+    back_one = [((k + 1) % n, k) for k in range(n)]
+    forwarded = _send(arrived, axis_name, back_one, transfer_dtype)
+    other = jnp.where(lax.axis_index(outer) == 0, forwarded, arrived)
+    # Both hosts add the same two rounded values, so every device ends with the same bits.
+    return _as_sent(shard, transfer_dtype) + other
+
+
+# One-dimensional schedules that, on an axis of two devices, are a single pairwise swap.
+_SWAP_ON_TWO = ("ring", "bidirectional_ring", "halving_doubling")
+
+
+def uses_crossed_exchange(
+    outer_size: int, inner_size: int, inter_algorithm: str = "ring", crossed_exchange: bool = True
+) -> bool:
+    """Whether a two-level schedule runs its outer step as :func:`_crossed_pair_sum`: on an
+    outer axis of two with at least two devices inside, when the outer schedule would swap."""
+    return (
+        crossed_exchange and outer_size == 2 and inner_size >= 2 and inter_algorithm in _SWAP_ON_TWO
+    )
+
+
 def torus2d_allreduce(
     flat: jax.Array,
     axis_name: tuple[str, str],
     *,
+    crossed_exchange: bool = True,
     transfer_dtype=None,
     unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
@@ -275,14 +327,17 @@ def torus2d_allreduce(
        with 1/X of the data, summed over its row;
     2. ring allreduce of that 1/X along the outer axis (each column of Y devices);
     3. all-gather along the inner axis.
-    Latency steps: 2(X-1) + 2(Y-1) instead of 2(XY-1) for one flat ring.
+    Latency steps: 2(X-1) + 2(Y-1) instead of 2(XY-1) for one flat ring. With an outer axis
+    of two, step 2 is :func:`_crossed_pair_sum` unless ``crossed_exchange=False``.
     """
-    outer, inner = axis_name
-    opts = dict(transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
-    padded = _pad_to_chunks(flat, axis_size(inner))
-    row_sum = reduce_scatter(padded, inner, **opts)
-    full_sum = ring_allreduce(row_sum, outer, **opts)
-    return all_gather(full_sum, inner, into=padded, **opts)[: flat.size]
+    return hierarchical_allreduce(
+        flat,
+        axis_name,
+        inter_algorithm="ring",
+        crossed_exchange=crossed_exchange,
+        transfer_dtype=transfer_dtype,
+        unroll_limit=unroll_limit,
+    )
 
 
 def hierarchical_allreduce(
@@ -290,6 +345,7 @@ def hierarchical_allreduce(
     axis_name: tuple[str, str],
     *,
     inter_algorithm: str = "ring",
+    crossed_exchange: bool = True,
     transfer_dtype=None,
     unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
@@ -297,7 +353,9 @@ def hierarchical_allreduce(
 
     1. reduce-scatter inside each host over the fast links (axis ``local``, L devices);
     2. allreduce across hosts over the slow links, each device carrying only 1/L of the data
-       (with ``inter_algorithm``: any one-dimensional schedule);
+       (with ``inter_algorithm``: any one-dimensional schedule; on two hosts, where that
+       schedule is one pairwise swap, :func:`_crossed_pair_sum` instead unless
+       ``crossed_exchange=False``);
     3. all-gather inside each host.
     With ``inter_algorithm="ring"`` this is the 2-D torus schedule; the point of the name is
     the link classes: the cost model prices steps 1 and 3 on intra-host links and step 2 on
@@ -312,7 +370,10 @@ def hierarchical_allreduce(
     opts = dict(transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
     padded = _pad_to_chunks(flat, axis_size(local))
     host_sum = reduce_scatter(padded, local, **opts)
-    full_sum = _SCHEDULES[inter_algorithm](host_sum, host, **opts)
+    if uses_crossed_exchange(axis_size(host), axis_size(local), inter_algorithm, crossed_exchange):
+        full_sum = _crossed_pair_sum(host_sum, axis_name, transfer_dtype)
+    else:
+        full_sum = _SCHEDULES[inter_algorithm](host_sum, host, **opts)
     return all_gather(full_sum, local, into=padded, **opts)[: flat.size]
 
 
@@ -346,6 +407,7 @@ def halving_doubling_allreduce(
         segment = keep + _send(give, axis_name, [(j, j ^ d) for j in range(p)], transfer_dtype)
         d //= 2
 
+    segment = _as_sent(segment, transfer_dtype)
     d = 1
     while d < p:  # recursive doubling
         upper = (i // d) % 2  # 1: my segment is the upper half of the doubled one
@@ -380,6 +442,7 @@ def parameter_server_allreduce(
     total = flat
     for w in workers:  # gather: a one-pair ppermute delivers zeros everywhere but the server
         total = total + _send(flat, axis_name, [(w, server)], transfer_dtype)
+    total = _as_sent(total, transfer_dtype)
     result = jnp.where(i == server, total, jnp.zeros_like(total))
     for w in workers:  # broadcast
         result = result + _send(total, axis_name, [(server, w)], transfer_dtype)

@@ -19,6 +19,9 @@ bidirectional_ring     2(p-1)                      (p-1)/p    (half the data eac
 halving_doubling       2 log2 p                    2(p-1)/p
 parameter_server       2(p-1)                      2(p-1)     (the server's link)
 torus2d / hierarchical intra 2(X-1), inter 2(Y-1)  intra 2(X-1)/X, inter 2(Y-1)/(XY)
+  ... with Y = 2         intra 2(X-1) + 1, inter 1   intra 2(X-1)/X + 1/X, inter 1/X
+                         (the crossed exchange: one inter-host step, then one hop inside
+                         host 0; see collectives._crossed_pair_sum)
 native (psum)          modelled as ring: XLA/NCCL use rings for large messages
 =====================  ==========================  ======================================
 
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxdist.collectives import ALGORITHMS
+from jaxdist.collectives import ALGORITHMS, uses_crossed_exchange
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,14 @@ def _one_dimensional_terms(algorithm: str, p: int, link_class: str) -> list[Term
 
 
 def terms(
-    algorithm: str, axis_sizes: Sequence[int], *, inter_algorithm: str = "ring"
+    algorithm: str,
+    axis_sizes: Sequence[int],
+    *,
+    inter_algorithm: str = "ring",
+    crossed_exchange: bool = True,
 ) -> list[Term]:
-    """The cost terms of ``algorithm`` on a mesh with ``axis_sizes`` (outer to inner)."""
+    """The cost terms of ``algorithm`` on a mesh with ``axis_sizes`` (outer to inner);
+    ``inter_algorithm`` and ``crossed_exchange`` as for the two-level schedules."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown allreduce algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     sizes = tuple(int(s) for s in axis_sizes)
@@ -110,6 +118,8 @@ def terms(
         outer, inner = sizes
         intra = [Term("intra", 2 * (inner - 1), 2 * (inner - 1) / inner)] if inner > 1 else []
         inter_alg = "ring" if algorithm == "torus2d" else inter_algorithm
+        if uses_crossed_exchange(outer, inner, inter_alg, crossed_exchange):
+            return [*intra, Term("intra", 1, 1 / inner), Term("inter", 1, 1 / inner)]
         # The outer allreduce moves only 1/inner of the data.
         inter = [
             Term(t.link_class, t.steps, t.volume / inner)
@@ -127,6 +137,7 @@ def predict(
     network: Network | Link,
     *,
     inter_algorithm: str = "ring",
+    crossed_exchange: bool = True,
 ) -> float:
     """Predicted seconds for an allreduce of ``nbytes`` bytes per device."""
     if isinstance(network, Link):
@@ -134,7 +145,12 @@ def predict(
     return sum(
         t.steps * network.link(t.link_class).alpha
         + t.volume * nbytes * network.link(t.link_class).beta
-        for t in terms(algorithm, axis_sizes, inter_algorithm=inter_algorithm)
+        for t in terms(
+            algorithm,
+            axis_sizes,
+            inter_algorithm=inter_algorithm,
+            crossed_exchange=crossed_exchange,
+        )
     )
 
 

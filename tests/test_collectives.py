@@ -1,5 +1,8 @@
 """Every allreduce schedule against psum, on 1-D and 2-D meshes, sizes, dtypes and pytrees."""
 
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,6 +250,67 @@ def test_hierarchical_inter_algorithm_option():
             x,
         )
         assert_allreduced(out, x)
+
+
+@pytest.mark.parametrize("crossed", [True, False])
+@pytest.mark.parametrize("inter", ["ring", "bidirectional_ring", "halving_doubling"])
+@pytest.mark.parametrize("local", [2, 3, 4])
+def test_two_hosts_crossed_exchange_and_swap_agree(inter, crossed, local):
+    mesh = meshes.hierarchical(2, local)
+    x = random_rows(2 * local, (1001,))
+    out = per_device(
+        mesh,
+        lambda v: collectives.allreduce(
+            v, ("host", "local"), "hierarchical", inter_algorithm=inter, crossed_exchange=crossed
+        ),
+        x,
+    )
+    assert_allreduced(out, x)
+
+
+def _permute_pairs(fn, mesh, x):
+    """source_target_pairs of every collective-permute in the lowered program."""
+    spec = P(tuple(mesh.axis_names))
+    lowered = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec)).lower(x)
+    found = re.findall(r"source_target_pairs = dense<(\[\[.*?\]\])>", lowered.as_text())
+    return [[tuple(pair) for pair in json.loads(text)] for text in found]
+
+
+def test_crossed_exchange_sends_no_pair_both_ways():
+    mesh = meshes.hierarchical(2, 4)
+    x = jnp.zeros((8, 64))
+
+    def sends_both_ways(pairs):
+        return any((b, a) in pairs for a, b in pairs if a != b)
+
+    for crossed, expect_swap in ((True, False), (False, True)):
+        permutes = _permute_pairs(
+            lambda v, c=crossed: collectives.allreduce(
+                v, ("host", "local"), "torus2d", crossed_exchange=c
+            ),
+            mesh,
+            x,
+        )
+        # Pairs on the two axes together are numbered host * 4 + local: 0-3 host 0, 4-7 host 1.
+        crossing = [ps for ps in permutes if any(a // 4 != b // 4 for a, b in ps)]
+        assert crossing, "the outer step must cross hosts"
+        assert any(sends_both_ways(ps) for ps in crossing) == expect_swap, crossing
+
+
+@pytest.mark.parametrize("algorithm", collectives.ALGORITHMS)
+def test_low_precision_transfer_leaves_every_device_the_same_bits(algorithm):
+    # A device that reduced a chunk must keep it rounded as it sent it, or replicas drift apart.
+    for mesh in (meshes.torus2d(2, 4), meshes.torus2d(4, 2)):
+        x = random_rows(8, (999,))
+        out = per_device(
+            mesh,
+            lambda v, m=mesh: collectives.allreduce(
+                v, ("y", "x"), algorithm, transfer_dtype=jnp.bfloat16
+            ),
+            x,
+        )
+        for device, row in enumerate(out[1:], start=1):
+            np.testing.assert_array_equal(row, out[0], err_msg=f"device {device} differs")
 
 
 # --------------------------------------------------------------------------- errors

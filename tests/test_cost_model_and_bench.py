@@ -23,7 +23,7 @@ S = 64 * 2**20
         # 2-D torus: 2(X+Y-2) steps and 2(XY-1)/(XY) volume (REFERENCE §5)
         ("torus2d", (4, 2), 2 * (2 + 4 - 2), 2 * 7 / 8),
         ("torus2d", (48, 72), 2 * (72 + 48 - 2), 2 * (3456 - 1) / 3456),
-        ("hierarchical", (2, 4), 2 * (4 + 2 - 2), 2 * 7 / 8),
+        ("hierarchical", (4, 2), 2 * (4 + 2 - 2), 2 * 7 / 8),
     ],
 )
 def test_terms_match_the_reference_formulas(algorithm, sizes, steps, volume):
@@ -51,9 +51,14 @@ def test_hierarchical_prices_each_phase_on_its_own_link():
         + 2 * (hosts - 1) * slow.alpha
         + 2 * (hosts - 1) / hosts * (S / local) * slow.beta
     )
-    assert cost_model.predict("hierarchical", S, (hosts, local), net) == pytest.approx(expected)
+    swap = cost_model.predict("hierarchical", S, (hosts, local), net, crossed_exchange=False)
+    assert swap == pytest.approx(expected)
     # A flat ring across both hosts runs every step at the slow link's pace.
     assert cost_model.predict("ring", S, (hosts, local), net) > 3 * expected
+    # The crossed exchange: one step between hosts with the same bytes, plus one in-host hop.
+    crossed = expected - slow.alpha + fast.alpha + S / local * fast.beta
+    assert cost_model.predict("hierarchical", S, (hosts, local), net) == pytest.approx(crossed)
+    assert cost_model.predict("torus2d", S, (hosts, local), net) == pytest.approx(crossed)
 
 
 def test_fit_recovers_alpha_and_beta():
@@ -131,6 +136,10 @@ def test_bench_skips_what_cannot_run_and_rejects_bad_names(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "# skipped torus2d: needs a 2-axis mesh" in out
+    argv = ["bench", "allreduce", "--mesh", "hierarchical-2x4", "--sizes", "1K", "--iters", "1",
+            "--quiet", "--algorithms", "torus2d,hierarchical", "--no-crossed-exchange"]  # fmt: skip
+    assert main(argv) == 0
+    assert "hierarchical" in capsys.readouterr().out
     assert math.isfinite(float(out.split("\n")[3].split()[2]))
 
 

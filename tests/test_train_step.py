@@ -188,6 +188,23 @@ def test_compiles_once_per_batch_shape():
     assert step.trace_count == 2
 
 
+def test_donation_default_and_explicit_donation():
+    make_mesh, axes = MESHES["ring-8"]
+    params, model_state = init_variables()
+    loss_fn = ts.classifier_loss(Net(norm_axis=axes), num_classes=NUM_CLASSES)
+    mesh = make_mesh()
+    assert not ts.donation_default(mesh), "CPU devices: donation costs time and saves nothing"
+    results = {}
+    for donate in (None, True):
+        step = ts.TrainStep(loss_fn, optax.sgd(0.1, momentum=0.9), mesh, donate=donate)
+        state = step.init(params, model_state)
+        new_state, _ = step(state, step.shard_batch(data()), jax.random.key(0))
+        donated = all(leaf.is_deleted() for leaf in jax.tree.leaves(state.params))
+        assert donated == bool(donate), f"donate={donate}: input deleted={donated}"
+        results[donate] = jax.device_get(new_state.params)
+    assert_trees_close(results[True], results[None], atol=0)
+
+
 def test_float16_loss_scaling_skips_inf_steps_and_converges():
     make_mesh, _axes = MESHES["ring-8"]
     mesh = make_mesh()
@@ -215,7 +232,7 @@ def test_float16_loss_scaling_skips_inf_steps_and_converges():
         return step(state, step.shard_batch(flagged), jax.random.key(0))
 
     state, metrics = run(state, poison=False)
-    before = jax.device_get(state.params)  # the step donates its input state
+    before = jax.device_get(state.params)  # a copy: on accelerators the step donates its input
     state, metrics = run(state, poison=True)
     assert not bool(metrics["grads_finite"])
     assert float(state.loss_scale.scale) == 2.0**9, "an overflow halves the scale"

@@ -36,6 +36,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--inter-algorithm", default="ring", help="hierarchical: schedule across hosts")
     p.add_argument(
+        "--no-crossed-exchange",
+        action="store_true",
+        help="torus2d/hierarchical on two hosts: swap between host pairs instead of the "
+        "crossed exchange (for comparison)",
+    )
+    p.add_argument(
         "--in-place",
         action="store_true",
         help="donate the input so a schedule may write its result over it (as inside a train "
@@ -124,7 +130,10 @@ def run_allreduce(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"jaxdist bench: {err}", file=sys.stderr)
         return 2
-    options = {"inter_algorithm": args.inter_algorithm}
+    options = {
+        "inter_algorithm": args.inter_algorithm,
+        "crossed_exchange": not args.no_crossed_exchange,
+    }
     if args.transfer_dtype:
         options["transfer_dtype"] = args.transfer_dtype
     _leader_printer(True)(
