@@ -214,17 +214,33 @@ def all_gather(
     """Ring all-gather, ``p - 1`` steps: device ``i`` contributes chunk ``i``; every device
     returns the ``p`` chunks concatenated in order (flattened, padding included).
 
-    ``into``: an optional flat buffer of ``p * shard.size`` elements whose contents are
-    overwritten by the result. Passing the (padded) input of the preceding reduce-scatter lets
+    ``into``: an optional flat buffer of ``p * shard.size`` elements whose contents may be
+    overwritten by the result (ignored on two devices, where a fresh buffer is cheaper). Passing the (padded) input of the preceding reduce-scatter lets
     XLA write the gathered chunks into that memory when nothing else still reads it, instead
     of allocating and zero-filling a new buffer.
     """
     p = axis_size(axis_name)
     if p == 1:
         return shard.reshape(-1)
+    if p == 2:
+        return _pair_all_gather(shard.reshape(-1), axis_name, transfer_dtype)
     return _ring_all_gather(
         [shard.reshape(-1)], axis_name, (1,), transfer_dtype, unroll_limit, into=into
     )
+
+
+def _pair_all_gather(shard: jax.Array, axis_name: AxisName, transfer_dtype) -> jax.Array:
+    """All-gather over two devices: one exchange, then both chunks written in one pass.
+
+    Writing them over ``into`` would first copy ``into`` when it is still live (out of place)
+    and then update it twice: on 8 CPU devices, 16 MiB per device, an all-gather over a
+    2-device axis into its own input took 44 ms that way and 20-24 ms as this concatenation.
+    """
+    theirs = _send(shard, axis_name, [(0, 1), (1, 0)], transfer_dtype)
+    mine = _as_sent(shard, transfer_dtype)
+    first = lax.axis_index(axis_name) == 0
+    # One concatenation of two selects: XLA fuses it into a single loop over the result.
+    return jnp.concatenate([jnp.where(first, mine, theirs), jnp.where(first, theirs, mine)])
 
 
 # --------------------------------------------------------------------------- the schedules
