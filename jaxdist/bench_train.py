@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import models
+from jaxdist import models, timing
 from jaxdist import train_step as ts
 
 
@@ -154,14 +154,8 @@ def run(
         runner()
         runner()
         say(f"  compiled {name} ({time.perf_counter() - start:.1f} s)")
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for r in range(rounds):
-        for name, runner in runners.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                runner()
-            times[name].append((time.perf_counter() - start) / steps)
-        say(f"  round {r + 1}/{rounds} done")
+    say(f"  timing {len(runners)} variants in {rounds} interleaved rounds of {steps} steps")
+    times = timing.interleaved_rounds(runners, steps, rounds)
 
     median = {name: statistics.median(t) for name, t in times.items()}
     results = []

@@ -33,7 +33,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import models, optim
+from jaxdist import models, optim, timing
 from jaxdist.batchnorm import CrossReplicaBatchNorm
 from jaxdist.train_step import TrainStep, classifier_loss
 
@@ -127,8 +127,8 @@ class StepRate:
 def _time_interleaved(
     runners: dict[str, Callable[[], Any]], batch_size: int, steps: int, warmup: int, rounds: int
 ) -> list[StepRate]:
-    """Compile and warm up every runner, then time them in alternating rounds of ``steps``
-    steps (so load from other processes hits all of them alike); medians over rounds."""
+    """Compile and warm up every runner, then time them in interleaved rounds of ``steps``
+    steps (:func:`jaxdist.timing.interleaved_rounds`); medians over rounds."""
     compile_s = {}
     for name, run_step in runners.items():
         start = time.perf_counter()
@@ -136,14 +136,7 @@ def _time_interleaved(
         compile_s[name] = time.perf_counter() - start
         for _ in range(warmup):
             jax.block_until_ready(run_step())
-    seconds: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(rounds):
-        for name, run_step in runners.items():
-            start = time.perf_counter()
-            for _ in range(steps):
-                out = run_step()
-            jax.block_until_ready(out)
-            seconds[name].append((time.perf_counter() - start) / steps)
+    seconds = timing.interleaved_rounds(runners, steps, rounds)
     rates = []
     for name in runners:
         step_s = statistics.median(seconds[name])

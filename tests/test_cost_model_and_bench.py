@@ -152,3 +152,36 @@ def test_bench_in_place_donates_and_stays_correct(tmp_path):
     result = json.loads(out_json.read_text())
     assert result["in_place"] is True
     assert all(row["max_error"] < 1e-4 for row in result["rows"])
+
+
+def test_interleaved_rounds_alternate_the_order():
+    from jaxdist import timing
+
+    calls = []
+    runners = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    seconds = timing.interleaved_rounds(runners, steps=2, rounds=3)
+    rounds = [calls[i : i + 6] for i in range(0, 18, 6)]
+    assert rounds[0] == ["a", "a", "b", "b", "c", "c"]
+    assert rounds[1] == ["c", "c", "b", "b", "a", "a"]  # reversed: nobody always runs first
+    assert rounds[2] == rounds[0]
+    assert {name: len(times) for name, times in seconds.items()} == {"a": 3, "b": 3, "c": 3}
+    with pytest.raises(ValueError, match="rounds must be >= 1"):
+        timing.interleaved_rounds(runners, steps=1, rounds=0)
+
+
+def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
+    out_json = tmp_path / "train_step.json"
+    argv = ["bench", "train-step", "--mesh", "torus-4x2", "--algorithms", "native",
+            "--per-device-batch", "2", "--image-size", "8", "--width", "4", "--steps", "1",
+            "--rounds", "2", "--json", str(out_json)]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "baseline" in table and "jaxdist native" in table
+    rows = json.loads(out_json.read_text())
+    assert [r["variant"] for r in rows] == ["baseline", "jaxdist native"], rows
+    assert rows[0]["vs_baseline"] == 1.0
+    for row in rows:
+        assert row["step_seconds"] > 0 and row["images_per_second"] > 0, row
+        assert row["communication_seconds"] == pytest.approx(
+            row["step_seconds"] - row["compute_seconds"]
+        )
