@@ -25,7 +25,8 @@ direction (``L`` devices' bytes):
 * ``host_crossed``: ``(0, k) -> (1, k)`` and ``(1, k) -> (0, k + 1)``: the same bytes per
   host, but no pair of devices sends both ways;
 * ``in_host_ring``: a ring allreduce inside each host only (``hierarchical``'s intra-host
-  reduce-scatter and all-gather, without the step between hosts); MB/s is its busbw.
+  reduce-scatter and all-gather, without the step between hosts); MB/s is its busbw;
+* ``in_host_native``: the same with gloo's own allreduce (psum over the host's devices).
 
 Prints one line per (pattern, size) from process 0: median seconds and the MB/s each device's
 link carried (bytes sent per device / time); ``--json PATH`` writes them too.
@@ -88,18 +89,19 @@ def patterns(
         crossed = [(k, local + k) for k in range(local)]
         crossed += [(local + k, (k + 1) % local) for k in range(local)]
         found["host_crossed"] = (perm(crossed), float(local))
-        found["in_host_ring"] = (None, 2 * (local - 1) / local)  # see in_host_ring()
+        found["in_host_ring"] = (None, 2 * (local - 1) / local)  # see in_host()
+        found["in_host_native"] = (None, 2 * (local - 1) / local)
     return found
 
 
-def in_host_ring(local: int, x: jax.Array) -> Callable[[jax.Array], jax.Array]:
-    """Ring allreduce over the ``local`` axis of a two-host hierarchical mesh, taking the
-    flat ``(p, n)`` input of the other patterns."""
+def in_host(algorithm: str, local: int, x: jax.Array) -> Callable[[jax.Array], jax.Array]:
+    """``algorithm``'s allreduce over the ``local`` axis of a two-host hierarchical mesh,
+    taking the flat ``(p, n)`` input of the other patterns."""
     mesh = meshes.hierarchical(2, local)
     spec = P(("host", "local"))
 
     def body(v):
-        return collectives.allreduce(v[0], "local", "ring")[None]
+        return collectives.allreduce(v[0], "local", algorithm)[None]
 
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
     placed = jax.device_put(x, NamedSharding(mesh, spec))  # once, outside the timing
@@ -124,8 +126,8 @@ def main() -> None:
             host.shape, NamedSharding(mesh, P("x")), lambda index, h=host: h[index]
         )
         for name, (body, sent) in patterns(p, jax.process_count()).items():
-            if name == "in_host_ring":
-                fn = in_host_ring(p // jax.process_count(), x)
+            if name.startswith("in_host_"):
+                fn = in_host(name.removeprefix("in_host_"), p // jax.process_count(), x)
             else:
                 fn = jax.jit(
                     jax.shard_map(
