@@ -15,10 +15,11 @@ blocks one at a time on a flat 1-D mesh of all devices, ``size`` bytes per devic
 * ``one_way``: only even devices send, to ``i + 1`` (half the links idle);
 * ``shift_x4``: four dependent shifts of ``size / 4`` each: the same bytes as ``shift`` in
   four steps, so the difference is the per-step overhead;
+* ``swap1_split``: ``swap1`` as two independent one-way ppermutes (do they overlap?);
 * ``psum``: gloo's own allreduce of ``size`` bytes, for scale.
 
-On two processes with ``L >= 2`` devices each (device ``j = h * L + k``), two more patterns
-time the inter-host step of ``hierarchical`` on two hosts; their MB/s is per *host* link and
+On two processes with ``L >= 2`` devices each (device ``j = h * L + k``), four more patterns
+time the two-host steps of ``hierarchical``; MB/s is per *host* link and
 direction (``L`` devices' bytes):
 
 * ``host_swap``: ``(0, k) <-> (1, k)``: every device swaps with its partner on the other host;
@@ -52,8 +53,9 @@ from jaxdist import bench, collectives, distributed, meshes
 
 def patterns(
     p: int, processes: int = 1
-) -> dict[str, tuple[Callable[[jax.Array], jax.Array], float]]:
-    """name -> (per-device body, bytes counted per link as a multiple of the buffer)."""
+) -> dict[str, tuple[Callable[[jax.Array], jax.Array] | None, float]]:
+    """name -> (per-device body, bytes counted per link as a multiple of the buffer); the
+    ``in_host_*`` patterns have no body here, :func:`in_host` builds them on their own mesh."""
 
     def perm(pairs: list[tuple[int, int]]) -> Callable[[jax.Array], jax.Array]:
         return lambda v: lax.ppermute(v, "x", pairs)
@@ -148,7 +150,7 @@ def main() -> None:
             rows.append({"pattern": name, "nbytes": nbytes, "seconds": seconds, "MB_per_s": rate})
             if leader:
                 print(
-                    f"{bench.format_size(nbytes):>6s} {name:<9s} {seconds * 1e3:9.2f} ms "
+                    f"{bench.format_size(nbytes):>6s} {name:<14s} {seconds * 1e3:9.2f} ms "
                     f"{rate:8.1f} MB/s per link",
                     flush=True,
                 )

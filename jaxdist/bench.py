@@ -229,7 +229,7 @@ def run(
             mesh.devices.shape,
             link,
             inter_algorithm=options.get("inter_algorithm", "ring"),
-            crossed_exchange=options.get("crossed_exchange", True),
+            crossed_exchange=options.get("crossed_exchange"),
         )
         rows.append(
             Row(

@@ -215,9 +215,10 @@ def all_gather(
     returns the ``p`` chunks concatenated in order (flattened, padding included).
 
     ``into``: an optional flat buffer of ``p * shard.size`` elements whose contents may be
-    overwritten by the result (ignored on two devices, where a fresh buffer is cheaper). Passing the (padded) input of the preceding reduce-scatter lets
+    overwritten by the result. Passing the (padded) input of the preceding reduce-scatter lets
     XLA write the gathered chunks into that memory when nothing else still reads it, instead
-    of allocating and zero-filling a new buffer.
+    of allocating and zero-filling a new buffer. On two devices the all-gather is one
+    exchange and a concatenation, and ``into`` is not used (:func:`_pair_all_gather`).
     """
     p = axis_size(axis_name)
     if p == 1:
@@ -333,7 +334,7 @@ def torus2d_allreduce(
     flat: jax.Array,
     axis_name: tuple[str, str],
     *,
-    crossed_exchange: bool = True,
+    crossed_exchange: bool = False,
     transfer_dtype=None,
     unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
@@ -344,7 +345,11 @@ def torus2d_allreduce(
     2. ring allreduce of that 1/X along the outer axis (each column of Y devices);
     3. all-gather along the inner axis.
     Latency steps: 2(X-1) + 2(Y-1) instead of 2(XY-1) for one flat ring. With an outer axis
-    of two, step 2 is :func:`_crossed_pair_sum` unless ``crossed_exchange=False``.
+    of two, ``crossed_exchange=True`` runs step 2 as :func:`_crossed_pair_sum`. It is off by
+    default here: on a torus both axes are network links, and the crossed exchange's extra hop
+    along the inner axis then crosses the network too (on a TPU torus it is not even a
+    neighbour link). :func:`hierarchical_allreduce`, whose inner axis stays inside a host,
+    turns it on.
     """
     return hierarchical_allreduce(
         flat,
@@ -371,7 +376,7 @@ def hierarchical_allreduce(
     2. allreduce across hosts over the slow links, each device carrying only 1/L of the data
        (with ``inter_algorithm``: any one-dimensional schedule; on two hosts, where that
        schedule is one pairwise swap, :func:`_crossed_pair_sum` instead unless
-       ``crossed_exchange=False``);
+       ``crossed_exchange=False``: its extra hop runs on the inner axis, inside a host);
     3. all-gather inside each host.
     With ``inter_algorithm="ring"`` this is the 2-D torus schedule; the point of the name is
     the link classes: the cost model prices steps 1 and 3 on intra-host links and step 2 on
@@ -488,6 +493,13 @@ def schedule_options(algorithm: str) -> tuple[str, ...]:
     return tuple(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
+def option_default(algorithm: str, option: str) -> Any:
+    """The default value of ``algorithm``'s keyword ``option`` (read off its signature)."""
+    if option not in schedule_options(algorithm):
+        raise ValueError(f"allreduce algorithm {algorithm!r} has no option {option!r}")
+    return inspect.signature(_SCHEDULES[algorithm]).parameters[option].default
+
+
 def _check_axis_name(axis_name: AxisName, algorithm: str) -> int:
     if algorithm in TWO_LEVEL:
         if not (isinstance(axis_name, tuple) and len(axis_name) == 2):
@@ -527,7 +539,9 @@ def allreduce(
       accumulate_dtype: dtype partial sums are kept in (e.g. ``jnp.float32`` for bf16 leaves);
         default: each leaf's own dtype.
       **options: schedule options: ``unroll_limit`` (all ring-based schedules),
-        ``inter_algorithm`` (hierarchical), ``server`` (parameter_server).
+        ``inter_algorithm`` (hierarchical), ``crossed_exchange`` (torus2d, default off;
+        hierarchical, default on; see :func:`_crossed_pair_sum`), ``server``
+        (parameter_server).
     """
     if algorithm not in _SCHEDULES:
         raise ValueError(f"unknown allreduce algorithm {algorithm!r}; expected one of {ALGORITHMS}")

@@ -19,11 +19,12 @@ bidirectional_ring     2(p-1)                      (p-1)/p    (half the data eac
 halving_doubling       2 log2 p                    2(p-1)/p
 parameter_server       2(p-1)                      2(p-1)     (the server's link)
 torus2d / hierarchical intra 2(X-1), inter 2(Y-1)  intra 2(X-1)/X, inter 2(Y-1)/(XY)
-  ... with Y = 2         intra 2(X-1) + 1, inter 1   intra 2(X-1)/X + 1/X, inter 1/X
-                         (the crossed exchange: one inter-host step, then one hop inside
-                         host 0; see collectives._crossed_pair_sum)
+... crossed, Y = 2     intra 2X-1, inter 1         intra (2X-1)/X, inter 1/X
 native (psum)          modelled as ring: XLA/NCCL use rings for large messages
 =====================  ==========================  ======================================
+
+The crossed exchange (``collectives._crossed_pair_sum``; hierarchical's default on two hosts)
+runs the step between the hosts once instead of twice and adds one hop inside host 0.
 
 For ``torus2d`` the sum over both classes is 2(X+Y-2) alpha + 2(XY-1)/(XY) S beta, the same
 bandwidth term as a flat ring with far fewer latency steps. A one-dimensional schedule that
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxdist.collectives import ALGORITHMS, uses_crossed_exchange
+from jaxdist.collectives import ALGORITHMS, option_default, uses_crossed_exchange
 
 
 @dataclass(frozen=True)
@@ -103,10 +104,11 @@ def terms(
     axis_sizes: Sequence[int],
     *,
     inter_algorithm: str = "ring",
-    crossed_exchange: bool = True,
+    crossed_exchange: bool | None = None,
 ) -> list[Term]:
     """The cost terms of ``algorithm`` on a mesh with ``axis_sizes`` (outer to inner);
-    ``inter_algorithm`` and ``crossed_exchange`` as for the two-level schedules."""
+    ``inter_algorithm`` and ``crossed_exchange`` as for the two-level schedules (``None``:
+    the schedule's own default)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown allreduce algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     sizes = tuple(int(s) for s in axis_sizes)
@@ -118,6 +120,8 @@ def terms(
         outer, inner = sizes
         intra = [Term("intra", 2 * (inner - 1), 2 * (inner - 1) / inner)] if inner > 1 else []
         inter_alg = "ring" if algorithm == "torus2d" else inter_algorithm
+        if crossed_exchange is None:
+            crossed_exchange = option_default(algorithm, "crossed_exchange")
         if uses_crossed_exchange(outer, inner, inter_alg, crossed_exchange):
             return [*intra, Term("intra", 1, 1 / inner), Term("inter", 1, 1 / inner)]
         # The outer allreduce moves only 1/inner of the data.
@@ -137,7 +141,7 @@ def predict(
     network: Network | Link,
     *,
     inter_algorithm: str = "ring",
-    crossed_exchange: bool = True,
+    crossed_exchange: bool | None = None,
 ) -> float:
     """Predicted seconds for an allreduce of ``nbytes`` bytes per device."""
     if isinstance(network, Link):

@@ -22,9 +22,9 @@ def interleaved_rounds(
 ) -> dict[str, list[float]]:
     """Seconds per step of each runner in each round (see the module docstring).
 
-    Each runner performs one step and returns something to block on (or ``None``); the steps
+    Each runner performs one step and returns something to block on (or ``None``). The steps
     of a round are dispatched back to back and waited for once at its end, as a training loop
-    would run them.
+    would run them; a runner that blocks inside itself is timed the same way.
     """
     if steps < 1 or rounds < 1:
         raise ValueError(f"steps and rounds must be >= 1, got steps={steps}, rounds={rounds}")

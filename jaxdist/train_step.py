@@ -97,9 +97,8 @@ def donation_default(mesh: Mesh) -> bool:
 
     Donation lets XLA write the new state over the old one, which halves the state's device
     memory -- what matters on a GPU or TPU. On the CPU runtime it buys nothing (host memory)
-    and costs time: the donated ResNet-50 step runs 7-10% slower than the same program
-    undonated (``jaxdist bench resnet``, docs/performance.md), though the compiled HLO is the
-    same apart from its input/output aliases.
+    and costs time: the ResNet-50 step ran 6-10% faster undonated than donated, with the same
+    compiled HLO apart from its input/output aliases (docs/performance.md, section 4).
     """
     return any(d.platform != "cpu" for d in mesh.devices.flat)
 
@@ -194,9 +193,10 @@ class TrainStep:
         shardings = jax.tree.map(
             lambda spec: NamedSharding(self.mesh, spec), self.state_specs(state)
         )
-        # device_put may alias the caller's buffers on devices they already live on; the step
-        # donates its state, so it gets buffers of its own.
-        return jax.tree.map(jnp.copy, jax.device_put(state, shardings))
+        state = jax.device_put(state, shardings)
+        # device_put may alias the caller's buffers on devices they already live on; a step
+        # that donates its state gets buffers of its own, so the caller's stay valid.
+        return jax.tree.map(jnp.copy, state) if self.donate else state
 
     def state_specs(self, state: TrainState) -> TrainState:
         """PartitionSpecs of the state: replicated, except ZeRO-1's optimizer-state slices."""
@@ -364,7 +364,12 @@ class TrainStep:
         )
         updates, opt_state = self.optimizer.update(grad_slice, state.opt_state, param_slice)
         new_slice = optax.apply_updates(param_slice, updates)
-        new_flat = collectives.all_gather(new_slice, axes, **opts)[: flat_params.size]
+        # Parameters travel in full precision: ``transfer_dtype`` is for gradients, and a
+        # rounded all-gather would cut every device's float32 master copy to that dtype.
+        new_flat = collectives.all_gather(
+            new_slice, axes, unroll_limit=opts.get("unroll_limit", collectives.UNROLL_LIMIT)
+        )
+        new_flat = new_flat[: flat_params.size]
         return unravel(new_flat), opt_state, finite
 
 

@@ -304,9 +304,7 @@ def test_low_precision_transfer_leaves_every_device_the_same_bits(algorithm):
         x = random_rows(8, (999,))
         out = per_device(
             mesh,
-            lambda v, m=mesh: collectives.allreduce(
-                v, ("y", "x"), algorithm, transfer_dtype=jnp.bfloat16
-            ),
+            lambda v: collectives.allreduce(v, ("y", "x"), algorithm, transfer_dtype=jnp.bfloat16),
             x,
         )
         for device, row in enumerate(out[1:], start=1):

@@ -58,7 +58,10 @@ def test_hierarchical_prices_each_phase_on_its_own_link():
     # The crossed exchange: one step between hosts with the same bytes, plus one in-host hop.
     crossed = expected - slow.alpha + fast.alpha + S / local * fast.beta
     assert cost_model.predict("hierarchical", S, (hosts, local), net) == pytest.approx(crossed)
-    assert cost_model.predict("torus2d", S, (hosts, local), net) == pytest.approx(crossed)
+    # torus2d crosses only when asked (its inner axis may itself be a network link).
+    assert cost_model.predict("torus2d", S, (hosts, local), net) == pytest.approx(expected)
+    torus_crossed = cost_model.predict("torus2d", S, (hosts, local), net, crossed_exchange=True)
+    assert torus_crossed == pytest.approx(crossed)
 
 
 def test_fit_recovers_alpha_and_beta():
@@ -136,11 +139,11 @@ def test_bench_skips_what_cannot_run_and_rejects_bad_names(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "# skipped torus2d: needs a 2-axis mesh" in out
+    assert math.isfinite(float(out.split("\n")[3].split()[2]))
     argv = ["bench", "allreduce", "--mesh", "hierarchical-2x4", "--sizes", "1K", "--iters", "1",
-            "--quiet", "--algorithms", "torus2d,hierarchical", "--no-crossed-exchange"]  # fmt: skip
+            "--quiet", "--algorithms", "torus2d,hierarchical", "--crossed-exchange", "off"]  # fmt: skip
     assert main(argv) == 0
     assert "hierarchical" in capsys.readouterr().out
-    assert math.isfinite(float(out.split("\n")[3].split()[2]))
 
 
 def test_bench_in_place_donates_and_stays_correct(tmp_path):

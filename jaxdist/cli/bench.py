@@ -36,10 +36,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--inter-algorithm", default="ring", help="hierarchical: schedule across hosts")
     p.add_argument(
-        "--no-crossed-exchange",
-        action="store_true",
-        help="torus2d/hierarchical on two hosts: swap between host pairs instead of the "
-        "crossed exchange (for comparison)",
+        "--crossed-exchange",
+        choices=("on", "off"),
+        default=None,
+        help="torus2d/hierarchical on an outer axis of two: send the two directions between "
+        "the hosts over different device pairs (on) or swap (off); default: torus2d off, "
+        "hierarchical on",
     )
     p.add_argument(
         "--in-place",
@@ -130,10 +132,9 @@ def run_allreduce(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"jaxdist bench: {err}", file=sys.stderr)
         return 2
-    options = {
-        "inter_algorithm": args.inter_algorithm,
-        "crossed_exchange": not args.no_crossed_exchange,
-    }
+    options = {"inter_algorithm": args.inter_algorithm}
+    if args.crossed_exchange is not None:
+        options["crossed_exchange"] = args.crossed_exchange == "on"
     if args.transfer_dtype:
         options["transfer_dtype"] = args.transfer_dtype
     _leader_printer(True)(
