@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -149,11 +148,9 @@ def run(
             suffix = "" if allreduce == algorithm else "/none"
             runners[f"jaxdist {algorithm}{suffix}"] = run_jaxdist
 
-    for name, runner in runners.items():  # compile and warm up
-        start = time.perf_counter()
-        runner()
-        runner()
-        say(f"  compiled {name} ({time.perf_counter() - start:.1f} s)")
+    timing.warm_up(
+        runners, warmup=1, on_compiled=lambda name, s: say(f"  compiled {name} ({s:.1f} s)")
+    )
     say(f"  timing {len(runners)} variants in {rounds} interleaved rounds of {steps} steps")
     times = timing.interleaved_rounds(runners, steps, rounds)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -129,13 +128,7 @@ def _time_interleaved(
 ) -> list[StepRate]:
     """Compile and warm up every runner, then time them in interleaved rounds of ``steps``
     steps (:func:`jaxdist.timing.interleaved_rounds`); medians over rounds."""
-    compile_s = {}
-    for name, run_step in runners.items():
-        start = time.perf_counter()
-        jax.block_until_ready(run_step())
-        compile_s[name] = time.perf_counter() - start
-        for _ in range(warmup):
-            jax.block_until_ready(run_step())
+    compile_s = timing.warm_up(runners, warmup)
     seconds = timing.interleaved_rounds(runners, steps, rounds)
     rates = []
     for name in runners:

@@ -17,6 +17,28 @@ from typing import Any
 import jax
 
 
+def warm_up(
+    runners: dict[str, Callable[[], Any]],
+    warmup: int,
+    on_compiled: Callable[[str, float], None] | None = None,
+) -> dict[str, float]:
+    """Run every runner once (compiling it) and then ``warmup`` more times, untimed.
+
+    Returns each runner's first-call seconds (its compile time, near enough); calls
+    ``on_compiled(name, seconds)`` after each runner's first call when given.
+    """
+    compile_seconds = {}
+    for name, runner in runners.items():
+        start = time.perf_counter()
+        jax.block_until_ready(runner())
+        compile_seconds[name] = time.perf_counter() - start
+        if on_compiled is not None:
+            on_compiled(name, compile_seconds[name])
+        for _ in range(warmup):
+            jax.block_until_ready(runner())
+    return compile_seconds
+
+
 def interleaved_rounds(
     runners: dict[str, Callable[[], Any]], steps: int, rounds: int
 ) -> dict[str, list[float]]:

@@ -346,12 +346,11 @@ class TrainStep:
         axes = self.data_axes
         flat_grads, _ = ravel_pytree(grads)
         flat_params, unravel = ravel_pytree(state.params)
-        opts = {
-            k: v
-            for k, v in self.allreduce_options.items()
-            if k in ("transfer_dtype", "unroll_limit")
-        }
-        grad_slice = collectives.reduce_scatter(flat_grads, axes, **opts) / self.num_replicas
+        options = self.allreduce_options
+        unroll = {k: v for k, v in options.items() if k == "unroll_limit"}
+        transfer = {k: v for k, v in options.items() if k == "transfer_dtype"}
+        grad_slice = collectives.reduce_scatter(flat_grads, axes, **unroll, **transfer)
+        grad_slice = grad_slice / self.num_replicas
         finite = None
         if state.loss_scale is not None:
             grad_slice = grad_slice / state.loss_scale.scale
@@ -366,10 +365,7 @@ class TrainStep:
         new_slice = optax.apply_updates(param_slice, updates)
         # Parameters travel in full precision: ``transfer_dtype`` is for gradients, and a
         # rounded all-gather would cut every device's float32 master copy to that dtype.
-        new_flat = collectives.all_gather(
-            new_slice, axes, unroll_limit=opts.get("unroll_limit", collectives.UNROLL_LIMIT)
-        )
-        new_flat = new_flat[: flat_params.size]
+        new_flat = collectives.all_gather(new_slice, axes, **unroll)[: flat_params.size]
         return unravel(new_flat), opt_state, finite
 
 

@@ -188,3 +188,14 @@ def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
         assert row["communication_seconds"] == pytest.approx(
             row["step_seconds"] - row["compute_seconds"]
         )
+
+
+def test_warm_up_runs_each_runner_once_plus_warmup():
+    from jaxdist import timing
+
+    calls, compiled = [], []
+    runners = {name: (lambda name=name: calls.append(name)) for name in ("a", "b")}
+    seconds = timing.warm_up(runners, warmup=2, on_compiled=lambda n, s: compiled.append(n))
+    assert calls == ["a", "a", "a", "b", "b", "b"]
+    assert compiled == ["a", "b"] and set(seconds) == {"a", "b"}
+    assert all(s >= 0 for s in seconds.values())
