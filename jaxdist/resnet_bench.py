@@ -137,42 +137,40 @@ def _time_interleaved(
     return rates
 
 
-def measure(
-    batch_size: int,
-    image_size: int,
-    steps: int,
-    warmup: int = 1,
-    width: int = 64,
-    rounds: int = 3,
-) -> list[StepRate]:
-    """Images/s of both steps on all devices, on the same random batch."""
-    devices = np.asarray(jax.devices())
-    rng = np.random.default_rng(0)
-    images = rng.standard_normal((batch_size, image_size, image_size, 3), np.float32)
-    labels = rng.integers(0, 1000, batch_size).astype(np.int32)
-    dummy = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
+JAXDIST = "jaxdist TrainStep"
+JAXDIST_CONV_1X1 = "jaxdist, 1x1 as nn.Conv"
+FLAX_EXAMPLE = "flax example (jit+pmean)"
 
-    # jaxdist: the trainer's TrainStep, model and optimizer.
-    mesh = Mesh(devices, ("data",))
+
+def _jaxdist_runner(
+    mesh: Mesh, images: np.ndarray, labels: np.ndarray, width: int, pointwise_matmul: bool
+) -> Callable[[], Any]:
+    """The trainer's TrainStep, model and optimizer, as one step on a fixed batch."""
     norm = functools.partial(CrossReplicaBatchNorm, axis_name="data")
-    model = models.resnet50(width=width, norm=norm)
+    model = models.resnet50(width=width, norm=norm, pointwise_matmul=pointwise_matmul)
+    dummy = jnp.zeros((1, *images.shape[1:]), jnp.float32)
     variables = model.init(jax.random.key(0), dummy, train=False)
     step = TrainStep(
         classifier_loss(model, num_classes=1000), optim.sgd_momentum(0.1), mesh, data_axes="data"
     )
     params = variables.pop("params")
-    state = step.init(params, dict(variables))
+    holder = {"state": step.init(params, dict(variables))}
     batch = step.shard_batch({"image": images, "label": labels})
     rng_key = jax.random.PRNGKey(0)
-    holder = {"state": state}
 
-    def jaxdist_step():
+    def run():
         holder["state"], metrics = step(holder["state"], batch, rng_key)
         return metrics
 
-    # flax imagenet example.
-    mesh = Mesh(devices, ("batch",))
+    return run
+
+
+def _flax_example_runner(
+    mesh: Mesh, images: np.ndarray, labels: np.ndarray, width: int
+) -> Callable[[], Any]:
+    """The flax imagenet example's model, optimizer and jit + pmean step."""
     flax_model = FlaxExampleResNet50(width=width)
+    dummy = jnp.zeros((1, *images.shape[1:]), jnp.float32)
     variables = flax_model.init(jax.random.key(0), dummy, train=False)
     tx = optax.sgd(0.1, momentum=0.9, nesterov=True)
     replicated = NamedSharding(mesh, P())
@@ -180,17 +178,38 @@ def measure(
     stats = jax.device_put(variables["batch_stats"], replicated)
     opt_state = jax.device_put(tx.init(variables["params"]), replicated)
     sharded = NamedSharding(mesh, P("batch"))
-    flax_batch = {
-        "image": jax.device_put(images, sharded),
-        "label": jax.device_put(labels, sharded),
-    }
+    batch = {"image": jax.device_put(images, sharded), "label": jax.device_put(labels, sharded)}
     train_step = flax_example_step(flax_model, tx, mesh)
     carry = {"state": (params, stats, opt_state)}
 
-    def flax_step():
-        outputs = train_step(*carry["state"], flax_batch)
+    def run():
+        outputs = train_step(*carry["state"], batch)
         carry["state"] = outputs[:3]
         return outputs[3]
 
-    runners = {"jaxdist TrainStep": jaxdist_step, "flax example (jit+pmean)": flax_step}
+    return run
+
+
+def measure(
+    batch_size: int,
+    image_size: int,
+    steps: int,
+    warmup: int = 1,
+    width: int = 64,
+    rounds: int = 3,
+    conv_1x1_variant: bool = True,
+) -> list[StepRate]:
+    """Images/s of jaxdist's step and the flax example's on all devices, on the same random
+    batch. ``conv_1x1_variant`` adds jaxdist's step with its 1x1 convolutions as ``nn.Conv``
+    (``ResNet.pointwise_matmul=False``), which tells the model's share of the difference."""
+    devices = np.asarray(jax.devices())
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((batch_size, image_size, image_size, 3), np.float32)
+    labels = rng.integers(0, 1000, batch_size).astype(np.int32)
+
+    data_mesh = Mesh(devices, ("data",))
+    runners = {JAXDIST: _jaxdist_runner(data_mesh, images, labels, width, True)}
+    if conv_1x1_variant:
+        runners[JAXDIST_CONV_1X1] = _jaxdist_runner(data_mesh, images, labels, width, False)
+    runners[FLAX_EXAMPLE] = _flax_example_runner(Mesh(devices, ("batch",)), images, labels, width)
     return _time_interleaved(runners, batch_size, steps, warmup, rounds)

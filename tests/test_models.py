@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import models
-from jaxdist.models import ResNet
+from jaxdist.models import PointwiseConv, ResNet
 
 # torchvision's counts for the same architectures (conv kernels without bias, BN scale and
 # offset, classifier kernel and bias; running statistics are not parameters).
@@ -93,6 +93,56 @@ def test_bottleneck_downsamples_in_the_3x3_conv():
     assert block["conv1"]["__call__"][0].shape[1:3] == (16, 16)
     assert block["conv2"]["__call__"][0].shape[1:3] == (8, 8)
     assert block["shortcut_conv"]["__call__"][0].shape[1:3] == (8, 8)
+
+
+@pytest.mark.parametrize("strides, size", [(1, 6), (2, 6), (2, 7), (3, 7)])
+@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+def test_pointwise_conv_is_a_1x1_conv(strides, size, dtype, rtol):
+    """Same parameter (name, shape, initial value) and the same function as a bias-free
+    ``VALID`` 1x1 ``nn.Conv``, also strided over odd sizes and in bf16."""
+    x = jax.random.normal(jax.random.key(1), (2, size, size, 5))
+    conv = nn.Conv(3, (1, 1), strides, "VALID", use_bias=False, dtype=dtype)
+    pointwise = PointwiseConv(3, strides, dtype=dtype, kernel_init=nn.initializers.lecun_normal())
+    conv_vars = conv.init(jax.random.key(0), x)
+    point_vars = pointwise.init(jax.random.key(0), x)
+    assert jax.tree.map(np.shape, point_vars) == jax.tree.map(np.shape, conv_vars)
+    np.testing.assert_array_equal(point_vars["params"]["kernel"], conv_vars["params"]["kernel"])
+    expected = conv.apply(conv_vars, x)
+    found = pointwise.apply(conv_vars, x)
+    assert found.shape == expected.shape and found.dtype == expected.dtype
+    np.testing.assert_allclose(
+        np.asarray(found, np.float32), np.asarray(expected, np.float32), rtol=rtol, atol=rtol
+    )
+
+
+@pytest.mark.parametrize("block", ["basic", "bottleneck"])
+def test_pointwise_matmul_keeps_the_parameters_and_the_function(block):
+    """``pointwise_matmul`` changes how 1x1 convolutions are computed, nothing else: the
+    same variables from the same key, the same logits and gradients (two stages, so the
+    strided projection shortcut is in it too)."""
+    x = jax.random.normal(jax.random.key(1), (2, 12, 12, 3))
+    fields = dict(stage_sizes=(1, 1), block=block, width=4, num_classes=5, stem="small")
+    as_matmul = ResNet(**fields)
+    as_conv = ResNet(**fields, pointwise_matmul=False)
+    variables = as_matmul.init(jax.random.key(0), x, train=False)
+    conv_variables = as_conv.init(jax.random.key(0), x, train=False)
+    jax.tree.map(np.testing.assert_array_equal, variables, conv_variables)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def loss_and_grads(model, params):
+        def loss(params):
+            return jnp.sum(model.apply({**variables, "params": params}, x, train=False) ** 2)
+
+        return jax.value_and_grad(loss)(params)
+
+    value, grads = loss_and_grads(as_matmul, variables["params"])
+    conv_value, conv_grads = loss_and_grads(as_conv, variables["params"])
+    np.testing.assert_allclose(value, conv_value, rtol=1e-5)
+    conv_by_path = dict(jax.tree_util.tree_leaves_with_path(conv_grads))
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        conv_g = np.asarray(conv_by_path[path])
+        scale = float(np.abs(conv_g).max()) or 1.0
+        np.testing.assert_allclose(g, conv_g, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
 
 
 def _norm_scales(params):

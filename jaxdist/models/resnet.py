@@ -21,6 +21,11 @@ Design choices:
 * **Padding like the reference implementations.** Strided convolutions pad symmetrically
   (``(k-1)//2`` on each side) as torchvision and the MLPerf TensorFlow reference do, rather
   than XLA's ``SAME`` (which pads more on the bottom/right for even inputs).
+* **1x1 convolutions as matrix products** (``pointwise_matmul``, on by default). A 1x1
+  convolution is a matrix product over the channel axis; written as one (:class:`PointwiseConv`,
+  same ``kernel`` parameter of shape ``(1, 1, in, out)``, same function) XLA:CPU runs its
+  forward and backward 2-7x faster than as a convolution, and on GPU/TPU it is the same
+  GEMM either way. Two of the three convolutions of every bottleneck block are 1x1.
 * **Mixed precision.** ``dtype`` is the compute dtype (``jnp.bfloat16`` on accelerators);
   parameters stay in ``param_dtype`` (float32) and the logits come out in ``dtype``, so the
   loss should upcast them (:func:`jaxdist.optim.smoothed_cross_entropy` does).
@@ -54,12 +59,41 @@ def _symmetric_padding(kernel_size: int) -> tuple[tuple[int, int], tuple[int, in
     return ((pad, pad), (pad, pad))
 
 
+class PointwiseConv(nn.Module):
+    """A bias-free 1x1 convolution (``VALID``, square ``strides``) computed as a matrix product.
+
+    Same parameter as ``nn.Conv(features, (1, 1), strides, "VALID", use_bias=False)``
+    (``kernel``, shape ``(1, 1, in, features)``) and the same function: a strided 1x1
+    convolution reads every ``strides``-th pixel, then mixes channels.
+    """
+
+    features: int
+    strides: int = 1
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Callable = conv_kernel_init
+
+    @nn.compact
+    def __call__(self, x_BxHxWxC: jax.Array) -> jax.Array:
+        channels = x_BxHxWxC.shape[-1]
+        kernel = self.param(
+            "kernel", self.kernel_init, (1, 1, channels, self.features), self.param_dtype
+        )
+        x, kernel = nn.dtypes.promote_dtype(x_BxHxWxC, kernel, dtype=self.dtype)
+        if self.strides != 1:
+            x = x[:, :: self.strides, :: self.strides, :]
+        batch, height, width, _ = x.shape
+        y = x.reshape(batch * height * width, channels) @ kernel.reshape(channels, self.features)
+        return y.reshape(batch, height, width, self.features)
+
+
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions (ResNet-18/34); the first one downsamples when ``strides`` is 2."""
 
     filters: int
     strides: int
     conv: ModuleFactory
+    pointwise: ModuleFactory
     norm: ModuleFactory
     last_norm_scale_init: Callable
 
@@ -71,7 +105,7 @@ class BasicBlock(nn.Module):
         y = nn.relu(self.norm(name="norm1")(y))
         y = self.conv(self.filters, (3, 3), 1, _symmetric_padding(3), name="conv2")(y)
         y = self.norm(scale_init=self.last_norm_scale_init, name="norm2")(y)
-        shortcut = _shortcut(x_BxHxWxC, y.shape[-1], self.strides, self.conv, self.norm)
+        shortcut = _shortcut(x_BxHxWxC, y.shape[-1], self.strides, self.pointwise, self.norm)
         return nn.relu(shortcut + y)
 
 
@@ -81,6 +115,7 @@ class BottleneckBlock(nn.Module):
     filters: int
     strides: int
     conv: ModuleFactory
+    pointwise: ModuleFactory
     norm: ModuleFactory
     last_norm_scale_init: Callable
 
@@ -88,23 +123,23 @@ class BottleneckBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x_BxHxWxC: jax.Array) -> jax.Array:
-        y = self.conv(self.filters, (1, 1), 1, "VALID", name="conv1")(x_BxHxWxC)
+        y = self.pointwise(self.filters, 1, name="conv1")(x_BxHxWxC)
         y = nn.relu(self.norm(name="norm1")(y))
         y = self.conv(self.filters, (3, 3), self.strides, _symmetric_padding(3), name="conv2")(y)
         y = nn.relu(self.norm(name="norm2")(y))
-        y = self.conv(self.filters * self.expansion, (1, 1), 1, "VALID", name="conv3")(y)
+        y = self.pointwise(self.filters * self.expansion, 1, name="conv3")(y)
         y = self.norm(scale_init=self.last_norm_scale_init, name="norm3")(y)
-        shortcut = _shortcut(x_BxHxWxC, y.shape[-1], self.strides, self.conv, self.norm)
+        shortcut = _shortcut(x_BxHxWxC, y.shape[-1], self.strides, self.pointwise, self.norm)
         return nn.relu(shortcut + y)
 
 
 def _shortcut(
-    x: jax.Array, features: int, strides: int, conv: ModuleFactory, norm: ModuleFactory
+    x: jax.Array, features: int, strides: int, pointwise: ModuleFactory, norm: ModuleFactory
 ) -> jax.Array:
     """Identity when shapes match, else a projection (strided 1x1 conv + norm), as in v1.5."""
     if x.shape[-1] == features and strides == 1:
         return x
-    x = conv(features, (1, 1), strides, "VALID", name="shortcut_conv")(x)
+    x = pointwise(features, strides, name="shortcut_conv")(x)
     return norm(name="shortcut_norm")(x)
 
 
@@ -126,6 +161,8 @@ class ResNet(nn.Module):
       dtype: compute dtype of convolutions, norms and the classifier.
       param_dtype: dtype the parameters are stored in.
       norm: factory of the normalisation layer; see the module docstring.
+      pointwise_matmul: compute 1x1 convolutions as matrix products (:class:`PointwiseConv`);
+        ``False`` uses ``nn.Conv``. Same parameters and function either way.
     """
 
     stage_sizes: Sequence[int]
@@ -137,6 +174,7 @@ class ResNet(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     norm: ModuleFactory = default_norm
+    pointwise_matmul: bool = True
 
     def __post_init__(self) -> None:
         if self.stem not in STEMS:
@@ -168,6 +206,18 @@ class ResNet(nn.Module):
             param_dtype=self.param_dtype,
             kernel_init=conv_kernel_init,
         )
+        if self.pointwise_matmul:
+            pointwise = functools.partial(
+                PointwiseConv,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                kernel_init=conv_kernel_init,
+            )
+        else:
+
+            def pointwise(features: int, strides: int, name: str) -> nn.Module:
+                return conv(features, (1, 1), strides, "VALID", name=name)
+
         norm = functools.partial(
             self.norm,
             use_running_average=not train,
@@ -196,6 +246,7 @@ class ResNet(nn.Module):
                     filters=self.width * 2**stage,
                     strides=strides,
                     conv=conv,
+                    pointwise=pointwise,
                     norm=norm,
                     last_norm_scale_init=last_norm_scale_init,
                     name=f"stage{stage + 1}_block{index + 1}",
