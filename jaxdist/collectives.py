@@ -157,7 +157,8 @@ def _ring_all_gather(
     forwards the chunk it received last and writes the arriving one, chunk ``r - s - 1``, in
     place. Buffers stay flat on purpose: on a ``(p, m)`` view XLA:CPU fuses each update with a
     bitcast into a loop over the whole buffer instead of writing one chunk. The result is
-    written over ``into`` when given (see :func:`all_gather`).
+    written over ``into`` when given (see :func:`all_gather`), except for several rings
+    unrolled, which gather by :func:`_gather_by_concatenation`.
     """
     p = axis_size(axis_name)
     i = lax.axis_index(axis_name)
@@ -179,12 +180,49 @@ def _ring_all_gather(
     size = len(directions) * p * chunk
     if into is not None and into.shape != (size,):
         raise ValueError(f"all_gather: `into` must have shape ({size},), got {into.shape}")
-    gathered = jnp.zeros((size,), shards[0].dtype) if into is None else into
     shards = tuple(_as_sent(block, transfer_dtype) for block in shards)
+    if len(directions) > 1 and p - 1 <= unroll_limit:
+        # Two rings writing over one buffer made XLA copy it (bidirectional ring in place on
+        # 8 CPU devices: 2.3-2.5x psum this way against 1.2-1.8x concatenated). One ring
+        # writing over a donated input is faster than concatenating (0.8-1.5x against
+        # 1.2-1.7x), so it keeps the in-place updates.
+        return _gather_by_concatenation(shards, axis_name, directions, transfer_dtype)
+    gathered = jnp.zeros((size,), shards[0].dtype) if into is None else into
     for lane, (block, r) in enumerate(zip(shards, positions)):
         gathered = place(gathered, lane, r, block)
     gathered, _ = _repeat(p - 1, step, (gathered, tuple(shards)), unroll_limit)
     return gathered
+
+
+def _gather_by_concatenation(
+    shards: Sequence[jax.Array], axis_name: AxisName, directions: Sequence[int], transfer_dtype
+) -> jax.Array:
+    """The unrolled all-gather: keep every block as it arrives, then write the result once.
+
+    Block ``t`` of ring ``k`` (``t = 0`` the device's own, ``t = s + 1`` the one received at
+    step ``s``) is chunk ``r_k - t`` of that ring, so chunk ``j`` is block ``(r_k - j) mod p``.
+    The order depends on the device's position, so one ``lax.switch`` branch per position
+    holds that position's static concatenation: the result is written in one pass, with no
+    zero-fill and no copy of a still-live input to write over.
+    """
+    p = axis_size(axis_name)
+    blocks = [tuple(shards)]
+    for _ in range(p - 1):
+        blocks.append(
+            tuple(_shift(b, axis_name, d, transfer_dtype) for b, d in zip(blocks[-1], directions))
+        )
+
+    def concatenation(index: int) -> Callable[[], jax.Array]:
+        def ordered() -> jax.Array:
+            parts = []
+            for lane, d in enumerate(directions):
+                r = (d * index) % p
+                parts += [blocks[(r - j) % p][lane] for j in range(p)]
+            return jnp.concatenate(parts)
+
+        return ordered
+
+    return lax.switch(lax.axis_index(axis_name), [concatenation(i) for i in range(p)])
 
 
 def reduce_scatter(
