@@ -2,33 +2,45 @@
 
     python benchmarks/conv1x1.py [--batch 8] [--rounds 5] [--json PATH]
 
-Times forward and forward + backward (gradients for input and kernel) of every distinct 1x1
-convolution shape in a ResNet-50 bottleneck at 224x224 (the reduce and expand convolutions of
-each stage and the strided projection shortcuts), both ways, on one device, in interleaved
-rounds; medians are printed. Explains the model's share of `jaxdist bench resnet`
-(docs/models.md, docs/performance.md).
+Finds every 1x1 convolution of ResNet-50 at 224x224 by tracing the model (bottleneck reduce
+and expand convolutions, strided projection shortcuts), then times forward and forward +
+backward (gradients for input and kernel) of each distinct shape both ways, on one device, in
+interleaved rounds; medians are printed, and the totals weight each shape by how often the
+model uses it. Explains the model's share of `jaxdist bench resnet` (docs/models.md,
+docs/performance.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import time
 
-# (input side, input channels, output channels, stride): ResNet-50's 1x1 convolutions.
-SHAPES = [
-    (56, 64, 64, 1),  # stage 1 block 1 reduce
-    (56, 256, 64, 1),  # stage 1 reduce
-    (56, 64, 256, 1),  # stage 1 expand / projection
-    (56, 256, 512, 2),  # stage 2 projection shortcut
-    (28, 512, 128, 1),  # stage 2 reduce
-    (28, 128, 512, 1),  # stage 2 expand
-    (14, 1024, 256, 1),  # stage 3 reduce
-    (14, 256, 1024, 1),  # stage 3 expand
-    (7, 2048, 512, 1),  # stage 4 reduce
-    (7, 512, 2048, 1),  # stage 4 expand
-]
+
+def resnet50_pointwise_shapes(batch: int) -> collections.Counter:
+    """``(side, in channels, out channels, stride) -> count`` over ResNet-50's 1x1 convs."""
+    import flax.linen as nn
+    import jax
+
+    from jaxdist import models
+    from jaxdist.models import PointwiseConv
+
+    found: collections.Counter = collections.Counter()
+
+    def record(next_fun, args, kwargs, context):
+        module = context.module
+        if isinstance(module, PointwiseConv) and context.method_name == "__call__":
+            _, side, _, channels = args[0].shape
+            found[(side, channels, module.features, module.strides)] += 1
+        return next_fun(*args, **kwargs)
+
+    model = models.resnet50()
+    images = jax.ShapeDtypeStruct((batch, 224, 224, 3), jax.numpy.float32)
+    with nn.intercept_methods(record):
+        jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), images)
+    return found
 
 
 def main() -> None:
@@ -57,11 +69,14 @@ def main() -> None:
             "forward+backward": lambda: backward(variables, x),
         }
 
+    shapes = resnet50_pointwise_shapes(args.batch)
     rows = []
     print(f"# {jax.devices()[0].device_kind}, batch {args.batch}, float32, ms (median)")
-    print(f"{'input':>14} {'out':>5} {'s':>2} | {'fwd conv':>9} {'matmul':>7} {'x':>5} | "
+    print(f"{'input':>14} {'out':>5} {'s':>2} {'n':>2} | {'fwd conv':>9} {'matmul':>7} {'x':>5} | "
           f"{'fwd+bwd conv':>13} {'matmul':>7} {'x':>5}")  # fmt: skip
-    for side, cin, cout, stride in SHAPES:
+    for (side, cin, cout, stride), count in sorted(
+        shapes.items(), key=lambda kv: (-kv[0][0], kv[0][1:])
+    ):
         x = jax.random.normal(jax.random.key(1), (args.batch, side, side, cin))
         conv = compiled(nn.Conv(cout, (1, 1), stride, "VALID", use_bias=False), x)
         matmul = compiled(PointwiseConv(cout, stride), x)
@@ -80,28 +95,30 @@ def main() -> None:
             "input": [args.batch, side, side, cin],
             "features": cout,
             "stride": stride,
+            "count": count,
             **{f"{way} {kind} ms": value for (way, kind), value in ms.items()},
         }
         rows.append(row)
         fwd, both = "forward", "forward+backward"
         print(
-            f"{f'{side}x{side}x{cin}':>14} {cout:>5} {stride:>2} | "
+            f"{f'{side}x{side}x{cin}':>14} {cout:>5} {stride:>2} {count:>2} | "
             f"{ms['conv', fwd]:>9.1f} {ms['matmul', fwd]:>7.1f} "
             f"{ms['conv', fwd] / ms['matmul', fwd]:>5.1f} | "
             f"{ms['conv', both]:>13.1f} {ms['matmul', both]:>7.1f} "
             f"{ms['conv', both] / ms['matmul', both]:>5.1f}"
         )
-    total = {key: sum(r[f"{key} ms"] for r in rows) for key in
+    # Weighted by use: the time all of ResNet-50's 1x1 convolutions take in one step.
+    total = {key: sum(r["count"] * r[f"{key} ms"] for r in rows) for key in
              ("conv forward", "matmul forward", "conv forward+backward", "matmul forward+backward")}  # fmt: skip
     print(
-        f"{'sum':>23} | {total['conv forward']:>9.1f} {total['matmul forward']:>7.1f} "
+        f"{'all 1x1 convs':>26} | {total['conv forward']:>9.1f} {total['matmul forward']:>7.1f} "
         f"{total['conv forward'] / total['matmul forward']:>5.1f} | "
         f"{total['conv forward+backward']:>13.1f} {total['matmul forward+backward']:>7.1f} "
         f"{total['conv forward+backward'] / total['matmul forward+backward']:>5.1f}"
     )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batch": args.batch, "rows": rows, "sum_ms": total}, f, indent=2)
+            json.dump({"batch": args.batch, "rows": rows, "model_total_ms": total}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -203,7 +203,9 @@ def _gather_by_concatenation(
     step ``s``) is chunk ``r_k - t`` of that ring, so chunk ``j`` is block ``(r_k - j) mod p``.
     The order depends on the device's position, so one ``lax.switch`` branch per position
     holds that position's static concatenation: the result is written in one pass, with no
-    zero-fill and no copy of a still-live input to write over.
+    zero-fill and no copy of a still-live input to write over. The price is memory: all ``p``
+    blocks of every ring stay live until the concatenation (one result's worth besides it),
+    and an ``into`` buffer is not reused.
     """
     p = axis_size(axis_name)
     blocks = [tuple(shards)]

@@ -180,7 +180,9 @@ def base_config() -> ml_collections.ConfigDict:
 
     Fields:
       model: ``name`` (``jaxdist.models`` registry), ``width``, ``stem``, ``dtype``
-        (``float32``/``bfloat16``), ``zero_init_last_bn_scale``, BatchNorm ``bn_momentum``,
+        (``float32``/``bfloat16``), ``zero_init_last_bn_scale``, ``pointwise_matmul`` (1x1
+        convolutions as matrix products, see :class:`jaxdist.models.ResNet`), BatchNorm
+        ``bn_momentum``,
         ``bn_epsilon`` and ``bn_group_size`` (devices per statistics group: ``None`` = the
         whole data axis, 1 = per-device BN).
       data: :class:`jaxdist.data.DataConfig` fields.
@@ -208,6 +210,7 @@ def base_config() -> ml_collections.ConfigDict:
             stem="imagenet",
             dtype="float32",
             zero_init_last_bn_scale=True,
+            pointwise_matmul=True,
             bn_momentum=0.9,
             bn_epsilon=1e-5,
             bn_group_size=None,

@@ -1,5 +1,9 @@
 """ResNet-50 training throughput: jaxdist's TrainStep against the flax imagenet example.
 
+Three steps are timed: jaxdist's (its ResNet-50, whose 1x1 convolutions are matrix products),
+the same with ``pointwise_matmul=False`` (1x1 convolutions as ``nn.Conv``, like the example's),
+which tells the model's share of the difference from the step's, and the example's.
+
 The peer is written here the way flax's ``examples/imagenet`` writes it (``models.py`` and
 ``train.py``), so both run on the same devices, batch and resolution:
 
@@ -11,7 +15,7 @@ The peer is written here the way flax's ``examples/imagenet`` writes it (``model
   averaged with ``pmean``; a plain ``jax.jit`` of a ``shard_map`` over a ``batch`` axis (the
   example uses ``pmap``, which is the same SPMD program), state not donated, as there.
 
-Both steps take already-sharded device batches, so this times the step alone; the input
+All steps take already-sharded device batches, so this times the step alone; the input
 pipeline's rate (:func:`jaxdist.data.bench.measure`) is reported next to it.
 """
 

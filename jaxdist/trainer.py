@@ -90,6 +90,7 @@ def build_model(cfg: ml_collections.ConfigDict, num_classes: int, axis_name: Any
         stem=cfg.stem,
         dtype=DTYPES[cfg.dtype],
         zero_init_last_bn_scale=cfg.zero_init_last_bn_scale,
+        pointwise_matmul=cfg.pointwise_matmul,
         norm=norm,
     )
 

@@ -115,6 +115,13 @@ def test_pointwise_conv_is_a_1x1_conv(strides, size, dtype, rtol):
     )
 
 
+@pytest.mark.parametrize("strides", [(2, 2), 0])
+def test_pointwise_conv_rejects_strides_that_are_not_one_positive_int(strides):
+    x = jnp.ones((1, 4, 4, 3))
+    with pytest.raises(ValueError, match=r"strides must be a positive int.*got"):
+        PointwiseConv(2, strides).init(jax.random.key(0), x)
+
+
 @pytest.mark.parametrize("block", ["basic", "bottleneck"])
 def test_pointwise_matmul_keeps_the_parameters_and_the_function(block):
     """``pointwise_matmul`` changes how 1x1 convolutions are computed, nothing else: the

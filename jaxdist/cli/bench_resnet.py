@@ -12,9 +12,10 @@ def register_kind(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser(
         "resnet",
         help="ResNet-50 training images/s: jaxdist TrainStep vs the flax imagenet example",
-        description="Time the ResNet-50 train step of jaxdist and of the flax imagenet example "
-        "(jit + pmean) on all devices at the same batch and resolution, and the input "
-        "pipeline's images/s on this machine.",
+        description="Time the ResNet-50 train step of jaxdist, of jaxdist with its 1x1 "
+        "convolutions as nn.Conv (the model's share), and of the flax imagenet example "
+        "(jit + pmean) on all devices at the same batch and resolution, in alternating rounds, "
+        "and the input pipeline's images/s on this machine.",
     )
     p.add_argument("--batch", type=int, default=16, help="global batch (default 16)")
     p.add_argument("--image-size", type=int, default=224, help="resolution (default 224)")
