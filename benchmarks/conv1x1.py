@@ -5,7 +5,7 @@
 Finds every 1x1 convolution of ResNet-50 at 224x224 by tracing the model (bottleneck reduce
 and expand convolutions, strided projection shortcuts), then times forward and forward +
 backward (gradients for input and kernel) of each distinct shape both ways, on one device, in
-interleaved rounds; medians are printed, and the totals weight each shape by how often the
+interleaved rounds (`jaxdist.timing`); medians are printed, and the totals weight each shape by how often the
 model uses it. Explains the model's share of `jaxdist bench resnet` (docs/models.md,
 docs/performance.md).
 """
@@ -16,7 +16,6 @@ import argparse
 import collections
 import json
 import statistics
-import time
 
 
 def resnet50_pointwise_shapes(batch: int) -> collections.Counter:
@@ -43,6 +42,17 @@ def resnet50_pointwise_shapes(batch: int) -> collections.Counter:
     return found
 
 
+def _cells(ms: dict[str, float]) -> str:
+    """Forward and forward + backward: conv ms, matmul ms and their ratio."""
+    fwd, both = "forward", "forward+backward"
+    return (
+        f"{ms[f'conv {fwd}']:>9.1f} {ms[f'matmul {fwd}']:>7.1f} "
+        f"{ms[f'conv {fwd}'] / ms[f'matmul {fwd}']:>5.1f} | "
+        f"{ms[f'conv {both}']:>13.1f} {ms[f'matmul {both}']:>7.1f} "
+        f"{ms[f'conv {both}'] / ms[f'matmul {both}']:>5.1f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -54,6 +64,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
+    from jaxdist import timing
     from jaxdist.models import PointwiseConv
 
     def compiled(module: nn.Module, x: jax.Array):
@@ -80,42 +91,24 @@ def main() -> None:
         x = jax.random.normal(jax.random.key(1), (args.batch, side, side, cin))
         conv = compiled(nn.Conv(cout, (1, 1), stride, "VALID", use_bias=False), x)
         matmul = compiled(PointwiseConv(cout, stride), x)
-        runners = {(way, kind): fn for way, fns in (("conv", conv), ("matmul", matmul))
+        runners = {f"{way} {kind}": fn for way, fns in (("conv", conv), ("matmul", matmul))
                    for kind, fn in fns.items()}  # fmt: skip
-        for fn in runners.values():
-            jax.block_until_ready(fn())
-        seconds: dict = {key: [] for key in runners}
-        for _ in range(args.rounds):
-            for key, fn in runners.items():
-                start = time.perf_counter()
-                jax.block_until_ready(fn())
-                seconds[key].append(time.perf_counter() - start)
+        timing.warm_up(runners, warmup=0)
+        seconds = timing.interleaved_rounds(runners, steps=1, rounds=args.rounds)
         ms = {key: statistics.median(times) * 1e3 for key, times in seconds.items()}
         row = {
             "input": [args.batch, side, side, cin],
             "features": cout,
             "stride": stride,
             "count": count,
-            **{f"{way} {kind} ms": value for (way, kind), value in ms.items()},
+            **{f"{key} ms": value for key, value in ms.items()},
         }
         rows.append(row)
-        fwd, both = "forward", "forward+backward"
-        print(
-            f"{f'{side}x{side}x{cin}':>14} {cout:>5} {stride:>2} {count:>2} | "
-            f"{ms['conv', fwd]:>9.1f} {ms['matmul', fwd]:>7.1f} "
-            f"{ms['conv', fwd] / ms['matmul', fwd]:>5.1f} | "
-            f"{ms['conv', both]:>13.1f} {ms['matmul', both]:>7.1f} "
-            f"{ms['conv', both] / ms['matmul', both]:>5.1f}"
-        )
+        print(f"{f'{side}x{side}x{cin}':>14} {cout:>5} {stride:>2} {count:>2} | {_cells(ms)}")
     # Weighted by use: the time all of ResNet-50's 1x1 convolutions take in one step.
     total = {key: sum(r["count"] * r[f"{key} ms"] for r in rows) for key in
              ("conv forward", "matmul forward", "conv forward+backward", "matmul forward+backward")}  # fmt: skip
-    print(
-        f"{'all 1x1 convs':>26} | {total['conv forward']:>9.1f} {total['matmul forward']:>7.1f} "
-        f"{total['conv forward'] / total['matmul forward']:>5.1f} | "
-        f"{total['conv forward+backward']:>13.1f} {total['matmul forward+backward']:>7.1f} "
-        f"{total['conv forward+backward'] / total['matmul forward+backward']:>5.1f}"
-    )
+    print(f"{'all 1x1 convs':>26} | {_cells(total)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": args.batch, "rows": rows, "model_total_ms": total}, f, indent=2)
