@@ -16,6 +16,9 @@ blocks one at a time on a flat 1-D mesh of all devices, ``size`` bytes per devic
 * ``shift_x4``: four dependent shifts of ``size / 4`` each: the same bytes as ``shift`` in
   four steps, so the difference is the per-step overhead;
 * ``swap1_split``: ``swap1`` as two independent one-way ppermutes (do they overlap?);
+* ``compute`` / ``shift_and_compute``: an elementwise computation of the buffer alone, and the
+  same computation beside a ``shift`` it does not depend on (does computation overlap a
+  transfer? If it does, the second takes about as long as the slower of the first two);
 * ``psum``: gloo's own allreduce of ``size`` bytes, for scale.
 
 On two processes with ``L >= 2`` devices each (device ``j = h * L + k``), four more patterns
@@ -75,12 +78,25 @@ def patterns(
         backward = lax.ppermute(v, "x", [(j + 1, j) for j in range(0, p, 2)])
         return forward + backward
 
+    def compute(v: jax.Array) -> jax.Array:
+        # One fused loop of transcendental math: about as long as a ring step's transfer
+        # of a few MiB on these cores, and no memory traffic beyond one read and one write.
+        w = v
+        for _ in range(2):
+            w = jnp.sin(w) * 1.0001 + 0.5
+        return w
+
+    def shift_and_compute(v: jax.Array) -> jax.Array:
+        return lax.ppermute(v, "x", [(j, (j + 1) % p) for j in range(p)]) + compute(v)
+
     found = {
         "shift": (perm([(j, (j + 1) % p) for j in range(p)]), 1.0),
         "swap1": (perm([(j, j ^ 1) for j in range(p)]), 1.0),
         "one_way": (perm([(j, j + 1) for j in range(0, p, 2)]), 1.0),
         "swap1_split": (swap_split, 1.0),
         "shift_x4": (shift_x4, 1.0),
+        "compute": (lambda v: v + compute(v), 1.0),
+        "shift_and_compute": (shift_and_compute, 1.0),
         "psum": (lambda v: lax.psum(v, "x"), 2 * (p - 1) / p),
     }
     if p >= 4:
