@@ -32,8 +32,38 @@ import sys
 import time
 
 CALL = re.compile(
-    r"^\d+\s+(?P<t>\d+\.\d+)\s+(?P<name>\w+)\((?P<fd>\d+),(?P<rest>.*)= (?P<ret>-?\d+)"
+    r"^(?P<pid>\d+)\s+(?P<t>\d+\.\d+)\s+(?P<name>\w+)\((?P<fd>\d+),(?P<rest>.*)= (?P<ret>-?\d+)"
 )
+# With ``strace -f`` a call that another thread interrupts is printed in two lines.
+UNFINISHED = re.compile(r"^(?P<pid>\d+)\s+\S+\s+(?P<name>\w+)\((?P<fd>\d+),(?P<rest>.*)<unfinished")
+RESUMED = re.compile(
+    r"^(?P<pid>\d+)\s+(?P<t>\d+\.\d+)\s+<\.\.\. (?P<name>\w+) resumed>(?P<rest>.*)= (?P<ret>-?\d+)"
+)
+
+
+def _calls(lines):
+    """(time in ms, name, fd, argument text, return value) per completed system call."""
+    pending: dict[str, tuple[str, str]] = {}
+    for line in lines:
+        if match := CALL.match(line):
+            yield (
+                float(match["t"]) * 1e3,
+                match["name"],
+                match["fd"],
+                match["rest"],
+                int(match["ret"]),
+            )
+        elif match := UNFINISHED.match(line):
+            pending[match["pid"]] = (match["fd"], match["rest"])
+        elif (match := RESUMED.match(line)) and match["pid"] in pending:
+            fd, rest = pending.pop(match["pid"])
+            yield (
+                float(match["t"]) * 1e3,
+                match["name"],
+                fd,
+                rest + match["rest"],
+                int(match["ret"]),
+            )
 
 
 def run(mib: int, iters: int, in_place: bool) -> None:
@@ -90,22 +120,17 @@ def analyze(path: str, chunk_bytes: int) -> None:
     started = last = None
     gaps: list[str] = []
     with open(path) as f:
-        for line in f:
-            match = CALL.match(line)
-            if match is None:
-                continue
-            t = float(match["t"]) * 1e3
-            name, ret = match["name"], int(match["ret"])
-            if name == "write" and match["fd"] == "1" and '"ITER' in match["rest"]:
+        for t, name, fd, rest, ret in _calls(f):
+            if name == "write" and fd == "1" and '"ITER' in rest:
                 started = last = t
                 received, gaps = 0, []
             elif started is None or ret < 0:
                 continue
-            elif name == "write" and match["fd"] == "1" and '"DONE' in match["rest"]:
+            elif name == "write" and fd == "1" and '"DONE' in rest:
                 gaps.append(f"end {t - last:.1f}")
                 print(f"call {t - started:6.1f} ms | " + " ".join(gaps))
                 started = None
-            elif name == "writev" and f"iov_len={chunk_bytes}" in match["rest"]:
+            elif name == "writev" and f"iov_len={chunk_bytes}" in rest:
                 gaps.append(f"S{t - last:.1f}")
                 last = t
             elif name == "recvfrom" and ret != 48:  # 48 bytes: gloo's message header
