@@ -138,23 +138,12 @@ def main() -> None:
     leader = jax.process_index() == 0
     rows = []
     for nbytes in bench.parse_sizes(args.sizes):
-        count = nbytes // 4
-        host = np.ones((p, count), np.float32)
-        x = jax.make_array_from_callback(
-            host.shape, NamedSharding(mesh, P("x")), lambda index, h=host: h[index]
-        )
+        x = bench.make_input(mesh, nbytes // 4, np.float32, seed=0)
         for name, (body, sent) in patterns(p, jax.process_count()).items():
             if name.startswith("in_host_"):
                 fn = in_host(name.removeprefix("in_host_"), p // jax.process_count(), x)
             else:
-                fn = jax.jit(
-                    jax.shard_map(
-                        lambda v, b=body: b(v[0])[None],
-                        mesh=mesh,
-                        in_specs=P("x"),
-                        out_specs=P("x"),
-                    )
-                )
+                fn = bench.per_device(mesh, body)
             jax.block_until_ready(fn(x))  # compile and warm up
             times = []
             for _ in range(args.iters):

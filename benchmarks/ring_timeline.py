@@ -46,60 +46,40 @@ def _calls(lines):
     pending: dict[str, tuple[str, str]] = {}
     for line in lines:
         if match := CALL.match(line):
-            yield (
-                float(match["t"]) * 1e3,
-                match["name"],
-                match["fd"],
-                match["rest"],
-                int(match["ret"]),
-            )
+            fd, rest = match["fd"], match["rest"]
         elif match := UNFINISHED.match(line):
             pending[match["pid"]] = (match["fd"], match["rest"])
+            continue
         elif (match := RESUMED.match(line)) and match["pid"] in pending:
-            fd, rest = pending.pop(match["pid"])
-            yield (
-                float(match["t"]) * 1e3,
-                match["name"],
-                fd,
-                rest + match["rest"],
-                int(match["ret"]),
-            )
+            fd, head = pending.pop(match["pid"])
+            rest = head + match["rest"]
+        else:
+            continue
+        yield float(match["t"]) * 1e3, match["name"], fd, rest, int(match["ret"])
 
 
 def run(mib: int, iters: int, in_place: bool) -> None:
     import jax
+    import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    from jaxdist import collectives, distributed, meshes
+    from jaxdist import bench, collectives, distributed, meshes
 
     distributed.initialize()
     p = jax.device_count()
     mesh = meshes.ring(p)
-    fn = jax.jit(
-        jax.shard_map(
-            lambda v: collectives.allreduce(v, "x", "ring"),
-            mesh=mesh,
-            in_specs=P("x"),
-            out_specs=P("x"),
-        ),
-        donate_argnums=(0,) if in_place else (),
-    )
-    host = np.ones((p * (mib << 20) // 4,), np.float32)
+    fn = bench.per_device(mesh, lambda v: collectives.allreduce(v, "x", "ring"), donate=in_place)
+    x = bench.make_input(mesh, (mib << 20) // 4, np.float32, seed=0)
 
-    def fresh() -> jax.Array:
-        return jax.make_array_from_callback(
-            host.shape, NamedSharding(mesh, P("x")), lambda index: host[index]
-        )
+    def fresh() -> jax.Array:  # a donated input is gone after the call
+        return jax.block_until_ready(jnp.copy(x)) if in_place else x
 
-    x = fresh()
     for _ in range(2):  # compile and warm up
-        jax.block_until_ready(fn(fresh() if in_place else x))
+        jax.block_until_ready(fn(fresh()))
     leader = jax.process_index() == 0
     times = []
     for _ in range(iters):
-        xi = jax.block_until_ready(fresh() if in_place else x)
+        xi = fresh()
         if leader:
             os.write(1, b"ITER\n")
         start = time.perf_counter()

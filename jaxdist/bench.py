@@ -126,8 +126,9 @@ def _timed(fn: Callable, arg, warmup: int, iters: int, in_place: bool) -> tuple[
     return compile_seconds, statistics.median(times)
 
 
-def _make_input(mesh: Mesh, count: int, dtype, seed: int) -> jax.Array:
-    """A (devices, count) array, one row per device, built shard by shard (multi-process safe)."""
+def make_input(mesh: Mesh, count: int, dtype, seed: int) -> jax.Array:
+    """A (devices, count) array of random normals, one row per device, sharded over all of
+    ``mesh``'s axes and built shard by shard (multi-process safe)."""
     names = tuple(mesh.axis_names)
     sharding = NamedSharding(mesh, P(names))
     shape = (mesh.size, count)
@@ -140,7 +141,9 @@ def _make_input(mesh: Mesh, count: int, dtype, seed: int) -> jax.Array:
     return jax.make_array_from_callback(shape, sharding, shard)
 
 
-def _per_device(mesh: Mesh, body: Callable, donate: bool = False) -> Callable:
+def per_device(mesh: Mesh, body: Callable, donate: bool = False) -> Callable:
+    """``jit`` of ``body`` on each device's row of a :func:`make_input` array (a ``shard_map``
+    over all of ``mesh``'s axes); ``donate`` hands the input's buffer to the call."""
     names = tuple(mesh.axis_names)
     return jax.jit(
         jax.shard_map(lambda x: body(x[0])[None], mesh=mesh, in_specs=P(names), out_specs=P(names)),
@@ -194,20 +197,20 @@ def run(
     fit_sizes = sorted(set(sizes) | {2**10, 2**20})
     p2p_times = []
     for nbytes in fit_sizes:
-        x = _make_input(mesh, max(1, nbytes // dtype.itemsize), dtype, seed=nbytes)
-        p2p_times.append(_timed(_per_device(mesh, shift), x, warmup, iters, False)[1])
+        x = make_input(mesh, max(1, nbytes // dtype.itemsize), dtype, seed=nbytes)
+        p2p_times.append(_timed(per_device(mesh, shift), x, warmup, iters, False)[1])
     link = cost_model.fit("p2p", (p,), fit_sizes, p2p_times)
     say(f"  point-to-point link: alpha {link.alpha * 1e6:.1f} us, {link.bandwidth / 1e9:.2f} GB/s")
 
     measured: dict[tuple[int, str], tuple[float, float, float]] = {}
     for nbytes in sizes:
         count = max(1, nbytes // dtype.itemsize)
-        x = _make_input(mesh, count, dtype, seed=nbytes)
-        reference = _per_device(mesh, lambda v: jax.lax.psum(v, flat_axes))(x)
+        x = make_input(mesh, count, dtype, seed=nbytes)
+        reference = per_device(mesh, lambda v: jax.lax.psum(v, flat_axes))(x)
         for algorithm in runnable:
             accepted = collectives.schedule_options(algorithm)
             opts = {k: v for k, v in options.items() if k in accepted}
-            fn = _per_device(
+            fn = per_device(
                 mesh,
                 lambda v, a=algorithm, o=opts: collectives.allreduce(v, flat_axes, a, **o),
                 donate=in_place,
