@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,27 +66,119 @@ def axis_size(axis_name: AxisName) -> int:
         ) from err
 
 
-def _send(
-    x: jax.Array, axis_name: AxisName, perm: list[tuple[int, int]], transfer_dtype
+class Wire(NamedTuple):
+    """How a schedule's messages travel.
+
+    ``dtype``: the dtype messages are sent in (``None``: the accumulation dtype).
+    ``exchange_piece_bytes``: the largest message a *pairwise exchange* (a ppermute in which
+    two devices send to each other) sends at once; a larger one goes as consecutive pieces.
+    ``"auto"`` picks :func:`default_exchange_piece_bytes` for the runtime, ``None`` never
+    splits.
+    """
+
+    dtype: Any = None
+    exchange_piece_bytes: int | str | None = "auto"
+
+
+# Measured on emulated 1 Gbit/s hosts (docs/multihost_performance.md, section 4.1): a 16 MiB
+# swap over gloo took 253-277 ms in one message and 145 ms in pieces of 256 KiB.
+GLOO_EXCHANGE_PIECE_BYTES = 256 << 10
+# More pieces than this go in a fori_loop: unrolled, 32 pieces of a torus2d compiled in 2 s.
+_UNROLLED_PIECES = 4
+
+
+def default_exchange_piece_bytes() -> int | None:
+    """The piece size ``exchange_piece_bytes="auto"`` means in this runtime.
+
+    Over gloo (CPU devices in several processes), a pairwise exchange sent as one message runs
+    one direction after the other: XLA posts a ppermute's send before its receive, and gloo's
+    TCP pair queues the later device's "ready to receive" notice behind its own payload, so
+    the earlier device starts sending only when that payload has gone. Pieces small enough to
+    fit in the socket's send buffer let both directions flow at once. NCCL, ICI and the
+    in-process CPU runtime have no such queue: there one message is best (``None``).
+    """
+    multi_process_cpu = jax.process_count() > 1 and jax.default_backend() == "cpu"
+    if multi_process_cpu and jax.config.jax_cpu_collectives_implementation == "gloo":
+        return GLOO_EXCHANGE_PIECE_BYTES
+    return None
+
+
+def _piece_bytes(piece: int | str | None) -> int | None:
+    if piece == "auto":
+        return default_exchange_piece_bytes()
+    if piece is not None and not (
+        isinstance(piece, int) and not isinstance(piece, bool) and piece > 0
+    ):
+        raise ValueError(
+            f"exchange_piece_bytes must be a positive number of bytes, None or 'auto'; got {piece!r}"
+        )
+    return piece
+
+
+def _is_pairwise_exchange(perm: list[tuple[int, int]]) -> bool:
+    """Whether every device in ``perm`` sends to the device it receives from."""
+    pairs = set(perm)
+    return all(a != b and (b, a) in pairs for a, b in pairs)
+
+
+def permute(
+    x: jax.Array,
+    axis_name: AxisName,
+    perm: Sequence[tuple[int, int]],
+    *,
+    exchange_piece_bytes: int | str | None = "auto",
 ) -> jax.Array:
-    """One ppermute, optionally sent in a narrower dtype and widened again on arrival."""
-    if transfer_dtype is None or jnp.dtype(transfer_dtype) == x.dtype:
+    """``lax.ppermute`` that sends a large *pairwise exchange* in pieces.
+
+    When every device in ``perm`` sends to the device it receives from (a swap) and ``x`` is
+    larger than ``exchange_piece_bytes``, the exchange runs as consecutive ppermutes of equal
+    slices (see :func:`default_exchange_piece_bytes` for why); any other permutation is one
+    ppermute. The result is the same either way.
+    """
+    perm = [tuple(pair) for pair in perm]
+    piece = _piece_bytes(exchange_piece_bytes)
+    if piece is None or x.nbytes <= piece or not _is_pairwise_exchange(perm):
         return lax.ppermute(x, axis_name, perm)
-    return lax.ppermute(x.astype(transfer_dtype), axis_name, perm).astype(x.dtype)
+    flat = x.reshape(-1)
+    count = -(-x.nbytes // piece)
+    padded = _pad_to_chunks(flat, count)
+    size = padded.size // count
+    if count <= _UNROLLED_PIECES:
+        parts = [lax.ppermute(part, axis_name, perm) for part in jnp.split(padded, count)]
+        received = jnp.concatenate(parts)
+    else:
+
+        def step(k, received):
+            part = lax.dynamic_slice_in_dim(padded, k * size, size)
+            return lax.dynamic_update_slice_in_dim(
+                received, lax.ppermute(part, axis_name, perm), k * size, 0
+            )
+
+        received = lax.fori_loop(0, count, step, jnp.zeros_like(padded))
+    return received[: flat.size].reshape(x.shape)
 
 
-def _as_sent(x: jax.Array, transfer_dtype) -> jax.Array:
+def _send(x: jax.Array, axis_name: AxisName, perm: list[tuple[int, int]], wire: Wire) -> jax.Array:
+    """One ppermute (see :func:`permute`), optionally sent in a narrower dtype and widened
+    again on arrival."""
+    narrow = wire.dtype is not None and jnp.dtype(wire.dtype) != x.dtype
+    sent = x.astype(wire.dtype) if narrow else x
+    received = permute(sent, axis_name, perm, exchange_piece_bytes=wire.exchange_piece_bytes)
+    return received.astype(x.dtype) if narrow else received
+
+
+def _as_sent(x: jax.Array, wire: Wire) -> jax.Array:
     """``x`` rounded as :func:`_send` would round it. A device keeps its own copy of a reduced
     chunk in this form so that every device ends with the same bits, whichever one reduced it."""
-    if transfer_dtype is None or jnp.dtype(transfer_dtype) == x.dtype:
+    if wire.dtype is None or jnp.dtype(wire.dtype) == x.dtype:
         return x
-    return x.astype(transfer_dtype).astype(x.dtype)
+    return x.astype(wire.dtype).astype(x.dtype)
 
 
-def _shift(x: jax.Array, axis_name: AxisName, direction: int, transfer_dtype) -> jax.Array:
+def _shift(x: jax.Array, axis_name: AxisName, direction: int, wire: Wire) -> jax.Array:
     """Every device sends ``x`` to its neighbour ``direction`` (+1 or -1) steps round the ring."""
     p = axis_size(axis_name)
-    return _send(x, axis_name, [(j, (j + direction) % p) for j in range(p)], transfer_dtype)
+    return _send(x, axis_name, [(j, (j + direction) % p) for j in range(p)], wire)
 
 
 def _repeat(num_steps: int, step: Callable, carry: Any, unroll_limit: int) -> Any:
@@ -112,7 +204,7 @@ def _ring_reduce_scatter(
     padded: jax.Array,
     axis_name: AxisName,
     directions: Sequence[int],
-    transfer_dtype,
+    wire: Wire,
     unroll_limit: int,
 ) -> tuple[jax.Array, ...]:
     """Reduce-scatter a flat buffer round one ring per entry of ``directions``, in lockstep.
@@ -134,7 +226,7 @@ def _ring_reduce_scatter(
 
     def step(s, partial_sums):
         return tuple(
-            _shift(acc, axis_name, d, transfer_dtype) + own(lane, r - s - 2)
+            _shift(acc, axis_name, d, wire) + own(lane, r - s - 2)
             for lane, (acc, d, r) in enumerate(zip(partial_sums, directions, positions))
         )
 
@@ -146,7 +238,7 @@ def _ring_all_gather(
     shards: Sequence[jax.Array],
     axis_name: AxisName,
     directions: Sequence[int],
-    transfer_dtype,
+    wire: Wire,
     unroll_limit: int,
     into: jax.Array | None = None,
 ) -> jax.Array:
@@ -170,9 +262,7 @@ def _ring_all_gather(
 
     def step(s, carry):
         gathered, in_flight = carry
-        in_flight = tuple(
-            _shift(b, axis_name, d, transfer_dtype) for b, d in zip(in_flight, directions)
-        )
+        in_flight = tuple(_shift(b, axis_name, d, wire) for b, d in zip(in_flight, directions))
         for lane, (block, r) in enumerate(zip(in_flight, positions)):
             gathered = place(gathered, lane, r - s - 1, block)
         return gathered, in_flight
@@ -180,13 +270,13 @@ def _ring_all_gather(
     size = len(directions) * p * chunk
     if into is not None and into.shape != (size,):
         raise ValueError(f"all_gather: `into` must have shape ({size},), got {into.shape}")
-    shards = tuple(_as_sent(block, transfer_dtype) for block in shards)
+    shards = tuple(_as_sent(block, wire) for block in shards)
     if len(directions) > 1 and p - 1 <= unroll_limit:
         # Two rings writing over one buffer made XLA copy it (bidirectional ring in place on
         # 8 CPU devices: 2.3-2.5x psum this way against 1.2-1.8x concatenated). One ring
         # writing over a donated input is faster than concatenating (0.8-1.5x against
         # 1.2-1.7x), so it keeps the in-place updates.
-        return _gather_by_concatenation(shards, axis_name, directions, transfer_dtype)
+        return _gather_by_concatenation(shards, axis_name, directions, wire)
     gathered = jnp.zeros((size,), shards[0].dtype) if into is None else into
     for lane, (block, r) in enumerate(zip(shards, positions)):
         gathered = place(gathered, lane, r, block)
@@ -195,7 +285,7 @@ def _ring_all_gather(
 
 
 def _gather_by_concatenation(
-    shards: Sequence[jax.Array], axis_name: AxisName, directions: Sequence[int], transfer_dtype
+    shards: Sequence[jax.Array], axis_name: AxisName, directions: Sequence[int], wire: Wire
 ) -> jax.Array:
     """The unrolled all-gather: keep every block as it arrives, then write the result once.
 
@@ -210,9 +300,7 @@ def _gather_by_concatenation(
     p = axis_size(axis_name)
     blocks = [tuple(shards)]
     for _ in range(p - 1):
-        blocks.append(
-            tuple(_shift(b, axis_name, d, transfer_dtype) for b, d in zip(blocks[-1], directions))
-        )
+        blocks.append(tuple(_shift(b, axis_name, d, wire) for b, d in zip(blocks[-1], directions)))
 
     def concatenation(index: int) -> Callable[[], jax.Array]:
         def ordered() -> jax.Array:
@@ -228,7 +316,12 @@ def _gather_by_concatenation(
 
 
 def reduce_scatter(
-    x: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
+    x: jax.Array,
+    axis_name: AxisName,
+    *,
+    transfer_dtype=None,
+    exchange_piece_bytes: int | str | None = "auto",
+    unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
     """Ring reduce-scatter, ``p - 1`` steps.
 
@@ -239,7 +332,8 @@ def reduce_scatter(
     padded = _pad_to_chunks(x.reshape(-1), p)
     if p == 1:
         return padded
-    (shard,) = _ring_reduce_scatter(padded, axis_name, (1,), transfer_dtype, unroll_limit)
+    wire = Wire(transfer_dtype, exchange_piece_bytes)
+    (shard,) = _ring_reduce_scatter(padded, axis_name, (1,), wire, unroll_limit)
     return shard
 
 
@@ -249,6 +343,7 @@ def all_gather(
     *,
     into: jax.Array | None = None,
     transfer_dtype=None,
+    exchange_piece_bytes: int | str | None = "auto",
     unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
     """Ring all-gather, ``p - 1`` steps: device ``i`` contributes chunk ``i``; every device
@@ -261,24 +356,23 @@ def all_gather(
     exchange and a concatenation, and ``into`` is not used (:func:`_pair_all_gather`).
     """
     p = axis_size(axis_name)
+    wire = Wire(transfer_dtype, exchange_piece_bytes)
     if p == 1:
         return shard.reshape(-1)
     if p == 2:
-        return _pair_all_gather(shard.reshape(-1), axis_name, transfer_dtype)
-    return _ring_all_gather(
-        [shard.reshape(-1)], axis_name, (1,), transfer_dtype, unroll_limit, into=into
-    )
+        return _pair_all_gather(shard.reshape(-1), axis_name, wire)
+    return _ring_all_gather([shard.reshape(-1)], axis_name, (1,), wire, unroll_limit, into=into)
 
 
-def _pair_all_gather(shard: jax.Array, axis_name: AxisName, transfer_dtype) -> jax.Array:
+def _pair_all_gather(shard: jax.Array, axis_name: AxisName, wire) -> jax.Array:
     """All-gather over two devices: one exchange, then both chunks written in one pass.
 
     Writing them over ``into`` would first copy ``into`` when it is still live (out of place)
     and then update it twice: on 8 CPU devices, 16 MiB per device, an all-gather over a
     2-device axis into its own input took 44 ms that way and 20-24 ms as this concatenation.
     """
-    theirs = _send(shard, axis_name, [(0, 1), (1, 0)], transfer_dtype)
-    mine = _as_sent(shard, transfer_dtype)
+    theirs = _send(shard, axis_name, [(0, 1), (1, 0)], wire)
+    mine = _as_sent(shard, wire)
     first = lax.axis_index(axis_name) == 0
     # One concatenation of two selects: XLA fuses it into a single loop over the result.
     return jnp.concatenate([jnp.where(first, mine, theirs), jnp.where(first, theirs, mine)])
@@ -289,71 +383,97 @@ def _pair_all_gather(shard: jax.Array, axis_name: AxisName, transfer_dtype) -> j
 
 
 def native_allreduce(
-    flat: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
+    flat: jax.Array,
+    axis_name: AxisName,
+    *,
+    transfer_dtype=None,
+    exchange_piece_bytes: int | str | None = "auto",
+    unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
     """``lax.psum``: XLA's own all-reduce, the reference every schedule is checked against.
     With ``transfer_dtype`` the psum itself runs in that dtype."""
-    del unroll_limit  # XLA chooses its own schedule
+    del exchange_piece_bytes, unroll_limit  # XLA chooses its own schedule and messages
     if transfer_dtype is None or jnp.dtype(transfer_dtype) == flat.dtype:
         return lax.psum(flat, axis_name)
     return lax.psum(flat.astype(transfer_dtype), axis_name).astype(flat.dtype)
 
 
 def ring_allreduce(
-    flat: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
+    flat: jax.Array,
+    axis_name: AxisName,
+    *,
+    transfer_dtype=None,
+    exchange_piece_bytes: int | str | None = "auto",
+    unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
     """Ring allreduce: reduce-scatter then all-gather, ``p - 1`` steps each, every link busy."""
-    opts = dict(transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
+    opts = dict(
+        transfer_dtype=transfer_dtype,
+        exchange_piece_bytes=exchange_piece_bytes,
+        unroll_limit=unroll_limit,
+    )
     padded = _pad_to_chunks(flat, axis_size(axis_name))
     shard = reduce_scatter(padded, axis_name, **opts)
     return all_gather(shard, axis_name, into=padded, **opts)[: flat.size]
 
 
 def bidirectional_ring_allreduce(
-    flat: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
+    flat: jax.Array,
+    axis_name: AxisName,
+    *,
+    transfer_dtype=None,
+    exchange_piece_bytes: int | str | None = "auto",
+    unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
     """Two rings at once: the first half of the data goes clockwise, the second half
     counter-clockwise, so both directions of every link carry traffic in each step."""
     p = axis_size(axis_name)
     if p <= 2:  # both directions reach the same neighbour: a plain ring is the same schedule
         return ring_allreduce(
-            flat, axis_name, transfer_dtype=transfer_dtype, unroll_limit=unroll_limit
+            flat,
+            axis_name,
+            transfer_dtype=transfer_dtype,
+            exchange_piece_bytes=exchange_piece_bytes,
+            unroll_limit=unroll_limit,
         )
     directions = (1, -1)  # chunks [0, p) go clockwise, chunks [p, 2p) counter-clockwise
     padded = _pad_to_chunks(flat, 2 * p)
-    shards = _ring_reduce_scatter(padded, axis_name, directions, transfer_dtype, unroll_limit)
-    gathered = _ring_all_gather(
-        shards, axis_name, directions, transfer_dtype, unroll_limit, into=padded
-    )
+    wire = Wire(transfer_dtype, exchange_piece_bytes)
+    shards = _ring_reduce_scatter(padded, axis_name, directions, wire, unroll_limit)
+    gathered = _ring_all_gather(shards, axis_name, directions, wire, unroll_limit, into=padded)
     return gathered[: flat.size]
 
 
-def _crossed_pair_sum(shard: jax.Array, axis_name: tuple[str, str], transfer_dtype) -> jax.Array:
+def _crossed_pair_sum(shard: jax.Array, axis_name: tuple[str, str], wire: Wire) -> jax.Array:
     """Sum ``shard`` over an outer axis of two (two hosts), with no device pair sending both
     ways.
 
-    On two hosts the outer allreduce is one pairwise swap, ``(0, k) <-> (1, k)``, and over
-    gloo a pair that sends both ways runs each direction at half the link rate
-    (docs/multihost_performance.md). So the directions take different device pairs:
+    On two hosts the outer allreduce is one pairwise swap, ``(0, k) <-> (1, k)``. Over gloo a
+    swap sent as one message runs one direction after the other (:func:`default_exchange_piece_bytes`);
+    this sends the two directions over different device pairs instead:
 
     1. ``(0, k) -> (1, k)`` and ``(1, k) -> (0, k + 1)``, one ppermute over both axes: host 1
        now holds both halves of each sum; host 0 holds host 1's shard ``k`` one device over;
     2. on host 0, ``(0, k + 1) -> (0, k)``: one hop inside the host, over the fast links.
 
     Each host's link carries its ``n`` shards once per direction, as the ring would, in one
-    step instead of two.
+    step instead of two, at the price of one extra hop of ``n`` shards along the inner axis.
+    Since swaps over gloo go in pieces that run both directions at once, it is off by
+    default: the pieced swap measured as fast on 2 hosts x 4 devices and faster on
+    one-device hosts, where the extra hop crosses the network
+    (docs/multihost_performance.md, section 3).
     """
     outer, inner = axis_name
     n = axis_size(inner)
     # Device (h, k) is number h * n + k on the two axes taken together.
     to_host1 = [(k, n + k) for k in range(n)]
     to_host0 = [(n + k, (k + 1) % n) for k in range(n)]
-    arrived = _send(shard, axis_name, to_host1 + to_host0, transfer_dtype)
+    arrived = _send(shard, axis_name, to_host1 + to_host0, wire)
     back_one = [((k + 1) % n, k) for k in range(n)]
-    forwarded = _send(arrived, axis_name, back_one, transfer_dtype)
+    forwarded = _send(arrived, axis_name, back_one, wire)
     other = jnp.where(lax.axis_index(outer) == 0, forwarded, arrived)
     # Both hosts add the same two rounded values, so every device ends with the same bits.
-    return _as_sent(shard, transfer_dtype) + other
+    return _as_sent(shard, wire) + other
 
 
 # One-dimensional schedules that, on an axis of two devices, are a single pairwise swap.
@@ -376,6 +496,7 @@ def torus2d_allreduce(
     *,
     crossed_exchange: bool = False,
     transfer_dtype=None,
+    exchange_piece_bytes: int | str | None = "auto",
     unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
     """2-D torus allreduce (Mikami et al. 2018) on axes ``(outer, inner)``.
@@ -385,11 +506,9 @@ def torus2d_allreduce(
     2. ring allreduce of that 1/X along the outer axis (each column of Y devices);
     3. all-gather along the inner axis.
     Latency steps: 2(X-1) + 2(Y-1) instead of 2(XY-1) for one flat ring. With an outer axis
-    of two, ``crossed_exchange=True`` runs step 2 as :func:`_crossed_pair_sum`. It is off by
-    default here: on a torus both axes are network links, and the crossed exchange's extra hop
-    along the inner axis then crosses the network too (on a TPU torus it is not even a
-    neighbour link). :func:`hierarchical_allreduce`, whose inner axis stays inside a host,
-    turns it on.
+    of two, ``crossed_exchange=True`` runs step 2 as :func:`_crossed_pair_sum` (off by
+    default; on a torus both axes are network links, so its extra hop along the inner axis
+    crosses the network too, and on a TPU torus it is not even a neighbour link).
     """
     return hierarchical_allreduce(
         flat,
@@ -397,6 +516,7 @@ def torus2d_allreduce(
         inter_algorithm="ring",
         crossed_exchange=crossed_exchange,
         transfer_dtype=transfer_dtype,
+        exchange_piece_bytes=exchange_piece_bytes,
         unroll_limit=unroll_limit,
     )
 
@@ -406,8 +526,9 @@ def hierarchical_allreduce(
     axis_name: tuple[str, str],
     *,
     inter_algorithm: str = "ring",
-    crossed_exchange: bool = True,
+    crossed_exchange: bool = False,
     transfer_dtype=None,
+    exchange_piece_bytes: int | str | None = "auto",
     unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
     """Hierarchical allreduce on axes ``(host, local)``.
@@ -415,8 +536,8 @@ def hierarchical_allreduce(
     1. reduce-scatter inside each host over the fast links (axis ``local``, L devices);
     2. allreduce across hosts over the slow links, each device carrying only 1/L of the data
        (with ``inter_algorithm``: any one-dimensional schedule; on two hosts, where that
-       schedule is one pairwise swap, :func:`_crossed_pair_sum` instead unless
-       ``crossed_exchange=False``: its extra hop runs on the inner axis, inside a host);
+       schedule is one pairwise swap, :func:`_crossed_pair_sum` instead when
+       ``crossed_exchange=True``);
     3. all-gather inside each host.
     With ``inter_algorithm="ring"`` this is the 2-D torus schedule; the point of the name is
     the link classes: the cost model prices steps 1 and 3 on intra-host links and step 2 on
@@ -428,18 +549,28 @@ def hierarchical_allreduce(
             f"hierarchical: inter_algorithm must be a one-dimensional schedule "
             f"{tuple(a for a in ALGORITHMS if a not in TWO_LEVEL)}, got {inter_algorithm!r}"
         )
-    opts = dict(transfer_dtype=transfer_dtype, unroll_limit=unroll_limit)
+    opts = dict(
+        transfer_dtype=transfer_dtype,
+        exchange_piece_bytes=exchange_piece_bytes,
+        unroll_limit=unroll_limit,
+    )
     padded = _pad_to_chunks(flat, axis_size(local))
     host_sum = reduce_scatter(padded, local, **opts)
     if uses_crossed_exchange(axis_size(host), axis_size(local), inter_algorithm, crossed_exchange):
-        full_sum = _crossed_pair_sum(host_sum, axis_name, transfer_dtype)
+        wire = Wire(transfer_dtype, exchange_piece_bytes)
+        full_sum = _crossed_pair_sum(host_sum, axis_name, wire)
     else:
         full_sum = _SCHEDULES[inter_algorithm](host_sum, host, **opts)
     return all_gather(full_sum, local, into=padded, **opts)[: flat.size]
 
 
 def halving_doubling_allreduce(
-    flat: jax.Array, axis_name: AxisName, *, transfer_dtype=None, unroll_limit: int = UNROLL_LIMIT
+    flat: jax.Array,
+    axis_name: AxisName,
+    *,
+    transfer_dtype=None,
+    exchange_piece_bytes: int | str | None = "auto",
+    unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
     """Recursive halving-doubling (Rabenseifner), for a power-of-two number of devices.
 
@@ -457,6 +588,7 @@ def halving_doubling_allreduce(
             f"got {p}; use 'ring' or 'bidirectional_ring' for this axis"
         )
     i = lax.axis_index(axis_name)
+    wire = Wire(transfer_dtype, exchange_piece_bytes)
     segment = _pad_to_chunks(flat, p)
 
     d = p // 2
@@ -465,14 +597,14 @@ def halving_doubling_allreduce(
         upper = (i // d) % 2  # 1: keep the upper half, send the lower one
         keep = lax.dynamic_slice_in_dim(segment, upper * half, half)
         give = lax.dynamic_slice_in_dim(segment, (1 - upper) * half, half)
-        segment = keep + _send(give, axis_name, [(j, j ^ d) for j in range(p)], transfer_dtype)
+        segment = keep + _send(give, axis_name, [(j, j ^ d) for j in range(p)], wire)
         d //= 2
 
-    segment = _as_sent(segment, transfer_dtype)
+    segment = _as_sent(segment, wire)
     d = 1
     while d < p:  # recursive doubling
         upper = (i // d) % 2  # 1: my segment is the upper half of the doubled one
-        theirs = _send(segment, axis_name, [(j, j ^ d) for j in range(p)], transfer_dtype)
+        theirs = _send(segment, axis_name, [(j, j ^ d) for j in range(p)], wire)
         # Written as one concatenation of two selects: XLA fuses it into a single pass.
         is_upper = upper == 1
         segment = jnp.concatenate(
@@ -488,6 +620,7 @@ def parameter_server_allreduce(
     *,
     server: int = 0,
     transfer_dtype=None,
+    exchange_piece_bytes: int | str | None = "auto",
     unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
     """Parameter-server baseline: every worker sends its whole buffer to the server in turn,
@@ -499,14 +632,15 @@ def parameter_server_allreduce(
     if not 0 <= server < p:
         raise ValueError(f"parameter_server: server must be in [0, {p}), got {server}")
     i = lax.axis_index(axis_name)
+    wire = Wire(transfer_dtype, exchange_piece_bytes)  # its one-pair sends are never exchanges
     workers = [w for w in range(p) if w != server]
     total = flat
     for w in workers:  # gather: a one-pair ppermute delivers zeros everywhere but the server
-        total = total + _send(flat, axis_name, [(w, server)], transfer_dtype)
-    total = _as_sent(total, transfer_dtype)
+        total = total + _send(flat, axis_name, [(w, server)], wire)
+    total = _as_sent(total, wire)
     result = jnp.where(i == server, total, jnp.zeros_like(total))
     for w in workers:  # broadcast
-        result = result + _send(total, axis_name, [(server, w)], transfer_dtype)
+        result = result + _send(total, axis_name, [(server, w)], wire)
     return result
 
 
@@ -578,7 +712,9 @@ def allreduce(
         accumulation dtype.
       accumulate_dtype: dtype partial sums are kept in (e.g. ``jnp.float32`` for bf16 leaves);
         default: each leaf's own dtype.
-      **options: schedule options: ``unroll_limit`` (all ring-based schedules),
+      **options: schedule options: ``exchange_piece_bytes`` (every schedule; the largest
+        message a pairwise exchange sends at once, default ``"auto"``: see
+        :func:`default_exchange_piece_bytes`), ``unroll_limit`` (all ring-based schedules),
         ``inter_algorithm`` (hierarchical), ``crossed_exchange`` (torus2d, default off;
         hierarchical, default on; see :func:`_crossed_pair_sum`), ``server``
         (parameter_server).
@@ -602,7 +738,7 @@ def allreduce(
     if algorithm == "native":
         # psum takes the whole list in one call and XLA's all-reduce combiner fuses the leaves
         # itself: copying them into one buffer first would only add two passes over the data.
-        if set(options) - {"unroll_limit"}:
+        if set(options) - {"unroll_limit", "exchange_piece_bytes"}:
             raise TypeError(f"allreduce algorithm 'native': bad options {options}")
         acc = [leaf.astype(accumulate_dtype or leaf.dtype) for leaf in leaves]
         sent = acc if transfer_dtype is None else [a.astype(transfer_dtype) for a in acc]

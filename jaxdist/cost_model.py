@@ -23,7 +23,7 @@ torus2d / hierarchical intra 2(X-1), inter 2(Y-1)  intra 2(X-1)/X, inter 2(Y-1)/
 native (psum)          modelled as ring: XLA/NCCL use rings for large messages
 =====================  ==========================  ======================================
 
-The crossed exchange (``collectives._crossed_pair_sum``; hierarchical's default on two hosts)
+The crossed exchange (``collectives._crossed_pair_sum``, ``crossed_exchange=True`` on two hosts)
 runs the step between the hosts once instead of twice and adds one hop inside host 0.
 
 For ``torus2d`` the sum over both classes is 2(X+Y-2) alpha + 2(XY-1)/(XY) S beta, the same

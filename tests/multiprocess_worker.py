@@ -72,9 +72,9 @@ def _global_input(mesh, axes, n: int) -> tuple[jax.Array, np.ndarray]:
     return x, host.sum(axis=0)
 
 
-def _run(mesh, axes, algorithm: str, axis_name, x: jax.Array) -> jax.Array:
+def _run(mesh, axes, algorithm: str, axis_name, x: jax.Array, **options) -> jax.Array:
     def body(block):
-        return collectives.allreduce(block, axis_name, algorithm)
+        return collectives.allreduce(block, axis_name, algorithm, **options)
 
     f = jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes))
     return jax.jit(f)(x)
@@ -115,6 +115,23 @@ def check_allreduce(n: int = 1003) -> None:
                 f"psum's result on every device, found max abs difference {err:.3g}"
             )
             print(f"CHECK allreduce {algorithm} {outer}x{inner} OK max_err={err:.2g}")
+        # Pairwise exchanges over gloo in small pieces (several, then a fori_loop of them).
+        for algorithm in ("ring", "halving_doubling", "torus2d"):
+            for piece in (1024, 128):
+                found = _local_rows(
+                    _run(mesh, axes, algorithm, axes, x, exchange_piece_bytes=piece)
+                )
+                err = max(float(np.abs(f - r).max()) for f, r in zip(found, reference, strict=True))
+                assert err <= 1e-5, (
+                    f"{algorithm} with exchanges in pieces of {piece} bytes on {outer}x{inner}: "
+                    f"expected psum's result, found max abs difference {err:.3g}"
+                )
+            print(f"CHECK pieces {algorithm} {outer}x{inner} OK")
+    auto = collectives.default_exchange_piece_bytes()
+    assert auto == collectives.GLOO_EXCHANGE_PIECE_BYTES, (
+        f"expected exchanges over gloo in pieces of {collectives.GLOO_EXCHANGE_PIECE_BYTES} "
+        f"bytes, found {auto}"
+    )
 
 
 def check_host() -> None:

@@ -369,3 +369,52 @@ def test_all_gather_into_a_buffer_of_the_wrong_size_is_an_error():
         per_device(mesh, lambda s: collectives.all_gather(s, "x", into=jnp.zeros(10)), shards)
     out = per_device(mesh, lambda s: collectives.all_gather(s, "x", into=jnp.ones(12)), shards)
     np.testing.assert_array_equal(out[0], shards.reshape(-1))  # every element overwritten
+
+
+@pytest.mark.parametrize("piece", [8000, 256])  # a few pieces (unrolled), many (fori_loop)
+@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling", "torus2d", "hierarchical"])
+def test_exchanges_in_pieces_against_psum(algorithm, piece):
+    # 2-device axes make every ring step, and every halving-doubling step, a pairwise exchange.
+    for mesh in (meshes.ring(2), meshes.torus2d(2, 2), meshes.torus2d(4, 2)):
+        if algorithm in collectives.TWO_LEVEL and len(mesh.axis_names) == 1:
+            continue
+        axes = axes_of(mesh) if algorithm in collectives.TWO_LEVEL else tuple(mesh.axis_names)
+        x = random_rows(mesh.size, (10007,))
+        out = per_device(
+            mesh,
+            lambda v, a=algorithm, ax=axes: collectives.allreduce(
+                v, ax, a, exchange_piece_bytes=piece
+            ),
+            x,
+        )
+        assert_allreduced(out, x)
+
+
+def test_pairwise_exchanges_are_cut_into_pieces_and_other_permutes_are_not():
+    mesh = meshes.ring(4)
+    x = jnp.zeros((4, 1000))  # 4,000 bytes per device
+
+    def permutes(algorithm, piece):
+        fn = lambda v: collectives.allreduce(v, "x", algorithm, exchange_piece_bytes=piece)  # noqa: E731
+        return _permute_pairs(fn, mesh, x)
+
+    # halving_doubling on 4 devices: 2 halving steps (2,000 then 1,000 bytes) and 2 doubling
+    # steps (1,000 then 2,000 bytes), all exchanges: 2 + 1 + 1 + 2 pieces of at most 1,000.
+    assert len(permutes("halving_doubling", None)) == 4
+    assert len(permutes("halving_doubling", 1000)) == 6
+    # The ring's steps send to one neighbour and receive from the other: never split.
+    assert len(permutes("ring", 1000)) == len(permutes("ring", None)) == 6
+    # On one process (no gloo) "auto" keeps whole messages.
+    assert collectives.default_exchange_piece_bytes() is None
+    assert len(permutes("halving_doubling", "auto")) == 4
+
+
+def test_bad_exchange_piece_bytes_is_a_clear_error():
+    mesh = meshes.ring(2)
+    for bad in (0, -5, 2.5, "big"):
+        with pytest.raises(ValueError, match="exchange_piece_bytes must be a positive"):
+            per_device(
+                mesh,
+                lambda v, b=bad: collectives.allreduce(v, "x", "ring", exchange_piece_bytes=b),
+                random_rows(2, (100,)),
+            )

@@ -57,6 +57,9 @@ def assert_all_algorithms(output: str, processes: int, layout: str) -> None:
         for algorithm in ALGORITHMS:
             line = f"[p{p}] CHECK allreduce {algorithm} {layout} OK"
             assert line in output, f"expected {line!r} in the output, not found:\n{output}"
+        for algorithm in ("ring", "halving_doubling", "torus2d"):
+            line = f"[p{p}] CHECK pieces {algorithm} {layout} OK"
+            assert line in output, f"expected {line!r} in the output, not found:\n{output}"
 
 
 def test_two_processes_two_devices_all_algorithms_and_host_rows():

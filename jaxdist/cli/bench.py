@@ -40,8 +40,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("on", "off"),
         default=None,
         help="torus2d/hierarchical on an outer axis of two: send the two directions between "
-        "the hosts over different device pairs (on) or swap (off); default: torus2d off, "
-        "hierarchical on",
+        "the hosts over different device pairs (on) or as one exchange (off, the default)",
+    )
+    p.add_argument(
+        "--exchange-piece",
+        default="auto",
+        metavar="BYTES|auto|none",
+        help="largest message of a pairwise exchange (two devices sending to each other), "
+        "e.g. 256K; 'none' sends each exchange whole; default 'auto' (pieces over gloo only)",
     )
     p.add_argument(
         "--in-place",
@@ -121,6 +127,21 @@ def _leader_printer(enabled: bool):
     return say
 
 
+def _exchange_piece(text: str) -> int | str | None:
+    """``--exchange-piece``: ``auto``, ``none`` or a size such as ``256K``."""
+    from jaxdist import bench
+
+    if text in ("auto", "none"):
+        return None if text == "none" else "auto"
+    try:
+        size = bench.parse_size(text)
+    except ValueError as err:
+        raise ValueError(f"--exchange-piece: {err}, or 'auto' or 'none'") from None
+    if size < 1:
+        raise ValueError(f"--exchange-piece must be at least 1 byte, got {text!r}")
+    return size
+
+
 def run_allreduce(args: argparse.Namespace) -> int:
     import jax
 
@@ -129,10 +150,11 @@ def run_allreduce(args: argparse.Namespace) -> int:
     try:
         algorithms, spec, mesh = _algorithms_and_mesh(args.algorithms, args.mesh)
         sizes = bench.parse_sizes(args.sizes, args.factor)
+        exchange_piece = _exchange_piece(args.exchange_piece)
     except ValueError as err:
         print(f"jaxdist bench: {err}", file=sys.stderr)
         return 2
-    options = {"inter_algorithm": args.inter_algorithm}
+    options = {"inter_algorithm": args.inter_algorithm, "exchange_piece_bytes": exchange_piece}
     if args.crossed_exchange is not None:
         options["crossed_exchange"] = args.crossed_exchange == "on"
     if args.transfer_dtype:
