@@ -17,7 +17,8 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,7 @@ class Result:
     link: cost_model.Link
     rows: list[Row]
     skipped: dict[str, str]
+    options: dict[str, Any] = field(default_factory=dict)  # the schedule options of the run
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -186,8 +188,10 @@ def run(
     if "native" not in runnable:
         runnable = ["native", *runnable]
 
-    def shift(v):
-        return jax.lax.ppermute(v, flat_axes, [(j, (j + 1) % p) for j in range(p)])
+    def shift(v):  # sent as the schedules send it: on two devices a shift is an exchange
+        pieces = options.get("exchange_piece_bytes", "auto")
+        ring = [(j, (j + 1) % p) for j in range(p)]
+        return collectives.permute(v, flat_axes, ring, exchange_piece_bytes=pieces)
 
     max_error = jax.jit(
         lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
@@ -257,6 +261,10 @@ def run(
         link=link,
         rows=rows,
         skipped=skipped,
+        # JSON keeps numbers, strings and None; anything else (a dtype) as its name.
+        options={
+            k: v if isinstance(v, int | float | str | None) else str(v) for k, v in options.items()
+        },
     )
 
 

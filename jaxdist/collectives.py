@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -81,7 +82,8 @@ class Wire(NamedTuple):
 
 
 # Measured on emulated 1 Gbit/s hosts (docs/multihost_performance.md, section 4.1): a 16 MiB
-# swap over gloo took 253-277 ms in one message and 145 ms in pieces of 256 KiB.
+# swap over gloo took 278 ms in one message and 145 ms in pieces of 256 KiB (512 KiB: 163 ms,
+# 128 KiB: 186 ms).
 GLOO_EXCHANGE_PIECE_BYTES = 256 << 10
 # More pieces than this go in a fori_loop: unrolled, 32 pieces of a torus2d compiled in 2 s.
 _UNROLLED_PIECES = 4
@@ -104,15 +106,21 @@ def default_exchange_piece_bytes() -> int | None:
 
 
 def _piece_bytes(piece: int | str | None) -> int | None:
-    if piece == "auto":
+    """An ``exchange_piece_bytes`` value checked and resolved: a byte count, or ``None``."""
+    if piece is None:
+        return None
+    if isinstance(piece, str) and piece == "auto":
         return default_exchange_piece_bytes()
-    if piece is not None and not (
-        isinstance(piece, int) and not isinstance(piece, bool) and piece > 0
-    ):
+    try:
+        nbytes = 0 if isinstance(piece, bool) else operator.index(piece)
+    except TypeError:
+        nbytes = 0
+    if nbytes < 1:
         raise ValueError(
-            f"exchange_piece_bytes must be a positive number of bytes, None or 'auto'; got {piece!r}"
+            "exchange_piece_bytes must be a positive number of bytes, None or 'auto'; "
+            f"got {piece!r}"
         )
-    return piece
+    return nbytes
 
 
 def _is_pairwise_exchange(perm: list[tuple[int, int]]) -> bool:
@@ -140,27 +148,32 @@ def permute(
     if piece is None or x.nbytes <= piece or not _is_pairwise_exchange(perm):
         return lax.ppermute(x, axis_name, perm)
     flat = x.reshape(-1)
-    count = -(-x.nbytes // piece)
+    per_piece = max(1, piece // x.dtype.itemsize)  # in elements, so no piece exceeds the bytes
+    count = -(-flat.size // per_piece)
     padded = _pad_to_chunks(flat, count)
-    size = padded.size // count
+    piece_len = padded.size // count
     if count <= _UNROLLED_PIECES:
         parts = [lax.ppermute(part, axis_name, perm) for part in jnp.split(padded, count)]
         received = jnp.concatenate(parts)
     else:
 
-        def step(k, received):
-            part = lax.dynamic_slice_in_dim(padded, k * size, size)
-            return lax.dynamic_update_slice_in_dim(
-                received, lax.ppermute(part, axis_name, perm), k * size, 0
-            )
+        def piece_at(k) -> jax.Array:
+            part = lax.dynamic_slice_in_dim(padded, k * piece_len, piece_len)
+            return lax.ppermute(part, axis_name, perm)
 
-        received = lax.fori_loop(0, count, step, jnp.zeros_like(padded))
+        def step(k, received):
+            return lax.dynamic_update_slice_in_dim(received, piece_at(k), k * piece_len, 0)
+
+        # Piece 0 goes in before the loop, so the carry starts with the ppermute's type
+        # (varying along the axis) even when ``x`` itself is replicated.
+        first = lax.dynamic_update_slice_in_dim(jnp.zeros_like(padded), piece_at(0), 0, 0)
+        received = lax.fori_loop(1, count, step, first)
     return received[: flat.size].reshape(x.shape)
 
 
 def _send(x: jax.Array, axis_name: AxisName, perm: list[tuple[int, int]], wire: Wire) -> jax.Array:
-    """One ppermute (see :func:`permute`), optionally sent in a narrower dtype and widened
-    again on arrival."""
+    """One message step (:func:`permute`: one ppermute, or consecutive pieces of an exchange),
+    optionally sent in a narrower dtype and widened again on arrival."""
     narrow = wire.dtype is not None and jnp.dtype(wire.dtype) != x.dtype
     sent = x.astype(wire.dtype) if narrow else x
     received = permute(sent, axis_name, perm, exchange_piece_bytes=wire.exchange_piece_bytes)
@@ -326,7 +339,8 @@ def reduce_scatter(
     """Ring reduce-scatter, ``p - 1`` steps.
 
     ``x`` is flattened and zero-padded to ``p`` equal chunks; device ``i`` returns the sum over
-    all devices of chunk ``i`` (shape ``(ceil(x.size / p),)``).
+    all devices of chunk ``i`` (shape ``(ceil(x.size / p),)``). ``transfer_dtype``,
+    ``exchange_piece_bytes`` and ``unroll_limit`` as for :func:`allreduce`.
     """
     p = axis_size(axis_name)
     padded = _pad_to_chunks(x.reshape(-1), p)
@@ -354,6 +368,7 @@ def all_gather(
     XLA write the gathered chunks into that memory when nothing else still reads it, instead
     of allocating and zero-filling a new buffer. On two devices the all-gather is one
     exchange and a concatenation, and ``into`` is not used (:func:`_pair_all_gather`).
+    ``transfer_dtype``, ``exchange_piece_bytes`` and ``unroll_limit`` as for :func:`allreduce`.
     """
     p = axis_size(axis_name)
     wire = Wire(transfer_dtype, exchange_piece_bytes)
@@ -364,7 +379,7 @@ def all_gather(
     return _ring_all_gather([shard.reshape(-1)], axis_name, (1,), wire, unroll_limit, into=into)
 
 
-def _pair_all_gather(shard: jax.Array, axis_name: AxisName, wire) -> jax.Array:
+def _pair_all_gather(shard: jax.Array, axis_name: AxisName, wire: Wire) -> jax.Array:
     """All-gather over two devices: one exchange, then both chunks written in one pass.
 
     Writing them over ``into`` would first copy ``into`` when it is still live (out of place)
@@ -449,8 +464,9 @@ def _crossed_pair_sum(shard: jax.Array, axis_name: tuple[str, str], wire: Wire) 
     ways.
 
     On two hosts the outer allreduce is one pairwise swap, ``(0, k) <-> (1, k)``. Over gloo a
-    swap sent as one message runs one direction after the other (:func:`default_exchange_piece_bytes`);
-    this sends the two directions over different device pairs instead:
+    swap sent as one message runs one direction after the other
+    (:func:`default_exchange_piece_bytes`); this sends the two directions over different
+    device pairs instead:
 
     1. ``(0, k) -> (1, k)`` and ``(1, k) -> (0, k + 1)``, one ppermute over both axes: host 1
        now holds both halves of each sum; host 0 holds host 1's shard ``k`` one device over;
@@ -459,9 +475,9 @@ def _crossed_pair_sum(shard: jax.Array, axis_name: tuple[str, str], wire: Wire) 
     Each host's link carries its ``n`` shards once per direction, as the ring would, in one
     step instead of two, at the price of one extra hop of ``n`` shards along the inner axis.
     Since swaps over gloo go in pieces that run both directions at once, it is off by
-    default: the pieced swap measured as fast on 2 hosts x 4 devices and faster on
-    one-device hosts, where the extra hop crosses the network
-    (docs/multihost_performance.md, section 3).
+    default: the pieced swap measured as fast on 2 hosts x 4 devices
+    (docs/multihost_performance.md, section 3) and faster on one-device hosts, where the
+    extra hop crosses the network (section 1).
     """
     outer, inner = axis_name
     n = axis_size(inner)
@@ -481,7 +497,7 @@ _SWAP_ON_TWO = ("ring", "bidirectional_ring", "halving_doubling")
 
 
 def uses_crossed_exchange(
-    outer_size: int, inner_size: int, inter_algorithm: str = "ring", crossed_exchange: bool = True
+    outer_size: int, inner_size: int, inter_algorithm: str = "ring", crossed_exchange: bool = False
 ) -> bool:
     """Whether a two-level schedule runs its outer step as :func:`_crossed_pair_sum`: on an
     outer axis of two with at least two devices inside, when the outer schedule would swap."""
@@ -715,14 +731,16 @@ def allreduce(
       **options: schedule options: ``exchange_piece_bytes`` (every schedule; the largest
         message a pairwise exchange sends at once, default ``"auto"``: see
         :func:`default_exchange_piece_bytes`), ``unroll_limit`` (all ring-based schedules),
-        ``inter_algorithm`` (hierarchical), ``crossed_exchange`` (torus2d, default off;
-        hierarchical, default on; see :func:`_crossed_pair_sum`), ``server``
+        ``inter_algorithm`` (hierarchical), ``crossed_exchange`` (torus2d and hierarchical,
+        default off; see :func:`_crossed_pair_sum`), ``server``
         (parameter_server).
     """
     if algorithm not in _SCHEDULES:
         raise ValueError(f"unknown allreduce algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     if op not in ("sum", "mean"):
         raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+    if "exchange_piece_bytes" in options:  # checked here too: native and 1-device axes never send
+        _piece_bytes(options["exchange_piece_bytes"])
     count = _check_axis_name(axis_name, algorithm)
 
     leaves, treedef = jax.tree.flatten(x)

@@ -84,6 +84,29 @@ def _local_rows(y: jax.Array) -> list[np.ndarray]:
     return [np.asarray(shard.data).reshape(-1) for shard in y.addressable_shards]
 
 
+def _check_exchanges_in_pieces(mesh, outer: int, inner: int) -> None:
+    """Schedules whose steps are pairwise exchanges, sent over gloo in pieces, against psum:
+    small pieces (a few, then a fori_loop of them) and, on a larger buffer, the "auto" size."""
+    axes = ("outer", "inner")
+    pair_axis = "outer" if outer == 2 else "inner" if inner == 2 else None
+    cases = [("halving_doubling", axes)]  # every step exchanges (i XOR d)
+    if pair_axis is not None:  # a ring of two, and torus2d's 2-device axis, are exchanges
+        cases += [("ring", pair_axis), ("torus2d", axes)]
+    for algorithm, axis_name in cases:
+        for n, piece in ((1003, 1024), (1003, 128), (200_000, "auto")):
+            x, _ = _global_input(mesh, axes, n)
+            reference = _local_rows(_run(mesh, axes, "native", axis_name, x))
+            found = _local_rows(
+                _run(mesh, axes, algorithm, axis_name, x, exchange_piece_bytes=piece)
+            )
+            err = max(float(np.abs(f - r).max()) for f, r in zip(found, reference, strict=True))
+            assert err <= 1e-5, (
+                f"{algorithm} over {axis_name} with exchanges in pieces of {piece} on "
+                f"{outer}x{inner}: expected psum's result, found max abs difference {err:.3g}"
+            )
+        print(f"CHECK pieces {algorithm} {outer}x{inner} OK")
+
+
 def check_allreduce(n: int = 1003) -> None:
     """All algorithms on every two-level arrangement of the devices, compared with psum.
 
@@ -115,18 +138,7 @@ def check_allreduce(n: int = 1003) -> None:
                 f"psum's result on every device, found max abs difference {err:.3g}"
             )
             print(f"CHECK allreduce {algorithm} {outer}x{inner} OK max_err={err:.2g}")
-        # Pairwise exchanges over gloo in small pieces (several, then a fori_loop of them).
-        for algorithm in ("ring", "halving_doubling", "torus2d"):
-            for piece in (1024, 128):
-                found = _local_rows(
-                    _run(mesh, axes, algorithm, axes, x, exchange_piece_bytes=piece)
-                )
-                err = max(float(np.abs(f - r).max()) for f, r in zip(found, reference, strict=True))
-                assert err <= 1e-5, (
-                    f"{algorithm} with exchanges in pieces of {piece} bytes on {outer}x{inner}: "
-                    f"expected psum's result, found max abs difference {err:.3g}"
-                )
-            print(f"CHECK pieces {algorithm} {outer}x{inner} OK")
+        _check_exchanges_in_pieces(mesh, outer, inner)
     auto = collectives.default_exchange_piece_bytes()
     assert auto == collectives.GLOO_EXCHANGE_PIECE_BYTES, (
         f"expected exchanges over gloo in pieces of {collectives.GLOO_EXCHANGE_PIECE_BYTES} "

@@ -391,30 +391,82 @@ def test_exchanges_in_pieces_against_psum(algorithm, piece):
 
 
 def test_pairwise_exchanges_are_cut_into_pieces_and_other_permutes_are_not():
-    mesh = meshes.ring(4)
-    x = jnp.zeros((4, 1000))  # 4,000 bytes per device
+    def count(mesh, axes, algorithm, piece, **options):
+        def fn(v):
+            return collectives.allreduce(v, axes, algorithm, exchange_piece_bytes=piece, **options)
 
-    def permutes(algorithm, piece):
-        fn = lambda v: collectives.allreduce(v, "x", algorithm, exchange_piece_bytes=piece)  # noqa: E731
-        return _permute_pairs(fn, mesh, x)
+        return len(_permute_pairs(fn, mesh, jnp.zeros((mesh.size, 1000))))  # 4,000 bytes
 
+    ring4 = meshes.ring(4)
     # halving_doubling on 4 devices: 2 halving steps (2,000 then 1,000 bytes) and 2 doubling
     # steps (1,000 then 2,000 bytes), all exchanges: 2 + 1 + 1 + 2 pieces of at most 1,000.
-    assert len(permutes("halving_doubling", None)) == 4
-    assert len(permutes("halving_doubling", 1000)) == 6
+    assert count(ring4, "x", "halving_doubling", None) == 4
+    assert count(ring4, "x", "halving_doubling", 1000) == 6
     # The ring's steps send to one neighbour and receive from the other: never split.
-    assert len(permutes("ring", 1000)) == len(permutes("ring", None)) == 6
+    assert count(ring4, "x", "ring", 1000) == count(ring4, "x", "ring", None) == 6
     # On one process (no gloo) "auto" keeps whole messages.
     assert collectives.default_exchange_piece_bytes() is None
-    assert len(permutes("halving_doubling", "auto")) == 4
+    assert count(ring4, "x", "halving_doubling", "auto") == 4
+    # Every exchange of the other schedules is cut too: a ring (and a bidirectional ring) of
+    # two is two exchanges of 2,000 bytes; torus2d on 2x2: 2,000 + 1,000 + 1,000 + 2,000.
+    assert count(meshes.ring(2), "x", "ring", 1000) == 4
+    assert count(meshes.ring(2), "x", "bidirectional_ring", 1000) == 4
+    assert count(meshes.torus2d(2, 2), ("y", "x"), "torus2d", 1000) == 6
+    # The crossed exchange with an inner axis of two: its hop inside host 0 is an exchange.
+    two_hosts = meshes.hierarchical(2, 2)
+    crossed = dict(crossed_exchange=True)
+    whole = count(two_hosts, ("host", "local"), "hierarchical", None, **crossed)
+    assert count(two_hosts, ("host", "local"), "hierarchical", 500, **crossed) > whole
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, jnp.bfloat16])
+@pytest.mark.parametrize("piece", [10, 64, 1 << 20])  # not a multiple of 4; loop; one piece
+def test_permute_matches_ppermute(dtype, piece):
+    mesh = meshes.ring(4)
+    x = (np.arange(4 * 3 * 37) % 251).reshape(4, 3, 37).astype(dtype)  # a multi-dim block
+    perms = {
+        "exchange": [(0, 1), (1, 0), (2, 3), (3, 2)],
+        "partial exchange": [(0, 1), (1, 0)],
+        "shift": [(j, (j + 1) % 4) for j in range(4)],
+    }
+    for name, perm in perms.items():
+        expected = per_device(mesh, lambda v, p=perm: jax.lax.ppermute(v, "x", p), x)
+        found = per_device(
+            mesh,
+            lambda v, p=perm: collectives.permute(v, "x", p, exchange_piece_bytes=piece),
+            x,
+        )
+        np.testing.assert_array_equal(found, expected, err_msg=f"{name}, pieces of {piece}")
+
+
+def test_permute_in_pieces_of_a_replicated_input_under_vma_checks():
+    # A fori_loop of pieces must type-check when the input is not varying along the axis.
+    mesh = meshes.ring(2)
+    exchange = [(0, 1), (1, 0)]
+
+    def body(v):
+        return collectives.permute(v, "x", exchange, exchange_piece_bytes=16)[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("x")))
+    np.testing.assert_array_equal(np.asarray(f(jnp.arange(40.0))), np.tile(np.arange(40.0), (2, 1)))
 
 
 def test_bad_exchange_piece_bytes_is_a_clear_error():
     mesh = meshes.ring(2)
-    for bad in (0, -5, 2.5, "big"):
-        with pytest.raises(ValueError, match="exchange_piece_bytes must be a positive"):
-            per_device(
-                mesh,
-                lambda v, b=bad: collectives.allreduce(v, "x", "ring", exchange_piece_bytes=b),
-                random_rows(2, (100,)),
-            )
+    for bad in (0, -5, 2.5, "big", True):
+        for algorithm in ("ring", "native"):  # native never sends pieces but checks the value
+            with pytest.raises(ValueError, match="exchange_piece_bytes must be a positive"):
+                per_device(
+                    mesh,
+                    lambda v, a=algorithm, b=bad: collectives.allreduce(
+                        v, "x", a, exchange_piece_bytes=b
+                    ),
+                    random_rows(2, (100,)),
+                )
+    # numpy integers are byte counts too.
+    out = per_device(
+        mesh,
+        lambda v: collectives.allreduce(v, "x", "ring", exchange_piece_bytes=np.int64(64)),
+        random_rows(2, (100,)),
+    )
+    assert_allreduced(out, random_rows(2, (100,)))

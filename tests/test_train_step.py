@@ -403,3 +403,14 @@ def test_bfloat16_compute_with_float32_master_weights_trains():
         losses.append(float(metrics["loss"]))
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(state.params))
     assert losses[-1] < 0.8 * losses[0], f"bf16 training did not converge: {losses}"
+
+
+def test_zero1_passes_the_exchange_piece_option_to_its_building_blocks(reference):
+    # A bad value must reach ZeRO-1's reduce-scatter and all-gather and be refused there.
+    batches, _ = reference
+    make_mesh, axes = MESHES["ring-8"]
+    with pytest.raises(ValueError, match="exchange_piece_bytes must be a positive"):
+        distributed_training(
+            make_mesh(), axes, optax.sgd(0.1), batches[:1], zero1=True,
+            allreduce_options={"exchange_piece_bytes": -1},
+        )  # fmt: skip

@@ -131,8 +131,10 @@ def _exchange_piece(text: str) -> int | str | None:
     """``--exchange-piece``: ``auto``, ``none`` or a size such as ``256K``."""
     from jaxdist import bench
 
-    if text in ("auto", "none"):
-        return None if text == "none" else "auto"
+    if text == "auto":
+        return "auto"
+    if text == "none":
+        return None
     try:
         size = bench.parse_size(text)
     except ValueError as err:
