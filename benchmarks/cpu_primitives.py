@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 
 def main() -> None:
@@ -32,7 +31,7 @@ def main() -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdist import meshes
+    from jaxdist import meshes, timing
 
     p = args.devices
     n = args.mib * 2**20 // 4
@@ -67,12 +66,8 @@ def main() -> None:
     }
     for fn in compiled.values():
         jax.block_until_ready(fn(x))
-    times: dict[str, list[float]] = {name: [] for name in compiled}
-    for _ in range(args.rounds):
-        for name, fn in compiled.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times[name].append(time.perf_counter() - start)
+    runners = {name: (lambda fn=fn: fn(x)) for name, fn in compiled.items()}
+    times = timing.interleaved_rounds(runners, steps=1, rounds=args.rounds)
     print(f"# {p} CPU devices, {args.mib} MiB per device, median of {args.rounds}")
     for name, ts in times.items():
         print(f"{name:<48s} {statistics.median(ts) * 1e3:8.2f} ms")

@@ -10,7 +10,8 @@ before the receive, and gloo queues the later device's "ready to receive" notice
 own payload; docs/multihost_performance.md, section 4.1). ``jaxdist.collectives.permute``
 sends an exchange as consecutive pieces of at most ``exchange_piece_bytes``. Process 0 prints,
 per piece size, the median time of ``--iters`` exchanges and the rate of each direction; the
-piece sizes are timed in alternating rounds, so machine noise falls on all of them alike.
+piece sizes are timed in interleaved rounds (``jaxdist.timing.interleaved_rounds``), so
+machine noise falls on all of them alike.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from jaxdist import bench, collectives, distributed, meshes
+    from jaxdist import bench, collectives, distributed, meshes, timing
 
     distributed.initialize()
     p = jax.device_count()
@@ -60,12 +60,8 @@ def main() -> None:
         expected = out if expected is None else expected
         if not np.array_equal(out, expected):
             raise SystemExit(f"exchange_pieces.py: pieces of {text} delivered different data")
-    times: dict[str, list[float]] = {text: [] for text in fns}
-    for _ in range(args.iters):
-        for text, fn in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times[text].append(time.perf_counter() - start)
+    runners = {text: (lambda fn=fn: fn(x)) for text, fn in fns.items()}
+    times = timing.interleaved_rounds(runners, steps=1, rounds=args.iters)
     if jax.process_index() != 0:
         return
     rows = []

@@ -348,9 +348,11 @@ class TrainStep:
         flat_params, unravel = ravel_pytree(state.params)
         options = self.allreduce_options
         # The options the ring building blocks take; the rest belong to the full schedules.
-        wire = {k: v for k, v in options.items() if k in ("unroll_limit", "exchange_piece_bytes")}
+        ring_options = {
+            k: v for k, v in options.items() if k in ("unroll_limit", "exchange_piece_bytes")
+        }
         transfer = {k: v for k, v in options.items() if k == "transfer_dtype"}
-        grad_slice = collectives.reduce_scatter(flat_grads, axes, **wire, **transfer)
+        grad_slice = collectives.reduce_scatter(flat_grads, axes, **ring_options, **transfer)
         grad_slice = grad_slice / self.num_replicas
         finite = None
         if state.loss_scale is not None:
@@ -366,7 +368,7 @@ class TrainStep:
         new_slice = optax.apply_updates(param_slice, updates)
         # Parameters travel in full precision: ``transfer_dtype`` is for gradients, and a
         # rounded all-gather would cut every device's float32 master copy to that dtype.
-        new_flat = collectives.all_gather(new_slice, axes, **wire)[: flat_params.size]
+        new_flat = collectives.all_gather(new_slice, axes, **ring_options)[: flat_params.size]
         return unravel(new_flat), opt_state, finite
 
 

@@ -84,6 +84,11 @@ def _local_rows(y: jax.Array) -> list[np.ndarray]:
     return [np.asarray(shard.data).reshape(-1) for shard in y.addressable_shards]
 
 
+def _max_difference(found: list[np.ndarray], reference: list[np.ndarray]) -> float:
+    """Largest absolute difference between this process's rows of two results."""
+    return max(float(np.abs(f - r).max()) for f, r in zip(found, reference, strict=True))
+
+
 def _check_exchanges_in_pieces(mesh, outer: int, inner: int) -> None:
     """Schedules whose steps are pairwise exchanges, sent over gloo in pieces, against psum:
     small pieces (a few, then a fori_loop of them) and, on a larger buffer, the "auto" size."""
@@ -99,7 +104,7 @@ def _check_exchanges_in_pieces(mesh, outer: int, inner: int) -> None:
             found = _local_rows(
                 _run(mesh, axes, algorithm, axis_name, x, exchange_piece_bytes=piece)
             )
-            err = max(float(np.abs(f - r).max()) for f, r in zip(found, reference, strict=True))
+            err = _max_difference(found, reference)
             assert err <= 1e-5, (
                 f"{algorithm} over {axis_name} with exchanges in pieces of {piece} on "
                 f"{outer}x{inner}: expected psum's result, found max abs difference {err:.3g}"
@@ -132,7 +137,7 @@ def check_allreduce(n: int = 1003) -> None:
         for algorithm in collectives.ALGORITHMS:
             axis_name = axes  # two-level schedules read it as (outer, inner), the rest as one axis
             found = _local_rows(_run(mesh, axes, algorithm, axis_name, x))
-            err = max(float(np.abs(f - r).max()) for f, r in zip(found, reference, strict=True))
+            err = _max_difference(found, reference)
             assert err <= 1e-5, (
                 f"{algorithm} on {outer}x{inner} ({nproc} processes x {local} devices): expected "
                 f"psum's result on every device, found max abs difference {err:.3g}"

@@ -57,8 +57,10 @@ def assert_all_algorithms(output: str, processes: int, layout: str) -> None:
         for algorithm in ALGORITHMS:
             line = f"[p{p}] CHECK allreduce {algorithm} {layout} OK"
             assert line in output, f"expected {line!r} in the output, not found:\n{output}"
-        pieced = ("halving_doubling", "ring", "torus2d") if "2" in layout else ("halving_doubling",)
-        for algorithm in pieced:  # ring and torus2d exchange only on a 2-device axis
+        # ring and torus2d exchange only on a 2-device axis ("2x2"; not "4x1").
+        has_pair_axis = "2" in layout.split("x")
+        pieced = ("halving_doubling", "ring", "torus2d") if has_pair_axis else ("halving_doubling",)
+        for algorithm in pieced:
             line = f"[p{p}] CHECK pieces {algorithm} {layout} OK"
             assert line in output, f"expected {line!r} in the output, not found:\n{output}"
 
