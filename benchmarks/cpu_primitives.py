@@ -4,8 +4,12 @@
 
 Explains the ratios of `jaxdist bench allreduce` on one CPU (docs/performance.md): how much a
 psum costs next to one ppermute, a chain of small ppermutes, writing an output and zero-filling a
-buffer. Each operation runs per device inside the same shard_map harness the benchmark uses;
-the operations are timed in interleaved rounds; medians are printed.
+buffer, next to the ring allreduce built from them. Each operation runs per device inside
+the same shard_map harness the benchmark uses; the operations are timed in interleaved rounds
+and medians are printed. A second pass runs each operation alone and reports the processor
+time it took per call (user and system, all threads): the devices are threads sharing the
+cores, so an operation that keeps every core busy costs its processor time divided by the
+cores, whatever its schedule.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ def main() -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdist import meshes, timing
+    from jaxdist import collectives, meshes, timing
 
     p = args.devices
     n = args.mib * 2**20 // 4
@@ -55,6 +59,9 @@ def main() -> None:
         f"return {args.mib} MiB unchanged (write the output)": lambda v: v,
         f"zero-fill a fresh {args.mib} MiB buffer": lambda v: jnp.zeros_like(v).at[0].set(v[0]),
         f"scale {args.mib} MiB by 2 (one elementwise pass)": lambda v: v * 2,
+        f"ring allreduce of {args.mib} MiB (jaxdist)": lambda v: collectives.allreduce(
+            v, "x", algorithm="ring"
+        ),
     }
     compiled = {
         name: jax.jit(
@@ -68,9 +75,32 @@ def main() -> None:
         jax.block_until_ready(fn(x))
     runners = {name: (lambda fn=fn: fn(x)) for name, fn in compiled.items()}
     times = timing.interleaved_rounds(runners, steps=1, rounds=args.rounds)
-    print(f"# {p} CPU devices, {args.mib} MiB per device, median of {args.rounds}")
+    cpu = {name: processor_time(run, args.rounds) for name, run in runners.items()}
+    print(
+        f"# {p} CPU devices on {os.cpu_count()} cores, {args.mib} MiB per device; "
+        f"wall: median of {args.rounds} interleaved rounds; processor time: mean per call"
+    )
+    print(f"{'operation':<48s} {'wall ms':>8s} {'user ms':>8s} {'sys ms':>8s}")
     for name, ts in times.items():
-        print(f"{name:<48s} {statistics.median(ts) * 1e3:8.2f} ms")
+        user, system = cpu[name]
+        print(f"{name:<48s} {statistics.median(ts) * 1e3:8.2f} {user:8.2f} {system:8.2f}")
+
+
+def processor_time(run, calls: int) -> tuple[float, float]:
+    """Mean user and system processor milliseconds per call of ``run`` (all threads)."""
+    import resource
+
+    import jax
+
+    jax.block_until_ready(run())
+    start = resource.getrusage(resource.RUSAGE_SELF)
+    for _ in range(calls):
+        jax.block_until_ready(run())
+    end = resource.getrusage(resource.RUSAGE_SELF)
+    return (
+        (end.ru_utime - start.ru_utime) * 1e3 / calls,
+        (end.ru_stime - start.ru_stime) * 1e3 / calls,
+    )
 
 
 if __name__ == "__main__":

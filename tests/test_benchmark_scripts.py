@@ -1,0 +1,123 @@
+"""The scripts in ``benchmarks/`` that the docs cite still run, at sizes small enough for CI.
+
+Their numbers are not checked (timing is not a test); what is checked is that each script
+completes, prints or writes the rows the docs quote, and, where a script verifies its own
+results (exchange_pieces.py compares every piece size's data), that the check passes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests._procs import JAXDIST, REPO, clean_env
+from tests.test_cluster import needs_namespaces
+
+BENCHMARKS = REPO / "benchmarks"
+
+
+def _run(argv: list[str], timeout: int = 240) -> str:
+    proc = subprocess.run(
+        argv, env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"expected exit 0 from {argv}, found {proc.returncode}:\n{output}"
+    return output
+
+
+def _launch(processes: int, *command: str) -> list[str]:
+    return [*JAXDIST, "launch", "--processes", str(processes), "--timeout", "200", "--", *command]
+
+
+def test_cpu_primitives_prints_every_operation():
+    script = str(BENCHMARKS / "cpu_primitives.py")
+    output = _run([sys.executable, script, "--devices", "4", "--mib", "1", "--rounds", "1"])
+    rows = re.findall(r"^(.+?)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)$", output, re.MULTILINE)
+    names = [name.strip() for name, *_ in rows]
+    assert names == [
+        "psum of 1 MiB",
+        "one ppermute of 1 MiB",
+        "3 chained ppermutes of 1/4 MiB",
+        "return 1 MiB unchanged (write the output)",
+        "zero-fill a fresh 1 MiB buffer",
+        "scale 1 MiB by 2 (one elementwise pass)",
+        "ring allreduce of 1 MiB (jaxdist)",
+    ], output
+    assert all(float(wall) > 0 for _, wall, _, _ in rows), output
+
+
+@pytest.mark.multiprocess
+def test_exchange_pieces_checks_its_data_across_processes(tmp_path):
+    out = tmp_path / "pieces.json"
+    script = str(BENCHMARKS / "exchange_pieces.py")
+    args = ["--mib", "1", "--pieces", "none,256K,100000", "--iters", "1", "--json", str(out)]
+    _run(_launch(2, sys.executable, script, *args))
+    result = json.loads(out.read_text())
+    assert result["devices"] == 2 and result["mib"] == 1
+    assert [row["piece"] for row in result["rows"]] == ["none", "256K", "100000"]
+    assert all(row["seconds"] > 0 for row in result["rows"]), result
+
+
+@pytest.mark.multiprocess
+def test_ppermute_patterns_across_processes(tmp_path):
+    out = tmp_path / "patterns.json"
+    script = str(BENCHMARKS / "ppermute_patterns.py")
+    _run(_launch(2, sys.executable, script, "--sizes", "4K", "--iters", "1", "--json", str(out)))
+    result = json.loads(out.read_text())
+    assert result["devices"] == 2 and result["processes"] == 2
+    names = {row["pattern"] for row in result["rows"]}
+    assert {"shift", "swap1", "shift_x4", "compute", "psum"} <= names, names
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+def test_ring_timeline_run_under_strace_and_analyze(tmp_path):
+    """The documented pipeline: the ring under strace on process 0, then the per-step gaps."""
+    trace = tmp_path / "ring.strace"
+    script = str(BENCHMARKS / "ring_timeline.py")
+    run = f"{sys.executable} {script} run --mib 1 --iters 2"
+    shell = (
+        f'if [ "$JAXDIST_PROCESS_ID" = 0 ]; then exec strace -f -ttt '
+        f"-e trace=writev,recvfrom,write -o {trace} {run}; else exec {run}; fi"
+    )
+    _run(_launch(4, "sh", "-c", shell))
+    # 4 devices, 1 MiB each: every ring step moves a quarter of a MiB.
+    output = _run([sys.executable, script, "analyze", str(trace), "--chunk-mib", "0.25"])
+    calls = [line for line in output.splitlines() if line.startswith("call ")]
+    assert len(calls) == 2, output
+    for line in calls:  # 3 reduce-scatter and 3 all-gather steps: a send and a receive each
+        assert len(re.findall(r"\bS\d", line)) == 6 and len(re.findall(r"\bR\d", line)) == 6, line
+
+
+def test_ps_vs_ring_plot_draws_the_stored_results(tmp_path):
+    out = tmp_path / "ps_vs_ring.png"
+    _run([sys.executable, str(BENCHMARKS / "ps_vs_ring.py"), "plot", "--out", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_namespaces
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("script", "hosts", "args"),
+    [
+        ("tcp_duplex.py", 2, ["--mbytes", "1", "--repeats", "1"]),
+        ("tcp_ring.py", 4, ["--mib", "1", "--repeats", "1"]),
+    ],
+)
+def test_plain_socket_scripts_on_the_emulated_cluster(script, hosts, args):
+    argv = [*JAXDIST, "cluster", "--hosts", str(hosts), "--bandwidth", "1gbit", "--timeout", "120"]
+    output = _run([*argv, "--", sys.executable, str(BENCHMARKS / script), *args], timeout=150)
+    assert "MB/s" in output, output
+
+
+@pytest.mark.slow
+def test_conv1x1_compares_every_layer(tmp_path):
+    out = tmp_path / "conv.json"
+    script = str(BENCHMARKS / "conv1x1.py")
+    _run([sys.executable, script, "--batch", "1", "--rounds", "1", "--json", str(out)])
+    assert json.loads(out.read_text()), "expected conv1x1.py to write its table"
