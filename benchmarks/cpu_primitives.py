@@ -59,6 +59,9 @@ def main() -> None:
         f"return {args.mib} MiB unchanged (write the output)": lambda v: v,
         f"zero-fill a fresh {args.mib} MiB buffer": lambda v: jnp.zeros_like(v).at[0].set(v[0]),
         f"scale {args.mib} MiB by 2 (one elementwise pass)": lambda v: v * 2,
+        f"ring reduce-scatter of {args.mib} MiB (jaxdist)": lambda v: collectives.reduce_scatter(
+            v, "x"
+        ),
         f"ring allreduce of {args.mib} MiB (jaxdist)": lambda v: collectives.allreduce(
             v, "x", algorithm="ring"
         ),

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import buckets as bucketing
-from jaxdist import collectives
+from jaxdist import collectives, dispatch
 from jaxdist.loss_scale import DynamicLossScale, all_finite, select_tree
 
 # Measurement only: skip the gradient allreduce, so each device trains on its own shard. The
@@ -123,6 +123,9 @@ class TrainStep:
       loss_scale: a :class:`DynamicLossScale` for float16 training, or ``None``.
       donate: donate the state buffers to the step; ``None`` (default): on accelerators only,
         see :func:`donation_default`.
+      max_in_flight: how many steps may be queued before a call waits for the oldest to finish;
+        ``"auto"`` (default): 4 on CPU meshes, where deeper queues of collective programs can
+        hang XLA:CPU (:mod:`jaxdist.dispatch`), no limit elsewhere; ``None``: no limit.
     """
 
     def __init__(
@@ -139,6 +142,7 @@ class TrainStep:
         zero1: bool = False,
         loss_scale: DynamicLossScale | None = None,
         donate: bool | None = None,
+        max_in_flight: int | str | None = "auto",
     ):
         if allreduce not in (*collectives.ALGORITHMS, NO_ALLREDUCE):
             raise ValueError(
@@ -168,6 +172,7 @@ class TrainStep:
         self.buckets: list[list[int]] | None = None
         self._compiled: Callable | None = None
         self._zero_size: int | None = None
+        self._in_flight = dispatch.InFlightWindow(dispatch.resolve_limit(max_in_flight, mesh))
 
     # ------------------------------------------------------------------ state and batches
 
@@ -223,7 +228,9 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
         if self._compiled is None:
             self._compiled = self._build(state)
-        return self._compiled(state, batch, rng)
+        new_state, metrics = self._compiled(state, batch, rng)
+        self._in_flight.admit(metrics)  # metrics, never donated: safe to wait on later
+        return new_state, metrics
 
     def lower(self, state: TrainState, batch: Any, rng: jax.Array):
         """The lowered step (``.compile().as_text()`` shows XLA's scheduled program)."""
@@ -375,13 +382,19 @@ class TrainStep:
 class EvalStep:
     """A jitted eval step on the same mesh: ``eval_fn(params, model_state, batch)`` returns a
     dict of per-device *sums* (e.g. correct predictions, example count); the step returns their
-    totals over the data axes."""
+    totals over the data axes. ``max_in_flight`` as for :class:`TrainStep`."""
 
     def __init__(
-        self, eval_fn: EvalFn, mesh: Mesh, *, data_axes: str | tuple[str, ...] | None = None
+        self,
+        eval_fn: EvalFn,
+        mesh: Mesh,
+        *,
+        data_axes: str | tuple[str, ...] | None = None,
+        max_in_flight: int | str | None = "auto",
     ):
         self.mesh = mesh
         self.data_axes = _data_axes(mesh, data_axes)
+        self._in_flight = dispatch.InFlightWindow(dispatch.resolve_limit(max_in_flight, mesh))
 
         def body(params, model_state, batch):
             return lax.psum(eval_fn(params, model_state, batch), self.data_axes)
@@ -397,7 +410,9 @@ class EvalStep:
         )
 
     def __call__(self, state: TrainState, batch: Any) -> dict:
-        return self._step(state.params, state.model_state, batch)
+        sums = self._step(state.params, state.model_state, batch)
+        self._in_flight.admit(sums)
+        return sums
 
 
 # --------------------------------------------------------------------------- flax classifiers

@@ -46,6 +46,7 @@ def test_cpu_primitives_prints_every_operation():
         "return 1 MiB unchanged (write the output)",
         "zero-fill a fresh 1 MiB buffer",
         "scale 1 MiB by 2 (one elementwise pass)",
+        "ring reduce-scatter of 1 MiB (jaxdist)",
         "ring allreduce of 1 MiB (jaxdist)",
     ], output
     assert all(float(wall) > 0 for _, wall, _, _ in rows), output
