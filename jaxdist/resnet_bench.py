@@ -36,7 +36,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import models, optim, timing
+from jaxdist import dispatch, models, optim, timing
 from jaxdist.batchnorm import CrossReplicaBatchNorm
 from jaxdist.train_step import TrainStep, classifier_loss
 
@@ -185,10 +185,15 @@ def _flax_example_runner(
     batch = {"image": jax.device_put(images, sharded), "label": jax.device_put(labels, sharded)}
     train_step = flax_example_step(flax_model, tx, mesh)
     carry = {"state": (params, stats, opt_state)}
+    # The same queue limit as jaxdist's TrainStep (jaxdist.dispatch), so that neither runner
+    # can queue more steps than the other, nor deep enough to hang XLA:CPU.
+    window = dispatch.shared_window(mesh)
 
     def run():
+        window.make_room()
         outputs = train_step(*carry["state"], batch)
         carry["state"] = outputs[:3]
+        window.add(outputs[3])
         return outputs[3]
 
     return run

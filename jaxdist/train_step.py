@@ -123,9 +123,10 @@ class TrainStep:
       loss_scale: a :class:`DynamicLossScale` for float16 training, or ``None``.
       donate: donate the state buffers to the step; ``None`` (default): on accelerators only,
         see :func:`donation_default`.
-      max_in_flight: how many steps may be queued before a call waits for the oldest to finish;
-        ``"auto"`` (default): 4 on CPU meshes, where deeper queues of collective programs can
-        hang XLA:CPU (:mod:`jaxdist.dispatch`), no limit elsewhere; ``None``: no limit.
+      max_in_flight: how many calls may be queued at once; a call waits for the oldest to
+        finish first. ``"auto"`` (default): 4 on CPU meshes, where deeper queues of collective
+        programs can hang XLA:CPU, no limit elsewhere; ``None``: no limit. Steps on the same
+        devices with the same limit share one queue (:func:`jaxdist.dispatch.shared_window`).
     """
 
     def __init__(
@@ -142,7 +143,7 @@ class TrainStep:
         zero1: bool = False,
         loss_scale: DynamicLossScale | None = None,
         donate: bool | None = None,
-        max_in_flight: int | str | None = "auto",
+        max_in_flight: dispatch.Limit = "auto",
     ):
         if allreduce not in (*collectives.ALGORITHMS, NO_ALLREDUCE):
             raise ValueError(
@@ -172,7 +173,7 @@ class TrainStep:
         self.buckets: list[list[int]] | None = None
         self._compiled: Callable | None = None
         self._zero_size: int | None = None
-        self._in_flight = dispatch.InFlightWindow(dispatch.resolve_limit(max_in_flight, mesh))
+        self._in_flight = dispatch.shared_window(mesh, max_in_flight)
 
     # ------------------------------------------------------------------ state and batches
 
@@ -228,8 +229,9 @@ class TrainStep:
     def __call__(self, state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
         if self._compiled is None:
             self._compiled = self._build(state)
+        self._in_flight.make_room()
         new_state, metrics = self._compiled(state, batch, rng)
-        self._in_flight.admit(metrics)  # metrics, never donated: safe to wait on later
+        self._in_flight.add(metrics)  # metrics, never donated: safe to wait on later
         return new_state, metrics
 
     def lower(self, state: TrainState, batch: Any, rng: jax.Array):
@@ -390,11 +392,11 @@ class EvalStep:
         mesh: Mesh,
         *,
         data_axes: str | tuple[str, ...] | None = None,
-        max_in_flight: int | str | None = "auto",
+        max_in_flight: dispatch.Limit = "auto",
     ):
         self.mesh = mesh
         self.data_axes = _data_axes(mesh, data_axes)
-        self._in_flight = dispatch.InFlightWindow(dispatch.resolve_limit(max_in_flight, mesh))
+        self._in_flight = dispatch.shared_window(mesh, max_in_flight)
 
         def body(params, model_state, batch):
             return lax.psum(eval_fn(params, model_state, batch), self.data_axes)
@@ -410,8 +412,9 @@ class EvalStep:
         )
 
     def __call__(self, state: TrainState, batch: Any) -> dict:
+        self._in_flight.make_room()
         sums = self._step(state.params, state.model_state, batch)
-        self._in_flight.admit(sums)
+        self._in_flight.add(sums)  # an eval_fn with no outputs leaves nothing to wait on
         return sums
 
 

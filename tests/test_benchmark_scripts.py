@@ -122,3 +122,16 @@ def test_conv1x1_compares_every_layer(tmp_path):
     script = str(BENCHMARKS / "conv1x1.py")
     _run([sys.executable, script, "--batch", "1", "--rounds", "1", "--json", str(out)])
     assert json.loads(out.read_text()), "expected conv1x1.py to write its table"
+
+
+@pytest.mark.multiprocess
+def test_queue_depth_runs_a_bounded_loop(tmp_path):
+    out = tmp_path / "queue.json"
+    script = str(BENCHMARKS / "queue_depth.py")
+    args = ["--programs", "psum,train_step", "--depths", "4", "--calls", "50", "--repeats", "1"]
+    _run([sys.executable, script, *args, "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["program"], r["depth"], r["finished"]) for r in rows] == [
+        ("psum", "4", True),
+        ("train_step", "4", True),
+    ], rows

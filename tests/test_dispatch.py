@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -13,35 +14,59 @@ import pytest
 
 from jaxdist import dispatch, meshes
 from jaxdist import train_step as ts
+from jaxdist.loss_scale import DynamicLossScale
 from tests._procs import REPO, clean_env
 
 
-def test_window_waits_for_the_oldest_beyond_its_limit(monkeypatch):
+def test_window_keeps_at_most_limit_calls_queued(monkeypatch):
     waited = []
     monkeypatch.setattr(dispatch.jax, "block_until_ready", waited.append)
     window = dispatch.InFlightWindow(2)
     for call in range(5):
-        window.admit(call)
-        assert len(window) == min(call + 1, 2)
-    assert waited == [0, 1, 2], "expected a wait on each oldest call once more than 2 were held"
+        window.make_room()
+        assert len(window) < 2, "room is made before a call is dispatched"
+        window.add(call)
+    assert waited == [0, 1, 2], "expected a wait on each oldest call, and only on it"
+    assert len(window) == 2
+
+
+def test_window_of_one_is_synchronous(monkeypatch):
+    waited = []
+    monkeypatch.setattr(dispatch.jax, "block_until_ready", waited.append)
+    window = dispatch.InFlightWindow(1)
+    for call in range(3):
+        window.make_room()
+        assert waited == list(range(call)), "each call waits for the one before it"
+        window.add(call)
 
 
 def test_no_limit_holds_nothing(monkeypatch):
     monkeypatch.setattr(dispatch.jax, "block_until_ready", pytest.fail)
     window = dispatch.InFlightWindow(None)
     for call in range(100):
-        window.admit(call)
+        window.make_room()
+        window.add(call)
     assert len(window) == 0
+
+
+def _fake_mesh(platforms):
+    devices = [SimpleNamespace(platform=p, id=i) for i, p in enumerate(platforms)]
+    return SimpleNamespace(devices=np.array(devices, dtype=object), local_devices=devices)
 
 
 def test_limits_by_platform_and_bad_values():
     assert dispatch.resolve_limit("auto", meshes.ring(8)) == dispatch.CPU_IN_FLIGHT_LIMIT
     assert dispatch.resolve_limit("auto", meshes.ring(1)) is None  # nothing to rendezvous
+    assert dispatch.resolve_limit("auto", _fake_mesh(["gpu"] * 8)) is None
+    assert dispatch.resolve_limit("auto", _fake_mesh(["cpu", "gpu"])) is None
     assert dispatch.resolve_limit(None, meshes.ring(8)) is None
     assert dispatch.resolve_limit(7, meshes.ring(8)) == 7
-    for bad in (0, -1, True, 2.5, "4"):
+    assert dispatch.resolve_limit(np.int64(3), meshes.ring(8)) == 3
+    for bad in (0, -1, True, 2.5, "4", "AUTO"):
         with pytest.raises(ValueError, match=r"max_in_flight must be a positive int, None .*"):
             dispatch.resolve_limit(bad, meshes.ring(8))
+    with pytest.raises(ValueError, match=r"limit must be a positive int or None \(no limit\)"):
+        dispatch.InFlightWindow("auto")
     with pytest.raises(ValueError, match="max_in_flight"):
         ts.TrainStep(lambda *a: None, optax.sgd(0.1), meshes.ring(8), max_in_flight=0)
 
@@ -51,35 +76,71 @@ def _tiny_loss(params, model_state, batch, rng):
     return loss, (model_state, {})
 
 
-def test_train_and_eval_steps_hold_at_most_their_limit():
+def _tiny_batch(step):
+    return step.shard_batch({"x": np.ones((16, 4), np.float32), "y": np.ones((16, 1), np.float32)})
+
+
+def test_steps_on_the_same_devices_share_one_window():
     mesh = meshes.ring(8)
-    step = ts.TrainStep(_tiny_loss, optax.sgd(0.01), mesh, allreduce="ring", max_in_flight=3)
-    evaluate = ts.EvalStep(lambda p, ms, b: {"n": b["x"].shape[0]}, mesh, max_in_flight=2)
-    state = step.init({"w": np.zeros((4, 1), np.float32)})
-    batch = step.shard_batch({"x": np.ones((16, 4), np.float32), "y": np.ones((16, 1), np.float32)})
+    first = ts.TrainStep(_tiny_loss, optax.sgd(0.01), mesh, allreduce="ring")
+    second = ts.TrainStep(_tiny_loss, optax.sgd(0.02), meshes.ring(8), allreduce="ring")
+    evaluate = ts.EvalStep(lambda p, ms, b: {"n": b["x"].shape[0]}, mesh)
+    assert first._in_flight is second._in_flight is evaluate._in_flight
+    other = ts.TrainStep(_tiny_loss, optax.sgd(0.01), mesh, max_in_flight=2)
+    assert other._in_flight is not first._in_flight and other._in_flight.limit == 2
+
+    state = first.init({"w": np.zeros((4, 1), np.float32)})
+    batch = _tiny_batch(first)
     for _ in range(6):
-        state, _ = step(state, batch, jax.random.key(0))
+        state, _ = first(state, batch, jax.random.key(0))
         sums = evaluate(state, batch)
-    assert len(step._in_flight) == 3 and len(evaluate._in_flight) == 2
+        state, _ = second(state, batch, jax.random.key(1))
+    assert len(first._in_flight) <= dispatch.CPU_IN_FLIGHT_LIMIT
     assert int(sums["n"]) == 16
+
+
+@pytest.mark.parametrize("variant", ["donated", "donated_loss_scale", "donated_zero1"])
+def test_waiting_on_earlier_steps_works_with_donated_state(variant):
+    """The window waits on metrics. With two calls queued it waits for the call before last,
+    whose state was donated to the last call: waiting on that state would fail ("called on
+    deleted or donated buffer")."""
+    options = {
+        "donated": {},
+        "donated_loss_scale": {"loss_scale": DynamicLossScale.create(initial_scale=2.0**8)},
+        "donated_zero1": {"zero1": True},
+    }[variant]
+    step = ts.TrainStep(
+        _tiny_loss, optax.sgd(0.01), meshes.ring(8), donate=True, max_in_flight=2, **options
+    )
+    state = step.init({"w": np.zeros((4, 1), np.float32)})
+    batch = _tiny_batch(step)
+    for _ in range(4):
+        state, metrics = step(state, batch, jax.random.key(0))
+    assert int(state.step) == 4 and np.isfinite(float(metrics["loss"]))
 
 
 @pytest.mark.multiprocess
 def test_many_unblocked_steps_finish_on_eight_cpu_devices():
-    """Without the window this loop hung XLA:CPU within 500 steps (ring allreduce, 8 devices);
-    the collective timeouts are cut so that a hang fails the test in seconds, not minutes."""
+    """Without the window this loop hung XLA:CPU (ring allreduce, 8 devices; see
+    benchmarks/queue_depth.py); the collective timeouts are cut so that a hang fails the test
+    in seconds. The loop also counts the window's waits, so a window that stopped limiting
+    fails here even on a runtime that no longer hangs."""
     script = textwrap.dedent(
         """
         import jax, numpy as np, optax
-        from jaxdist import meshes, train_step as ts
+        from jaxdist import dispatch, meshes, train_step as ts
         from tests.test_dispatch import _tiny_loss
+        waits = []
+        wait = dispatch.jax.block_until_ready
+        dispatch.jax.block_until_ready = lambda x: (waits.append(1), wait(x))[1]
         step = ts.TrainStep(_tiny_loss, optax.sgd(0.01), meshes.build("torus-4x2"), allreduce="ring")
+        assert step._in_flight.limit == dispatch.CPU_IN_FLIGHT_LIMIT, step._in_flight.limit
         state = step.init({"w": np.zeros((4, 1), np.float32)})
         batch = {"x": np.ones((16, 4), np.float32), "y": np.ones((16, 1), np.float32)}
         rng = jax.random.key(0)
         for _ in range(1500):
             state, metrics = step(state, step.shard_batch(batch), rng)
-        print("steps", int(state.step), flush=True)
+        print("steps", int(state.step), "waits", len(waits), flush=True)
         """
     )
     flags = (
@@ -96,4 +157,6 @@ def test_many_unblocked_steps_finish_on_eight_cpu_devices():
         timeout=120,
     )
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "steps 1500" in proc.stdout, output[-3000:]
+    limit = dispatch.CPU_IN_FLIGHT_LIMIT
+    expected = f"steps 1500 waits {1500 - limit}"
+    assert proc.returncode == 0 and expected in proc.stdout, output[-3000:]
