@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from jaxdist.checks import positive_int
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -58,12 +60,6 @@ class DevicePlan:
         return self.num_devices * self.per_device_batch
 
 
-def _positive_int(value: object, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{what} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 def _epochs(value: object, what: str) -> float:
     if (
         isinstance(value, bool)
@@ -89,9 +85,9 @@ def per_device_plan(global_batch: int, num_devices: int, max_per_device_batch: i
     Picks the fewest accumulation steps ``a`` such that ``global_batch / num_devices`` splits
     into ``a`` equal micro-batches of at most ``max_per_device_batch`` samples.
     """
-    _positive_int(global_batch, "global_batch")
-    _positive_int(num_devices, "num_devices")
-    _positive_int(max_per_device_batch, "max_per_device_batch")
+    positive_int(global_batch, "global_batch")
+    positive_int(num_devices, "num_devices")
+    positive_int(max_per_device_batch, "max_per_device_batch")
     if global_batch % num_devices:
         raise ValueError(
             f"global batch {global_batch} does not divide over {num_devices} devices "
@@ -126,7 +122,7 @@ class BatchSchedule:
         stages = tuple(self._as_stage(i, s) for i, s in enumerate(self.stages))
         object.__setattr__(self, "stages", stages)
         object.__setattr__(
-            self, "dataset_size", _positive_int(self.dataset_size, "BatchSchedule dataset_size")
+            self, "dataset_size", positive_int(self.dataset_size, "BatchSchedule dataset_size")
         )
         if not stages:
             raise ValueError(
@@ -171,7 +167,7 @@ class BatchSchedule:
             stage = Stage(*stage)
         return Stage(
             _epochs(stage.start_epoch, f"stage {index}: start_epoch"),
-            _positive_int(stage.global_batch_size, f"stage {index}: global_batch_size"),
+            positive_int(stage.global_batch_size, f"stage {index}: global_batch_size"),
         )
 
     @classmethod

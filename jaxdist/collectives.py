@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -34,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jaxdist.checks import positive_int
 
 AxisName = str | tuple[str, ...]
 
@@ -111,16 +112,7 @@ def _piece_bytes(piece: int | str | None) -> int | None:
         return None
     if isinstance(piece, str) and piece == "auto":
         return default_exchange_piece_bytes()
-    try:
-        nbytes = 0 if isinstance(piece, bool) else operator.index(piece)
-    except TypeError:
-        nbytes = 0
-    if nbytes < 1:
-        raise ValueError(
-            "exchange_piece_bytes must be a positive number of bytes, None or 'auto'; "
-            f"got {piece!r}"
-        )
-    return nbytes
+    return positive_int(piece, "exchange_piece_bytes", "a positive number of bytes, None or 'auto'")
 
 
 def _is_pairwise_exchange(perm: list[tuple[int, int]]) -> bool:

@@ -19,12 +19,13 @@ and :class:`~jaxdist.train_step.EvalStep` share one window per set of devices
 
 from __future__ import annotations
 
-import operator
 from collections import deque
 from typing import Any, Literal
 
 import jax
 from jax.sharding import Mesh
+
+from jaxdist.checks import positive_int
 
 # Calls queued at once on CPU devices: far below the depth that hung, and deep enough that the
 # Python loop still prepares the next batch while a step runs.
@@ -48,20 +49,9 @@ def resolve_limit(limit: Limit, mesh: Mesh) -> int | None:
     """``"auto"`` -> :func:`default_limit`; ``None`` -> no limit; else a positive int."""
     if isinstance(limit, str) and limit == "auto":
         return default_limit(mesh)
-    return _checked(limit, "max_in_flight must be a positive int, None (no limit) or 'auto'")
-
-
-def _checked(limit: Any, expected: str) -> int | None:
     if limit is None:
         return None
-    if not isinstance(limit, bool):
-        try:
-            value = operator.index(limit)  # ints and NumPy integers, not floats or strings
-        except TypeError:
-            value = 0
-        if value >= 1:
-            return value
-    raise ValueError(f"{expected}, got {limit!r}")
+    return positive_int(limit, "max_in_flight", "a positive int, None (no limit) or 'auto'")
 
 
 class InFlightWindow:
@@ -74,7 +64,9 @@ class InFlightWindow:
     """
 
     def __init__(self, limit: int | None):
-        self.limit = _checked(limit, "limit must be a positive int or None (no limit)")
+        if limit is not None:
+            limit = positive_int(limit, "limit", "a positive int or None (no limit)")
+        self.limit = limit
         self._pending: deque[Any] = deque()
 
     def __len__(self) -> int:
