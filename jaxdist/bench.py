@@ -88,6 +88,7 @@ class Result:
     rows: list[Row]
     skipped: dict[str, str]
     options: dict[str, Any] = field(default_factory=dict)  # the schedule options of the run
+    op: str = "sum"
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -164,18 +165,22 @@ def run(
     mesh_name: str = "",
     options: dict | None = None,
     in_place: bool = False,
+    op: str = "sum",
     progress: Callable[[str], None] | None = None,
 ) -> Result:
     """Measure ``algorithms`` at each of ``sizes`` (bytes per device) on ``mesh``.
 
     Out of place (default) the input stays valid and the result goes to a new buffer; in place
     the input is donated, so a schedule may write its result over it (nccl-tests reports both).
+    ``op="mean"`` times the mean (as a train step averages gradients) against ``pmean``.
     """
     unknown = [a for a in algorithms if a not in collectives.ALGORITHMS]
     if unknown:
         raise ValueError(
             f"unknown algorithm(s) {unknown}; expected names from {collectives.ALGORITHMS}"
         )
+    if op not in ("sum", "mean"):
+        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
     options = options or {}
     dtype = jnp.dtype(dtype)
     names = tuple(mesh.axis_names)
@@ -206,17 +211,18 @@ def run(
     link = cost_model.fit("p2p", (p,), fit_sizes, p2p_times)
     say(f"  point-to-point link: alpha {link.alpha * 1e6:.1f} us, {link.bandwidth / 1e9:.2f} GB/s")
 
+    psum_or_pmean = jax.lax.pmean if op == "mean" else jax.lax.psum
     measured: dict[tuple[int, str], tuple[float, float, float]] = {}
     for nbytes in sizes:
         count = max(1, nbytes // dtype.itemsize)
         x = make_input(mesh, count, dtype, seed=nbytes)
-        reference = per_device(mesh, lambda v: jax.lax.psum(v, flat_axes))(x)
+        reference = per_device(mesh, lambda v: psum_or_pmean(v, flat_axes))(x)
         for algorithm in runnable:
             accepted = collectives.schedule_options(algorithm)
             opts = {k: v for k, v in options.items() if k in accepted}
             fn = per_device(
                 mesh,
-                lambda v, a=algorithm, o=opts: collectives.allreduce(v, flat_axes, a, **o),
+                lambda v, a=algorithm, o=opts: collectives.allreduce(v, flat_axes, a, op=op, **o),
                 donate=in_place,
             )
             compile_s, seconds = _timed(fn, x, warmup, iters, in_place)
@@ -258,6 +264,7 @@ def run(
         platform=mesh.devices.flat[0].platform,
         dtype=str(dtype),
         in_place=in_place,
+        op=op,
         link=link,
         rows=rows,
         skipped=skipped,
@@ -272,8 +279,8 @@ def format_table(result: Result) -> str:
     """The nccl-tests-style table."""
     link = result.link
     lines = [
-        f"# allreduce on mesh {result.mesh or '?'} {result.axis_sizes} = {result.devices} "
-        f"{result.platform} devices, dtype {result.dtype}, "
+        f"# allreduce ({result.op}) on mesh {result.mesh or '?'} {result.axis_sizes} = "
+        f"{result.devices} {result.platform} devices, dtype {result.dtype}, "
         f"{'in place (input donated)' if result.in_place else 'out of place'}",
         f"# fitted point-to-point link: alpha = {link.alpha * 1e6:.1f} us, "
         f"beta = 1/({link.bandwidth / 1e9:.2f} GB/s)",

@@ -55,6 +55,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="donate the input so a schedule may write its result over it (as inside a train "
         "step); default: out of place, like nccl-tests' first columns",
     )
+    p.add_argument(
+        "--op",
+        choices=("sum", "mean"),
+        default="sum",
+        help="reduce with a sum (default) or a mean, as a train step averages gradients; the "
+        "mean is checked and timed against pmean",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", metavar="PATH", help="write the table as JSON")
@@ -174,6 +181,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
         mesh_name=spec.name,
         options=options,
         in_place=args.in_place,
+        op=args.op,
         progress=_leader_printer(not args.quiet),
     )
     if jax.process_index() == 0:
