@@ -180,6 +180,18 @@ def _as_sent(x: jax.Array, wire: Wire) -> jax.Array:
     return x.astype(wire.dtype).astype(x.dtype)
 
 
+def _divided(x: jax.Array, divisor: int | None) -> jax.Array:
+    """``x / divisor``, the mean's division, or ``x`` itself when ``divisor`` is None.
+
+    Schedules divide where they write their result anyway (each chunk as the all-gather
+    places it, or each shard before it is sent), so that a mean costs no extra pass over the
+    buffer. A division after the schedule also stopped XLA:CPU from writing the result over
+    a donated input: the ring's mean in place on 8 CPU devices, 16 MiB each, took 110 ms that
+    way against 38 ms for its sum (docs/performance.md, "The mean's division").
+    """
+    return x if divisor is None else x / divisor
+
+
 def _shift(x: jax.Array, axis_name: AxisName, direction: int, wire: Wire) -> jax.Array:
     """Every device sends ``x`` to its neighbour ``direction`` (+1 or -1) steps round the ring."""
     p = axis_size(axis_name)
@@ -246,9 +258,11 @@ def _ring_all_gather(
     wire: Wire,
     unroll_limit: int,
     into: jax.Array | None = None,
+    divisor: int | None = None,
 ) -> jax.Array:
     """All-gather one flat shard per ring (ring ``k`` in direction ``directions[k]``) into one
-    flat buffer of ``len(directions) * p`` chunks, ring ``k``'s in chunks ``[k p, (k + 1) p)``.
+    flat buffer of ``len(directions) * p`` chunks, ring ``k``'s in chunks ``[k p, (k + 1) p)``,
+    each divided by ``divisor`` when given.
 
     The device at ring position ``r`` owns chunk ``r`` of its ring. At step ``s`` every device
     forwards the chunk it received last and writes the arriving one, chunk ``r - s - 1``, in
@@ -263,6 +277,7 @@ def _ring_all_gather(
     positions = [(d * i) % p for d in directions]
 
     def place(gathered, lane: int, index, block):
+        block = _divided(block, divisor)  # fused into the write; the forwarded block is not
         return lax.dynamic_update_slice_in_dim(gathered, block, (lane * p + index % p) * chunk, 0)
 
     def step(s, carry):
@@ -275,13 +290,16 @@ def _ring_all_gather(
     size = len(directions) * p * chunk
     if into is not None and into.shape != (size,):
         raise ValueError(f"all_gather: `into` must have shape ({size},), got {into.shape}")
-    shards = tuple(_as_sent(block, wire) for block in shards)
     if len(directions) > 1 and p - 1 <= unroll_limit:
         # Two rings writing over one buffer made XLA copy it (bidirectional ring in place on
         # 8 CPU devices: 2.3-2.5x psum this way against 1.2-1.8x concatenated). One ring
         # writing over a donated input is faster than concatenating (0.8-1.5x against
-        # 1.2-1.7x), so it keeps the in-place updates.
+        # 1.2-1.7x), so it keeps the in-place updates. Dividing the shards before they are
+        # sent, not the blocks as they are concatenated, kept the mean as fast as the sum
+        # (49-54 ms against 84 ms, 16 MiB per device).
+        shards = tuple(_as_sent(_divided(block, divisor), wire) for block in shards)
         return _gather_by_concatenation(shards, axis_name, directions, wire)
+    shards = tuple(_as_sent(block, wire) for block in shards)
     gathered = jnp.zeros((size,), shards[0].dtype) if into is None else into
     for lane, (block, r) in enumerate(zip(shards, positions)):
         gathered = place(gathered, lane, r, block)
@@ -348,6 +366,7 @@ def all_gather(
     axis_name: AxisName,
     *,
     into: jax.Array | None = None,
+    divisor: int | None = None,
     transfer_dtype=None,
     exchange_piece_bytes: int | str | None = "auto",
     unroll_limit: int = UNROLL_LIMIT,
@@ -360,26 +379,32 @@ def all_gather(
     XLA write the gathered chunks into that memory when nothing else still reads it, instead
     of allocating and zero-filling a new buffer. On two devices the all-gather is one
     exchange and a concatenation, and ``into`` is not used (:func:`_pair_all_gather`).
-    ``transfer_dtype``, ``exchange_piece_bytes`` and ``unroll_limit`` as for :func:`allreduce`.
+    ``divisor``: divide every chunk by this as it is written (the division of a mean, at no
+    extra pass over the result). ``transfer_dtype``, ``exchange_piece_bytes`` and
+    ``unroll_limit`` as for :func:`allreduce`.
     """
     p = axis_size(axis_name)
     wire = Wire(transfer_dtype, exchange_piece_bytes)
     if p == 1:
-        return shard.reshape(-1)
+        return _divided(shard.reshape(-1), divisor)
     if p == 2:
-        return _pair_all_gather(shard.reshape(-1), axis_name, wire)
-    return _ring_all_gather([shard.reshape(-1)], axis_name, (1,), wire, unroll_limit, into=into)
+        return _pair_all_gather(shard.reshape(-1), axis_name, wire, divisor)
+    return _ring_all_gather(
+        [shard.reshape(-1)], axis_name, (1,), wire, unroll_limit, into=into, divisor=divisor
+    )
 
 
-def _pair_all_gather(shard: jax.Array, axis_name: AxisName, wire: Wire) -> jax.Array:
+def _pair_all_gather(
+    shard: jax.Array, axis_name: AxisName, wire: Wire, divisor: int | None = None
+) -> jax.Array:
     """All-gather over two devices: one exchange, then both chunks written in one pass.
 
     Writing them over ``into`` would first copy ``into`` when it is still live (out of place)
     and then update it twice: on 8 CPU devices, 16 MiB per device, an all-gather over a
     2-device axis into its own input took 44 ms that way and 20-24 ms as this concatenation.
     """
-    theirs = _send(shard, axis_name, [(0, 1), (1, 0)], wire)
-    mine = _as_sent(shard, wire)
+    theirs = _divided(_send(shard, axis_name, [(0, 1), (1, 0)], wire), divisor)
+    mine = _divided(_as_sent(shard, wire), divisor)
     first = lax.axis_index(axis_name) == 0
     # One concatenation of two selects: XLA fuses it into a single loop over the result.
     return jnp.concatenate([jnp.where(first, mine, theirs), jnp.where(first, theirs, mine)])
@@ -393,6 +418,7 @@ def native_allreduce(
     flat: jax.Array,
     axis_name: AxisName,
     *,
+    divisor: int | None = None,
     transfer_dtype=None,
     exchange_piece_bytes: int | str | None = "auto",
     unroll_limit: int = UNROLL_LIMIT,
@@ -401,14 +427,16 @@ def native_allreduce(
     With ``transfer_dtype`` the psum itself runs in that dtype."""
     del exchange_piece_bytes, unroll_limit  # XLA chooses its own schedule and messages
     if transfer_dtype is None or jnp.dtype(transfer_dtype) == flat.dtype:
-        return lax.psum(flat, axis_name)
-    return lax.psum(flat.astype(transfer_dtype), axis_name).astype(flat.dtype)
+        return _divided(lax.psum(flat, axis_name), divisor)
+    summed = lax.psum(flat.astype(transfer_dtype), axis_name).astype(flat.dtype)
+    return _divided(summed, divisor)
 
 
 def ring_allreduce(
     flat: jax.Array,
     axis_name: AxisName,
     *,
+    divisor: int | None = None,
     transfer_dtype=None,
     exchange_piece_bytes: int | str | None = "auto",
     unroll_limit: int = UNROLL_LIMIT,
@@ -421,13 +449,14 @@ def ring_allreduce(
     )
     padded = _pad_to_chunks(flat, axis_size(axis_name))
     shard = reduce_scatter(padded, axis_name, **opts)
-    return all_gather(shard, axis_name, into=padded, **opts)[: flat.size]
+    return all_gather(shard, axis_name, into=padded, divisor=divisor, **opts)[: flat.size]
 
 
 def bidirectional_ring_allreduce(
     flat: jax.Array,
     axis_name: AxisName,
     *,
+    divisor: int | None = None,
     transfer_dtype=None,
     exchange_piece_bytes: int | str | None = "auto",
     unroll_limit: int = UNROLL_LIMIT,
@@ -439,6 +468,7 @@ def bidirectional_ring_allreduce(
         return ring_allreduce(
             flat,
             axis_name,
+            divisor=divisor,
             transfer_dtype=transfer_dtype,
             exchange_piece_bytes=exchange_piece_bytes,
             unroll_limit=unroll_limit,
@@ -447,7 +477,9 @@ def bidirectional_ring_allreduce(
     padded = _pad_to_chunks(flat, 2 * p)
     wire = Wire(transfer_dtype, exchange_piece_bytes)
     shards = _ring_reduce_scatter(padded, axis_name, directions, wire, unroll_limit)
-    gathered = _ring_all_gather(shards, axis_name, directions, wire, unroll_limit, into=padded)
+    gathered = _ring_all_gather(
+        shards, axis_name, directions, wire, unroll_limit, into=padded, divisor=divisor
+    )
     return gathered[: flat.size]
 
 
@@ -503,6 +535,7 @@ def torus2d_allreduce(
     axis_name: tuple[str, str],
     *,
     crossed_exchange: bool = False,
+    divisor: int | None = None,
     transfer_dtype=None,
     exchange_piece_bytes: int | str | None = "auto",
     unroll_limit: int = UNROLL_LIMIT,
@@ -523,6 +556,7 @@ def torus2d_allreduce(
         axis_name,
         inter_algorithm="ring",
         crossed_exchange=crossed_exchange,
+        divisor=divisor,
         transfer_dtype=transfer_dtype,
         exchange_piece_bytes=exchange_piece_bytes,
         unroll_limit=unroll_limit,
@@ -535,6 +569,7 @@ def hierarchical_allreduce(
     *,
     inter_algorithm: str = "ring",
     crossed_exchange: bool = False,
+    divisor: int | None = None,
     transfer_dtype=None,
     exchange_piece_bytes: int | str | None = "auto",
     unroll_limit: int = UNROLL_LIMIT,
@@ -569,13 +604,14 @@ def hierarchical_allreduce(
         full_sum = _crossed_pair_sum(host_sum, axis_name, wire)
     else:
         full_sum = _SCHEDULES[inter_algorithm](host_sum, host, **opts)
-    return all_gather(full_sum, local, into=padded, **opts)[: flat.size]
+    return all_gather(full_sum, local, into=padded, divisor=divisor, **opts)[: flat.size]
 
 
 def halving_doubling_allreduce(
     flat: jax.Array,
     axis_name: AxisName,
     *,
+    divisor: int | None = None,
     transfer_dtype=None,
     exchange_piece_bytes: int | str | None = "auto",
     unroll_limit: int = UNROLL_LIMIT,
@@ -609,10 +645,14 @@ def halving_doubling_allreduce(
         d //= 2
 
     segment = _as_sent(segment, wire)
+    if p == 1:
+        segment = _divided(segment, divisor)
     d = 1
     while d < p:  # recursive doubling
         upper = (i // d) % 2  # 1: my segment is the upper half of the doubled one
         theirs = _send(segment, axis_name, [(j, j ^ d) for j in range(p)], wire)
+        if 2 * d == p:  # the last step writes the result: divide there, fused into the write
+            segment, theirs = _divided(segment, divisor), _divided(theirs, divisor)
         # Written as one concatenation of two selects: XLA fuses it into a single pass.
         is_upper = upper == 1
         segment = jnp.concatenate(
@@ -627,6 +667,7 @@ def parameter_server_allreduce(
     axis_name: AxisName,
     *,
     server: int = 0,
+    divisor: int | None = None,
     transfer_dtype=None,
     exchange_piece_bytes: int | str | None = "auto",
     unroll_limit: int = UNROLL_LIMIT,
@@ -646,9 +687,9 @@ def parameter_server_allreduce(
     for w in workers:  # gather: a one-pair ppermute delivers zeros everywhere but the server
         total = total + _send(flat, axis_name, [(w, server)], wire)
     total = _as_sent(total, wire)
-    result = jnp.where(i == server, total, jnp.zeros_like(total))
+    result = jnp.where(i == server, _divided(total, divisor), jnp.zeros_like(total))
     for w in workers:  # broadcast
-        result = result + _send(total, axis_name, [(server, w)], wire)
+        result = result + _divided(_send(total, axis_name, [(server, w)], wire), divisor)
     return result
 
 
@@ -668,11 +709,16 @@ assert tuple(_SCHEDULES) == ALGORITHMS
 
 
 def schedule_options(algorithm: str) -> tuple[str, ...]:
-    """The keyword options ``algorithm``'s schedule takes (read off its signature)."""
+    """The keyword options ``algorithm``'s schedule takes (read off its signature), except
+    ``divisor``, which :func:`allreduce` sets from ``op``."""
     if algorithm not in _SCHEDULES:
         raise ValueError(f"unknown allreduce algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     parameters = inspect.signature(_SCHEDULES[algorithm]).parameters.values()
-    return tuple(p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY)
+    return tuple(
+        p.name
+        for p in parameters
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "divisor"
+    )
 
 
 def option_default(algorithm: str, option: str) -> Any:
@@ -731,6 +777,8 @@ def allreduce(
         raise ValueError(f"unknown allreduce algorithm {algorithm!r}; expected one of {ALGORITHMS}")
     if op not in ("sum", "mean"):
         raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
+    if "divisor" in options:
+        raise TypeError("allreduce: pass op='mean' instead of a divisor")
     if "exchange_piece_bytes" in options:  # checked here too: native and 1-device axes never send
         _piece_bytes(options["exchange_piece_bytes"])
     count = _check_axis_name(axis_name, algorithm)
@@ -758,6 +806,8 @@ def allreduce(
         return jax.tree.unflatten(treedef, [s.astype(x.dtype) for s, x in zip(summed, leaves)])
 
     schedule = _SCHEDULES[algorithm]
+    # The schedule divides as it writes its result (see _divided), not in a pass after it.
+    divisor = count if op == "mean" and count > 1 else None
     results: list[jax.Array | None] = [None] * len(leaves)
     by_dtype: dict[np.dtype, list[int]] = {}
     for index, leaf in enumerate(leaves):
@@ -766,13 +816,13 @@ def allreduce(
         acc_dtype = jnp.dtype(accumulate_dtype) if accumulate_dtype is not None else dtype
         bucket = jnp.concatenate([leaves[k].reshape(-1).astype(acc_dtype) for k in indices])
         try:
-            reduced = schedule(bucket, axis_name, transfer_dtype=transfer_dtype, **options)
+            reduced = schedule(
+                bucket, axis_name, divisor=divisor, transfer_dtype=transfer_dtype, **options
+            )
         except TypeError as err:
             raise TypeError(
                 f"allreduce algorithm {algorithm!r}: bad options {options}: {err}"
             ) from err
-        if op == "mean":
-            reduced = reduced / count
         offset = 0
         for k in indices:
             size = math.prod(leaves[k].shape)

@@ -153,16 +153,17 @@ def test_integers_sum_exactly():
     np.testing.assert_array_equal(out, np.broadcast_to(x.sum(0), x.shape))
 
 
+@pytest.mark.parametrize("op", ["sum", "mean"])
 @pytest.mark.parametrize("algorithm", ["ring", "bidirectional_ring", "torus2d"])
-def test_loop_form_matches_unrolled_form(algorithm):
+def test_loop_form_matches_unrolled_form(algorithm, op):
     mesh = meshes.torus2d(2, 4)
     x = random_rows(8, (999,))
     looped = per_device(
-        mesh, lambda v: collectives.allreduce(v, ("y", "x"), algorithm, unroll_limit=0), x
+        mesh, lambda v: collectives.allreduce(v, ("y", "x"), algorithm, op=op, unroll_limit=0), x
     )
-    unrolled = per_device(mesh, lambda v: collectives.allreduce(v, ("y", "x"), algorithm), x)
+    unrolled = per_device(mesh, lambda v: collectives.allreduce(v, ("y", "x"), algorithm, op=op), x)
     np.testing.assert_allclose(looped, unrolled, rtol=1e-6, atol=1e-6)
-    assert_allreduced(looped, x)
+    assert_allreduced(looped, x, op=op)
 
 
 def count_permutes(p, unroll_limit):
@@ -297,18 +298,54 @@ def test_crossed_exchange_sends_no_pair_both_ways():
         assert any(sends_both_ways(ps) for ps in crossing) == expect_swap, crossing
 
 
+@pytest.mark.parametrize("op", ["sum", "mean"])
 @pytest.mark.parametrize("algorithm", collectives.ALGORITHMS)
-def test_low_precision_transfer_leaves_every_device_the_same_bits(algorithm):
-    # A device that reduced a chunk must keep it rounded as it sent it, or replicas drift apart.
-    for mesh in (meshes.torus2d(2, 4), meshes.torus2d(4, 2)):
-        x = random_rows(8, (999,))
+def test_low_precision_transfer_leaves_every_device_the_same_bits(algorithm, op):
+    # A device that reduced a chunk must keep it rounded as it sent it, or replicas drift apart;
+    # the mean's division, done where each schedule writes its result, must not break that.
+    meshes_to_try = [meshes.torus2d(2, 4), meshes.torus2d(4, 2)]
+    if algorithm not in (*collectives.TWO_LEVEL, "halving_doubling"):
+        meshes_to_try.append(meshes.torus2d(3, 2))  # divides by 6: not exact in binary
+    for mesh in meshes_to_try:
+        x = random_rows(mesh.size, (999,))
         out = per_device(
             mesh,
-            lambda v: collectives.allreduce(v, ("y", "x"), algorithm, transfer_dtype=jnp.bfloat16),
+            lambda v: collectives.allreduce(
+                v, ("y", "x"), algorithm, op=op, transfer_dtype=jnp.bfloat16
+            ),
             x,
         )
         for device, row in enumerate(out[1:], start=1):
             np.testing.assert_array_equal(row, out[0], err_msg=f"device {device} differs")
+
+
+def _full_size_instructions(mesh, algorithm, op, count):
+    """The instructions (fused bodies included) that produce a whole (count,) buffer in the
+    compiled in-place allreduce on ``mesh``: each one is a pass over all of the data."""
+    spec = P(("y", "x"))
+    body = jax.shard_map(
+        lambda v: collectives.allreduce(v[0], ("y", "x"), algorithm, op=op)[None],
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+    )
+    x = jax.device_put(random_rows(8, (count,)), NamedSharding(mesh, spec))
+    text = jax.jit(body, donate_argnums=0).lower(x).compile().as_text()
+    return re.findall(rf"= f32\[(?:1,)?{count}\]\S* (\S+?)\(", text)
+
+
+@pytest.mark.parametrize(
+    "algorithm", ["ring", "bidirectional_ring", "torus2d", "hierarchical", "halving_doubling"]
+)
+def test_mean_costs_no_pass_over_the_data_that_the_sum_does_not(algorithm):
+    # Dividing after the schedule made XLA:CPU copy the donated input and write the result
+    # once more (the ring's mean took 3x its sum at 16 MiB); the schedules divide as they
+    # write their result instead.
+    count = 8 * 4096
+    for mesh in (meshes.torus2d(4, 2), meshes.torus2d(2, 4)):  # inner axes of 2 and of 4
+        mean = _full_size_instructions(mesh, algorithm, "mean", count)
+        assert "copy" not in mean, mean
+        assert sorted(mean) == sorted(_full_size_instructions(mesh, algorithm, "sum", count))
 
 
 # --------------------------------------------------------------------------- errors
