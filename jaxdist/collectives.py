@@ -11,8 +11,10 @@ which then act as one flattened axis. The two-level schedules (``torus2d``, ``hi
 take a tuple ``(outer, inner)`` ordered like the mesh: the *inner* axis carries the full-size
 reduce-scatter and all-gather, so it should be the one with the fast links.
 
-Any shape and size works: buffers are flattened and zero-padded to a multiple of the axis size
-internally, and the padding is cut off again before the result is returned. Pytrees are fused
+Any shape and size works: buffers are flattened; the ring-based schedules cut a size that the
+axis does not divide into overlapping windows of equal length (:func:`_window_stride`), and
+halving-doubling, exchanges sent in pieces and buffers smaller than the axis are zero-padded,
+with the padding cut off again before the result is returned. Pytrees are fused
 into one contiguous buffer per dtype (a gradient bucket) so that one schedule runs per dtype,
 not one per leaf.
 
@@ -25,7 +27,6 @@ shard_map with ``check_vma=False`` when the result should be declared replicated
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -214,11 +215,36 @@ def _pad_to_chunks(flat: jax.Array, p: int) -> jax.Array:
     return flat if padded_size == flat.size else jnp.pad(flat, (0, padded_size - flat.size))
 
 
+def _window_stride(size: int, count: int) -> int:
+    """Where the ``count`` windows of a buffer of ``size`` elements start: window ``k`` covers
+    ``[k * stride, k * stride + stride + size % count)``.
+
+    The ring schedules reduce windows instead of padded chunks. Windows are all as long, as
+    ppermute needs, and the last one ends at ``size`` exactly, so no buffer is padded and
+    no result is cut back: a pad and a cut each cost a pass over the data, and together they
+    stopped XLA:CPU from writing the result over a donated input (the ring in place on 8 CPU
+    devices, 16 MiB + 4 bytes each, took 111 ms padded, 58 ms in windows, against 42 ms at
+    16 MiB; docs/performance.md, "Sizes that do not divide"). Consecutive windows overlap by
+    ``size % count`` elements, which are summed twice; the all-gather writes each window's
+    first ``stride`` elements and only the last window whole, so every element of the result
+    comes from exactly one window and every device ends with the same bits.
+    """
+    if size < count:
+        raise ValueError(f"{size} elements cannot be cut into {count} windows; pad first")
+    return size // count
+
+
+def _windowed(flat: jax.Array, count: int) -> jax.Array:
+    """``flat`` itself when it has at least ``count`` elements (enough for :func:`_window_stride`),
+    else zero-padded to ``count``: the ring schedules then cut the padding off their result."""
+    return flat if flat.size >= count else _pad_to_chunks(flat, count)
+
+
 # --------------------------------------------------------------------------- ring building blocks
 
 
 def _ring_reduce_scatter(
-    padded: jax.Array,
+    flat: jax.Array,
     axis_name: AxisName,
     directions: Sequence[int],
     wire: Wire,
@@ -226,20 +252,22 @@ def _ring_reduce_scatter(
 ) -> tuple[jax.Array, ...]:
     """Reduce-scatter a flat buffer round one ring per entry of ``directions``, in lockstep.
 
-    The buffer holds ``len(directions) * p`` chunks; ring ``k`` (direction +1 or -1) works on
-    chunks ``[k p, (k + 1) p)``. On a ring a device's position is ``r = direction * i mod p``.
-    At step ``s`` it passes its running sum to the next position and adds its own copy of
-    chunk ``r - s - 2`` to what it received; after ``p - 1`` steps it holds the full sum of
-    chunk ``r`` of its ring. Returns one shard per ring.
+    The buffer is cut into ``len(directions) * p`` windows (:func:`_window_stride`; equal
+    chunks when the count divides its size); ring ``k`` (direction +1 or -1) works on windows
+    ``[k p, (k + 1) p)``. On a ring a device's position is ``r = direction * i mod p``. At
+    step ``s`` it passes its running sum to the next position and adds its own copy of
+    window ``r - s - 2`` to what it received; after ``p - 1`` steps it holds the full sum of
+    window ``r`` of its ring. Returns one shard per ring.
     """
     p = axis_size(axis_name)
     i = lax.axis_index(axis_name)
     lanes = len(directions)
-    chunk = padded.size // (lanes * p)
+    stride = _window_stride(flat.size, lanes * p)
+    window = stride + flat.size % (lanes * p)
     positions = [(d * i) % p for d in directions]
 
     def own(lane: int, index) -> jax.Array:
-        return lax.dynamic_slice_in_dim(padded, (lane * p + index % p) * chunk, chunk)
+        return lax.dynamic_slice_in_dim(flat, (lane * p + index % p) * stride, window)
 
     def step(s, partial_sums):
         return tuple(
@@ -257,40 +285,55 @@ def _ring_all_gather(
     directions: Sequence[int],
     wire: Wire,
     unroll_limit: int,
+    size: int,
     into: jax.Array | None = None,
     divisor: int | None = None,
 ) -> jax.Array:
-    """All-gather one flat shard per ring (ring ``k`` in direction ``directions[k]``) into one
-    flat buffer of ``len(directions) * p`` chunks, ring ``k``'s in chunks ``[k p, (k + 1) p)``,
-    each divided by ``divisor`` when given.
+    """All-gather one flat shard per ring (ring ``k`` in direction ``directions[k]``): the
+    windows that :func:`_ring_reduce_scatter` left, ring ``k``'s windows ``[k p, (k + 1) p)``
+    of a flat buffer of ``size`` elements, each divided by ``divisor`` when given.
 
-    The device at ring position ``r`` owns chunk ``r`` of its ring. At step ``s`` every device
-    forwards the chunk it received last and writes the arriving one, chunk ``r - s - 1``, in
-    place. Buffers stay flat on purpose: on a ``(p, m)`` view XLA:CPU fuses each update with a
-    bitcast into a loop over the whole buffer instead of writing one chunk. The result is
-    written over ``into`` when given (see :func:`all_gather`), except for several rings
-    unrolled, which gather by :func:`_gather_by_concatenation`.
+    The device at ring position ``r`` owns window ``r`` of its ring. At step ``s`` every
+    device forwards the window it received last and writes the arriving one, window
+    ``r - s - 1``, in place: its first ``stride`` elements, and the rest of the last window
+    (the elements past ``count * stride``) once all steps are done. Buffers stay flat on
+    purpose: on a ``(p, m)`` view XLA:CPU fuses each update with a bitcast into a loop over
+    the whole buffer instead of writing one chunk. The result is written over ``into`` when
+    given (see :func:`all_gather`), except for several rings unrolled, which gather by
+    :func:`_gather_by_concatenation`.
     """
     p = axis_size(axis_name)
     i = lax.axis_index(axis_name)
-    chunk = shards[0].size
+    lanes = len(directions)
+    stride = _window_stride(size, lanes * p)
+    overhang = size % (lanes * p)  # the last window's elements past lanes * p * stride
+    if shards[0].size != stride + overhang:
+        raise ValueError(
+            f"all_gather: shards of {stride + overhang} elements gather into {size}, "
+            f"got shards of {shards[0].size}"
+        )
     positions = [(d * i) % p for d in directions]
 
     def place(gathered, lane: int, index, block):
-        block = _divided(block, divisor)  # fused into the write; the forwarded block is not
-        return lax.dynamic_update_slice_in_dim(gathered, block, (lane * p + index % p) * chunk, 0)
+        block = _divided(block[:stride], divisor)  # fused into the write; the forwarded one is not
+        return lax.dynamic_update_slice_in_dim(gathered, block, (lane * p + index % p) * stride, 0)
+
+    def last_overhang(kept, index, block):
+        """The overhang of the last ring's window ``p - 1`` once it has passed by (None when
+        the windows do not overlap)."""
+        return jnp.where(index % p == p - 1, block[stride:], kept) if overhang else None
 
     def step(s, carry):
-        gathered, in_flight = carry
+        gathered, in_flight, kept = carry
         in_flight = tuple(_shift(b, axis_name, d, wire) for b, d in zip(in_flight, directions))
         for lane, (block, r) in enumerate(zip(in_flight, positions)):
             gathered = place(gathered, lane, r - s - 1, block)
-        return gathered, in_flight
+        kept = last_overhang(kept, positions[-1] - s - 1, in_flight[-1])
+        return gathered, in_flight, kept
 
-    size = len(directions) * p * chunk
     if into is not None and into.shape != (size,):
         raise ValueError(f"all_gather: `into` must have shape ({size},), got {into.shape}")
-    if len(directions) > 1 and p - 1 <= unroll_limit:
+    if lanes > 1 and p - 1 <= unroll_limit:
         # Two rings writing over one buffer made XLA copy it (bidirectional ring in place on
         # 8 CPU devices: 2.3-2.5x psum this way against 1.2-1.8x concatenated). One ring
         # writing over a donated input is faster than concatenating (0.8-1.5x against
@@ -298,22 +341,32 @@ def _ring_all_gather(
         # sent, not the blocks as they are concatenated, kept the mean as fast as the sum
         # (49-54 ms against 84 ms, 16 MiB per device).
         shards = tuple(_as_sent(_divided(block, divisor), wire) for block in shards)
-        return _gather_by_concatenation(shards, axis_name, directions, wire)
+        return _gather_by_concatenation(shards, axis_name, directions, wire, stride)
     shards = tuple(_as_sent(block, wire) for block in shards)
     gathered = jnp.zeros((size,), shards[0].dtype) if into is None else into
     for lane, (block, r) in enumerate(zip(shards, positions)):
         gathered = place(gathered, lane, r, block)
-    gathered, _ = _repeat(p - 1, step, (gathered, tuple(shards)), unroll_limit)
+    kept = last_overhang(jnp.zeros_like(shards[-1][stride:]), positions[-1], shards[-1])
+    gathered, _, kept = _repeat(p - 1, step, (gathered, tuple(shards), kept), unroll_limit)
+    if overhang:
+        gathered = lax.dynamic_update_slice_in_dim(
+            gathered, _divided(kept, divisor), lanes * p * stride, 0
+        )
     return gathered
 
 
 def _gather_by_concatenation(
-    shards: Sequence[jax.Array], axis_name: AxisName, directions: Sequence[int], wire: Wire
+    shards: Sequence[jax.Array],
+    axis_name: AxisName,
+    directions: Sequence[int],
+    wire: Wire,
+    stride: int,
 ) -> jax.Array:
     """The unrolled all-gather: keep every block as it arrives, then write the result once.
 
     Block ``t`` of ring ``k`` (``t = 0`` the device's own, ``t = s + 1`` the one received at
-    step ``s``) is chunk ``r_k - t`` of that ring, so chunk ``j`` is block ``(r_k - j) mod p``.
+    step ``s``) is window ``r_k - t`` of that ring, so window ``j`` is block ``(r_k - j) mod
+    p``. Each window contributes its first ``stride`` elements, the last one all of them.
     The order depends on the device's position, so one ``lax.switch`` branch per position
     holds that position's static concatenation: the result is written in one pass, with no
     zero-fill and no copy of a still-live input to write over. The price is memory: all ``p``
@@ -330,7 +383,10 @@ def _gather_by_concatenation(
             parts = []
             for lane, d in enumerate(directions):
                 r = (d * index) % p
-                parts += [blocks[(r - j) % p][lane] for j in range(p)]
+                parts += [blocks[(r - j) % p][lane][:stride] for j in range(p)]
+            if blocks[0][-1].size > stride:  # the last window's overhang
+                r_last = (directions[-1] * index) % p
+                parts.append(blocks[(r_last - (p - 1)) % p][-1][stride:])
             return jnp.concatenate(parts)
 
         return ordered
@@ -383,21 +439,39 @@ def all_gather(
     extra pass over the result). ``transfer_dtype``, ``exchange_piece_bytes`` and
     ``unroll_limit`` as for :func:`allreduce`.
     """
-    p = axis_size(axis_name)
+    shard = shard.reshape(-1)
+    size = axis_size(axis_name) * shard.size
     wire = Wire(transfer_dtype, exchange_piece_bytes)
+    return _gather_windows(shard, axis_name, size, wire, unroll_limit, into=into, divisor=divisor)
+
+
+def _gather_windows(
+    shard: jax.Array,
+    axis_name: AxisName,
+    size: int,
+    wire: Wire,
+    unroll_limit: int,
+    into: jax.Array | None = None,
+    divisor: int | None = None,
+) -> jax.Array:
+    """All-gather the windows a one-ring reduce-scatter left (:func:`_ring_reduce_scatter`)
+    into a flat buffer of ``size`` elements: over two devices one exchange
+    (:func:`_pair_all_gather`), over more round the ring (:func:`_ring_all_gather`)."""
+    p = axis_size(axis_name)
     if p == 1:
-        return _divided(shard.reshape(-1), divisor)
+        return _divided(shard, divisor)
     if p == 2:
-        return _pair_all_gather(shard.reshape(-1), axis_name, wire, divisor)
+        return _pair_all_gather(shard, axis_name, size, wire, divisor)
     return _ring_all_gather(
-        [shard.reshape(-1)], axis_name, (1,), wire, unroll_limit, into=into, divisor=divisor
+        [shard], axis_name, (1,), wire, unroll_limit, size, into=into, divisor=divisor
     )
 
 
 def _pair_all_gather(
-    shard: jax.Array, axis_name: AxisName, wire: Wire, divisor: int | None = None
+    shard: jax.Array, axis_name: AxisName, size: int, wire: Wire, divisor: int | None = None
 ) -> jax.Array:
-    """All-gather over two devices: one exchange, then both chunks written in one pass.
+    """All-gather over two devices: one exchange, then both windows written in one pass (the
+    first one's first ``size // 2`` elements, then the second one whole).
 
     Writing them over ``into`` would first copy ``into`` when it is still live (out of place)
     and then update it twice: on 8 CPU devices, 16 MiB per device, an all-gather over a
@@ -407,7 +481,14 @@ def _pair_all_gather(
     mine = _divided(_as_sent(shard, wire), divisor)
     first = lax.axis_index(axis_name) == 0
     # One concatenation of two selects: XLA fuses it into a single loop over the result.
-    return jnp.concatenate([jnp.where(first, mine, theirs), jnp.where(first, theirs, mine)])
+    lower = jnp.where(first, mine, theirs)[: _window_stride(size, 2)]
+    return jnp.concatenate([lower, jnp.where(first, theirs, mine)])
+
+
+def _cut(gathered: jax.Array, size: int) -> jax.Array:
+    """The first ``size`` elements of ``gathered``: the padding of a buffer too small for
+    windows (:func:`_windowed`) cut off again, and no slice at all otherwise."""
+    return gathered if gathered.size == size else gathered[:size]
 
 
 # --------------------------------------------------------------------------- the schedules
@@ -442,14 +523,13 @@ def ring_allreduce(
     unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
     """Ring allreduce: reduce-scatter then all-gather, ``p - 1`` steps each, every link busy."""
-    opts = dict(
-        transfer_dtype=transfer_dtype,
-        exchange_piece_bytes=exchange_piece_bytes,
-        unroll_limit=unroll_limit,
+    wire = Wire(transfer_dtype, exchange_piece_bytes)
+    buffer = _windowed(flat, axis_size(axis_name))
+    (shard,) = _ring_reduce_scatter(buffer, axis_name, (1,), wire, unroll_limit)
+    gathered = _gather_windows(
+        shard, axis_name, buffer.size, wire, unroll_limit, into=buffer, divisor=divisor
     )
-    padded = _pad_to_chunks(flat, axis_size(axis_name))
-    shard = reduce_scatter(padded, axis_name, **opts)
-    return all_gather(shard, axis_name, into=padded, divisor=divisor, **opts)[: flat.size]
+    return _cut(gathered, flat.size)
 
 
 def bidirectional_ring_allreduce(
@@ -473,14 +553,14 @@ def bidirectional_ring_allreduce(
             exchange_piece_bytes=exchange_piece_bytes,
             unroll_limit=unroll_limit,
         )
-    directions = (1, -1)  # chunks [0, p) go clockwise, chunks [p, 2p) counter-clockwise
-    padded = _pad_to_chunks(flat, 2 * p)
+    directions = (1, -1)  # windows [0, p) go clockwise, windows [p, 2p) counter-clockwise
+    buffer = _windowed(flat, 2 * p)
     wire = Wire(transfer_dtype, exchange_piece_bytes)
-    shards = _ring_reduce_scatter(padded, axis_name, directions, wire, unroll_limit)
+    shards = _ring_reduce_scatter(buffer, axis_name, directions, wire, unroll_limit)
     gathered = _ring_all_gather(
-        shards, axis_name, directions, wire, unroll_limit, into=padded, divisor=divisor
+        shards, axis_name, directions, wire, unroll_limit, buffer.size, into=buffer, divisor=divisor
     )
-    return gathered[: flat.size]
+    return _cut(gathered, flat.size)
 
 
 def _crossed_pair_sum(shard: jax.Array, axis_name: tuple[str, str], wire: Wire) -> jax.Array:
@@ -597,14 +677,17 @@ def hierarchical_allreduce(
         exchange_piece_bytes=exchange_piece_bytes,
         unroll_limit=unroll_limit,
     )
-    padded = _pad_to_chunks(flat, axis_size(local))
-    host_sum = reduce_scatter(padded, local, **opts)
+    wire = Wire(transfer_dtype, exchange_piece_bytes)
+    buffer = _windowed(flat, axis_size(local))
+    (host_sum,) = _ring_reduce_scatter(buffer, local, (1,), wire, unroll_limit)
     if uses_crossed_exchange(axis_size(host), axis_size(local), inter_algorithm, crossed_exchange):
-        wire = Wire(transfer_dtype, exchange_piece_bytes)
         full_sum = _crossed_pair_sum(host_sum, axis_name, wire)
     else:
         full_sum = _SCHEDULES[inter_algorithm](host_sum, host, **opts)
-    return all_gather(full_sum, local, into=padded, divisor=divisor, **opts)[: flat.size]
+    gathered = _gather_windows(
+        full_sum, local, buffer.size, wire, unroll_limit, into=buffer, divisor=divisor
+    )
+    return _cut(gathered, flat.size)
 
 
 def halving_doubling_allreduce(
@@ -825,7 +908,7 @@ def allreduce(
             ) from err
         offset = 0
         for k in indices:
-            size = math.prod(leaves[k].shape)
+            size = leaves[k].size
             results[k] = reduced[offset : offset + size].reshape(leaves[k].shape).astype(dtype)
             offset += size
     return jax.tree.unflatten(treedef, results)
