@@ -12,9 +12,10 @@ take a tuple ``(outer, inner)`` ordered like the mesh: the *inner* axis carries 
 reduce-scatter and all-gather, so it should be the one with the fast links.
 
 Any shape and size works: buffers are flattened; the ring-based schedules cut a size that the
-axis does not divide into overlapping windows of equal length (:func:`_window_stride`), and
-halving-doubling, exchanges sent in pieces and buffers smaller than the axis are zero-padded,
-with the padding cut off again before the result is returned. Pytrees are fused
+axis does not divide into overlapping windows of equal length (:func:`_window_stride`) and
+halving-doubling into overlapping halves, so nothing is padded; only exchanges sent in pieces
+and buffers with fewer elements than windows are zero-padded, with the padding cut off again
+before the result is returned. Pytrees are fused
 into one contiguous buffer per dtype (a gradient bucket) so that one schedule runs per dtype,
 not one per leaf.
 
@@ -190,7 +191,11 @@ def _divided(x: jax.Array, divisor: int | None) -> jax.Array:
     a donated input: the ring's mean in place on 8 CPU devices, 16 MiB each, took 110 ms that
     way against 38 ms for its sum (docs/performance.md, "The mean's division").
     """
-    return x if divisor is None else x / divisor
+    if divisor is None:
+        return x
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"a mean needs floating-point values to divide, got dtype {x.dtype}")
+    return x / divisor
 
 
 def _shift(x: jax.Array, axis_name: AxisName, direction: int, wire: Wire) -> jax.Array:
@@ -229,7 +234,7 @@ def _window_stride(size: int, count: int) -> int:
     first ``stride`` elements and only the last window whole, so every element of the result
     comes from exactly one window and every device ends with the same bits.
     """
-    if size < count:
+    if 0 < size < count:
         raise ValueError(f"{size} elements cannot be cut into {count} windows; pad first")
     return size // count
 
@@ -706,6 +711,10 @@ def halving_doubling_allreduce(
     and adds what it receives. Then all-gather by recursive doubling: at d = 1, 2, ..., p/2
     partners swap their segments and concatenate them in order. 2·log2(p) steps in all,
     always unrolled (segment shapes halve and double, so every step has its own shapes).
+
+    A segment of odd length splits into two halves that share its middle element: both
+    partners reduce it, and the doubling takes it from the upper half only, so every device
+    ends with the same bits and nothing is ever padded (see :func:`_window_stride`).
     """
     del unroll_limit
     p = axis_size(axis_name)
@@ -716,14 +725,15 @@ def halving_doubling_allreduce(
         )
     i = lax.axis_index(axis_name)
     wire = Wire(transfer_dtype, exchange_piece_bytes)
-    segment = _pad_to_chunks(flat, p)
+    segment, sizes = flat, []
 
     d = p // 2
     while d >= 1:  # recursive halving
-        half = segment.size // 2
+        sizes.append(segment.size)
+        half, length = segment.size // 2, segment.size - segment.size // 2
         upper = (i // d) % 2  # 1: keep the upper half, send the lower one
-        keep = lax.dynamic_slice_in_dim(segment, upper * half, half)
-        give = lax.dynamic_slice_in_dim(segment, (1 - upper) * half, half)
+        keep = lax.dynamic_slice_in_dim(segment, upper * half, length)
+        give = lax.dynamic_slice_in_dim(segment, (1 - upper) * half, length)
         segment = keep + _send(give, axis_name, [(j, j ^ d) for j in range(p)], wire)
         d //= 2
 
@@ -738,11 +748,10 @@ def halving_doubling_allreduce(
             segment, theirs = _divided(segment, divisor), _divided(theirs, divisor)
         # Written as one concatenation of two selects: XLA fuses it into a single pass.
         is_upper = upper == 1
-        segment = jnp.concatenate(
-            [jnp.where(is_upper, theirs, segment), jnp.where(is_upper, segment, theirs)]
-        )
+        lower = jnp.where(is_upper, theirs, segment)[: sizes.pop() // 2]
+        segment = jnp.concatenate([lower, jnp.where(is_upper, segment, theirs)])
         d *= 2
-    return segment[: flat.size]
+    return segment
 
 
 def parameter_server_allreduce(
@@ -875,6 +884,14 @@ def allreduce(
             raise TypeError(f"allreduce works on float and integer arrays, got dtype {leaf.dtype}")
         if op == "mean" and not jnp.issubdtype(leaf.dtype, jnp.floating):
             raise TypeError(f"op='mean' needs floating-point leaves, got dtype {leaf.dtype}")
+    if (
+        op == "mean"
+        and accumulate_dtype is not None
+        and not jnp.issubdtype(jnp.dtype(accumulate_dtype), jnp.floating)
+    ):
+        raise TypeError(
+            f"op='mean' needs a floating-point accumulate_dtype, got {accumulate_dtype}"
+        )
 
     if algorithm == "native":
         # psum takes the whole list in one call and XLA's all-reduce combiner fuses the leaves

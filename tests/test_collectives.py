@@ -81,7 +81,7 @@ def test_two_dimensional_meshes(algorithm, shape):
     assert_allreduced(out, x)
 
 
-@pytest.mark.parametrize("size", [1, 7])
+@pytest.mark.parametrize("size", [0, 1, 7])
 @pytest.mark.parametrize("algorithm", ONE_D)
 def test_tiny_sizes(algorithm, size):
     mesh = meshes.ring(8)
@@ -91,7 +91,7 @@ def test_tiny_sizes(algorithm, size):
 
 
 @pytest.mark.parametrize("algorithm", ["torus2d", "hierarchical"])
-@pytest.mark.parametrize("size", [1, 7])
+@pytest.mark.parametrize("size", [0, 1, 7])
 def test_tiny_sizes_two_level(algorithm, size):
     mesh = meshes.hierarchical(2, 4)
     x = random_rows(8, (size,))
@@ -196,6 +196,19 @@ def test_building_blocks_reduce_scatter_and_all_gather():
     gathered = per_device(mesh, lambda s: collectives.all_gather(s, "x"), shards)
     for i in range(4):
         np.testing.assert_allclose(gathered[i], padded, rtol=1e-6, atol=1e-6)
+    for p in (2, 4):  # a pair exchanges; four go round the ring
+        shards = random_rows(p, (3,))
+        gathered = per_device(
+            meshes.ring(p), lambda s: collectives.all_gather(s, "x", divisor=3), shards
+        )
+        for i in range(p):
+            np.testing.assert_allclose(gathered[i], shards.reshape(-1) / 3, rtol=1e-6)
+    with pytest.raises(TypeError, match=r"a mean needs floating-point values.*int32"):
+        per_device(
+            meshes.ring(4),
+            lambda s: collectives.all_gather(s, "x", divisor=3),
+            shards.astype(np.int32),
+        )
 
 
 def test_inside_a_users_jit_and_shard_map():
@@ -304,7 +317,7 @@ def test_low_precision_transfer_leaves_every_device_the_same_bits(algorithm, op)
     # A device that reduced a chunk must keep it rounded as it sent it, or replicas drift apart;
     # the mean's division, done where each schedule writes its result, must not break that.
     meshes_to_try = [meshes.torus2d(2, 4), meshes.torus2d(4, 2)]
-    if algorithm not in (*collectives.TWO_LEVEL, "halving_doubling"):
+    if algorithm != "halving_doubling":
         meshes_to_try.append(meshes.torus2d(3, 2))  # divides by 6: not exact in binary
     for mesh in meshes_to_try:
         x = random_rows(mesh.size, (999,))
@@ -317,14 +330,18 @@ def test_low_precision_transfer_leaves_every_device_the_same_bits(algorithm, op)
         )
         for device, row in enumerate(out[1:], start=1):
             np.testing.assert_array_equal(row, out[0], err_msg=f"device {device} differs")
+        # As in the bf16 transfer test above: about hops * 2^-9 of each partial sum.
+        assert_allreduced(out, x, op=op, rtol=0, atol=0.2 / (mesh.size if op == "mean" else 1))
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "bidirectional_ring", "torus2d", "hierarchical"])
+@pytest.mark.parametrize(
+    "algorithm", ["ring", "bidirectional_ring", "torus2d", "hierarchical", "halving_doubling"]
+)
 def test_sizes_that_do_not_divide_are_not_padded(algorithm):
     # Padding to a multiple of the chunk count and cutting the result back each cost a pass
-    # over the data and kept XLA:CPU from writing over a donated input (the ring took 2.7x
-    # its time at 16 MiB + 4 bytes); the ring schedules cut such buffers into overlapping
-    # windows instead, so no buffer larger than the data is ever made.
+    # over the data and kept XLA:CPU from writing over a donated input (the ring took 2.6x
+    # its time at 16 MiB + 4 bytes); the schedules cut such buffers into overlapping windows
+    # (halving-doubling: halves) instead, so no buffer larger than the data is ever made.
     count = 8 * 4096 + 3
     for mesh in (meshes.torus2d(4, 2), meshes.torus2d(2, 4)):
         spec = P(("y", "x"))
@@ -404,6 +421,16 @@ def test_bad_op_and_options():
         per_device(
             mesh, lambda v: collectives.allreduce(v, "x", "ring", op="mean"), x.astype(np.int32)
         )
+    with pytest.raises(TypeError, match=r"needs a floating-point accumulate_dtype"):
+        per_device(
+            mesh,
+            lambda v: collectives.allreduce(v, "x", "ring", op="mean", accumulate_dtype=jnp.int32),
+            x,
+        )
+    with pytest.raises(TypeError, match=r"pass op='mean' instead of a divisor"):
+        per_device(mesh, lambda v: collectives.allreduce(v, "x", "ring", divisor=2), x)
+    for algorithm in collectives.ALGORITHMS:  # set by allreduce from op, not a user option
+        assert "divisor" not in collectives.schedule_options(algorithm)
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "torus2d", "halving_doubling", "parameter_server"])
