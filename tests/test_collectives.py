@@ -481,23 +481,23 @@ def test_pairwise_exchanges_are_cut_into_pieces_and_other_permutes_are_not():
         def fn(v):
             return collectives.allreduce(v, axes, algorithm, exchange_piece_bytes=piece, **options)
 
-        return len(_permute_pairs(fn, mesh, jnp.zeros((mesh.size, 1000))))  # 4,000 bytes
+        return len(_permute_pairs(fn, mesh, jnp.zeros((mesh.size, 1024))))  # 4,096 bytes
 
     ring4 = meshes.ring(4)
-    # halving_doubling on 4 devices: 2 halving steps (2,000 then 1,000 bytes) and 2 doubling
-    # steps (1,000 then 2,000 bytes), all exchanges: 2 + 1 + 1 + 2 pieces of at most 1,000.
+    # halving_doubling on 4 devices: 2 halving steps (2,048 then 1,024 bytes) and 2 doubling
+    # steps (1,024 then 2,048 bytes), all exchanges: 2 + 1 + 1 + 2 pieces of at most 1,024.
     assert count(ring4, "x", "halving_doubling", None) == 4
-    assert count(ring4, "x", "halving_doubling", 1000) == 6
+    assert count(ring4, "x", "halving_doubling", 1024) == 6
     # The ring's steps send to one neighbour and receive from the other: never split.
-    assert count(ring4, "x", "ring", 1000) == count(ring4, "x", "ring", None) == 6
+    assert count(ring4, "x", "ring", 1024) == count(ring4, "x", "ring", None) == 6
     # On one process (no gloo) "auto" keeps whole messages.
     assert collectives.default_exchange_piece_bytes() is None
     assert count(ring4, "x", "halving_doubling", "auto") == 4
     # Every exchange of the other schedules is cut too: a ring (and a bidirectional ring) of
-    # two is two exchanges of 2,000 bytes; torus2d on 2x2: 2,000 + 1,000 + 1,000 + 2,000.
-    assert count(meshes.ring(2), "x", "ring", 1000) == 4
-    assert count(meshes.ring(2), "x", "bidirectional_ring", 1000) == 4
-    assert count(meshes.torus2d(2, 2), ("y", "x"), "torus2d", 1000) == 6
+    # two is two exchanges of 2,048 bytes; torus2d on 2x2: 2,048 + 1,024 + 1,024 + 2,048.
+    assert count(meshes.ring(2), "x", "ring", 1024) == 4
+    assert count(meshes.ring(2), "x", "bidirectional_ring", 1024) == 4
+    assert count(meshes.torus2d(2, 2), ("y", "x"), "torus2d", 1024) == 6
     # The crossed exchange with an inner axis of two: its hop inside host 0 is an exchange.
     two_hosts = meshes.hierarchical(2, 2)
     crossed = dict(crossed_exchange=True)
