@@ -266,11 +266,13 @@ def _ring_reduce_scatter(
     directions: Sequence[int],
     wire: Wire,
     unroll_limit: int,
+    stride: int | None = None,
 ) -> tuple[jax.Array, ...]:
     """Reduce-scatter a flat buffer round one ring per entry of ``directions``, in lockstep.
 
-    The buffer is cut into ``len(directions) * p`` windows (:func:`_window_stride`; equal
-    chunks when the count divides its size); ring ``k`` (direction +1 or -1) works on windows
+    The buffer is cut into ``len(directions) * p`` windows starting ``stride`` elements apart
+    (default :func:`_window_stride`; the public :func:`reduce_scatter` passes equal chunks
+    of a padded buffer); ring ``k`` (direction +1 or -1) works on windows
     ``[k p, (k + 1) p)``. On a ring a device's position is ``r = direction * i mod p``. At
     step ``s`` it passes its running sum to the next position and adds its own copy of
     window ``r - s - 2`` to what it received; after ``p - 1`` steps it holds the full sum of
@@ -279,7 +281,8 @@ def _ring_reduce_scatter(
     p = axis_size(axis_name)
     i = lax.axis_index(axis_name)
     lanes = len(directions)
-    stride = _window_stride(flat.size, lanes * p)
+    if stride is None:
+        stride = _window_stride(flat.size, lanes * p)
     window = flat.size - (lanes * p - 1) * stride
     positions = [(d * i) % p for d in directions]
 
@@ -322,12 +325,12 @@ def _ring_all_gather(
     p = axis_size(axis_name)
     i = lax.axis_index(axis_name)
     lanes = len(directions)
-    stride = _window_stride(size, lanes * p)
+    # The windows' start follows from their length: the last one ends at ``size``.
+    stride, uneven = divmod(size - shards[0].size, lanes * p - 1)
     overhang = size - lanes * p * stride  # the last window's elements past lanes * p * stride
-    if shards[0].size != stride + overhang:
+    if uneven or overhang < 0:
         raise ValueError(
-            f"all_gather: shards of {stride + overhang} elements gather into {size}, "
-            f"got shards of {shards[0].size}"
+            f"all_gather: {lanes * p} windows of {shards[0].size} elements cannot end at {size}"
         )
     positions = [(d * i) % p for d in directions]
 
@@ -435,7 +438,9 @@ def reduce_scatter(
     if p == 1:
         return padded
     wire = Wire(transfer_dtype, exchange_piece_bytes)
-    (shard,) = _ring_reduce_scatter(padded, axis_name, (1,), wire, unroll_limit)
+    (shard,) = _ring_reduce_scatter(
+        padded, axis_name, (1,), wire, unroll_limit, stride=padded.size // p
+    )
     return shard
 
 
@@ -493,7 +498,7 @@ def _pair_all_gather(
     shard: jax.Array, axis_name: AxisName, size: int, wire: Wire, divisor: int | None = None
 ) -> jax.Array:
     """All-gather over two devices: one exchange, then both windows written in one pass (the
-    first one's first ``size // 2`` elements, then the second one whole).
+    first one up to where the second starts, then the second one whole).
 
     Writing them over ``into`` would first copy ``into`` when it is still live (out of place)
     and then update it twice: on 8 CPU devices, 16 MiB per device, an all-gather over a
@@ -503,7 +508,7 @@ def _pair_all_gather(
     mine = _divided(_as_sent(shard, wire), divisor)
     first = lax.axis_index(axis_name) == 0
     # One concatenation of two selects: XLA fuses it into a single loop over the result.
-    lower = jnp.where(first, mine, theirs)[: _window_stride(size, 2)]
+    lower = jnp.where(first, mine, theirs)[: size - shard.size]  # the second window's start
     return jnp.concatenate([lower, jnp.where(first, theirs, mine)])
 
 

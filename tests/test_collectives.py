@@ -196,6 +196,15 @@ def test_building_blocks_reduce_scatter_and_all_gather():
     gathered = per_device(mesh, lambda s: collectives.all_gather(s, "x"), shards)
     for i in range(4):
         np.testing.assert_allclose(gathered[i], padded, rtol=1e-6, atol=1e-6)
+    # Chunks long enough that the allreduce schedules would align their windows: the building
+    # blocks still cut equal chunks of the padded buffer (ZeRO-1 keeps optimizer state in them).
+    x = random_rows(4, (1001,))
+    shards = per_device(mesh, lambda v: collectives.reduce_scatter(v, "x"), x)
+    assert shards.shape == (4, 251)
+    padded = np.pad(x.sum(0), (0, 3))
+    np.testing.assert_allclose(shards.reshape(-1), padded, rtol=1e-5, atol=1e-5)
+    gathered = per_device(mesh, lambda s: collectives.all_gather(s, "x"), shards)
+    np.testing.assert_allclose(gathered, np.tile(padded, (4, 1)), rtol=1e-5, atol=1e-5)
     for p in (2, 4):  # a pair exchanges; four go round the ring
         shards = random_rows(p, (3,))
         gathered = per_device(
