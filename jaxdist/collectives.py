@@ -226,19 +226,20 @@ _WINDOW_ALIGNMENT = 16
 
 
 def _window_stride(size: int, count: int) -> int:
-    """Where the ``count`` windows of a buffer of ``size`` elements start: window ``k`` covers
-    ``[k * stride, k * stride + size - (count - 1) * stride)``, so the last one ends at
-    ``size``.
+    """Where the ``count`` windows of a buffer of ``size`` elements start: window ``k`` at
+    ``k * stride``, except the last, which ends at ``size`` (their length:
+    :func:`_window_length`).
 
     The ring schedules reduce windows instead of padded chunks. Windows are all as long, as
     ppermute needs, and the last one ends at ``size`` exactly, so no buffer is padded and
     no result is cut back: a pad and a cut each cost a pass over the data, and together they
     stopped XLA:CPU from writing the result over a donated input (the ring in place on 8 CPU
-    devices, 16 MiB + 4 bytes each, took 111 ms padded, 58 ms in windows, against 42 ms at
-    16 MiB; docs/performance.md, "Sizes that do not divide"). Consecutive windows overlap by
-    ``size - count * stride`` elements, which are summed twice; the all-gather writes each
-    window's first ``stride`` elements and only the last window whole, so every element of
-    the result comes from exactly one window and every device ends with the same bits.
+    devices, 16 MiB + 4 bytes each, took 111 ms padded against 42 ms at 16 MiB, and now as
+    long as at 16 MiB; docs/performance.md, "Sizes that do not divide"). Consecutive windows
+    overlap; the elements they share are summed twice, but the all-gather writes each
+    window's first ``stride`` elements and, of the last window, everything from
+    ``(count - 1) * stride`` on, so every element of the result comes from exactly one
+    window and every device ends with the same bits.
 
     The stride is rounded down to a multiple of ``_WINDOW_ALIGNMENT`` (the overlap grows by
     less than ``count * _WINDOW_ALIGNMENT`` elements): windows that started at odd offsets
@@ -249,6 +250,24 @@ def _window_stride(size: int, count: int) -> int:
         raise ValueError(f"{size} elements cannot be cut into {count} windows; pad first")
     stride = size // count
     return stride - stride % _WINDOW_ALIGNMENT if stride >= _WINDOW_ALIGNMENT else stride
+
+
+def _window_length(size: int, count: int, stride: int) -> int:
+    """How long the ``count`` windows starting ``stride`` apart are: long enough for the last to
+    reach ``size``, and, when the stride is aligned, rounded up to a multiple of
+    ``_WINDOW_ALIGNMENT``. The last window then starts ``shift`` elements early, at ``size -
+    length`` (:func:`_last_window_shift`). Windows of odd length cost XLA:CPU a fifth more
+    processor time (ring in place, 16 MiB + 4 bytes: 60 ms against 50 ms rounded up)."""
+    length = size - (count - 1) * stride
+    aligned = stride >= _WINDOW_ALIGNMENT and stride % _WINDOW_ALIGNMENT == 0
+    if aligned and length % _WINDOW_ALIGNMENT:
+        length = min(size, length - length % _WINDOW_ALIGNMENT + _WINDOW_ALIGNMENT)
+    return length
+
+
+def _last_window_shift(size: int, count: int, stride: int, length: int) -> int:
+    """How far before ``(count - 1) * stride`` the last window starts (it ends at ``size``)."""
+    return length - (size - (count - 1) * stride)
 
 
 def _windowed(flat: jax.Array, count: int) -> jax.Array:
@@ -283,11 +302,14 @@ def _ring_reduce_scatter(
     lanes = len(directions)
     if stride is None:
         stride = _window_stride(flat.size, lanes * p)
-    window = flat.size - (lanes * p - 1) * stride
+    window = _window_length(flat.size, lanes * p, stride)
     positions = [(d * i) % p for d in directions]
 
     def own(lane: int, index) -> jax.Array:
-        return lax.dynamic_slice_in_dim(flat, (lane * p + index % p) * stride, window)
+        start = jnp.minimum(
+            (lane * p + index % p) * stride, flat.size - window
+        )  # the last ends at the end
+        return lax.dynamic_slice_in_dim(flat, start, window)
 
     def step(s, partial_sums):
         return tuple(
@@ -306,17 +328,20 @@ def _ring_all_gather(
     wire: Wire,
     unroll_limit: int,
     size: int,
+    stride: int | None = None,
     into: jax.Array | None = None,
     divisor: int | None = None,
 ) -> jax.Array:
     """All-gather one flat shard per ring (ring ``k`` in direction ``directions[k]``): the
     windows that :func:`_ring_reduce_scatter` left, ring ``k``'s windows ``[k p, (k + 1) p)``
-    of a flat buffer of ``size`` elements, each divided by ``divisor`` when given.
+    of a flat buffer of ``size`` elements starting ``stride`` apart (default
+    :func:`_window_stride`), each divided by ``divisor`` when given.
 
     The device at ring position ``r`` owns window ``r`` of its ring. At step ``s`` every
     device forwards the window it received last and writes the arriving one, window
-    ``r - s - 1``, in place: its first ``stride`` elements, and the rest of the last window
-    (the elements past ``count * stride``) once all steps are done. Buffers stay flat on
+    ``r - s - 1``, in place: its ``stride`` elements from ``k * stride`` on (for the last
+    window, which starts early, from its ``shift``-th element), and the rest of the last
+    window (the elements past ``count * stride``) once all steps are done. Buffers stay flat on
     purpose: on a ``(p, m)`` view XLA:CPU fuses each update with a bitcast into a loop over
     the whole buffer instead of writing one chunk. The result is written over ``into`` when
     given (see :func:`all_gather`), except for several rings unrolled, which gather by
@@ -325,17 +350,26 @@ def _ring_all_gather(
     p = axis_size(axis_name)
     i = lax.axis_index(axis_name)
     lanes = len(directions)
-    # The windows' start follows from their length: the last one ends at ``size``.
-    stride, uneven = divmod(size - shards[0].size, lanes * p - 1)
-    overhang = size - lanes * p * stride  # the last window's elements past lanes * p * stride
-    if uneven or overhang < 0:
+    count = lanes * p
+    if stride is None:
+        stride = _window_stride(size, count)
+    if shards[0].size != _window_length(size, count, stride):
         raise ValueError(
-            f"all_gather: {lanes * p} windows of {shards[0].size} elements cannot end at {size}"
+            f"all_gather: {count} windows {stride} apart ending at {size} hold "
+            f"{_window_length(size, count, stride)} elements each, got {shards[0].size}"
         )
+    shift = _last_window_shift(size, count, stride, shards[0].size)
+    overhang = size - count * stride  # the last window's elements past count * stride
     positions = [(d * i) % p for d in directions]
 
+    def head(lane: int, index, block):
+        """The ``stride`` elements of ``block`` that go at its window's start."""
+        if shift and lane == lanes - 1:
+            return lax.dynamic_slice_in_dim(block, jnp.where(index % p == p - 1, shift, 0), stride)
+        return block[:stride]
+
     def place(gathered, lane: int, index, block):
-        block = _divided(block[:stride], divisor)  # fused into the write; the forwarded one is not
+        block = _divided(head(lane, index, block), divisor)  # fused into the write
         return lax.dynamic_update_slice_in_dim(gathered, block, (lane * p + index % p) * stride, 0)
 
     def last_overhang(kept, index, block):
@@ -346,7 +380,7 @@ def _ring_all_gather(
         16 MiB + 8 bytes: 50 ms that way, 40 ms with the cond, 38 ms at 16 MiB)."""
         if not overhang:
             return None
-        return lax.cond(index % p == p - 1, lambda: block[stride:], lambda: kept)
+        return lax.cond(index % p == p - 1, lambda: block[shift + stride :], lambda: kept)
 
     def step(s, carry):
         gathered, in_flight, kept = carry
@@ -366,12 +400,12 @@ def _ring_all_gather(
         # sent, not the blocks as they are concatenated, kept the mean as fast as the sum
         # (49-54 ms against 84 ms, 16 MiB per device).
         shards = tuple(_as_sent(_divided(block, divisor), wire) for block in shards)
-        return _gather_by_concatenation(shards, axis_name, directions, wire, stride)
+        return _gather_by_concatenation(shards, axis_name, directions, wire, stride, shift)
     shards = tuple(_as_sent(block, wire) for block in shards)
     gathered = jnp.zeros((size,), shards[0].dtype) if into is None else into
     for lane, (block, r) in enumerate(zip(shards, positions)):
         gathered = place(gathered, lane, r, block)
-    kept = last_overhang(jnp.zeros_like(shards[-1][stride:]), positions[-1], shards[-1])
+    kept = last_overhang(jnp.zeros_like(shards[-1][shift + stride :]), positions[-1], shards[-1])
     gathered, _, kept = _repeat(p - 1, step, (gathered, tuple(shards), kept), unroll_limit)
     if overhang:
         gathered = lax.dynamic_update_slice_in_dim(
@@ -386,12 +420,14 @@ def _gather_by_concatenation(
     directions: Sequence[int],
     wire: Wire,
     stride: int,
+    shift: int,
 ) -> jax.Array:
     """The unrolled all-gather: keep every block as it arrives, then write the result once.
 
     Block ``t`` of ring ``k`` (``t = 0`` the device's own, ``t = s + 1`` the one received at
     step ``s``) is window ``r_k - t`` of that ring, so window ``j`` is block ``(r_k - j) mod
-    p``. Each window contributes its first ``stride`` elements, the last one all of them.
+    p``. Each window contributes its first ``stride`` elements, the last one (which starts
+    ``shift`` elements early) all of its elements from the ``shift``-th on.
     The order depends on the device's position, so one ``lax.switch`` branch per position
     holds that position's static concatenation: the result is written in one pass, with no
     zero-fill and no copy of a still-live input to write over. The price is memory: all ``p``
@@ -409,9 +445,8 @@ def _gather_by_concatenation(
             for lane, d in enumerate(directions):
                 r = (d * index) % p
                 parts += [blocks[(r - j) % p][lane][:stride] for j in range(p)]
-            if blocks[0][-1].size > stride:  # the last window's overhang
-                r_last = (directions[-1] * index) % p
-                parts.append(blocks[(r_last - (p - 1)) % p][-1][stride:])
+            r_last = (directions[-1] * index) % p
+            parts[-1] = blocks[(r_last - (p - 1)) % p][-1][shift:]  # the last window, to the end
             return jnp.concatenate(parts)
 
         return ordered
@@ -469,7 +504,9 @@ def all_gather(
     shard = shard.reshape(-1)
     size = axis_size(axis_name) * shard.size
     wire = Wire(transfer_dtype, exchange_piece_bytes)
-    return _gather_windows(shard, axis_name, size, wire, unroll_limit, into=into, divisor=divisor)
+    return _gather_windows(
+        shard, axis_name, size, wire, unroll_limit, stride=shard.size, into=into, divisor=divisor
+    )
 
 
 def _gather_windows(
@@ -478,6 +515,7 @@ def _gather_windows(
     size: int,
     wire: Wire,
     unroll_limit: int,
+    stride: int | None = None,
     into: jax.Array | None = None,
     divisor: int | None = None,
 ) -> jax.Array:
@@ -488,28 +526,37 @@ def _gather_windows(
     if p == 1:
         return _divided(shard, divisor)
     if p == 2:
-        return _pair_all_gather(shard, axis_name, size, wire, divisor)
+        return _pair_all_gather(shard, axis_name, size, wire, stride, divisor)
     return _ring_all_gather(
-        [shard], axis_name, (1,), wire, unroll_limit, size, into=into, divisor=divisor
+        [shard], axis_name, (1,), wire, unroll_limit, size, stride, into=into, divisor=divisor
     )
 
 
 def _pair_all_gather(
-    shard: jax.Array, axis_name: AxisName, size: int, wire: Wire, divisor: int | None = None
+    shard: jax.Array,
+    axis_name: AxisName,
+    size: int,
+    wire: Wire,
+    stride: int | None = None,
+    divisor: int | None = None,
 ) -> jax.Array:
     """All-gather over two devices: one exchange, then both windows written in one pass (the
-    first one up to where the second starts, then the second one whole).
+    first one's ``stride`` elements, then the second one from its ``shift``-th element, where
+    the first one ends).
 
     Writing them over ``into`` would first copy ``into`` when it is still live (out of place)
     and then update it twice: on 8 CPU devices, 16 MiB per device, an all-gather over a
     2-device axis into its own input took 44 ms that way and 20-24 ms as this concatenation.
     """
+    if stride is None:
+        stride = _window_stride(size, 2)
+    shift = _last_window_shift(size, 2, stride, shard.size)
     theirs = _divided(_send(shard, axis_name, [(0, 1), (1, 0)], wire), divisor)
     mine = _divided(_as_sent(shard, wire), divisor)
     first = lax.axis_index(axis_name) == 0
     # One concatenation of two selects: XLA fuses it into a single loop over the result.
-    lower = jnp.where(first, mine, theirs)[: size - shard.size]  # the second window's start
-    return jnp.concatenate([lower, jnp.where(first, theirs, mine)])
+    lower = jnp.where(first, mine, theirs)[:stride]
+    return jnp.concatenate([lower, jnp.where(first, theirs, mine)[shift:]])
 
 
 def _cut(gathered: jax.Array, size: int) -> jax.Array:
