@@ -261,6 +261,7 @@ def _window_length(size: int, count: int, stride: int) -> int:
     length = size - (count - 1) * stride
     aligned = stride >= _WINDOW_ALIGNMENT and stride % _WINDOW_ALIGNMENT == 0
     if aligned and length % _WINDOW_ALIGNMENT:
+        # min: only one window (count 1) could pass the end; more start early instead.
         length = min(size, length - length % _WINDOW_ALIGNMENT + _WINDOW_ALIGNMENT)
     return length
 
