@@ -304,12 +304,13 @@ def _ring_reduce_scatter(
     if stride is None:
         stride = _window_stride(flat.size, lanes * p)
     window = _window_length(flat.size, lanes * p, stride)
+    shift = _last_window_shift(flat.size, lanes * p, stride, window)
     positions = [(d * i) % p for d in directions]
 
     def own(lane: int, index) -> jax.Array:
-        start = jnp.minimum(
-            (lane * p + index % p) * stride, flat.size - window
-        )  # the last ends at the end
+        start = (lane * p + index % p) * stride
+        if shift:  # the last window starts early enough to end at the buffer's end
+            start = jnp.minimum(start, flat.size - window)
         return lax.dynamic_slice_in_dim(flat, start, window)
 
     def step(s, partial_sums):
@@ -354,12 +355,13 @@ def _ring_all_gather(
     count = lanes * p
     if stride is None:
         stride = _window_stride(size, count)
-    if shards[0].size != _window_length(size, count, stride):
+    length = _window_length(size, count, stride)
+    if shards[0].size != length:
         raise ValueError(
             f"all_gather: {count} windows {stride} apart ending at {size} hold "
-            f"{_window_length(size, count, stride)} elements each, got {shards[0].size}"
+            f"{length} elements each, got {shards[0].size}"
         )
-    shift = _last_window_shift(size, count, stride, shards[0].size)
+    shift = _last_window_shift(size, count, stride, length)
     overhang = size - count * stride  # the last window's elements past count * stride
     positions = [(d * i) % p for d in directions]
 
@@ -410,7 +412,7 @@ def _ring_all_gather(
     gathered, _, kept = _repeat(p - 1, step, (gathered, tuple(shards), kept), unroll_limit)
     if overhang:
         gathered = lax.dynamic_update_slice_in_dim(
-            gathered, _divided(kept, divisor), lanes * p * stride, 0
+            gathered, _divided(kept, divisor), count * stride, 0
         )
     return gathered
 
@@ -526,6 +528,8 @@ def _gather_windows(
     p = axis_size(axis_name)
     if p == 1:
         return _divided(shard, divisor)
+    if stride is None:
+        stride = _window_stride(size, p)
     if p == 2:
         return _pair_all_gather(shard, axis_name, size, wire, stride, divisor)
     return _ring_all_gather(
@@ -538,7 +542,7 @@ def _pair_all_gather(
     axis_name: AxisName,
     size: int,
     wire: Wire,
-    stride: int | None = None,
+    stride: int,
     divisor: int | None = None,
 ) -> jax.Array:
     """All-gather over two devices: one exchange, then both windows written in one pass (the
@@ -549,8 +553,6 @@ def _pair_all_gather(
     and then update it twice: on 8 CPU devices, 16 MiB per device, an all-gather over a
     2-device axis into its own input took 44 ms that way and 20-24 ms as this concatenation.
     """
-    if stride is None:
-        stride = _window_stride(size, 2)
     shift = _last_window_shift(size, 2, stride, shard.size)
     theirs = _divided(_send(shard, axis_name, [(0, 1), (1, 0)], wire), divisor)
     mine = _divided(_as_sent(shard, wire), divisor)
