@@ -35,7 +35,7 @@ def main() -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdist import collectives, meshes, timing
+    from jaxdist import collectives, meshes
 
     p = args.devices
     n = args.mib * 2**20 // 4
@@ -77,11 +77,19 @@ def main() -> None:
     for fn in compiled.values():
         jax.block_until_ready(fn(x))
     runners = {name: (lambda fn=fn: fn(x)) for name, fn in compiled.items()}
-    times = timing.interleaved_rounds(runners, steps=1, rounds=args.rounds)
-    cpu = {name: processor_time(run, args.rounds) for name, run in runners.items()}
+    time_and_print(runners, args.rounds, f"{p} CPU devices, {args.mib} MiB per device")
+
+
+def time_and_print(runners: dict, rounds: int, what: str) -> None:
+    """Time ``runners`` in interleaved rounds, then each alone for its processor time, and
+    print one row per runner: median wall, mean user and system milliseconds per call."""
+    from jaxdist import timing
+
+    times = timing.interleaved_rounds(runners, steps=1, rounds=rounds)
+    cpu = {name: processor_time(run, rounds) for name, run in runners.items()}
     print(
-        f"# {p} CPU devices on {os.cpu_count()} cores, {args.mib} MiB per device; "
-        f"wall: median of {args.rounds} interleaved rounds; processor time: mean per call"
+        f"# {what} on {os.cpu_count()} cores; wall: median of {rounds} interleaved rounds; "
+        f"processor time: mean per call"
     )
     print(f"{'operation':<48s} {'wall ms':>8s} {'user ms':>8s} {'sys ms':>8s}")
     for name, ts in times.items():

@@ -34,12 +34,18 @@ def _launch(processes: int, *command: str) -> list[str]:
     return [*JAXDIST, "launch", "--processes", str(processes), "--timeout", "200", "--", *command]
 
 
+def _operation_rows(output: str) -> list[str]:
+    """The operation names of a table printed by ``cpu_primitives.time_and_print``, each
+    checked to have a positive wall time."""
+    rows = re.findall(r"^(.+?)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)$", output, re.MULTILINE)
+    assert all(float(wall) > 0 for _, wall, _, _ in rows), output
+    return [name.strip() for name, *_ in rows]
+
+
 def test_cpu_primitives_prints_every_operation():
     script = str(BENCHMARKS / "cpu_primitives.py")
     output = _run([sys.executable, script, "--devices", "4", "--mib", "1", "--rounds", "1"])
-    rows = re.findall(r"^(.+?)\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)$", output, re.MULTILINE)
-    names = [name.strip() for name, *_ in rows]
-    assert names == [
+    assert _operation_rows(output) == [
         "psum of 1 MiB",
         "one ppermute of 1 MiB",
         "3 chained ppermutes of 1/4 MiB",
@@ -49,7 +55,24 @@ def test_cpu_primitives_prints_every_operation():
         "ring reduce-scatter of 1 MiB (jaxdist)",
         "ring allreduce of 1 MiB (jaxdist)",
     ], output
-    assert all(float(wall) > 0 for _, wall, _, _ in rows), output
+
+
+def test_torus2d_phases_prints_the_schedule_and_its_phases():
+    script = str(BENCHMARKS / "torus2d_phases.py")
+    output = _run([sys.executable, script, "--mib", "1", "--rounds", "1"])
+    assert _operation_rows(output) == [
+        "pmean over both axes",
+        "ring mean over all 8",
+        "torus2d mean, (y, x): inner axis of 2",
+        "torus2d mean, (x, y): inner axis of 4",
+        "phase 1: reduce-scatter over x, 1 -> 0.5 MiB",
+        "phase 2: ring mean over y of 0.5 MiB",
+        "phase 3: all-gather over x, 0.5 -> 1 MiB",
+        "swap of a 0.5 MiB buffer",
+        "swap of the 0.5 MiB half of a buffer",
+        "add two 0.5 MiB halves",
+        "concatenate a 0.5 MiB buffer and its double",
+    ], output
 
 
 @pytest.mark.multiprocess
