@@ -78,42 +78,54 @@ class Wire(NamedTuple):
     two devices send to each other) sends at once; a larger one goes as consecutive pieces.
     ``"auto"`` picks :func:`default_exchange_piece_bytes` for the runtime, ``None`` never
     splits.
+    ``reverse_traffic``: the schedule's other steps send the other way over the same links
+    (the bidirectional ring), so every message is cut like an exchange (:func:`permute`).
     """
 
     dtype: Any = None
     exchange_piece_bytes: int | str | None = "auto"
+    reverse_traffic: bool = False
 
 
 # Measured on emulated 1 Gbit/s hosts (docs/multihost_performance.md, section 4.1): a 16 MiB
 # swap over gloo took 278 ms in one message and 145 ms in pieces of 256 KiB (512 KiB: 163 ms,
 # 128 KiB: 186 ms).
 GLOO_EXCHANGE_PIECE_BYTES = 256 << 10
+# The bidirectional ring's steps (each a ring step, on links that carry the other ring's
+# steps the other way): 512 KiB pieces were as fast as 256 KiB ones or faster in 8 of 9
+# comparisons on 4 and 8 emulated hosts, 16 and 64 MiB (same section).
+GLOO_REVERSE_TRAFFIC_PIECE_BYTES = 512 << 10
 # More pieces than this go in a fori_loop: unrolled, 32 pieces of a torus2d compiled in 2 s.
 _UNROLLED_PIECES = 4
 
 
-def default_exchange_piece_bytes() -> int | None:
-    """The piece size ``exchange_piece_bytes="auto"`` means in this runtime.
+def default_exchange_piece_bytes(reverse_traffic: bool = False) -> int | None:
+    """The piece size ``exchange_piece_bytes="auto"`` means in this runtime: for a pairwise
+    exchange, or with ``reverse_traffic`` for a step of a schedule whose other steps use the
+    same links the other way (:func:`permute`).
 
     Over gloo (CPU devices in several processes), a pairwise exchange sent as one message runs
     one direction after the other: XLA posts a ppermute's send before its receive, and gloo's
     TCP pair queues the later device's "ready to receive" notice behind its own payload, so
     the earlier device starts sending only when that payload has gone. Pieces small enough to
-    fit in the socket's send buffer let both directions flow at once. NCCL, ICI and the
-    in-process CPU runtime have no such queue: there one message is best (``None``).
+    fit in the socket's send buffer let both directions flow at once. A step of the
+    bidirectional ring, sent whole, can still be in its sender's socket buffer when the sender
+    starts its next step towards its other neighbour, and the two then share the host's link;
+    pieces keep each step's message from running that far ahead. NCCL, ICI and the in-process
+    CPU runtime have no such queue: there one message is best (``None``).
     """
     multi_process_cpu = jax.process_count() > 1 and jax.default_backend() == "cpu"
     if multi_process_cpu and jax.config.jax_cpu_collectives_implementation == "gloo":
-        return GLOO_EXCHANGE_PIECE_BYTES
+        return GLOO_REVERSE_TRAFFIC_PIECE_BYTES if reverse_traffic else GLOO_EXCHANGE_PIECE_BYTES
     return None
 
 
-def _piece_bytes(piece: int | str | None) -> int | None:
+def _piece_bytes(piece: int | str | None, reverse_traffic: bool = False) -> int | None:
     """An ``exchange_piece_bytes`` value checked and resolved: a byte count, or ``None``."""
     if piece is None:
         return None
     if isinstance(piece, str) and piece == "auto":
-        return default_exchange_piece_bytes()
+        return default_exchange_piece_bytes(reverse_traffic)
     return positive_int(piece, "exchange_piece_bytes", "a positive number of bytes, None or 'auto'")
 
 
@@ -129,17 +141,21 @@ def permute(
     perm: Sequence[tuple[int, int]],
     *,
     exchange_piece_bytes: int | str | None = "auto",
+    reverse_traffic: bool = False,
 ) -> jax.Array:
     """``lax.ppermute`` that sends a large *pairwise exchange* in pieces.
 
     When every device in ``perm`` sends to the device it receives from (a swap) and ``x`` is
     larger than ``exchange_piece_bytes``, the exchange runs as consecutive ppermutes of equal
     slices (see :func:`default_exchange_piece_bytes` for why); any other permutation is one
-    ppermute. The result is the same either way.
+    ppermute, unless ``reverse_traffic`` says that the links it uses carry messages the other
+    way in the neighbouring steps of the schedule (the bidirectional ring), which over gloo
+    costs the same as an exchange. The result is the same either way.
     """
     perm = [tuple(pair) for pair in perm]
-    piece = _piece_bytes(exchange_piece_bytes)
-    if piece is None or x.nbytes <= piece or not _is_pairwise_exchange(perm):
+    pairwise = _is_pairwise_exchange(perm)
+    piece = _piece_bytes(exchange_piece_bytes, reverse_traffic and not pairwise)
+    if piece is None or x.nbytes <= piece or not (pairwise or reverse_traffic):
         return lax.ppermute(x, axis_name, perm)
     flat = x.reshape(-1)
     per_piece = max(1, piece // x.dtype.itemsize)  # in elements, so no piece exceeds the bytes
@@ -170,7 +186,13 @@ def _send(x: jax.Array, axis_name: AxisName, perm: list[tuple[int, int]], wire: 
     optionally sent in a narrower dtype and widened again on arrival."""
     narrow = wire.dtype is not None and jnp.dtype(wire.dtype) != x.dtype
     sent = x.astype(wire.dtype) if narrow else x
-    received = permute(sent, axis_name, perm, exchange_piece_bytes=wire.exchange_piece_bytes)
+    received = permute(
+        sent,
+        axis_name,
+        perm,
+        exchange_piece_bytes=wire.exchange_piece_bytes,
+        reverse_traffic=wire.reverse_traffic,
+    )
     return received.astype(x.dtype) if narrow else received
 
 
@@ -619,7 +641,15 @@ def bidirectional_ring_allreduce(
     unroll_limit: int = UNROLL_LIMIT,
 ) -> jax.Array:
     """Two rings at once: the first half of the data goes clockwise, the second half
-    counter-clockwise, so both directions of every link carry traffic in each step."""
+    counter-clockwise, so both directions of every link carry traffic in each step.
+
+    Every link then carries messages both ways, as in an exchange, so where exchanges go in
+    pieces (``exchange_piece_bytes``; over gloo by default, 512 KiB for these steps) so do
+    this schedule's steps: sent whole, a step's message sat in the socket's buffer while its
+    sender went on to the next step, towards its other neighbour, and two messages shared one
+    host's link (4 emulated hosts, 16 MiB: median 342 ms whole, 253 ms in pieces;
+    docs/multihost_performance.md, section 4.1).
+    """
     p = axis_size(axis_name)
     if p <= 2:  # both directions reach the same neighbour: a plain ring is the same schedule
         return ring_allreduce(
@@ -632,7 +662,7 @@ def bidirectional_ring_allreduce(
         )
     directions = (1, -1)  # windows [0, p) go clockwise, windows [p, 2p) counter-clockwise
     buffer = _windowed(flat, 2 * p)
-    wire = Wire(transfer_dtype, exchange_piece_bytes)
+    wire = Wire(transfer_dtype, exchange_piece_bytes, reverse_traffic=True)
     shards = _ring_reduce_scatter(buffer, axis_name, directions, wire, unroll_limit)
     gathered = _ring_all_gather(
         shards, axis_name, directions, wire, unroll_limit, buffer.size, into=buffer, divisor=divisor
@@ -931,8 +961,9 @@ def allreduce(
       accumulate_dtype: dtype partial sums are kept in (e.g. ``jnp.float32`` for bf16 leaves);
         default: each leaf's own dtype.
       **options: schedule options: ``exchange_piece_bytes`` (every schedule; the largest
-        message a pairwise exchange sends at once, default ``"auto"``: see
-        :func:`default_exchange_piece_bytes`), ``unroll_limit`` (all ring-based schedules),
+        message a pairwise exchange, or a step of the bidirectional ring, sends at once,
+        default ``"auto"``: see :func:`default_exchange_piece_bytes`), ``unroll_limit`` (all
+        ring-based schedules),
         ``inter_algorithm`` (hierarchical), ``crossed_exchange`` (torus2d and hierarchical,
         default off; see :func:`_crossed_pair_sum`), ``server``
         (parameter_server).

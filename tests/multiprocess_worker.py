@@ -90,11 +90,14 @@ def _max_difference(found: list[np.ndarray], reference: list[np.ndarray]) -> flo
 
 
 def _check_exchanges_in_pieces(mesh, outer: int, inner: int) -> None:
-    """Schedules whose steps are pairwise exchanges, sent over gloo in pieces, against psum:
-    small pieces (a few, then a fori_loop of them) and, on a larger buffer, the "auto" size."""
+    """Schedules whose steps are pairwise exchanges, or bidirectional ring steps, sent over
+    gloo in pieces, against psum: small pieces (a few, then a fori_loop of them) and, on a
+    larger buffer, the "auto" size."""
     axes = ("outer", "inner")
     pair_axis = "outer" if outer == 2 else "inner" if inner == 2 else None
     cases = [("halving_doubling", axes)]  # every step exchanges (i XOR d)
+    if outer * inner >= 3:  # two rings, each link used both ways: every step goes in pieces
+        cases.append(("bidirectional_ring", axes))
     if pair_axis is not None:  # a ring of two, and torus2d's 2-device axis, are exchanges
         cases += [("ring", pair_axis), ("torus2d", axes)]
     for algorithm, axis_name in cases:
@@ -148,6 +151,11 @@ def check_allreduce(n: int = 1003) -> None:
     assert auto == collectives.GLOO_EXCHANGE_PIECE_BYTES, (
         f"expected exchanges over gloo in pieces of {collectives.GLOO_EXCHANGE_PIECE_BYTES} "
         f"bytes, found {auto}"
+    )
+    auto = collectives.default_exchange_piece_bytes(reverse_traffic=True)
+    assert auto == collectives.GLOO_REVERSE_TRAFFIC_PIECE_BYTES, (
+        f"expected bidirectional ring steps over gloo in pieces of "
+        f"{collectives.GLOO_REVERSE_TRAFFIC_PIECE_BYTES} bytes, found {auto}"
     )
 
 

@@ -34,6 +34,13 @@ def _launch(processes: int, *command: str) -> list[str]:
     return [*JAXDIST, "launch", "--processes", str(processes), "--timeout", "200", "--", *command]
 
 
+def _launched_json(tmp_path, processes: int, script: str, args: list[str]) -> dict:
+    """Run a benchmark script on ``processes`` local processes; the JSON it wrote."""
+    out = tmp_path / "result.json"
+    _run(_launch(processes, sys.executable, str(BENCHMARKS / script), *args, "--json", str(out)))
+    return json.loads(out.read_text())
+
+
 def _operation_rows(output: str) -> list[str]:
     """The operation names of a table printed by ``cpu_primitives.time_and_print``, each
     checked to have a positive wall time."""
@@ -77,22 +84,29 @@ def test_torus2d_phases_prints_the_schedule_and_its_phases():
 
 @pytest.mark.multiprocess
 def test_exchange_pieces_checks_its_data_across_processes(tmp_path):
-    out = tmp_path / "pieces.json"
-    script = str(BENCHMARKS / "exchange_pieces.py")
-    args = ["--mib", "1", "--pieces", "none,256K,100000", "--iters", "1", "--json", str(out)]
-    _run(_launch(2, sys.executable, script, *args))
-    result = json.loads(out.read_text())
+    args = ["--mib", "1", "--pieces", "none,256K,100000", "--iters", "1"]
+    result = _launched_json(tmp_path, 2, "exchange_pieces.py", args)
     assert result["devices"] == 2 and result["mib"] == 1
     assert [row["piece"] for row in result["rows"]] == ["none", "256K", "100000"]
     assert all(row["seconds"] > 0 for row in result["rows"]), result
 
 
 @pytest.mark.multiprocess
+def test_bidirectional_pieces_checks_every_variant_across_processes(tmp_path):
+    args = ["--mib", "1", "--pieces", "none,64K", "--rounds", "1"]
+    result = _launched_json(tmp_path, 3, "bidirectional_pieces.py", args)
+    assert result["devices"] == 3
+    assert [row["variant"] for row in result["rows"]] == [
+        "ring",
+        "bidirectional, pieces none",
+        "bidirectional, pieces 64K",
+    ]
+    assert all(row["median_s"] > 0 for row in result["rows"]), result
+
+
+@pytest.mark.multiprocess
 def test_ppermute_patterns_across_processes(tmp_path):
-    out = tmp_path / "patterns.json"
-    script = str(BENCHMARKS / "ppermute_patterns.py")
-    _run(_launch(2, sys.executable, script, "--sizes", "4K", "--iters", "1", "--json", str(out)))
-    result = json.loads(out.read_text())
+    result = _launched_json(tmp_path, 2, "ppermute_patterns.py", ["--sizes", "4K", "--iters", "1"])
     assert result["devices"] == 2 and result["processes"] == 2
     names = {row["pattern"] for row in result["rows"]}
     assert {"shift", "swap1", "shift_x4", "compute", "psum"} <= names, names

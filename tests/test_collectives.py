@@ -467,9 +467,12 @@ def test_all_gather_into_a_buffer_of_the_wrong_size_is_an_error():
 
 
 @pytest.mark.parametrize("piece", [8000, 256])  # a few pieces (unrolled), many (fori_loop)
-@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling", "torus2d", "hierarchical"])
+@pytest.mark.parametrize(
+    "algorithm", ["ring", "bidirectional_ring", "halving_doubling", "torus2d", "hierarchical"]
+)
 def test_exchanges_in_pieces_against_psum(algorithm, piece):
-    # 2-device axes make every ring step, and every halving-doubling step, a pairwise exchange.
+    # 2-device axes make every ring step, and every halving-doubling step, a pairwise exchange;
+    # the bidirectional ring cuts every step.
     for mesh in (meshes.ring(2), meshes.torus2d(2, 2), meshes.torus2d(4, 2)):
         if algorithm in collectives.TWO_LEVEL and len(mesh.axis_names) == 1:
             continue
@@ -485,7 +488,7 @@ def test_exchanges_in_pieces_against_psum(algorithm, piece):
         assert_allreduced(out, x)
 
 
-def test_pairwise_exchanges_are_cut_into_pieces_and_other_permutes_are_not():
+def test_exchanges_and_bidirectional_steps_are_cut_into_pieces_and_ring_steps_are_not():
     def count(mesh, axes, algorithm, piece, **options):
         def fn(v):
             return collectives.allreduce(v, axes, algorithm, exchange_piece_bytes=piece, **options)
@@ -499,6 +502,11 @@ def test_pairwise_exchanges_are_cut_into_pieces_and_other_permutes_are_not():
     assert count(ring4, "x", "halving_doubling", 1024) == 6
     # The ring's steps send to one neighbour and receive from the other: never split.
     assert count(ring4, "x", "ring", 1024) == count(ring4, "x", "ring", None) == 6
+    assert count(ring4, "x", "ring", 256) == 6
+    # The bidirectional ring's two rings use every link both ways, so its steps are cut like
+    # exchanges: 12 messages of 512 bytes, 2 pieces each.
+    assert count(ring4, "x", "bidirectional_ring", None) == 12
+    assert count(ring4, "x", "bidirectional_ring", 256) == 24
     # On one process (no gloo) "auto" keeps whole messages.
     assert collectives.default_exchange_piece_bytes() is None
     assert count(ring4, "x", "halving_doubling", "auto") == 4
