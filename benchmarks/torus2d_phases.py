@@ -10,6 +10,9 @@ input of the next), then the three phases of the first order on their own and th
 operations they are made of: a swap of half the buffer, the copy of the slice it sends, the
 addition, the final concatenation. Medians of interleaved rounds (``jaxdist.timing``), then
 the processor time per call of each, all threads, as in ``cpu_primitives.py``.
+Phase 2 runs as a mean, so that its chained donated calls keep their values bounded, and
+phase 3 without the division; in the schedule phase 2 is a sum and phase 3 divides as it
+writes, so the phases differ from it only in where one fused division happens.
 """
 
 from __future__ import annotations

@@ -261,7 +261,8 @@ def _window_stride(size: int, count: int) -> int:
     overlap; the elements they share are summed twice, but the all-gather writes each
     window's first ``stride`` elements and, of the last window, everything from
     ``(count - 1) * stride`` on, so every element of the result comes from exactly one
-    window and every device ends with the same bits.
+    window and every device ends with the same bits. (A gather by concatenation uses
+    :func:`_whole_window_stride` instead, where only the last window overlaps.)
 
     The stride is rounded down to a multiple of ``_WINDOW_ALIGNMENT`` (the overlap grows by
     less than ``count * _WINDOW_ALIGNMENT`` elements): windows that started at odd offsets
@@ -277,17 +278,20 @@ def _window_stride(size: int, count: int) -> int:
 def _window_length(size: int, count: int, stride: int) -> int:
     """How long the ``count`` windows starting ``stride`` apart are: long enough for the last to
     reach ``size``, and, when the stride is aligned, rounded up to a multiple of
-    ``_WINDOW_ALIGNMENT``. The last window then starts ``shift`` elements early, at ``size -
-    length`` (:func:`_last_window_shift`). Windows of odd length cost XLA:CPU a fifth more
-    processor time (ring in place, 16 MiB + 4 bytes: 60 ms against 50 ms rounded up)."""
+    ``_WINDOW_ALIGNMENT``; never shorter than the stride, which a stride from
+    :func:`_whole_window_stride` needs (its last window is a stride long as well). The last
+    window then starts ``shift`` elements early, at ``size - length``
+    (:func:`_last_window_shift`). Windows of odd length cost XLA:CPU a fifth more processor
+    time (ring in place, 16 MiB + 4 bytes: 60 ms against 50 ms rounded up)."""
     length = size - (count - 1) * stride
     aligned = stride >= _WINDOW_ALIGNMENT and stride % _WINDOW_ALIGNMENT == 0
     if aligned and length % _WINDOW_ALIGNMENT:
         # min: only one window (count 1) could pass the end; more start early instead.
         length = min(size, length - length % _WINDOW_ALIGNMENT + _WINDOW_ALIGNMENT)
-    # A stride from _whole_window_stride leaves less than a stride for the last window; it
-    # is a stride long too and starts early.
-    return max(length, stride)
+    length = max(length, stride)
+    if length > size or (count - 1) * stride > size:
+        raise ValueError(f"{count} windows {stride} apart do not fit in {size} elements")
+    return length
 
 
 def _whole_window_stride(size: int, count: int) -> int | None:
@@ -304,7 +308,7 @@ def _whole_window_stride(size: int, count: int) -> int | None:
     length = -(-size // count)
     if length >= _WINDOW_ALIGNMENT:
         length += -length % _WINDOW_ALIGNMENT
-    return length if (count - 1) * length <= size else None
+    return length if length <= size and (count - 1) * length <= size else None
 
 
 def _last_window_shift(size: int, count: int, stride: int, length: int) -> int:
@@ -333,7 +337,8 @@ def _ring_reduce_scatter(
 
     The buffer is cut into ``len(directions) * p`` windows starting ``stride`` elements apart
     (default :func:`_window_stride`; the public :func:`reduce_scatter` passes equal chunks
-    of a padded buffer); ring ``k`` (direction +1 or -1) works on windows
+    of a padded buffer, the unrolled bidirectional ring :func:`_whole_window_stride`); ring
+    ``k`` (direction +1 or -1) works on windows
     ``[k p, (k + 1) p)``. On a ring a device's position is ``r = direction * i mod p``. At
     step ``s`` it passes its running sum to the next position and adds its own copy of
     window ``r - s - 2`` to what it received; after ``p - 1`` steps it holds the full sum of
@@ -388,7 +393,8 @@ def _ring_all_gather(
     purpose: on a ``(p, m)`` view XLA:CPU fuses each update with a bitcast into a loop over
     the whole buffer instead of writing one chunk. The result is written over ``into`` when
     given (see :func:`all_gather`), except for several rings unrolled, which gather by
-    :func:`_gather_by_concatenation`.
+    :func:`_gather_by_concatenation`; only that form takes windows that overlap at the end
+    alone (a stride from :func:`_whole_window_stride`).
     """
     p = axis_size(axis_name)
     i = lax.axis_index(axis_name)
@@ -436,7 +442,7 @@ def _ring_all_gather(
 
     if into is not None and into.shape != (size,):
         raise ValueError(f"all_gather: `into` must have shape ({size},), got {into.shape}")
-    concatenate = lanes > 1 and p - 1 <= unroll_limit
+    concatenate = _gathers_by_concatenation(lanes, p, unroll_limit)
     if overhang < 0 and not concatenate:
         raise ValueError(
             f"all_gather: windows {stride} apart overlap only at the end here, which only a "
@@ -462,6 +468,12 @@ def _ring_all_gather(
             gathered, _divided(kept, divisor), count * stride, 0
         )
     return gathered
+
+
+def _gathers_by_concatenation(lanes: int, p: int, unroll_limit: int) -> bool:
+    """Whether :func:`_ring_all_gather` gathers ``lanes`` rings of ``p`` devices by one
+    concatenation (several rings, unrolled) rather than by writing over its input."""
+    return lanes > 1 and p - 1 <= unroll_limit
 
 
 def _gather_by_concatenation(
@@ -689,7 +701,8 @@ def bidirectional_ring_allreduce(
     buffer = _windowed(flat, 2 * p)
     wire = Wire(transfer_dtype, exchange_piece_bytes, reverse_traffic=True)
     # Unrolled, the all-gather concatenates whole blocks (see _whole_window_stride).
-    stride = _whole_window_stride(buffer.size, 2 * p) if p - 1 <= unroll_limit else None
+    concatenate = _gathers_by_concatenation(len(directions), p, unroll_limit)
+    stride = _whole_window_stride(buffer.size, 2 * p) if concatenate else None
     shards = _ring_reduce_scatter(buffer, axis_name, directions, wire, unroll_limit, stride)
     gathered = _ring_all_gather(
         shards,

@@ -95,13 +95,16 @@ def _check_exchanges_in_pieces(mesh, outer: int, inner: int) -> None:
     larger buffer, the "auto" size."""
     axes = ("outer", "inner")
     pair_axis = "outer" if outer == 2 else "inner" if inner == 2 else None
-    cases = [("halving_doubling", axes)]  # every step exchanges (i XOR d)
+    sizes = ((1003, 1024), (1003, 128), (200_000, "auto"))
+    cases = [("halving_doubling", axes, sizes)]  # every step exchanges (i XOR d)
     if outer * inner >= 3:  # two rings, each link used both ways: every step goes in pieces
-        cases.append(("bidirectional_ring", axes))
+        # Steps of n / 2p elements: 3 pieces, 8 (a fori_loop), and 4 of the 512 KiB "auto".
+        bidirectional_sizes = ((1003, 200), (1003, 64), (2 * outer * inner * 2**19, "auto"))
+        cases.append(("bidirectional_ring", axes, bidirectional_sizes))
     if pair_axis is not None:  # a ring of two, and torus2d's 2-device axis, are exchanges
-        cases += [("ring", pair_axis), ("torus2d", axes)]
-    for algorithm, axis_name in cases:
-        for n, piece in ((1003, 1024), (1003, 128), (200_000, "auto")):
+        cases += [("ring", pair_axis, sizes), ("torus2d", axes, sizes)]
+    for algorithm, axis_name, sizes in cases:
+        for n, piece in sizes:
             x, _ = _global_input(mesh, axes, n)
             reference = _local_rows(_run(mesh, axes, "native", axis_name, x))
             found = _local_rows(

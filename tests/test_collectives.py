@@ -369,9 +369,10 @@ def test_sizes_that_do_not_divide_are_not_padded(algorithm):
 
 def test_bidirectional_ring_concatenates_whole_blocks_at_sizes_that_do_not_divide():
     # Its unrolled all-gather concatenates the blocks. XLA:CPU turns a concatenation of
-    # slices into a slower loop (64 MiB + 4 bytes per device on 8 devices: 361 ms against
-    # 268 ms at 64 MiB), so the windows do not overlap but for the last, which is the one
-    # block that enters sliced: one slice per concatenation (one per ring position).
+    # slices into a slower loop (in place on 8 devices, 64 MiB + 4 bytes each: 376 ms
+    # against 243 ms at 64 MiB; docs/performance.md, "Sizes that do not divide"), so the
+    # windows do not overlap but for the last, which is the one block that enters sliced:
+    # one slice per concatenation (one per ring position).
     mesh = meshes.torus2d(4, 2)
     spec = P(("y", "x"))
     for count in (8 * 4096 + 3, 10007):
@@ -389,20 +390,44 @@ def test_bidirectional_ring_concatenates_whole_blocks_at_sizes_that_do_not_divid
 
 
 def test_whole_windows_fit_and_cover_the_buffer_once():
-    for count in range(1, 35):
+    # One window must be the whole buffer: rounded up it would not fit, so no stride.
+    assert collectives._whole_window_stride(17, 1) is None
+    assert collectives._whole_window_stride(32, 1) == 32
+    for count in range(2, 35):  # two rings of at least one device each
         for size in [*range(0, 700), 16 * count * (count - 1), 16 * count * (count - 1) - 1]:
             stride = collectives._whole_window_stride(size, count)
             if stride is None:
                 assert size < 16 * count * count, (size, count)  # only small buffers
                 continue
-            assert stride * count >= size and (count - 1) * stride <= size, (size, count)
-            assert stride < 16 or stride % 16 == 0, (size, count, stride)
             length = collectives._window_length(size, count, stride)
             shift = collectives._last_window_shift(size, count, stride, length)
-            # Windows 0 .. count - 2 whole, then the last from its shift-th element on.
-            covered = [k for w in range(count - 1) for k in range(w * stride, (w + 1) * stride)]
-            covered += list(range(size - length + shift, size))
-            assert length == stride and covered == list(range(size)), (size, count)
+            assert length == stride and (stride < 16 or stride % 16 == 0), (size, count)
+            # Where the reduce-scatter reads each window (the last one clamped to the end).
+            starts = [min(w * stride, size - length) for w in range(count)]
+            assert all(a >= 0 and a + length <= size for a in starts), (size, count, starts)
+            assert starts[:-1] == [w * stride for w in range(count - 1)], (size, count)
+            # What the concatenation takes: blocks 0 .. count - 2 whole, the last from `shift`.
+            covered = [a + k for a in starts[:-1] for k in range(length)]
+            covered += [starts[-1] + k for k in range(shift, length)]
+            assert covered == list(range(size)), (size, count)
+
+
+def test_a_ring_gather_refuses_windows_that_only_a_concatenation_takes():
+    # Windows that overlap only at the end leave the last one nothing past count * stride;
+    # the gather that writes over its input would slice past the block, so it refuses them.
+    mesh = meshes.ring(4)
+    size = 16 * 4 * 3 + 16 * 5  # 272 elements in 4 windows of 80, the last starting at 192
+    stride = collectives._whole_window_stride(size, 4)
+    assert stride == 80 and 4 * stride > size
+    wire = collectives.Wire()
+
+    def gather(v):
+        return collectives._ring_all_gather(
+            [v[:stride]], "x", (1,), wire, collectives.UNROLL_LIMIT, size, stride
+        )
+
+    with pytest.raises(ValueError, match="overlap only at the end"):
+        per_device(mesh, gather, random_rows(4, (size,)))
 
 
 def _full_size_instructions(mesh, algorithm, op, count):
@@ -504,7 +529,8 @@ def test_all_gather_into_a_buffer_of_the_wrong_size_is_an_error():
     np.testing.assert_array_equal(out[0], shards.reshape(-1))  # every element overwritten
 
 
-@pytest.mark.parametrize("piece", [8000, 256])  # a few pieces (unrolled), many (fori_loop)
+# A few pieces (unrolled), more (the bidirectional ring's 2,560-byte steps in 3), many (fori_loop).
+@pytest.mark.parametrize("piece", [8000, 1024, 256])
 @pytest.mark.parametrize(
     "algorithm", ["ring", "bidirectional_ring", "halving_doubling", "torus2d", "hierarchical"]
 )
@@ -572,12 +598,14 @@ def test_permute_matches_ppermute(dtype, piece):
     }
     for name, perm in perms.items():
         expected = per_device(mesh, lambda v, p=perm: jax.lax.ppermute(v, "x", p), x)
-        found = per_device(
-            mesh,
-            lambda v, p=perm: collectives.permute(v, "x", p, exchange_piece_bytes=piece),
-            x,
-        )
-        np.testing.assert_array_equal(found, expected, err_msg=f"{name}, pieces of {piece}")
+        for reverse_traffic in (False, True):  # True: a shift goes in pieces as well
+
+            def body(v, p=perm, r=reverse_traffic):
+                return collectives.permute(v, "x", p, exchange_piece_bytes=piece, reverse_traffic=r)
+
+            found = per_device(mesh, body, x)
+            message = f"{name}, pieces of {piece}, reverse_traffic={reverse_traffic}"
+            np.testing.assert_array_equal(found, expected, err_msg=message)
 
 
 def test_permute_in_pieces_of_a_replicated_input_under_vma_checks():
