@@ -29,27 +29,18 @@ def main() -> None:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ["JAX_PLATFORMS"] = "cpu"
 
-    import jax
     import jax.numpy as jnp
     import numpy as np
     from cpu_primitives import time_and_print
     from jax import lax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    from jaxdist import collectives, meshes, timing
+    from jaxdist import bench, collectives, meshes, timing
 
     mesh = meshes.build("torus-4x2")
-    axes = ("y", "x")
+    axes = tuple(mesh.axis_names)  # ("y", "x")
     n = args.mib * 2**20 // 4
     half = n // 2
     swap = [(0, 1), (1, 0)]
-
-    def per_device(body, donate=False):
-        mapped = jax.shard_map(
-            lambda v: body(v[0])[None], mesh=mesh, in_specs=P(axes), out_specs=P(axes)
-        )
-        return jax.jit(mapped, donate_argnums=(0,) if donate else ())
 
     mib, hmib = args.mib, args.mib / 2
     # name: (elements per device of the input, body, donated: the output feeds the next call)
@@ -98,16 +89,14 @@ def main() -> None:
             False,
         ),
     }
-    rng = np.random.default_rng(0)
-    sharding = NamedSharding(mesh, P(axes))
     inputs = {
-        size: jax.device_put(rng.standard_normal((8, size)).astype(np.float32), sharding)
+        size: bench.make_input(mesh, size, np.float32, seed=0)
         for size in {size for size, _, _ in operations.values()}
     }
     state = {}
     runners = {}
     for name, (size, body, donate) in operations.items():
-        fn = per_device(body, donate)
+        fn = bench.per_device(mesh, body, donate)
         if donate:
             state[name] = jnp.copy(inputs[size])
 
