@@ -92,8 +92,19 @@ class Result:
 
     def to_json(self) -> dict:
         out = asdict(self)
-        out["link"] = {"alpha_s": self.link.alpha, "beta_s_per_byte": self.link.beta}
+        out["link"] = {
+            "alpha_s": self.link.alpha,
+            "beta_s_per_byte": self.link.beta,
+            "ports": self.link.ports,
+        }
         return out
+
+
+def default_ports(platform: str) -> int:
+    """Messages a device can send at full rate at once, as the cost model assumes by default:
+    two on TPU (a separate ICI link to each ring neighbour), one elsewhere (one NIC per host,
+    one NVLink/NVSwitch port budget per GPU, or one memory bus for forced CPU devices)."""
+    return 2 if platform == "tpu" else 1
 
 
 def skip_reason(algorithm: str, mesh: Mesh) -> str | None:
@@ -166,6 +177,7 @@ def run(
     options: dict | None = None,
     in_place: bool = False,
     op: str = "sum",
+    ports: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Result:
     """Measure ``algorithms`` at each of ``sizes`` (bytes per device) on ``mesh``.
@@ -173,6 +185,8 @@ def run(
     Out of place (default) the input stays valid and the result goes to a new buffer; in place
     the input is donated, so a schedule may write its result over it (nccl-tests reports both).
     ``op="mean"`` times the mean (as a train step averages gradients) against ``pmean``.
+    ``ports`` is the fitted link's port count for the cost model (``None``:
+    :func:`default_ports` of the mesh's platform).
     """
     unknown = [a for a in algorithms if a not in collectives.ALGORITHMS]
     if unknown:
@@ -187,6 +201,8 @@ def run(
     # Two-level schedules read this as (outer, inner); the others as one flattened axis.
     flat_axes = names[0] if len(names) == 1 else names
     p = mesh.size
+    platform = mesh.devices.flat[0].platform
+    ports = default_ports(platform) if ports is None else ports
     say = progress or (lambda _msg: None)
     skipped = {a: r for a in algorithms if (r := skip_reason(a, mesh))}
     runnable = [a for a in algorithms if a not in skipped]
@@ -208,8 +224,11 @@ def run(
     for nbytes in fit_sizes:
         x = make_input(mesh, max(1, nbytes // dtype.itemsize), dtype, seed=nbytes)
         p2p_times.append(_timed(per_device(mesh, shift), x, warmup, iters, False)[1])
-    link = cost_model.fit("p2p", (p,), fit_sizes, p2p_times)
-    say(f"  point-to-point link: alpha {link.alpha * 1e6:.1f} us, {link.bandwidth / 1e9:.2f} GB/s")
+    link = cost_model.fit("p2p", (p,), fit_sizes, p2p_times, ports=ports)
+    say(
+        f"  point-to-point link: alpha {link.alpha * 1e6:.1f} us, "
+        f"{link.bandwidth / 1e9:.2f} GB/s, {link.ports} port(s)"
+    )
 
     psum_or_pmean = jax.lax.pmean if op == "mean" else jax.lax.psum
     measured: dict[tuple[int, str], tuple[float, float, float]] = {}
@@ -261,7 +280,7 @@ def run(
         mesh=mesh_name,
         axis_sizes=tuple(mesh.devices.shape),
         devices=p,
-        platform=mesh.devices.flat[0].platform,
+        platform=platform,
         dtype=str(dtype),
         in_place=in_place,
         op=op,
@@ -283,7 +302,7 @@ def format_table(result: Result) -> str:
         f"{result.devices} {result.platform} devices, dtype {result.dtype}, "
         f"{'in place (input donated)' if result.in_place else 'out of place'}",
         f"# fitted point-to-point link: alpha = {link.alpha * 1e6:.1f} us, "
-        f"beta = 1/({link.bandwidth / 1e9:.2f} GB/s)",
+        f"beta = 1/({link.bandwidth / 1e9:.2f} GB/s), {link.ports} port(s) per device",
         f"{'size':>8s} {'algorithm':<20s} {'time(us)':>11s} {'algbw(GB/s)':>11s} "
         f"{'busbw(GB/s)':>11s} {'x psum':>7s} {'max err':>9s} {'model(us)':>10s} {'compile(s)':>10s}",
     ]

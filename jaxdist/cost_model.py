@@ -3,10 +3,13 @@
 A message of ``S`` bytes over a link costs ``alpha + S * beta`` (latency plus bytes over
 bandwidth). Each schedule is described by its *terms*: for every class of link it uses
 (``"intra"``: inside a host / the inner mesh axis, ``"inter"``: between hosts / the outer axis),
-how many sequential message steps it takes and how many times ``S`` bytes each device sends
-over that class in sequence. Time is then::
+how many sequential message steps it takes, how many times ``S`` bytes each device sends over
+that class in all, and how many messages of a step could travel at once (its *lanes*: two for
+the bidirectional ring, one for the rest). A link class has ``ports``: how many messages a
+device can send at full rate at the same time over it. With ``c = min(lanes, ports)``
+concurrent messages, time is then::
 
-    sum over link classes of  steps * alpha[class] + volume * S * beta[class]
+    sum over terms of  steps * ceil(lanes / ports) * alpha[class] + volume * S * beta[class] / c
 
 The formulas (p devices, X inner x Y outer for the two-level schedules):
 
@@ -14,14 +17,20 @@ The formulas (p devices, X inner x Y outer for the two-level schedules):
 schedule               steps (alpha)               volume (x S beta)
 =====================  ==========================  ======================================
 ring                   2(p-1)                      2(p-1)/p
-bidirectional_ring     2(p-1)                      (p-1)/p    (half the data each way,
-                                                              full-duplex links)
+bidirectional_ring     2(p-1), two lanes           2(p-1)/p, half each way: (p-1)/p per
+                                                   lane when ports >= 2
 halving_doubling       2 log2 p                    2(p-1)/p
 parameter_server       2(p-1)                      2(p-1)     (the server's link)
 torus2d / hierarchical intra 2(X-1), inter 2(Y-1)  intra 2(X-1)/X, inter 2(Y-1)/(XY)
 ... crossed, Y = 2     intra 2X-1, inter 1         intra (2X-1)/X, inter 1/X
 native (psum)          modelled as ring: XLA/NCCL use rings for large messages
 =====================  ==========================  ======================================
+
+Ports decide what the bidirectional ring gains. With one port (one NIC per host, or devices
+that share one memory bus, as forced CPU devices do) its two rings take turns on the link: it
+costs a ring's bandwidth term and twice its message count. With two (a separate link to each
+ring neighbour: a TPU torus's ICI links, rings of point-to-point NVLink) both directions run
+at full rate at once and the bandwidth term halves.
 
 The crossed exchange (``collectives._crossed_pair_sum``, ``crossed_exchange=True`` on two hosts)
 runs the step between the hosts once instead of twice and adds one hop inside host 0.
@@ -47,10 +56,17 @@ from jaxdist.collectives import ALGORITHMS, option_default, uses_crossed_exchang
 
 @dataclass(frozen=True)
 class Link:
-    """One class of link: ``alpha`` seconds per message, ``beta`` seconds per byte."""
+    """One class of link: ``alpha`` seconds per message, ``beta`` seconds per byte, and
+    ``ports``, the number of messages a device can send at full rate at the same time (1: one
+    NIC or one memory bus for every destination; 2: a separate link to each ring neighbour)."""
 
     alpha: float
     beta: float
+    ports: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.ports, bool) or not isinstance(self.ports, int) or self.ports < 1:
+            raise ValueError(f"a link needs ports >= 1 (an integer), got {self.ports!r}")
 
     @property
     def bandwidth(self) -> float:
@@ -74,11 +90,19 @@ class Network:
 
 @dataclass(frozen=True)
 class Term:
-    """``steps`` sequential messages and ``volume * S`` bytes sent over ``link_class``."""
+    """``steps`` sequential steps of ``lanes`` messages each that could travel at once, and
+    ``volume * S`` bytes sent in all (over every lane) over ``link_class``."""
 
     link_class: str
     steps: float
     volume: float
+    lanes: int = 1
+
+    def cost_factors(self, ports: int) -> tuple[float, float]:
+        """(messages paid in sequence, multiple of ``S`` sent in sequence) on a link that
+        sends ``ports`` messages at once: the multipliers of ``alpha`` and ``S * beta``."""
+        concurrent = min(self.lanes, ports)
+        return self.steps * math.ceil(self.lanes / ports), self.volume / concurrent
 
 
 def _one_dimensional_terms(algorithm: str, p: int, link_class: str) -> list[Term]:
@@ -89,7 +113,8 @@ def _one_dimensional_terms(algorithm: str, p: int, link_class: str) -> list[Term
     if algorithm == "bidirectional_ring":
         if p <= 2:
             return [Term(link_class, 2 * (p - 1), 2 * (p - 1) / p)]
-        return [Term(link_class, 2 * (p - 1), (p - 1) / p)]
+        # Two rings, one each way round, each on half of the data.
+        return [Term(link_class, 2 * (p - 1), 2 * (p - 1) / p, lanes=2)]
     if algorithm == "halving_doubling":
         if p & (p - 1):
             raise ValueError(f"halving_doubling needs a power-of-two device count, got {p}")
@@ -126,7 +151,7 @@ def terms(
             return [*intra, Term("intra", 1, 1 / inner), Term("inter", 1, 1 / inner)]
         # The outer allreduce moves only 1/inner of the data.
         inter = [
-            Term(t.link_class, t.steps, t.volume / inner)
+            Term(t.link_class, t.steps, t.volume / inner, t.lanes)
             for t in _one_dimensional_terms(inter_alg, outer, "inter")
         ]
         return intra + inter
@@ -146,16 +171,14 @@ def predict(
     """Predicted seconds for an allreduce of ``nbytes`` bytes per device."""
     if isinstance(network, Link):
         network = Network(network)
-    return sum(
-        t.steps * network.link(t.link_class).alpha
-        + t.volume * nbytes * network.link(t.link_class).beta
-        for t in terms(
-            algorithm,
-            axis_sizes,
-            inter_algorithm=inter_algorithm,
-            crossed_exchange=crossed_exchange,
-        )
-    )
+    seconds = 0.0
+    for t in terms(
+        algorithm, axis_sizes, inter_algorithm=inter_algorithm, crossed_exchange=crossed_exchange
+    ):
+        link = network.link(t.link_class)
+        messages, volume = t.cost_factors(link.ports)
+        seconds += messages * link.alpha + volume * nbytes * link.beta
+    return seconds
 
 
 def fit(
@@ -165,12 +188,15 @@ def fit(
     seconds: Sequence[float],
     *,
     inter_algorithm: str = "ring",
+    ports: int = 1,
 ) -> Link:
     """Least-squares ``alpha, beta >= 0`` of one link class from measured times of one schedule.
 
     Use it on a point-to-point measurement (``algorithm="p2p"``: time = alpha + S beta) or on
-    any schedule whose terms all use the same class of link.
+    any schedule whose terms all use the same class of link; ``ports`` is the link's (it
+    decides how the bidirectional ring's two lanes are priced) and is kept in the result.
     """
+    Link(0.0, 0.0, ports)  # refuses a bad port count before any fitting
     nbytes = np.asarray(nbytes, dtype=np.float64)
     seconds = np.asarray(seconds, dtype=np.float64)
     if nbytes.shape != seconds.shape or nbytes.size < 2:
@@ -186,8 +212,9 @@ def fit(
             raise ValueError(
                 f"{algorithm} on {tuple(axis_sizes)} uses two link classes; fit each separately"
             )
-        steps = sum(t.steps for t in ts)
-        volume = sum(t.volume for t in ts)
+        factors = [t.cost_factors(ports) for t in ts]
+        steps = sum(messages for messages, _ in factors)
+        volume = sum(v for _, v in factors)
     design = np.stack([np.full_like(nbytes, steps), volume * nbytes], axis=1)
     # Relative least squares: small messages would otherwise carry no weight at all.
     weights = 1.0 / seconds
@@ -202,7 +229,7 @@ def fit(
         alpha = float(
             np.sum(weights**2 * design[:, 0] * seconds) / np.sum((weights * design[:, 0]) ** 2)
         )
-    return Link(alpha=float(alpha), beta=float(beta))
+    return Link(alpha=float(alpha), beta=float(beta), ports=ports)
 
 
 def bus_bandwidth(nbytes: float, seconds: float, num_devices: int) -> tuple[float, float]:

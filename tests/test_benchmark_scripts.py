@@ -132,6 +132,39 @@ def test_ring_timeline_run_under_strace_and_analyze(tmp_path):
         assert len(re.findall(r"\bS\d", line)) == 6 and len(re.findall(r"\bR\d", line)) == 6, line
 
 
+def test_model_check_reprices_stored_results(tmp_path):
+    from jaxdist import cost_model
+
+    # A result measured exactly at the one-port model's times.
+    link = cost_model.Link(alpha=1e-4, beta=1e-9)
+    sizes, algorithms = (2**20, 2**24), ("ring", "bidirectional_ring")
+    rows = [
+        {"algorithm": a, "nbytes": s, "seconds": cost_model.predict(a, s, (8,), link)}
+        for s in sizes
+        for a in algorithms
+    ]
+    result = {"mesh": "ring-8", "axis_sizes": [8], "rows": rows,
+              "link": {"alpha_s": link.alpha, "beta_s_per_byte": link.beta}}  # fmt: skip
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(result))
+    script = str(BENCHMARKS / "model_check.py")
+    output = _run([sys.executable, script, str(path), "--ports", "1,2"])
+    cells = {
+        (name, int(ports)): [float(c) for c in rest.split()]
+        for name, ports, rest in re.findall(r"^(\w+)\s+(\d)\s+([\d. ]+)$", output, re.M)
+    }
+    assert cells[("ring", 1)] == cells[("ring", 2)] == [1.0, 1.0], output
+    assert cells[("bidirectional_ring", 1)] == [1.0, 1.0], output
+    # Two ports halve both of its terms: the same times are twice the prediction.
+    assert cells[("bidirectional_ring", 2)] == [2.0, 2.0], output
+    # The stored results (written before the port count was recorded) still read.
+    stored = str(BENCHMARKS / "results" / "hosts4_1gbit_in_place.json")
+    assert "bidirectional_ring" in _run([sys.executable, script, stored, "--ports", "1"])
+    proc = subprocess.run([sys.executable, script, str(path), "--ports", "0"],
+                          env=clean_env(), cwd=REPO, capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and "a link needs ports >= 1" in proc.stderr, proc.stderr
+
+
 def test_ps_vs_ring_plot_draws_the_stored_results(tmp_path):
     out = tmp_path / "ps_vs_ring.png"
     _run([sys.executable, str(BENCHMARKS / "ps_vs_ring.py"), "plot", "--out", str(out)])

@@ -17,7 +17,6 @@ S = 64 * 2**20
     [
         ("ring", (8,), 14, 2 * 7 / 8),
         ("native", (8,), 14, 2 * 7 / 8),
-        ("bidirectional_ring", (8,), 14, 7 / 8),
         ("halving_doubling", (8,), 6, 2 * 7 / 8),
         ("parameter_server", (8,), 14, 14),
         # 2-D torus: 2(X+Y-2) steps and 2(XY-1)/(XY) volume (REFERENCE §5)
@@ -32,6 +31,41 @@ def test_terms_match_the_reference_formulas(algorithm, sizes, steps, volume):
     assert sum(t.volume for t in terms) == pytest.approx(volume)
     expected = steps * LINK.alpha + volume * S * LINK.beta
     assert cost_model.predict(algorithm, S, sizes, LINK) == pytest.approx(expected)
+
+
+def test_bidirectional_ring_gains_only_where_a_device_has_two_ports():
+    (term,) = cost_model.terms("bidirectional_ring", (8,))
+    assert (term.steps, term.volume, term.lanes) == (14, 2 * 7 / 8, 2)
+    ring = cost_model.predict("ring", S, (8,), LINK)
+    # One port (one NIC, one memory bus): the two rings take turns, so the ring's bytes and
+    # twice its messages.
+    one_port = cost_model.predict("bidirectional_ring", S, (8,), LINK)
+    assert one_port == pytest.approx(28 * LINK.alpha + 2 * 7 / 8 * S * LINK.beta)
+    assert one_port == pytest.approx(ring + 14 * LINK.alpha)
+    # A link to each neighbour: both directions at full rate, half the bandwidth term.
+    two_ports = cost_model.Link(LINK.alpha, LINK.beta, ports=2)
+    both = cost_model.predict("bidirectional_ring", S, (8,), two_ports)
+    assert both == pytest.approx(14 * LINK.alpha + 7 / 8 * S * LINK.beta)
+    assert cost_model.predict("ring", S, (8,), two_ports) == pytest.approx(ring)  # one lane
+    # On two devices both directions lead to the same neighbour: the schedule is a ring.
+    for link in (LINK, two_ports):
+        assert cost_model.predict("bidirectional_ring", S, (2,), link) == pytest.approx(
+            cost_model.predict("ring", S, (2,), link)
+        )
+    # Between hosts, as hierarchical's outer schedule, on 1/inner of the data.
+    net = cost_model.Network(intra=LINK, inter=two_ports)
+    outer = cost_model.predict(
+        "hierarchical", S, (4, 2), net, inter_algorithm="bidirectional_ring"
+    ) - cost_model.predict("ring", S, (2,), LINK)
+    assert outer == pytest.approx(6 * LINK.alpha + 3 / 4 * (S / 2) * LINK.beta)
+
+
+def test_link_ports_must_be_a_positive_integer():
+    for ports in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"a link needs ports >= 1 \(an integer\)"):
+            cost_model.Link(1e-6, 1e-9, ports=ports)
+    with pytest.raises(ValueError, match="ports >= 1"):
+        cost_model.fit("p2p", (), [1, 2], [1.0, 2.0], ports=0)
 
 
 def test_parameter_server_grows_linearly_and_ring_stays_flat():
@@ -72,6 +106,14 @@ def test_fit_recovers_alpha_and_beta():
     assert fitted.beta == pytest.approx(LINK.beta, rel=1e-6)
     p2p = cost_model.fit("p2p", (), sizes, [LINK.alpha + s * LINK.beta for s in sizes])
     assert p2p.bandwidth == pytest.approx(10e9, rel=1e-6)
+    # The bidirectional ring's times are read with the link's port count.
+    for ports in (1, 2):
+        link = cost_model.Link(LINK.alpha, LINK.beta, ports=ports)
+        times = [cost_model.predict("bidirectional_ring", s, (8,), link) for s in sizes]
+        fitted = cost_model.fit("bidirectional_ring", (8,), sizes, times, ports=ports)
+        assert fitted == cost_model.Link(
+            pytest.approx(LINK.alpha, rel=1e-6), pytest.approx(LINK.beta, rel=1e-6), ports
+        )
 
 
 def test_fit_and_terms_errors():
@@ -127,6 +169,7 @@ def test_bench_cli_checks_every_algorithm_against_psum(tmp_path, capsys):
         if row["algorithm"] == "native":
             assert row["vs_psum"] == 1.0
     assert result["link"]["alpha_s"] >= 0 and result["link"]["beta_s_per_byte"] >= 0
+    assert result["link"]["ports"] == 1  # forced CPU devices share one memory bus
     assert "busbw(GB/s)" in table and "torus2d" in table
     assert out_png.stat().st_size > 1000
 
@@ -155,6 +198,31 @@ def test_bench_in_place_donates_and_stays_correct(tmp_path):
     result = json.loads(out_json.read_text())
     assert result["in_place"] is True
     assert all(row["max_error"] < 1e-4 for row in result["rows"])
+
+
+def test_bench_prices_the_bidirectional_ring_with_the_ports_asked_for(tmp_path, capsys):
+    assert bench.default_ports("tpu") == 2
+    assert bench.default_ports("cpu") == bench.default_ports("gpu") == 1
+    predicted = {}
+    for ports in (1, 2):
+        out_json = tmp_path / f"ports{ports}.json"
+        argv = ["bench", "allreduce", "--mesh", "ring-8", "--sizes", "1M", "--iters", "1",
+                "--algorithms", "ring,bidirectional_ring", "--link-ports", str(ports), "--quiet",
+                "--json", str(out_json)]  # fmt: skip
+        assert main(argv) == 0
+        assert f"{ports} port(s) per device" in capsys.readouterr().out
+        result = json.loads(out_json.read_text())
+        assert result["link"]["ports"] == ports
+        link = cost_model.Link(result["link"]["alpha_s"], result["link"]["beta_s_per_byte"], ports)
+        for row in result["rows"]:
+            expected = cost_model.predict(row["algorithm"], row["nbytes"], (8,), link)
+            assert row["predicted_seconds"] == pytest.approx(expected)
+            predicted[ports, row["algorithm"]] = row["predicted_seconds"]
+    # One port: the bidirectional ring is priced above the ring (more messages, same bytes).
+    assert predicted[1, "bidirectional_ring"] > predicted[1, "ring"]
+    argv = ["bench", "allreduce", "--mesh", "ring-8", "--link-ports", "0"]
+    assert main(argv) == 2
+    assert "--link-ports must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_bench_times_the_mean_against_pmean(tmp_path, capsys):

@@ -62,6 +62,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="reduce with a sum (default) or a mean, as a train step averages gradients; the "
         "mean is checked and timed against pmean",
     )
+    p.add_argument(
+        "--link-ports",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cost model: messages a device sends at full rate at once (1: one NIC or memory "
+        "bus; 2: a link to each ring neighbour); default 2 on TPU, 1 elsewhere",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", metavar="PATH", help="write the table as JSON")
@@ -160,6 +168,8 @@ def run_allreduce(args: argparse.Namespace) -> int:
         algorithms, spec, mesh = _algorithms_and_mesh(args.algorithms, args.mesh)
         sizes = bench.parse_sizes(args.sizes, args.factor)
         exchange_piece = _exchange_piece(args.exchange_piece)
+        if args.link_ports is not None and args.link_ports < 1:
+            raise ValueError(f"--link-ports must be at least 1, got {args.link_ports}")
     except ValueError as err:
         print(f"jaxdist bench: {err}", file=sys.stderr)
         return 2
@@ -182,6 +192,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
         options=options,
         in_place=args.in_place,
         op=args.op,
+        ports=args.link_ports,
         progress=_leader_printer(not args.quiet),
     )
     if jax.process_index() == 0:

@@ -1,0 +1,78 @@
+"""How far stored `jaxdist bench allreduce` results are from the cost model's prediction.
+
+Reprices every row of one or more ``--json`` files with the link fitted in that run (its
+``alpha`` and ``beta``) and the port count asked for, and prints measured time over predicted
+time per algorithm and size, so a change to the model can be checked against measurements
+already taken::
+
+    python benchmarks/model_check.py benchmarks/results/allreduce_cpu_torus-4x2_in_place.json \\
+        --ports 1,2 --algorithms ring,bidirectional_ring
+
+Files written before the bench recorded the port count (all of them assumed two for the
+bidirectional ring) are priced with each port count asked for just the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from jaxdist import bench, cost_model
+
+
+def ratios(result: dict, ports: int) -> dict[tuple[str, int], float]:
+    """(algorithm, bytes) -> measured seconds over the model's seconds with ``ports``."""
+    link = cost_model.Link(result["link"]["alpha_s"], result["link"]["beta_s_per_byte"], ports)
+    options = result.get("options", {})
+    out = {}
+    for row in result["rows"]:
+        predicted = cost_model.predict(
+            row["algorithm"],
+            row["nbytes"],
+            tuple(result["axis_sizes"]),
+            link,
+            inter_algorithm=options.get("inter_algorithm", "ring"),
+            crossed_exchange=options.get("crossed_exchange"),
+        )
+        out[row["algorithm"], row["nbytes"]] = row["seconds"] / predicted
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="+", type=Path, help="JSON files written by bench --json")
+    parser.add_argument("--ports", default="1,2", help="port counts to price with (default 1,2)")
+    parser.add_argument("--algorithms", default="all", help="comma-separated names or 'all'")
+    args = parser.parse_args(argv)
+    try:
+        port_counts = [int(p) for p in args.ports.split(",")]
+        for ports in port_counts:
+            cost_model.Link(0.0, 0.0, ports)
+    except ValueError as err:
+        print(f"model_check: --ports {args.ports!r}: {err}", file=sys.stderr)
+        return 2
+    wanted = None if args.algorithms == "all" else set(args.algorithms.split(","))
+    for path in args.files:
+        result = json.loads(path.read_text())
+        sizes = sorted({row["nbytes"] for row in result["rows"]})
+        print(f"# {path.name}: mesh {result['mesh']} {tuple(result['axis_sizes'])}, "
+              f"measured / predicted")  # fmt: skip
+        print(f"{'algorithm':<20s} {'ports':>5s} " + " ".join(
+            f"{bench.format_size(s):>7s}" for s in sizes
+        ))  # fmt: skip
+        by_ports = {ports: ratios(result, ports) for ports in port_counts}
+        for algorithm in dict.fromkeys(row["algorithm"] for row in result["rows"]):
+            if wanted is not None and algorithm not in wanted:
+                continue
+            for ports, table in by_ports.items():
+                cells = [table.get((algorithm, s)) for s in sizes]
+                print(f"{algorithm:<20s} {ports:>5d} " + " ".join(
+                    f"{c:7.2f}" if c is not None else f"{'-':>7s}" for c in cells
+                ))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
