@@ -109,11 +109,7 @@ def default_ports(platform: str) -> int:
 
 def skip_reason(algorithm: str, mesh: Mesh) -> str | None:
     """Why ``algorithm`` cannot run on ``mesh``, or None."""
-    if algorithm in collectives.TWO_LEVEL and len(mesh.axis_names) != 2:
-        return f"needs a 2-axis mesh, got axes {tuple(mesh.axis_names)}"
-    if algorithm == "halving_doubling" and mesh.size & (mesh.size - 1):
-        return f"needs a power-of-two device count, got {mesh.size}"
-    return None
+    return cost_model.unsupported(algorithm, mesh.devices.shape)
 
 
 def _timed(fn: Callable, arg, warmup: int, iters: int, in_place: bool) -> tuple[float, float]:

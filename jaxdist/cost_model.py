@@ -40,18 +40,21 @@ bandwidth term as a flat ring with far fewer latency steps. A one-dimensional sc
 spans a two-axis mesh runs every step over the slowest link it crosses, so it is priced on
 ``"inter"``.
 
-:func:`fit` recovers ``alpha`` and ``beta`` from measured times by least squares.
+:func:`fit` recovers ``alpha`` and ``beta`` from measured times by least squares;
+:func:`predict_all` prices every schedule on a mesh of any size (a planning preset included)
+and :func:`parse_link` reads a link written as ``"5us:12.5GB/s"``.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from jaxdist.collectives import ALGORITHMS, option_default, uses_crossed_exchange
+from jaxdist.collectives import ALGORITHMS, TWO_LEVEL, option_default, uses_crossed_exchange
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,49 @@ class Term:
         sends ``ports`` messages at once: the multipliers of ``alpha`` and ``S * beta``."""
         concurrent = min(self.lanes, ports)
         return self.steps * math.ceil(self.lanes / ports), self.volume / concurrent
+
+
+_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_BYTES_PER_SECOND = {
+    "b/s": 1.0, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
+    "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "mbit/s": 1e6 / 8, "gbit/s": 1e9 / 8, "tbit/s": 1e12 / 8,
+    "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
+}  # fmt: skip
+_NUMBER = r"(\d+(?:\.\d*)?(?:e[+-]?\d+)?|\.\d+(?:e[+-]?\d+)?)"
+
+
+def parse_link(text: str, ports: int = 1) -> Link:
+    """A link written as ``LATENCY:BANDWIDTH``, e.g. ``"5us:12.5GB/s"`` or ``"100us:1gbit"``.
+
+    Latency in ``s``, ``ms``, ``us`` or ``ns``; bandwidth in bytes (``B/s``, ``KB/s``, ``MB/s``,
+    ``GB/s``, ``TB/s``, decimal as network rates are) or bits (``Mbit/s``, ``Gbit/s``, also
+    written ``mbit``, ``gbit`` as ``tc`` does), per direction of one link.
+    """
+    latency, sep, rate = text.partition(":")
+    alpha = re.fullmatch(_NUMBER + r"\s*(s|ms|us|µs|ns)", latency.strip().lower())
+    bandwidth = re.fullmatch(_NUMBER + r"\s*([a-z/]+)", rate.strip().lower())
+    if not sep or not alpha or not bandwidth or bandwidth.group(2) not in _BYTES_PER_SECOND:
+        raise ValueError(
+            f"a link is LATENCY:BANDWIDTH, e.g. '5us:12.5GB/s' or '100us:1gbit' (latency in "
+            f"s, ms, us or ns; bandwidth in B/s, KB/s, MB/s, GB/s, TB/s or Mbit/s, Gbit/s), "
+            f"got {text!r}"
+        )
+    bytes_per_second = float(bandwidth.group(1)) * _BYTES_PER_SECOND[bandwidth.group(2)]
+    if bytes_per_second <= 0:
+        raise ValueError(f"a link's bandwidth must be positive, got {text!r}")
+    return Link(float(alpha.group(1)) * _SECONDS[alpha.group(2)], 1 / bytes_per_second, ports)
+
+
+def unsupported(algorithm: str, axis_sizes: Sequence[int]) -> str | None:
+    """Why ``algorithm`` cannot run on a mesh with ``axis_sizes``, or None."""
+    if algorithm not in ALGORITHMS:
+        return f"unknown allreduce algorithm {algorithm!r}; expected one of {ALGORITHMS}"
+    if algorithm in TWO_LEVEL and len(axis_sizes) != 2:
+        return f"needs a 2-axis mesh, got axis sizes {tuple(axis_sizes)}"
+    p = math.prod(axis_sizes)
+    if algorithm == "halving_doubling" and p & (p - 1):
+        return f"needs a power-of-two device count, got {p}"
+    return None
 
 
 def _one_dimensional_terms(algorithm: str, p: int, link_class: str) -> list[Term]:
@@ -179,6 +225,31 @@ def predict(
         messages, volume = t.cost_factors(link.ports)
         seconds += messages * link.alpha + volume * nbytes * link.beta
     return seconds
+
+
+def predict_all(
+    nbytes: float,
+    axis_sizes: Sequence[int],
+    network: Network | Link,
+    algorithms: Sequence[str] = ALGORITHMS,
+    *,
+    inter_algorithm: str = "ring",
+    crossed_exchange: bool | None = None,
+) -> dict[str, float | str]:
+    """Each of ``algorithms``: its predicted seconds for ``nbytes`` per device, or the reason
+    it cannot run on ``axis_sizes`` (see :func:`unsupported`)."""
+    out: dict[str, float | str] = {}
+    for algorithm in algorithms:
+        reason = unsupported(algorithm, axis_sizes)
+        out[algorithm] = reason or predict(
+            algorithm,
+            nbytes,
+            axis_sizes,
+            network,
+            inter_algorithm=inter_algorithm,
+            crossed_exchange=crossed_exchange,
+        )
+    return out
 
 
 def fit(

@@ -127,6 +127,44 @@ def test_fit_and_terms_errors():
         cost_model.terms("tree", (8,))
 
 
+@pytest.mark.parametrize(
+    ("text", "alpha", "bytes_per_second"),
+    [
+        ("5us:12.5GB/s", 5e-6, 12.5e9),
+        ("100us:1gbit", 100e-6, 125e6),
+        ("0.5 ms : 400 Mbit/s", 0.5e-3, 50e6),
+        ("2e-6s:3.2e11B/s", 2e-6, 3.2e11),
+        ("10ns:1TB/s", 10e-9, 1e12),
+    ],
+)
+def test_parse_link_reads_latency_and_bandwidth(text, alpha, bytes_per_second):
+    link = cost_model.parse_link(text, ports=2)
+    assert link.alpha == pytest.approx(alpha)
+    assert link.bandwidth == pytest.approx(bytes_per_second)
+    assert link.ports == 2
+
+
+@pytest.mark.parametrize("text", ["5us", "5:12.5GB/s", "5us:12.5", "5us:12.5GiB/s", "fast:slow"])
+def test_parse_link_rejects_what_it_cannot_read(text):
+    with pytest.raises(ValueError, match=rf"a link is LATENCY:BANDWIDTH.*got '{text}'"):
+        cost_model.parse_link(text)
+    with pytest.raises(ValueError, match="bandwidth must be positive"):
+        cost_model.parse_link("5us:0GB/s")
+
+
+def test_predict_all_prices_what_runs_and_says_why_the_rest_cannot():
+    link = cost_model.Link(5e-6, 1 / 12.5e9)
+    flat = cost_model.predict_all(S, (6,), link)
+    assert flat["ring"] == pytest.approx(cost_model.predict("ring", S, (6,), link))
+    assert flat["halving_doubling"] == "needs a power-of-two device count, got 6"
+    assert flat["torus2d"] == flat["hierarchical"] == "needs a 2-axis mesh, got axis sizes (6,)"
+    # Mikami et al.'s scale: 3456 devices as 48 x 72. The torus needs 2(X + Y - 2) = 236
+    # messages where a flat ring needs 2(p - 1) = 6910, for the same bytes.
+    torus = cost_model.predict_all(S, (48, 72), link, ("ring", "torus2d"))
+    assert torus["ring"] - torus["torus2d"] == pytest.approx((6910 - 236) * link.alpha)
+    assert cost_model.unsupported("tree", (8,)).startswith("unknown allreduce algorithm 'tree'")
+
+
 def test_bus_bandwidth_follows_nccl_tests():
     algbw, busbw = cost_model.bus_bandwidth(8e6, 1e-3, 8)
     assert algbw == pytest.approx(8e9)

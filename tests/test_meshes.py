@@ -1,10 +1,12 @@
 """Mesh specs, presets, builders and the `jaxdist mesh` command."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
 
-from jaxdist import meshes
+from jaxdist import cost_model, meshes
 from jaxdist.cli import main
 
 REQUIRED_PRESETS = ("ring-8", "torus-4x2", "torus-2x4", "hierarchical-2x4")
@@ -118,3 +120,52 @@ def test_mesh_show_fails_clearly_for_a_mesh_that_does_not_fit(capsys):
     assert "256 devices" in captured.out
     assert "does not fit: 8 device(s) present" in captured.err
     assert main(["mesh", "show", "no-such-mesh"]) == 2
+
+
+def test_mesh_cost_prices_a_planning_preset_without_its_devices(capsys):
+    argv = ["mesh", "cost", "abci-torus-3456", "--bytes", "1M,100M", "--link", "5us:12.5GB/s"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "3456 devices" in out and "alpha 5 us, 12.5 GB/s, 1 port(s)" in out
+    rows = {
+        (size, name): (float(us), float(best))
+        for size, name, us, _, _, best in re.findall(
+            r"^\s+(\d+M) (\w+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M
+        )
+    }
+    link = cost_model.parse_link("5us:12.5GB/s")
+    for size, nbytes in (("1M", 2**20), ("100M", 100 * 2**20)):
+        expected = cost_model.predict("torus2d", nbytes, (48, 72), link)
+        assert rows[size, "torus2d"][0] == pytest.approx(expected * 1e6, abs=0.1)
+        assert rows[size, "torus2d"][1] == 1.0  # the torus is the fastest here
+        assert rows[size, "ring"][1] > 1.0
+    assert "# skipped halving_doubling: needs a power-of-two device count, got 3456" in out
+
+
+def test_mesh_cost_uses_the_inner_link_for_the_inner_axis_only(capsys):
+    argv = ["mesh", "cost", "dgx-h100-32x8", "--bytes", "64M", "--algorithms", "ring,hierarchical",
+            "--link", "5us:50GB/s", "--inner-link", "2us:450GB/s"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "inner axis 'local': alpha 2 us, 450 GB/s" in out
+    net = cost_model.Network(
+        intra=cost_model.parse_link("2us:450GB/s"), inter=cost_model.parse_link("5us:50GB/s")
+    )
+    for name in ("ring", "hierarchical"):
+        expected = cost_model.predict(name, 64 * 2**20, (32, 8), net) * 1e6
+        (line,) = [line for line in out.splitlines() if f" {name} " in line]
+        assert float(line.split()[2]) == pytest.approx(expected, abs=0.1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--link", "fast"], "a link is LATENCY:BANDWIDTH"),
+        (["--link", "5us:1GB/s", "--algorithms", "rign"], "unknown algorithm(s) ['rign']"),
+        (["--link", "5us:1GB/s", "--ports", "0"], "a link needs ports >= 1"),
+        (["--link", "5us:1GB/s", "--bytes", "4Q"], "bad size '4Q'"),
+    ],
+)
+def test_mesh_cost_rejects_bad_input(argv, message, capsys):
+    assert main(["mesh", "cost", "ring-8", *argv]) == 2
+    assert message in capsys.readouterr().err

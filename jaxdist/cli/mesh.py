@@ -1,4 +1,5 @@
-"""``jaxdist mesh show|list``: inspect mesh presets and validate them against the devices."""
+"""``jaxdist mesh show|list|cost``: inspect mesh presets, validate them against the devices,
+and price every allreduce on them with the cost model."""
 
 from __future__ import annotations
 
@@ -18,6 +19,44 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.set_defaults(func=show_mesh)
     listing = actions.add_parser("list", help="list the mesh presets")
     listing.set_defaults(func=list_meshes)
+    cost = actions.add_parser(
+        "cost",
+        help="predict every allreduce's time on a mesh from its links (no devices needed)",
+        description="Price every allreduce schedule on a mesh (a planning preset of thousands "
+        "of devices included) with the alpha-beta cost model, for links you describe. One-axis "
+        "schedules on a two-axis mesh run at the pace of --link; the two-level schedules use "
+        "--inner-link along the inner axis and --link along the outer one.",
+    )
+    cost.add_argument("spec", metavar="NAME|PATH", help="preset name or TOML path")
+    cost.add_argument(
+        "--bytes", default="100M", help="bytes per device: a,b,c or LO:HI (default 100M)"
+    )
+    cost.add_argument(
+        "--link",
+        required=True,
+        metavar="LATENCY:BANDWIDTH",
+        help="each device's link (the outer axis on two-axis meshes), e.g. 5us:12.5GB/s",
+    )
+    cost.add_argument(
+        "--inner-link",
+        metavar="LATENCY:BANDWIDTH",
+        help="links along the inner axis of a two-axis mesh (default: --link)",
+    )
+    cost.add_argument(
+        "--ports",
+        type=int,
+        default=1,
+        help="messages a device sends at full rate at once over --link (default 1; 2 where it "
+        "has a link to each ring neighbour)",
+    )
+    cost.add_argument(
+        "--inner-ports", type=int, default=None, help="the same for --inner-link (default --ports)"
+    )
+    cost.add_argument("--algorithms", default="all", help="comma-separated names, or 'all'")
+    cost.add_argument(
+        "--inter-algorithm", default="ring", help="hierarchical: schedule across the outer axis"
+    )
+    cost.set_defaults(func=cost_on_mesh)
 
 
 def list_meshes(args: argparse.Namespace) -> int:
@@ -45,3 +84,62 @@ def show_mesh(args: argparse.Namespace) -> int:
         print(f"jaxdist mesh: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def cost_on_mesh(args: argparse.Namespace) -> int:
+    from jaxdist import bench, collectives, cost_model, meshes
+
+    try:
+        spec = meshes.load(args.spec)
+        sizes = bench.parse_sizes(args.bytes)
+        outer = cost_model.parse_link(args.link, args.ports)
+        inner_ports = args.ports if args.inner_ports is None else args.inner_ports
+        inner = cost_model.parse_link(args.inner_link or args.link, inner_ports)
+        if args.algorithms == "all":
+            algorithms = list(collectives.ALGORITHMS)
+        else:
+            algorithms = [a.strip() for a in args.algorithms.split(",")]
+        unknown = [a for a in algorithms if a not in collectives.ALGORITHMS]
+        if unknown:
+            raise ValueError(
+                f"unknown algorithm(s) {unknown}; expected names from {collectives.ALGORITHMS}"
+            )
+    except (meshes.MeshSpecError, ValueError) as err:
+        print(f"jaxdist mesh cost: {err}", file=sys.stderr)
+        return 2
+    two_axes = len(spec.shape) == 2
+    network = cost_model.Network(intra=inner, inter=outer) if two_axes else outer
+    print(f"# predicted allreduce times on {spec.name}: {spec.layout}, {spec.size} devices")
+    if two_axes:
+        print(f"# inner axis {spec.axis_names[1]!r}: {_describe(inner)}")
+        print(f"# outer axis {spec.axis_names[0]!r} and one-axis schedules: {_describe(outer)}")
+    else:
+        print(f"# links: {_describe(outer)}")
+    print(
+        f"{'size':>8s} {'algorithm':<20s} {'time(us)':>13s} {'algbw(GB/s)':>11s} "
+        f"{'busbw(GB/s)':>11s} {'x best':>7s}"
+    )
+    skipped: dict[str, str] = {}
+    for nbytes in sizes:
+        predicted = cost_model.predict_all(
+            nbytes, spec.shape, network, algorithms, inter_algorithm=args.inter_algorithm
+        )
+        times = {a: t for a, t in predicted.items() if isinstance(t, float)}
+        skipped.update({a: t for a, t in predicted.items() if isinstance(t, str)})
+        best = min(times.values(), default=None)
+        for algorithm, seconds in times.items():
+            algbw, busbw = cost_model.bus_bandwidth(nbytes, seconds, spec.size)
+            print(
+                f"{bench.format_size(nbytes):>8s} {algorithm:<20s} {seconds * 1e6:13.1f} "
+                f"{algbw / 1e9:11.3f} {busbw / 1e9:11.3f} {seconds / best:7.2f}"
+            )
+    for algorithm, reason in skipped.items():
+        print(f"# skipped {algorithm}: {reason}")
+    return 0
+
+
+def _describe(link) -> str:
+    return (
+        f"alpha {link.alpha * 1e6:g} us, {link.bandwidth / 1e9:g} GB/s, "
+        f"{link.ports} port(s) per device"
+    )
