@@ -107,9 +107,10 @@ def default_ports(platform: str) -> int:
     return 2 if platform == "tpu" else 1
 
 
-def skip_reason(algorithm: str, mesh: Mesh) -> str | None:
-    """Why ``algorithm`` cannot run on ``mesh``, or None."""
-    return cost_model.unsupported(algorithm, mesh.devices.shape)
+def skip_reason(algorithm: str, mesh: Mesh, inter_algorithm: str = "ring") -> str | None:
+    """Why ``algorithm`` cannot run on ``mesh`` (``hierarchical``: with ``inter_algorithm``
+    across the outer axis), or None."""
+    return cost_model.unsupported(algorithm, mesh.devices.shape, inter_algorithm=inter_algorithm)
 
 
 def _timed(fn: Callable, arg, warmup: int, iters: int, in_place: bool) -> tuple[float, float]:
@@ -200,7 +201,8 @@ def run(
     platform = mesh.devices.flat[0].platform
     ports = default_ports(platform) if ports is None else ports
     say = progress or (lambda _msg: None)
-    skipped = {a: r for a in algorithms if (r := skip_reason(a, mesh))}
+    inter_algorithm = options.get("inter_algorithm", "ring")
+    skipped = {a: r for a in algorithms if (r := skip_reason(a, mesh, inter_algorithm))}
     runnable = [a for a in algorithms if a not in skipped]
     if "native" not in runnable:
         runnable = ["native", *runnable]
@@ -256,7 +258,7 @@ def run(
             nbytes,
             mesh.devices.shape,
             link,
-            inter_algorithm=options.get("inter_algorithm", "ring"),
+            inter_algorithm=inter_algorithm,
             crossed_exchange=options.get("crossed_exchange"),
         )
         rows.append(

@@ -17,8 +17,8 @@ The formulas (p devices, X inner x Y outer for the two-level schedules):
 schedule               steps (alpha)               volume (x S beta)
 =====================  ==========================  ======================================
 ring                   2(p-1)                      2(p-1)/p
-bidirectional_ring     2(p-1), two lanes           2(p-1)/p, half each way: (p-1)/p per
-                                                   lane when ports >= 2
+bidirectional_ring     2(p-1), two lanes           2(p-1)/p over both lanes; with ports
+                                                   >= 2 the lanes run at once: (p-1)/p
 halving_doubling       2 log2 p                    2(p-1)/p
 parameter_server       2(p-1)                      2(p-1)     (the server's link)
 torus2d / hierarchical intra 2(X-1), inter 2(Y-1)  intra 2(X-1)/X, inter 2(Y-1)/(XY)
@@ -38,7 +38,7 @@ runs the step between the hosts once instead of twice and adds one hop inside ho
 For ``torus2d`` the sum over both classes is 2(X+Y-2) alpha + 2(XY-1)/(XY) S beta, the same
 bandwidth term as a flat ring with far fewer latency steps. A one-dimensional schedule that
 spans a two-axis mesh runs every step over the slowest link it crosses, so it is priced on
-``"inter"``.
+``"inter"`` (on ``"intra"`` when the outer axis has one device).
 
 :func:`fit` recovers ``alpha`` and ``beta`` from measured times by least squares;
 :func:`predict_all` prices every schedule on a mesh of any size (a planning preset included)
@@ -48,6 +48,7 @@ and :func:`parse_link` reads a link written as ``"5us:12.5GB/s"``.
 from __future__ import annotations
 
 import math
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxdist.collectives import ALGORITHMS, TWO_LEVEL, option_default, uses_crossed_exchange
+
+ONE_DIMENSIONAL = tuple(a for a in ALGORITHMS if a not in TWO_LEVEL)
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,13 @@ class Link:
     ports: int = 1
 
     def __post_init__(self):
-        if isinstance(self.ports, bool) or not isinstance(self.ports, int) or self.ports < 1:
+        try:
+            ports = operator.index(self.ports)  # an int or a numpy integer, not 1.0
+        except TypeError:
+            ports = None
+        if isinstance(self.ports, bool) or ports is None or ports < 1:
             raise ValueError(f"a link needs ports >= 1 (an integer), got {self.ports!r}")
+        object.__setattr__(self, "ports", ports)
 
     @property
     def bandwidth(self) -> float:
@@ -108,39 +116,54 @@ class Term:
         return self.steps * math.ceil(self.lanes / ports), self.volume / concurrent
 
 
-_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-_BYTES_PER_SECOND = {
-    "b/s": 1.0, "kb/s": 1e3, "mb/s": 1e6, "gb/s": 1e9, "tb/s": 1e12,
-    "bit/s": 1 / 8, "kbit/s": 1e3 / 8, "mbit/s": 1e6 / 8, "gbit/s": 1e9 / 8, "tbit/s": 1e12 / 8,
-    "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
-}  # fmt: skip
+_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ns": 1e-9}
+_PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _NUMBER = r"(\d+(?:\.\d*)?(?:e[+-]?\d+)?|\.\d+(?:e[+-]?\d+)?)"
+_LINK_FORMAT = (
+    "a link is LATENCY:BANDWIDTH, e.g. '5us:12.5GB/s' or '100us:1gbit' (latency in s, ms, us "
+    "or ns; bandwidth in bytes, B/s KB/s MB/s GB/s TB/s, or bits, b/s Mb/s Gb/s or bit, "
+    "Mbit, Gbit with or without /s)"
+)
+
+
+def _bytes_per_second(value: float, unit: str) -> float | None:
+    """``value`` in ``unit`` as bytes per second, or None for an unknown unit. ``B`` is bytes
+    and ``b`` bits, whatever the case of the prefix; ``bit`` is bits in any case."""
+    match = re.fullmatch(r"([kmgtKMGT]?)(?:(B)(?i:/s)|b(?i:/s)|(?i:bit(?:/s)?))", unit)
+    if not match:
+        return None
+    per_byte = 1.0 if match.group(2) == "B" else 1 / 8
+    return value * _PREFIXES[match.group(1).lower()] * per_byte
 
 
 def parse_link(text: str, ports: int = 1) -> Link:
     """A link written as ``LATENCY:BANDWIDTH``, e.g. ``"5us:12.5GB/s"`` or ``"100us:1gbit"``.
 
-    Latency in ``s``, ``ms``, ``us`` or ``ns``; bandwidth in bytes (``B/s``, ``KB/s``, ``MB/s``,
-    ``GB/s``, ``TB/s``, decimal as network rates are) or bits (``Mbit/s``, ``Gbit/s``, also
-    written ``mbit``, ``gbit`` as ``tc`` does), per direction of one link.
+    Latency in ``s``, ``ms``, ``us`` (or ``µs``) or ``ns``; bandwidth per direction of one link,
+    decimal as network rates are, in bytes (``B/s``, ``KB/s``, ``MB/s``, ``GB/s``, ``TB/s``) or
+    bits (``b/s``, ``Mb/s``, ``Gb/s``; ``bit``, ``Mbit``, ``Gbit``, with or without ``/s``, as
+    ``tc`` writes them).
     """
     latency, sep, rate = text.partition(":")
-    alpha = re.fullmatch(_NUMBER + r"\s*(s|ms|us|µs|ns)", latency.strip().lower())
-    bandwidth = re.fullmatch(_NUMBER + r"\s*([a-z/]+)", rate.strip().lower())
-    if not sep or not alpha or not bandwidth or bandwidth.group(2) not in _BYTES_PER_SECOND:
-        raise ValueError(
-            f"a link is LATENCY:BANDWIDTH, e.g. '5us:12.5GB/s' or '100us:1gbit' (latency in "
-            f"s, ms, us or ns; bandwidth in B/s, KB/s, MB/s, GB/s, TB/s or Mbit/s, Gbit/s), "
-            f"got {text!r}"
-        )
-    bytes_per_second = float(bandwidth.group(1)) * _BYTES_PER_SECOND[bandwidth.group(2)]
-    if bytes_per_second <= 0:
-        raise ValueError(f"a link's bandwidth must be positive, got {text!r}")
-    return Link(float(alpha.group(1)) * _SECONDS[alpha.group(2)], 1 / bytes_per_second, ports)
+    alpha = re.fullmatch(_NUMBER + r"\s*(\S+)", latency.strip(), re.IGNORECASE)
+    bandwidth = re.fullmatch(_NUMBER + r"\s*(\S+)", rate.strip(), re.IGNORECASE)
+    if not (sep and alpha and bandwidth) or alpha.group(2).lower() not in _SECONDS:
+        raise ValueError(f"{_LINK_FORMAT}; got {text!r}")
+    seconds = float(alpha.group(1)) * _SECONDS[alpha.group(2).lower()]
+    bytes_per_second = _bytes_per_second(float(bandwidth.group(1)), bandwidth.group(2))
+    if bytes_per_second is None:
+        raise ValueError(f"{_LINK_FORMAT}; got {text!r}")
+    if not (math.isfinite(seconds) and math.isfinite(bytes_per_second) and bytes_per_second > 0):
+        raise ValueError(f"a link needs a finite latency and a finite, positive bandwidth, "
+                         f"got {text!r}")  # fmt: skip
+    return Link(seconds, 1 / bytes_per_second, ports)
 
 
-def unsupported(algorithm: str, axis_sizes: Sequence[int]) -> str | None:
-    """Why ``algorithm`` cannot run on a mesh with ``axis_sizes``, or None."""
+def unsupported(
+    algorithm: str, axis_sizes: Sequence[int], *, inter_algorithm: str = "ring"
+) -> str | None:
+    """Why ``algorithm`` cannot run on a mesh with ``axis_sizes`` (``hierarchical``: with
+    ``inter_algorithm`` across the outer axis), or None."""
     if algorithm not in ALGORITHMS:
         return f"unknown allreduce algorithm {algorithm!r}; expected one of {ALGORITHMS}"
     if algorithm in TWO_LEVEL and len(axis_sizes) != 2:
@@ -148,6 +171,12 @@ def unsupported(algorithm: str, axis_sizes: Sequence[int]) -> str | None:
     p = math.prod(axis_sizes)
     if algorithm == "halving_doubling" and p & (p - 1):
         return f"needs a power-of-two device count, got {p}"
+    if algorithm == "hierarchical":
+        if inter_algorithm not in ONE_DIMENSIONAL:
+            return f"inter_algorithm must be one of {ONE_DIMENSIONAL}, got {inter_algorithm!r}"
+        outer = axis_sizes[0]
+        if inter_algorithm == "halving_doubling" and outer & (outer - 1):
+            return f"halving_doubling across the outer axis needs a power of two, got {outer}"
     return None
 
 
@@ -201,7 +230,9 @@ def terms(
             for t in _one_dimensional_terms(inter_alg, outer, "inter")
         ]
         return intra + inter
-    link_class = "inter" if len([s for s in sizes if s > 1]) > 1 else "intra"
+    # Across a two-axis mesh a one-dimensional schedule's ring crosses the outer axis's
+    # (slower) links unless that axis has a single device.
+    link_class = "inter" if len(sizes) == 2 and sizes[0] > 1 else "intra"
     return _one_dimensional_terms(algorithm, math.prod(sizes), link_class)
 
 
@@ -240,7 +271,7 @@ def predict_all(
     it cannot run on ``axis_sizes`` (see :func:`unsupported`)."""
     out: dict[str, float | str] = {}
     for algorithm in algorithms:
-        reason = unsupported(algorithm, axis_sizes)
+        reason = unsupported(algorithm, axis_sizes, inter_algorithm=inter_algorithm)
         out[algorithm] = reason or predict(
             algorithm,
             nbytes,

@@ -138,17 +138,19 @@ def test_model_check_reprices_stored_results(tmp_path):
     # A result measured exactly at the one-port model's times.
     link = cost_model.Link(alpha=1e-4, beta=1e-9)
     sizes, algorithms = (2**20, 2**24), ("ring", "bidirectional_ring")
-    rows = [
-        {"algorithm": a, "nbytes": s, "seconds": cost_model.predict(a, s, (8,), link)}
-        for s in sizes
-        for a in algorithms
-    ]
+    rows = []
+    for s in sizes:
+        for a in algorithms:
+            seconds = cost_model.predict(a, s, (8,), link)
+            rows.append({"algorithm": a, "nbytes": s, "seconds": seconds,
+                         "predicted_seconds": seconds})  # fmt: skip
     result = {"mesh": "ring-8", "axis_sizes": [8], "rows": rows,
-              "link": {"alpha_s": link.alpha, "beta_s_per_byte": link.beta}}  # fmt: skip
+              "link": {"alpha_s": link.alpha, "beta_s_per_byte": link.beta, "ports": 1}}  # fmt: skip
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(result))
     script = str(BENCHMARKS / "model_check.py")
     output = _run([sys.executable, script, str(path), "--ports", "1,2"])
+    assert "warning" not in output, output
     cells = {
         (name, int(ports)): [float(c) for c in rest.split()]
         for name, ports, rest in re.findall(r"^(\w+)\s+(\d)\s+([\d. ]+)$", output, re.M)
@@ -157,6 +159,12 @@ def test_model_check_reprices_stored_results(tmp_path):
     assert cells[("bidirectional_ring", 1)] == [1.0, 1.0], output
     # Two ports halve both of its terms: the same times are twice the prediction.
     assert cells[("bidirectional_ring", 2)] == [2.0, 2.0], output
+    # A stored prediction that today's model does not reproduce is pointed out.
+    rows[0]["predicted_seconds"] *= 1.1
+    path.write_text(json.dumps(result))
+    output = _run([sys.executable, script, str(path)])
+    assert "# warning: today's model does not reproduce this run's own predictions for " \
+        "ring at 1M (a default or a formula changed since)" in output, output  # fmt: skip
     # The stored results (written before the port count was recorded) still read.
     stored = str(BENCHMARKS / "results" / "hosts4_1gbit_in_place.json")
     assert "bidirectional_ring" in _run([sys.executable, script, stored, "--ports", "1"])

@@ -3,6 +3,7 @@
 import json
 import math
 
+import numpy as np
 import pytest
 
 from jaxdist import bench, cost_model, meshes
@@ -61,7 +62,9 @@ def test_bidirectional_ring_gains_only_where_a_device_has_two_ports():
 
 
 def test_link_ports_must_be_a_positive_integer():
-    for ports in (0, -1, 1.5, True):
+    assert cost_model.Link(1e-6, 1e-9, ports=np.int64(2)).ports == 2
+    assert type(cost_model.Link(1e-6, 1e-9, ports=np.int64(2)).ports) is int
+    for ports in (0, -1, 1.5, 2.0, True, "2"):
         with pytest.raises(ValueError, match=r"a link needs ports >= 1 \(an integer\)"):
             cost_model.Link(1e-6, 1e-9, ports=ports)
     with pytest.raises(ValueError, match="ports >= 1"):
@@ -135,6 +138,12 @@ def test_fit_and_terms_errors():
         ("0.5 ms : 400 Mbit/s", 0.5e-3, 50e6),
         ("2e-6s:3.2e11B/s", 2e-6, 3.2e11),
         ("10ns:1TB/s", 10e-9, 1e12),
+        # B is bytes and b bits, whatever the prefix's case; bit is bits in any case.
+        ("5us:1Gb/s", 5e-6, 125e6),
+        ("5US:1gB/S", 5e-6, 1e9),
+        ("5us:8BIT", 5e-6, 1),
+        ("1.5\u03bcs:1MB/s", 1.5e-6, 1e6),  # Greek mu
+        ("1.5\u00b5s:1MB/s", 1.5e-6, 1e6),  # micro sign
     ],
 )
 def test_parse_link_reads_latency_and_bandwidth(text, alpha, bytes_per_second):
@@ -144,12 +153,19 @@ def test_parse_link_reads_latency_and_bandwidth(text, alpha, bytes_per_second):
     assert link.ports == 2
 
 
-@pytest.mark.parametrize("text", ["5us", "5:12.5GB/s", "5us:12.5", "5us:12.5GiB/s", "fast:slow"])
+@pytest.mark.parametrize(
+    "text",
+    ["5us", "5:12.5GB/s", "5us:12.5", "5us:12.5GiB/s", "5us:1Gbps", "fast:slow", "-5us:1GB/s"],
+)
 def test_parse_link_rejects_what_it_cannot_read(text):
     with pytest.raises(ValueError, match=rf"a link is LATENCY:BANDWIDTH.*got '{text}'"):
         cost_model.parse_link(text)
-    with pytest.raises(ValueError, match="bandwidth must be positive"):
-        cost_model.parse_link("5us:0GB/s")
+
+
+@pytest.mark.parametrize("text", ["5us:0GB/s", "1e400us:1GB/s", "1us:1e400GB/s"])
+def test_parse_link_needs_finite_latency_and_positive_bandwidth(text):
+    with pytest.raises(ValueError, match="a link needs a finite latency and a finite, positive"):
+        cost_model.parse_link(text)
 
 
 def test_predict_all_prices_what_runs_and_says_why_the_rest_cannot():
@@ -163,6 +179,24 @@ def test_predict_all_prices_what_runs_and_says_why_the_rest_cannot():
     torus = cost_model.predict_all(S, (48, 72), link, ("ring", "torus2d"))
     assert torus["ring"] - torus["torus2d"] == pytest.approx((6910 - 236) * link.alpha)
     assert cost_model.unsupported("tree", (8,)).startswith("unknown allreduce algorithm 'tree'")
+    # hierarchical's schedule across the outer axis has its own needs.
+    across = cost_model.predict_all(S, (3, 4), link, inter_algorithm="halving_doubling")
+    assert across["hierarchical"] == (
+        "halving_doubling across the outer axis needs a power of two, got 3"
+    )
+    assert isinstance(across["torus2d"], float)  # torus2d always rings the outer axis
+    assert cost_model.unsupported("hierarchical", (2, 4), inter_algorithm="torus2d").startswith(
+        "inter_algorithm must be one of ('native', 'ring'"
+    )
+
+
+def test_one_axis_schedules_cross_the_outer_links_unless_that_axis_is_one_device():
+    fast, slow = cost_model.Link(1e-6, 1 / 100e9), cost_model.Link(20e-6, 1 / 1e9)
+    net = cost_model.Network(intra=fast, inter=slow)
+    for sizes, link in (((4, 1), slow), ((4, 2), slow), ((1, 8), fast), ((8,), fast)):
+        p = math.prod(sizes)
+        expected = 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * S * link.beta
+        assert cost_model.predict("ring", S, sizes, net) == pytest.approx(expected), sizes
 
 
 def test_bus_bandwidth_follows_nccl_tests():
@@ -261,6 +295,21 @@ def test_bench_prices_the_bidirectional_ring_with_the_ports_asked_for(tmp_path, 
     argv = ["bench", "allreduce", "--mesh", "ring-8", "--link-ports", "0"]
     assert main(argv) == 2
     assert "--link-ports must be at least 1, got 0" in capsys.readouterr().err
+    argv = ["bench", "allreduce", "--mesh", "torus-4x2", "--inter-algorithm", "torus2d"]
+    assert main(argv) == 2
+    assert "--inter-algorithm must be one of ('native', 'ring'" in capsys.readouterr().err
+
+
+def test_bench_skips_hierarchical_when_its_outer_schedule_cannot_run(capsys):
+    argv = ["bench", "allreduce", "--mesh", "torus-2x4", "--sizes", "1K", "--iters", "1",
+            "--quiet", "--algorithms", "ring,hierarchical", "--inter-algorithm",
+            "halving_doubling"]  # fmt: skip
+    assert main(argv) == 0  # an outer axis of 2 is a power of two: it runs
+    assert "skipped" not in capsys.readouterr().out
+    mesh = meshes.build(meshes.from_dict({"name": "t", "layout": "hierarchical",
+        "axes": [{"name": "host", "size": 3}, {"name": "local", "size": 2}]}))  # fmt: skip
+    reason = bench.skip_reason("hierarchical", mesh, "halving_doubling")
+    assert reason == "halving_doubling across the outer axis needs a power of two, got 3"
 
 
 def test_bench_times_the_mean_against_pmean(tmp_path, capsys):

@@ -147,7 +147,10 @@ def test_mesh_cost_uses_the_inner_link_for_the_inner_axis_only(capsys):
             "--link", "5us:50GB/s", "--inner-link", "2us:450GB/s"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "inner axis 'local': alpha 2 us, 450 GB/s" in out
+    assert (
+        "inner axis local=8: alpha 2 us, 450 GB/s" in out
+        and "outer axis host=32: alpha 5 us" in out
+    )
     net = cost_model.Network(
         intra=cost_model.parse_link("2us:450GB/s"), inter=cost_model.parse_link("5us:50GB/s")
     )
@@ -157,10 +160,42 @@ def test_mesh_cost_uses_the_inner_link_for_the_inner_axis_only(capsys):
         assert float(line.split()[2]) == pytest.approx(expected, abs=0.1)
 
 
+def test_mesh_cost_prices_one_axis_schedules_on_the_axis_they_cross(tmp_path, capsys):
+    def cost(axes, *extra):
+        path = tmp_path / "m.toml"
+        path.write_text('name = "m"\nlayout = "hierarchical"\naxes = [' + ", ".join(
+            f'{{ name = "{n}", size = {k} }}' for n, k in axes) + "]\n")  # fmt: skip
+        argv = ["mesh", "cost", str(path), "--bytes", "1M", "--algorithms", "ring",
+                "--link", "100us:1gbit", "--inner-link", "1us:100GB/s", *extra]  # fmt: skip
+        code = main(argv)
+        return code, capsys.readouterr()
+
+    slow, fast = cost_model.parse_link("100us:1gbit"), cost_model.parse_link("1us:100GB/s")
+    for axes, link, pace in ((((4, 1)), slow, "outer"), (((1, 8)), fast, "inner")):
+        code, out = cost((("host", axes[0]), ("local", axes[1])))
+        assert code == 0, out.err
+        assert f"one-axis schedules run on every device, at the {pace} axis's pace" in out.out
+        p = axes[0] * axes[1]
+        expected = (2 * (p - 1) * link.alpha + 2 * (p - 1) / p * 2**20 * link.beta) * 1e6
+        (line,) = [line for line in out.out.splitlines() if " ring " in line]
+        assert float(line.split()[2]) == pytest.approx(expected, abs=0.1)
+    code, out = cost((("host", 1), ("local", 1)))
+    assert code == 2 and "m has one device: there is nothing to allreduce" in out.err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--link", "fast"], "a link is LATENCY:BANDWIDTH"),
+        (
+            ["--link", "5us:1GB/s", "--inner-link", "1us:9GB/s"],
+            "only a two-axis mesh takes --inner-link; ring-8 has one axis (x=8)",
+        ),
+        (
+            ["--link", "5us:1GB/s", "--inner-ports", "2", "--inter-algorithm", "ring"],
+            "only a two-axis mesh takes --inner-ports, --inter-algorithm; ring-8 has one axis",
+        ),
+        (["--link", "5us:1GB/s", "--bytes", "0"], "--bytes must be at least 1 byte per device"),
         (["--link", "5us:1GB/s", "--algorithms", "rign"], "unknown algorithm(s) ['rign']"),
         (["--link", "5us:1GB/s", "--ports", "0"], "a link needs ports >= 1"),
         (["--link", "5us:1GB/s", "--bytes", "4Q"], "bad size '4Q'"),
@@ -169,3 +204,9 @@ def test_mesh_cost_uses_the_inner_link_for_the_inner_axis_only(capsys):
 def test_mesh_cost_rejects_bad_input(argv, message, capsys):
     assert main(["mesh", "cost", "ring-8", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_mesh_cost_rejects_an_outer_schedule_that_is_not_one(capsys):
+    argv = ["mesh", "cost", "hierarchical-2x4", "--link", "5us:1GB/s", "--inter-algorithm", "foo"]
+    assert main(argv) == 2
+    assert "--inter-algorithm must be one of ('native', 'ring'" in capsys.readouterr().err

@@ -159,6 +159,15 @@ def _exchange_piece(text: str) -> int | str | None:
     return size
 
 
+def _check_inter_algorithm(name: str) -> None:
+    from jaxdist import cost_model
+
+    if name not in cost_model.ONE_DIMENSIONAL:
+        raise ValueError(
+            f"--inter-algorithm must be one of {cost_model.ONE_DIMENSIONAL}, got {name!r}"
+        )
+
+
 def run_allreduce(args: argparse.Namespace) -> int:
     import jax
 
@@ -170,6 +179,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
         exchange_piece = _exchange_piece(args.exchange_piece)
         if args.link_ports is not None and args.link_ports < 1:
             raise ValueError(f"--link-ports must be at least 1, got {args.link_ports}")
+        _check_inter_algorithm(args.inter_algorithm)
     except ValueError as err:
         print(f"jaxdist bench: {err}", file=sys.stderr)
         return 2

@@ -23,9 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "cost",
         help="predict every allreduce's time on a mesh from its links (no devices needed)",
         description="Price every allreduce schedule on a mesh (a planning preset of thousands "
-        "of devices included) with the alpha-beta cost model, for links you describe. One-axis "
-        "schedules on a two-axis mesh run at the pace of --link; the two-level schedules use "
-        "--inner-link along the inner axis and --link along the outer one.",
+        "of devices included) with the alpha-beta cost model, for links you describe. On a "
+        "two-axis mesh --link is the outer axis's link and --inner-link the inner axis's; the "
+        "one-axis schedules cross both and run at the outer links' pace.",
     )
     cost.add_argument("spec", metavar="NAME|PATH", help="preset name or TOML path")
     cost.add_argument(
@@ -47,14 +47,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="messages a device sends at full rate at once over --link (default 1; 2 where it "
-        "has a link to each ring neighbour)",
+        "has a link to each ring neighbour, as on a TPU torus)",
     )
     cost.add_argument(
         "--inner-ports", type=int, default=None, help="the same for --inner-link (default --ports)"
     )
     cost.add_argument("--algorithms", default="all", help="comma-separated names, or 'all'")
     cost.add_argument(
-        "--inter-algorithm", default="ring", help="hierarchical: schedule across the outer axis"
+        "--inter-algorithm",
+        default=None,
+        help="hierarchical: schedule across the outer axis (default ring)",
     )
     cost.set_defaults(func=cost_on_mesh)
 
@@ -91,7 +93,33 @@ def cost_on_mesh(args: argparse.Namespace) -> int:
 
     try:
         spec = meshes.load(args.spec)
+        two_axes = len(spec.shape) == 2
+        if not two_axes:
+            given = [
+                flag
+                for flag, value in (
+                    ("--inner-link", args.inner_link),
+                    ("--inner-ports", args.inner_ports),
+                    ("--inter-algorithm", args.inter_algorithm),
+                )
+                if value is not None
+            ]
+            if given:
+                raise ValueError(
+                    f"only a two-axis mesh takes {', '.join(given)}; {spec.name} has one axis "
+                    f"({spec.axis_names[0]}={spec.size})"
+                )
+        if spec.size < 2:
+            raise ValueError(f"{spec.name} has one device: there is nothing to allreduce")
         sizes = bench.parse_sizes(args.bytes)
+        if min(sizes) < 1:
+            raise ValueError(f"--bytes must be at least 1 byte per device, got {args.bytes!r}")
+        inter_algorithm = args.inter_algorithm or "ring"
+        if inter_algorithm not in cost_model.ONE_DIMENSIONAL:
+            raise ValueError(
+                f"--inter-algorithm must be one of {cost_model.ONE_DIMENSIONAL}, "
+                f"got {inter_algorithm!r}"
+            )
         outer = cost_model.parse_link(args.link, args.ports)
         inner_ports = args.ports if args.inner_ports is None else args.inner_ports
         inner = cost_model.parse_link(args.inner_link or args.link, inner_ports)
@@ -107,12 +135,14 @@ def cost_on_mesh(args: argparse.Namespace) -> int:
     except (meshes.MeshSpecError, ValueError) as err:
         print(f"jaxdist mesh cost: {err}", file=sys.stderr)
         return 2
-    two_axes = len(spec.shape) == 2
     network = cost_model.Network(intra=inner, inter=outer) if two_axes else outer
     print(f"# predicted allreduce times on {spec.name}: {spec.layout}, {spec.size} devices")
     if two_axes:
-        print(f"# inner axis {spec.axis_names[1]!r}: {_describe(inner)}")
-        print(f"# outer axis {spec.axis_names[0]!r} and one-axis schedules: {_describe(outer)}")
+        (outer_name, outer_size), (inner_name, inner_size) = spec.axes
+        flat_on = "outer" if outer_size > 1 else "inner"
+        print(f"# inner axis {inner_name}={inner_size}: {_describe(inner)}")
+        print(f"# outer axis {outer_name}={outer_size}: {_describe(outer)}")
+        print(f"# one-axis schedules run on every device, at the {flat_on} axis's pace")
     else:
         print(f"# links: {_describe(outer)}")
     print(
@@ -122,7 +152,7 @@ def cost_on_mesh(args: argparse.Namespace) -> int:
     skipped: dict[str, str] = {}
     for nbytes in sizes:
         predicted = cost_model.predict_all(
-            nbytes, spec.shape, network, algorithms, inter_algorithm=args.inter_algorithm
+            nbytes, spec.shape, network, algorithms, inter_algorithm=inter_algorithm
         )
         times = {a: t for a, t in predicted.items() if isinstance(t, float)}
         skipped.update({a: t for a, t in predicted.items() if isinstance(t, str)})
