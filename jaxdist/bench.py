@@ -13,6 +13,7 @@ process 0 prints).
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import time
@@ -74,6 +75,7 @@ class Row:
     max_error: float  # max |result - psum| over all elements and devices
     predicted_seconds: float
     compile_seconds: float
+    link_share: float | None = None  # busbw / the link rate, when the rate is known
 
 
 @dataclass
@@ -89,6 +91,7 @@ class Result:
     skipped: dict[str, str]
     options: dict[str, Any] = field(default_factory=dict)  # the schedule options of the run
     op: str = "sum"
+    link_rate: float | None = None  # bytes/s per direction of a device's link, when known
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -98,6 +101,20 @@ class Result:
             "ports": self.link.ports,
         }
         return out
+
+
+def link_rate_from_environment() -> float | None:
+    """The link rate ``jaxdist cluster`` capped every host's link at (its
+    ``JAXDIST_LINK_BITS_PER_S``), in bytes per second; None outside an emulated cluster."""
+    bits = os.environ.get("JAXDIST_LINK_BITS_PER_S", "")
+    if not bits:
+        return None
+    if not bits.isdigit() or int(bits) == 0:
+        raise ValueError(
+            f"JAXDIST_LINK_BITS_PER_S must be a positive whole number of bits per second, "
+            f"got {bits!r}"
+        )
+    return int(bits) / 8
 
 
 def default_ports(platform: str) -> int:
@@ -175,6 +192,7 @@ def run(
     in_place: bool = False,
     op: str = "sum",
     ports: int | None = None,
+    link_rate: float | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Result:
     """Measure ``algorithms`` at each of ``sizes`` (bytes per device) on ``mesh``.
@@ -183,7 +201,8 @@ def run(
     the input is donated, so a schedule may write its result over it (nccl-tests reports both).
     ``op="mean"`` times the mean (as a train step averages gradients) against ``pmean``.
     ``ports`` is the fitted link's port count for the cost model (``None``:
-    :func:`default_ports` of the mesh's platform).
+    :func:`default_ports` of the mesh's platform). ``link_rate`` (bytes/s per direction of a
+    device's link) adds every row's busbw as a share of it, as nccl-tests' busbw is read.
     """
     unknown = [a for a in algorithms if a not in collectives.ALGORITHMS]
     if unknown:
@@ -272,6 +291,7 @@ def run(
                 max_error=err,
                 predicted_seconds=predicted,
                 compile_seconds=compile_s,
+                link_share=busbw / link_rate if link_rate else None,
             )
         )
     return Result(
@@ -282,6 +302,7 @@ def run(
         dtype=str(dtype),
         in_place=in_place,
         op=op,
+        link_rate=link_rate,
         link=link,
         rows=rows,
         skipped=skipped,
@@ -301,15 +322,24 @@ def format_table(result: Result) -> str:
         f"{'in place (input donated)' if result.in_place else 'out of place'}",
         f"# fitted point-to-point link: alpha = {link.alpha * 1e6:.1f} us, "
         f"beta = 1/({link.bandwidth / 1e9:.2f} GB/s), {link.ports} port(s) per device",
-        f"{'size':>8s} {'algorithm':<20s} {'time(us)':>11s} {'algbw(GB/s)':>11s} "
-        f"{'busbw(GB/s)':>11s} {'x psum':>7s} {'max err':>9s} {'model(us)':>10s} {'compile(s)':>10s}",
     ]
+    share = result.link_rate is not None
+    if share:
+        lines.append(
+            f"# link rate {result.link_rate / 1e6:g} MB/s per direction; link% = busbw / link rate"
+        )
+    lines.append(
+        f"{'size':>8s} {'algorithm':<20s} {'time(us)':>11s} {'algbw(GB/s)':>11s} "
+        f"{'busbw(GB/s)':>11s}{'  link%' if share else ''} {'x psum':>7s} {'max err':>9s} "
+        f"{'model(us)':>10s} {'compile(s)':>10s}"
+    )
     for row in sorted(
         result.rows, key=lambda r: (r.nbytes, collectives.ALGORITHMS.index(r.algorithm))
     ):
+        link_share = f" {row.link_share * 100:5.1f}%" if row.link_share is not None else ""
         lines.append(
             f"{format_size(row.nbytes):>8s} {row.algorithm:<20s} {row.seconds * 1e6:11.1f} "
-            f"{row.algbw / 1e9:11.3f} {row.busbw / 1e9:11.3f} {row.vs_psum:7.2f} "
+            f"{row.algbw / 1e9:11.3f} {row.busbw / 1e9:11.3f}{link_share} {row.vs_psum:7.2f} "
             f"{row.max_error:9.2e} {row.predicted_seconds * 1e6:10.1f} {row.compile_seconds:10.2f}"
         )
     for algorithm, reason in result.skipped.items():

@@ -119,10 +119,10 @@ class Term:
 _SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ns": 1e-9}
 _PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _NUMBER = r"(\d+(?:\.\d*)?(?:e[+-]?\d+)?|\.\d+(?:e[+-]?\d+)?)"
+_RATE_UNITS = "bytes, B/s KB/s MB/s GB/s TB/s, or bits, b/s Mb/s Gb/s or bit, Mbit, Gbit"
 _LINK_FORMAT = (
     "a link is LATENCY:BANDWIDTH, e.g. '5us:12.5GB/s' or '100us:1gbit' (latency in s, ms, us "
-    "or ns; bandwidth in bytes, B/s KB/s MB/s GB/s TB/s, or bits, b/s Mb/s Gb/s or bit, "
-    "Mbit, Gbit with or without /s)"
+    f"or ns; bandwidth in {_RATE_UNITS} with or without /s)"
 )
 
 
@@ -134,6 +134,19 @@ def _bytes_per_second(value: float, unit: str) -> float | None:
         return None
     per_byte = 1.0 if match.group(2) == "B" else 1 / 8
     return value * _PREFIXES[match.group(1).lower()] * per_byte
+
+
+def parse_rate(text: str) -> float:
+    """Bytes per second of a rate such as ``"12.5GB/s"``, ``"1gbit"`` or ``"400 Mb/s"`` (units as
+    in :func:`parse_link`)."""
+    match = re.fullmatch(_NUMBER + r"\s*(\S+)", text.strip(), re.IGNORECASE)
+    rate = _bytes_per_second(float(match.group(1)), match.group(2)) if match else None
+    if rate is None:
+        raise ValueError(f"a rate is a number and a unit, e.g. 1gbit or 12.5GB/s (in "
+                         f"{_RATE_UNITS}), got {text!r}")  # fmt: skip
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"a rate must be finite and positive, got {text!r}")
+    return rate
 
 
 def parse_link(text: str, ports: int = 1) -> Link:

@@ -173,6 +173,12 @@ def check_host() -> None:
     assert coordinator.startswith("10.213.0.1:"), (
         f"expected host 0 coordinating, found {coordinator}"
     )
+    # The link rate the bench reports busbw against: the cluster's --bandwidth.
+    from jaxdist import bench
+
+    bits = os.environ["JAXDIST_LINK_BITS_PER_S"]  # empty for an uncapped cluster
+    expected = int(bits) / 8 if bits else None
+    assert bench.link_rate_from_environment() == expected, f"JAXDIST_LINK_BITS_PER_S={bits!r}"
     print(f"CHECK host OK {found} {address}")
 
 

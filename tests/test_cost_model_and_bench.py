@@ -162,6 +162,15 @@ def test_parse_link_rejects_what_it_cannot_read(text):
         cost_model.parse_link(text)
 
 
+def test_parse_rate():
+    assert cost_model.parse_rate("1gbit") == 125e6
+    assert cost_model.parse_rate("12.5 GB/s") == 12.5e9
+    with pytest.raises(ValueError, match=r"a rate is a number and a unit, e\.g\. 1gbit"):
+        cost_model.parse_rate("1 GiB/s")
+    with pytest.raises(ValueError, match="a rate must be finite and positive, got '0gbit'"):
+        cost_model.parse_rate("0gbit")
+
+
 @pytest.mark.parametrize("text", ["5us:0GB/s", "1e400us:1GB/s", "1us:1e400GB/s"])
 def test_parse_link_needs_finite_latency_and_positive_bandwidth(text):
     with pytest.raises(ValueError, match="a link needs a finite latency and a finite, positive"):
@@ -298,6 +307,36 @@ def test_bench_prices_the_bidirectional_ring_with_the_ports_asked_for(tmp_path, 
     argv = ["bench", "allreduce", "--mesh", "torus-4x2", "--inter-algorithm", "torus2d"]
     assert main(argv) == 2
     assert "--inter-algorithm must be one of ('native', 'ring'" in capsys.readouterr().err
+
+
+def test_bench_reports_busbw_as_a_share_of_the_link_rate(tmp_path, capsys, monkeypatch):
+    def run(*extra):
+        out_json = tmp_path / "rate.json"
+        argv = ["bench", "allreduce", "--mesh", "ring-8", "--sizes", "64K", "--iters", "1",
+                "--algorithms", "ring", "--quiet", "--json", str(out_json), *extra]  # fmt: skip
+        code = main(argv)
+        return code, capsys.readouterr(), json.loads(out_json.read_text()) if code == 0 else None
+
+    code, out, result = run()
+    assert code == 0 and result["link_rate"] is None and "link%" not in out.out
+    assert all(row["link_share"] is None for row in result["rows"])
+    # Given on the command line (8 Gbit/s = 1 GB/s) ...
+    code, out, result = run("--link-rate", "8Gbit")
+    assert code == 0 and result["link_rate"] == 1e9
+    assert "# link rate 1000 MB/s per direction" in out.out and "link%" in out.out
+    for row in result["rows"]:
+        assert row["link_share"] == pytest.approx(row["busbw"] / 1e9)
+        assert f"{row['link_share'] * 100:5.1f}%" in out.out
+    # ... or set by `jaxdist cluster` for the processes it starts.
+    monkeypatch.setenv("JAXDIST_LINK_BITS_PER_S", "1000000000")
+    code, out, result = run()
+    assert code == 0 and result["link_rate"] == 125e6
+    monkeypatch.setenv("JAXDIST_LINK_BITS_PER_S", "1gbit")
+    code, out, _ = run()
+    assert code == 2
+    assert "JAXDIST_LINK_BITS_PER_S must be a positive whole number" in out.err
+    code, out, _ = run("--link-rate", "fast")
+    assert code == 2 and "a rate is a number and a unit" in out.err
 
 
 def test_bench_skips_hierarchical_when_its_outer_schedule_cannot_run(capsys):

@@ -70,6 +70,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="cost model: messages a device sends at full rate at once (1: one NIC or memory "
         "bus; 2: a link to each ring neighbour); default 2 on TPU, 1 elsewhere",
     )
+    p.add_argument(
+        "--link-rate",
+        metavar="RATE",
+        default=None,
+        help="each device's link rate per direction (e.g. 1gbit, 12.5GB/s): print busbw as a "
+        "share of it; default: the rate `jaxdist cluster` set, else none",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--json", metavar="PATH", help="write the table as JSON")
@@ -171,7 +178,7 @@ def _check_inter_algorithm(name: str) -> None:
 def run_allreduce(args: argparse.Namespace) -> int:
     import jax
 
-    from jaxdist import bench
+    from jaxdist import bench, cost_model
 
     try:
         algorithms, spec, mesh = _algorithms_and_mesh(args.algorithms, args.mesh)
@@ -180,6 +187,11 @@ def run_allreduce(args: argparse.Namespace) -> int:
         if args.link_ports is not None and args.link_ports < 1:
             raise ValueError(f"--link-ports must be at least 1, got {args.link_ports}")
         _check_inter_algorithm(args.inter_algorithm)
+        link_rate = (
+            cost_model.parse_rate(args.link_rate)
+            if args.link_rate
+            else bench.link_rate_from_environment()
+        )
     except ValueError as err:
         print(f"jaxdist bench: {err}", file=sys.stderr)
         return 2
@@ -203,6 +215,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
         in_place=args.in_place,
         op=args.op,
         ports=args.link_ports,
+        link_rate=link_rate,
         progress=_leader_printer(not args.quiet),
     )
     if jax.process_index() == 0:
