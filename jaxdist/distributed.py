@@ -79,12 +79,20 @@ def _env_int(name: str) -> int | None:
         raise DistributedInitError(f"{name} must be an integer, got {raw!r}") from None
 
 
+def _cloud_tpu_chips() -> int:
+    """TPU chips attached to this machine, read from sysfs by JAX's own check (no backend)."""
+    from jax._src import hardware_utils
+
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+
+
 def _detect_cluster() -> tuple[str, int | None] | None:
     """(name, process count if known) of a cluster that ``jax.distributed`` detects itself.
 
-    Mirrors the cheap, environment-only part of ``jax._src.clusters``' ``is_env_present``
-    checks (those for GCE TPU and Kubernetes would contact a metadata server or the
-    Kubernetes API, which a single-process run must never wait on).
+    Mirrors the cheap, local part of ``jax._src.clusters``' ``is_env_present`` checks:
+    environment variables, and for a Cloud TPU VM the TPU chips in sysfs. The rest of those
+    checks would contact a metadata server or the Kubernetes API, which a single-process run
+    on an ordinary machine must never wait on.
     """
     env = os.environ
     if "OMPI_MCA_orte_hnp_uri" in env:  # mpirun (Open MPI <= 4)
@@ -102,6 +110,11 @@ def _detect_cluster() -> tuple[str, int | None] | None:
     if "TPU_WORKER_HOSTNAMES" in env or "TPU_PROCESS_ADDRESSES" in env:  # TPU VM / GKE TPU
         hosts = (env.get("TPU_PROCESS_ADDRESSES") or env["TPU_WORKER_HOSTNAMES"]).split(",")
         return "tpu", len(hosts)
+    # A Cloud TPU VM (one host or a pod slice): JAX asks the VM's metadata server for the
+    # workers. That query is only made where TPU chips sit on the PCI bus, and not where
+    # TPU_SKIP_MDS_QUERY says there is no metadata server, as JAX itself decides.
+    if "TPU_SKIP_MDS_QUERY" not in env and _cloud_tpu_chips() > 0:
+        return "tpu", None
     if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:  # indexed Job
         return "kubernetes", None
     return None
@@ -115,7 +128,8 @@ def detect(
 ) -> ProcessGroup:
     """Work out the process group from arguments, ``JAXDIST_*`` variables or the cluster.
 
-    Starts nothing and imports nothing from JAX; :func:`initialize` acts on the result.
+    Starts no JAX backend (it may read JAX's TPU chip check); :func:`initialize` acts on the
+    result.
     """
     if local_device_count is None:
         local_device_count = _env_int(ENV_LOCAL_DEVICES)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 import os
 import tomllib
+import warnings
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,11 +224,39 @@ def device_grid(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> 
     return np.array(ordered[: spec.size], dtype=object).reshape(spec.shape)
 
 
+def host_mismatch(spec: MeshSpec, grid: np.ndarray) -> str | None:
+    """Why the real hosts (processes) of ``grid`` do not match ``spec.devices_per_host``, or
+    None (also when one process holds every device: its hosts are then emulated)."""
+    if spec.devices_per_host is None:
+        return None
+    per_process = Counter(d.process_index for d in grid.reshape(-1))
+    found = sorted(set(per_process.values()))
+    if len(per_process) < 2 or found == [spec.devices_per_host]:
+        return None
+    hint = (
+        f"; for hosts of {found[0]}, use a spec with devices_per_host = {found[0]} (in code: "
+        f"jaxdist.meshes.hierarchical({len(per_process)}, {found[0]}))"
+        if len(found) == 1
+        else ""
+    )
+    return (
+        f"mesh {spec.name!r} expects {spec.devices_per_host} devices per host, but its devices "
+        f"come from {len(per_process)} processes with {'/'.join(map(str, found))} each, so "
+        f"its rows along {spec.axis_names[-1]!r} are not the real hosts and traffic meant to "
+        f"stay inside a host crosses between hosts{hint}"
+    )
+
+
 def build(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Turn a spec (or a preset name / path) into a ``jax.sharding.Mesh``."""
+    """Turn a spec (or a preset name / path) into a ``jax.sharding.Mesh``; warns when the
+    spec's hosts are not the real ones (see :func:`host_mismatch`)."""
     if not isinstance(spec, MeshSpec):
         spec = load(spec)
-    return Mesh(device_grid(spec, devices), spec.axis_names)
+    grid = device_grid(spec, devices)
+    mismatch = host_mismatch(spec, grid)
+    if mismatch:
+        warnings.warn(mismatch, stacklevel=2)
+    return Mesh(grid, spec.axis_names)
 
 
 def ring(n: int, axis_name: str = "x", devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -296,4 +326,7 @@ def describe(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> str
         label = f"{outer}={r:<3d}" if outer else "ring  "
         cells = " ".join(f"{d.id:>3d}[{h}]" for d, h in zip(devs, hs))
         lines.append(f"    {label} {cells}")
+    mismatch = host_mismatch(spec, grid)
+    if mismatch:
+        lines.append(f"  warning: {mismatch}")
     return "\n".join(lines)

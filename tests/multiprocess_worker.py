@@ -26,6 +26,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -57,6 +58,22 @@ def check_mesh() -> None:
     spec = meshes.MeshSpec(
         "hier", "hierarchical", (("host", nproc), ("local", local)), devices_per_host=local
     )
+    assert meshes.host_mismatch(spec, meshes.device_grid(spec)) is None
+    # A spec whose hosts are not the real processes is built, with a warning saying so.
+    wrong = meshes.MeshSpec(
+        "wrong", "hierarchical", (("host", 1), ("local", nproc * local)),
+        devices_per_host=nproc * local,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        meshes.build(wrong)
+    expected = (
+        f"mesh 'wrong' expects {nproc * local} devices per host, but its devices come from "
+        f"{nproc} processes with {local} each"
+    )
+    assert [str(w.message)[: len(expected)] for w in caught] == [expected], caught
+    assert f"jaxdist.meshes.hierarchical({nproc}, {local})" in str(caught[0].message)
+    assert f"  warning: {expected}" in meshes.describe(wrong)
     if jax.process_index() == 0:
         print(meshes.describe(spec))
     print(f"CHECK mesh OK rows={rows}")

@@ -63,12 +63,17 @@ def test_detect_reads_jaxdist_env(monkeypatch):
         distributed.detect()
 
 
-def test_detect_single_process_and_slurm(monkeypatch):
+def _clear_process_group_env(monkeypatch):
+    """Remove every variable detect() reads, so the test sees a plain single machine."""
     for name in (*distributed.JAXDIST_ENV, distributed.ENV_LOCAL_DEVICES):
         monkeypatch.delenv(name, raising=False)
     for name in list(os.environ):
         if name.startswith(("SLURM_", "OMPI_", "TPU_")) or name == "KUBERNETES_SERVICE_HOST":
             monkeypatch.delenv(name)
+
+
+def test_detect_single_process_and_slurm(monkeypatch):
+    _clear_process_group_env(monkeypatch)
     assert not distributed.detect().is_multiprocess
     slurm = {
         "SLURM_JOB_ID": "7",
@@ -84,6 +89,23 @@ def test_detect_single_process_and_slurm(monkeypatch):
     assert (group.source, group.num_processes, group.is_multiprocess) == ("slurm", 2, True)
     monkeypatch.setenv("SLURM_NTASKS", "1")
     assert not distributed.detect().is_multiprocess
+
+
+def test_detect_a_cloud_tpu_vm_by_its_chips(monkeypatch):
+    from jax._src import hardware_utils
+
+    _clear_process_group_env(monkeypatch)
+    assert distributed._cloud_tpu_chips() == 0  # this machine has none
+    monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (4, None))
+    # Chips on the PCI bus: JAX is left to ask the metadata server for the workers.
+    group = distributed.detect()
+    assert (group.source, group.num_processes, group.is_multiprocess) == ("tpu", None, True)
+    # ... unless the runtime was told there is no metadata server.
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
+    assert distributed.detect().source == "none"
+    # GKE names the workers itself.
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "w0,w1,w2,w3")
+    assert distributed.detect() == distributed.ProcessGroup("tpu", num_processes=4)
 
 
 @pytest.mark.multiprocess

@@ -210,3 +210,24 @@ def test_mesh_cost_rejects_an_outer_schedule_that_is_not_one(capsys):
     argv = ["mesh", "cost", "hierarchical-2x4", "--link", "5us:1GB/s", "--inter-algorithm", "foo"]
     assert main(argv) == 2
     assert "--inter-algorithm must be one of ('native', 'ring'" in capsys.readouterr().err
+
+
+def test_host_mismatch_compares_the_spec_with_the_real_processes():
+    from types import SimpleNamespace
+
+    def grid(*processes):
+        return np.array([SimpleNamespace(process_index=p) for p in processes], dtype=object)
+
+    spec = meshes.load("hierarchical-2x4")  # 4 devices per host
+    two_of_two = grid(0, 0, 1, 1).reshape(1, 4)
+    message = meshes.host_mismatch(spec, two_of_two)
+    assert message.startswith(
+        "mesh 'hierarchical-2x4' expects 4 devices per host, but its devices come from "
+        "2 processes with 2 each"
+    ), message
+    assert message.endswith("(in code: jaxdist.meshes.hierarchical(2, 2))"), message
+    assert meshes.host_mismatch(spec, grid(0, 0, 0, 0, 1, 1, 1, 1)) is None  # real hosts of 4
+    assert meshes.host_mismatch(spec, grid(*[0] * 8)) is None  # one process: hosts emulated
+    uneven = meshes.host_mismatch(spec, grid(0, 0, 0, 1, 1, 1, 1, 1))
+    assert "with 3/5 each" in uneven and "in code" not in uneven
+    assert meshes.host_mismatch(meshes.load("ring-8"), two_of_two) is None  # no hosts declared
