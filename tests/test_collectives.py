@@ -91,10 +91,11 @@ def test_tiny_sizes(algorithm, size):
 
 
 @pytest.mark.parametrize("algorithm", ["torus2d", "hierarchical"])
-@pytest.mark.parametrize("size", [0, 1, 7])
-def test_tiny_sizes_two_level(algorithm, size):
-    mesh = meshes.hierarchical(2, 4)
-    x = random_rows(8, (size,))
+@pytest.mark.parametrize("size", [0, 1, 7, 10007])  # 10007: a prime, divides no axis
+@pytest.mark.parametrize("shape", [(2, 4), (3, 2)])
+def test_sizes_two_level(algorithm, size, shape):
+    mesh = meshes.hierarchical(*shape)
+    x = random_rows(mesh.size, (size,))
     out = per_device(mesh, lambda v: collectives.allreduce(v, ("host", "local"), algorithm), x)
     assert_allreduced(out, x)
 
