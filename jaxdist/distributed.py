@@ -35,6 +35,9 @@ ENV_PROCESS_ID = "JAXDIST_PROCESS_ID"
 ENV_LOCAL_DEVICES = "JAXDIST_LOCAL_DEVICES"
 ENV_TIMEOUT = "JAXDIST_TIMEOUT"
 JAXDIST_ENV = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+# The same three as arguments of initialize() (on the command line: --coordinator,
+# --num-processes, --process-id).
+_ARGUMENT_NAMES = ("coordinator_address", "num_processes", "process_id")
 
 DEFAULT_TIMEOUT_S = 300
 # A peer that stops sending heartbeats for this long is declared dead and the survivors fail,
@@ -151,9 +154,10 @@ def detect(
         name, count = cluster
         return ProcessGroup(name, num_processes=count, local_device_count=local_device_count)
 
+    names = JAXDIST_ENV if source == "jaxdist-env" else _ARGUMENT_NAMES
     missing = [
         n
-        for n, v in zip(JAXDIST_ENV, (coordinator_address, num_processes, process_id), strict=True)
+        for n, v in zip(names, (coordinator_address, num_processes, process_id), strict=True)
         if v is None
     ]
     if missing:

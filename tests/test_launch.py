@@ -255,3 +255,46 @@ def test_missing_peer_fails_with_a_clear_message_instead_of_hanging():
         f"expected {expected!r} in stderr, found:\n{proc.stderr[-2000:]}"
     )
     assert elapsed < 45, f"expected to give up soon after the 3 s timeout, took {elapsed:.1f} s"
+
+
+@pytest.mark.multiprocess
+def test_processes_join_by_command_line_flags():
+    """Started by hand, without `launch`: --coordinator, --num-processes and --process-id."""
+    coordinator = f"127.0.0.1:{launch.free_port()}"
+    flags = ["--cpu-devices", "1", "--coordinator", coordinator, "--num-processes", "2"]
+    procs = [
+        subprocess.Popen(
+            [*JAXDIST, *flags, "--process-id", str(i), "mesh", "show", "ring-2"],
+            env=clean_env(JAXDIST_TIMEOUT="60"),
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out
+        # One device in each process: the ring's two devices sit on hosts 0 and 1.
+        assert "fits: uses 2 of 2 cpu device(s)" in out and "[0]" in out and "[1]" in out, out
+
+
+def test_process_group_flags_reach_initialize_or_are_refused(monkeypatch, capsys):
+    from jaxdist.cli import main
+
+    seen = []
+    monkeypatch.setattr(
+        distributed, "initialize", lambda *a, **k: seen.append(a) or distributed.detect()
+    )
+    argv = ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "1", "mesh", "list"]
+    assert main(argv) == 0
+    assert seen == [("h:1", 2, 1)]
+    capsys.readouterr()
+    monkeypatch.undo()
+    # Half a process group is an error that says what is missing.
+    assert main(["--coordinator", "h:1", "mesh", "list"]) == 1
+    assert "(missing: num_processes, process_id)" in capsys.readouterr().err
+    # launch and cluster connect the processes they start; the flags have no place there.
+    assert main(["--process-id", "1", "launch", "--processes", "2", "--", "true"]) == 2
+    assert "--process-id: this command does not join a run" in capsys.readouterr().err

@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run on N forced CPU devices (sets XLA_FLAGS and JAX_PLATFORMS=cpu); "
         "for dry runs of meshes and schedules on a machine without accelerators",
     )
+    group = parser.add_argument_group(
+        "joining a multi-process run by hand (otherwise JAXDIST_* variables, SLURM, Open MPI, "
+        "Kubernetes or a Cloud TPU VM are detected; see docs/multihost.md)"
+    )
+    group.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0")
+    group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    group.add_argument("--process-id", type=int, metavar="I", help="this process, 0..N-1")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBCOMMANDS:
         importlib.import_module(module_name).register(subparsers)
@@ -67,16 +74,34 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    by_hand = {
+        "--coordinator": args.coordinator,
+        "--num-processes": args.num_processes,
+        "--process-id": args.process_id,
+    }
     if getattr(args, "joins_process_group", True):
-        # One process of many (JAXDIST_* variables from `jaxdist launch` / `cluster`, or SLURM,
-        # Open MPI, ...): join the run before the subcommand starts JAX. No-op otherwise.
+        # One process of many (the flags above, JAXDIST_* variables from `jaxdist launch` /
+        # `cluster`, or SLURM, Open MPI, ...): join the run before the subcommand starts JAX.
+        # No-op otherwise.
         from jaxdist import distributed
 
         try:
-            distributed.initialize(local_device_count=known.cpu_devices)
+            distributed.initialize(
+                args.coordinator,
+                args.num_processes,
+                args.process_id,
+                local_device_count=known.cpu_devices,
+            )
         except distributed.DistributedInitError as err:
             print(f"jaxdist: {err}", file=sys.stderr)
             return 1
+    elif given := [flag for flag, value in by_hand.items() if value is not None]:
+        print(
+            f"jaxdist: {', '.join(given)}: this command does not join a run (launch and "
+            f"cluster start and connect their own processes; data and plot run alone)",
+            file=sys.stderr,
+        )
+        return 2
     return int(args.func(args) or 0)
 
 
