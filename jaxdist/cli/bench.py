@@ -119,22 +119,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.set_defaults(func=run_train_step)
 
 
-class _UsageError(ValueError):
-    """A bad argument value: printed as one line, exit code 2."""
+def parse_algorithms(text: str) -> tuple[str, ...]:
+    """``--algorithms``: ``"all"`` or comma-separated names; ValueError for an unknown one."""
+    from jaxdist import collectives
+
+    if text == "all":
+        return collectives.ALGORITHMS
+    algorithms = tuple(a.strip() for a in text.split(",") if a.strip())
+    unknown = [a for a in algorithms if a not in collectives.ALGORITHMS]
+    if unknown:
+        raise ValueError(f"unknown algorithm(s) {unknown}; expected {collectives.ALGORITHMS}")
+    return algorithms
 
 
 def _algorithms_and_mesh(text: str, mesh_name: str):
-    """Parse ``--algorithms`` ("all" or comma-separated) and build ``--mesh``."""
-    from jaxdist import collectives, meshes
+    """Parse ``--algorithms`` and build ``--mesh``."""
+    from jaxdist import meshes
 
-    algorithms = (
-        collectives.ALGORITHMS
-        if text == "all"
-        else tuple(a.strip() for a in text.split(",") if a.strip())
-    )
-    unknown = [a for a in algorithms if a not in collectives.ALGORITHMS]
-    if unknown:
-        raise _UsageError(f"unknown algorithm(s) {unknown}; expected {collectives.ALGORITHMS}")
+    algorithms = parse_algorithms(text)
     spec = meshes.load(mesh_name)
     return algorithms, spec, meshes.build(spec)
 

@@ -88,63 +88,60 @@ def show_mesh(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cost_inputs(args: argparse.Namespace):
+    """(spec, sizes, network, algorithms, inter_algorithm) of ``mesh cost``; ValueError (or
+    MeshSpecError) naming the bad argument."""
+    from jaxdist import bench, cost_model, meshes
+    from jaxdist.cli.bench import parse_algorithms
+
+    spec = meshes.load(args.spec)
+    if len(spec.shape) == 1:
+        inner_only = {
+            "--inner-link": args.inner_link,
+            "--inner-ports": args.inner_ports,
+            "--inter-algorithm": args.inter_algorithm,
+        }
+        given = [flag for flag, value in inner_only.items() if value is not None]
+        if given:
+            raise ValueError(
+                f"only a two-axis mesh takes {', '.join(given)}; {spec.name} has one axis "
+                f"({spec.axis_names[0]}={spec.size})"
+            )
+    if spec.size < 2:
+        raise ValueError(f"{spec.name} has one device: there is nothing to allreduce")
+    sizes = bench.parse_sizes(args.bytes)
+    if min(sizes) < 1:
+        raise ValueError(f"--bytes must be at least 1 byte per device, got {args.bytes!r}")
+    inter_algorithm = args.inter_algorithm or "ring"
+    if inter_algorithm not in cost_model.ONE_DIMENSIONAL:
+        raise ValueError(
+            f"--inter-algorithm must be one of {cost_model.ONE_DIMENSIONAL}, "
+            f"got {inter_algorithm!r}"
+        )
+    outer = cost_model.parse_link(args.link, args.ports)
+    inner_ports = args.ports if args.inner_ports is None else args.inner_ports
+    inner = cost_model.parse_link(args.inner_link or args.link, inner_ports)
+    network = cost_model.Network(intra=inner, inter=outer) if len(spec.shape) == 2 else outer
+    return spec, sizes, network, parse_algorithms(args.algorithms), inter_algorithm
+
+
 def cost_on_mesh(args: argparse.Namespace) -> int:
-    from jaxdist import bench, collectives, cost_model, meshes
+    from jaxdist import bench, cost_model, meshes
 
     try:
-        spec = meshes.load(args.spec)
-        two_axes = len(spec.shape) == 2
-        if not two_axes:
-            given = [
-                flag
-                for flag, value in (
-                    ("--inner-link", args.inner_link),
-                    ("--inner-ports", args.inner_ports),
-                    ("--inter-algorithm", args.inter_algorithm),
-                )
-                if value is not None
-            ]
-            if given:
-                raise ValueError(
-                    f"only a two-axis mesh takes {', '.join(given)}; {spec.name} has one axis "
-                    f"({spec.axis_names[0]}={spec.size})"
-                )
-        if spec.size < 2:
-            raise ValueError(f"{spec.name} has one device: there is nothing to allreduce")
-        sizes = bench.parse_sizes(args.bytes)
-        if min(sizes) < 1:
-            raise ValueError(f"--bytes must be at least 1 byte per device, got {args.bytes!r}")
-        inter_algorithm = args.inter_algorithm or "ring"
-        if inter_algorithm not in cost_model.ONE_DIMENSIONAL:
-            raise ValueError(
-                f"--inter-algorithm must be one of {cost_model.ONE_DIMENSIONAL}, "
-                f"got {inter_algorithm!r}"
-            )
-        outer = cost_model.parse_link(args.link, args.ports)
-        inner_ports = args.ports if args.inner_ports is None else args.inner_ports
-        inner = cost_model.parse_link(args.inner_link or args.link, inner_ports)
-        if args.algorithms == "all":
-            algorithms = list(collectives.ALGORITHMS)
-        else:
-            algorithms = [a.strip() for a in args.algorithms.split(",")]
-        unknown = [a for a in algorithms if a not in collectives.ALGORITHMS]
-        if unknown:
-            raise ValueError(
-                f"unknown algorithm(s) {unknown}; expected names from {collectives.ALGORITHMS}"
-            )
+        spec, sizes, network, algorithms, inter_algorithm = _cost_inputs(args)
     except (meshes.MeshSpecError, ValueError) as err:
         print(f"jaxdist mesh cost: {err}", file=sys.stderr)
         return 2
-    network = cost_model.Network(intra=inner, inter=outer) if two_axes else outer
     print(f"# predicted allreduce times on {spec.name}: {spec.layout}, {spec.size} devices")
-    if two_axes:
+    if isinstance(network, cost_model.Network):
         (outer_name, outer_size), (inner_name, inner_size) = spec.axes
         flat_on = "outer" if outer_size > 1 else "inner"
-        print(f"# inner axis {inner_name}={inner_size}: {_describe(inner)}")
-        print(f"# outer axis {outer_name}={outer_size}: {_describe(outer)}")
+        print(f"# inner axis {inner_name}={inner_size}: {_describe(network.intra)}")
+        print(f"# outer axis {outer_name}={outer_size}: {_describe(network.inter)}")
         print(f"# one-axis schedules run on every device, at the {flat_on} axis's pace")
     else:
-        print(f"# links: {_describe(outer)}")
+        print(f"# links: {_describe(network)}")
     print(
         f"{'size':>8s} {'algorithm':<20s} {'time(us)':>13s} {'algbw(GB/s)':>11s} "
         f"{'busbw(GB/s)':>11s} {'x best':>7s}"
