@@ -24,20 +24,31 @@ import json
 import sys
 from pathlib import Path
 
-from jaxdist import bench, cost_model
+from jaxdist import bench, collectives, cost_model
+
+
+def _link(stored: dict, ports: int) -> cost_model.Link:
+    return cost_model.Link(stored["alpha_s"], stored["beta_s_per_byte"], ports)
 
 
 def ratios(result: dict, ports: int) -> dict[tuple[str, int], float]:
-    """(algorithm, bytes) -> measured seconds over the model's seconds with ``ports``."""
-    link = cost_model.Link(result["link"]["alpha_s"], result["link"]["beta_s_per_byte"], ports)
+    """(algorithm, bytes) -> measured seconds over the model's seconds with ``ports``; the
+    two-level schedules on the links fitted along each axis where the run recorded them."""
+    link = _link(result["link"], ports)
+    axis_links = None
+    if "inter_link" in result:
+        axis_links = cost_model.Network(
+            intra=_link(result["intra_link"], ports), inter=_link(result["inter_link"], ports)
+        )
     options = result.get("options", {})
     out = {}
     for row in result["rows"]:
+        two_level = row["algorithm"] in collectives.TWO_LEVEL and axis_links is not None
         predicted = cost_model.predict(
             row["algorithm"],
             row["nbytes"],
             tuple(result["axis_sizes"]),
-            link,
+            axis_links if two_level else link,
             inter_algorithm=options.get("inter_algorithm", "ring"),
             crossed_exchange=options.get("crossed_exchange"),
         )

@@ -92,15 +92,22 @@ class Result:
     options: dict[str, Any] = field(default_factory=dict)  # the schedule options of the run
     op: str = "sum"
     link_rate: float | None = None  # bytes/s per direction of a device's link, when known
+    # On a mesh of two axes (both > 1): the links along each, which price the two-level
+    # schedules (``link`` prices the others).
+    axis_links: cost_model.Network | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)
-        out["link"] = {
-            "alpha_s": self.link.alpha,
-            "beta_s_per_byte": self.link.beta,
-            "ports": self.link.ports,
-        }
+        out["link"] = _link_json(self.link)
+        out.pop("axis_links")
+        if self.axis_links is not None:
+            out["intra_link"] = _link_json(self.axis_links.intra)
+            out["inter_link"] = _link_json(self.axis_links.inter)
         return out
+
+
+def _link_json(link: cost_model.Link) -> dict:
+    return {"alpha_s": link.alpha, "beta_s_per_byte": link.beta, "ports": link.ports}
 
 
 def link_rate_from_environment() -> float | None:
@@ -226,26 +233,42 @@ def run(
     if "native" not in runnable:
         runnable = ["native", *runnable]
 
-    def shift(v):  # sent as the schedules send it: on two devices a shift is an exchange
-        pieces = options.get("exchange_piece_bytes", "auto")
-        ring = [(j, (j + 1) % p) for j in range(p)]
-        return collectives.permute(v, flat_axes, ring, exchange_piece_bytes=pieces)
-
     max_error = jax.jit(
         lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
     )
-    # The link the cost model uses: one ppermute shift round the ring, timed at every
-    # benchmark size plus two fixed ones so that a fit is possible even for a single size.
+    # The links the cost model uses, each fitted from one ppermute shift round a ring, timed at
+    # every benchmark size plus two fixed ones so that a fit is possible even for one size.
     fit_sizes = sorted(set(sizes) | {2**10, 2**20})
-    p2p_times = []
-    for nbytes in fit_sizes:
-        x = make_input(mesh, max(1, nbytes // dtype.itemsize), dtype, seed=nbytes)
-        p2p_times.append(_timed(per_device(mesh, shift), x, warmup, iters, False)[1])
-    link = cost_model.fit("p2p", (p,), fit_sizes, p2p_times, ports=ports)
-    say(
-        f"  point-to-point link: alpha {link.alpha * 1e6:.1f} us, "
-        f"{link.bandwidth / 1e9:.2f} GB/s, {link.ports} port(s)"
-    )
+
+    def fitted_link(axes, n: int, what: str) -> cost_model.Link:
+        def shift(v):  # sent as the schedules send it: on two devices a shift is an exchange
+            ring = [(j, (j + 1) % n) for j in range(n)]
+            pieces = options.get("exchange_piece_bytes", "auto")
+            return collectives.permute(v, axes, ring, exchange_piece_bytes=pieces)
+
+        times = []
+        for nbytes in fit_sizes:
+            x = make_input(mesh, max(1, nbytes // dtype.itemsize), dtype, seed=nbytes)
+            times.append(_timed(per_device(mesh, shift), x, warmup, iters, False)[1])
+        link = cost_model.fit("p2p", (n,), fit_sizes, times, ports=ports)
+        say(
+            f"  {what}: alpha {link.alpha * 1e6:.1f} us, {link.bandwidth / 1e9:.2f} GB/s, "
+            f"{link.ports} port(s)"
+        )
+        return link
+
+    # One-axis schedules: a shift round all devices (on a two-axis mesh its slowest hops set
+    # the pace, as they set the schedule's).
+    link = fitted_link(flat_axes, p, "point-to-point link round all devices")
+    # Two-level schedules: each axis's own links, every device sending at once (so devices
+    # that share a host's network card share it here too).
+    axis_links = None
+    if len(names) == 2 and min(mesh.devices.shape) > 1:
+        (outer, inner), (outer_size, inner_size) = names, mesh.devices.shape
+        axis_links = cost_model.Network(
+            intra=fitted_link(inner, inner_size, f"links along the inner axis {inner!r}"),
+            inter=fitted_link(outer, outer_size, f"links along the outer axis {outer!r}"),
+        )
 
     psum_or_pmean = jax.lax.pmean if op == "mean" else jax.lax.psum
     measured: dict[tuple[int, str], tuple[float, float, float]] = {}
@@ -272,11 +295,12 @@ def run(
         if algorithm not in algorithms:
             continue
         algbw, busbw = cost_model.bus_bandwidth(nbytes, seconds, p)
+        two_level = algorithm in collectives.TWO_LEVEL and axis_links is not None
         predicted = cost_model.predict(
             algorithm,
             nbytes,
             mesh.devices.shape,
-            link,
+            axis_links if two_level else link,
             inter_algorithm=inter_algorithm,
             crossed_exchange=options.get("crossed_exchange"),
         )
@@ -304,6 +328,7 @@ def run(
         op=op,
         link_rate=link_rate,
         link=link,
+        axis_links=axis_links,
         rows=rows,
         skipped=skipped,
         # JSON keeps numbers, strings and None; anything else (a dtype) as its name.
@@ -323,6 +348,13 @@ def format_table(result: Result) -> str:
         f"# fitted point-to-point link: alpha = {link.alpha * 1e6:.1f} us, "
         f"beta = 1/({link.bandwidth / 1e9:.2f} GB/s), {link.ports} port(s) per device",
     ]
+    if result.axis_links is not None:
+        outer, inner = result.axis_links.inter, result.axis_links.intra
+        lines.append(
+            f"# two-level schedules priced on the links along each axis: inner alpha = "
+            f"{inner.alpha * 1e6:.1f} us, {inner.bandwidth / 1e9:.2f} GB/s; outer alpha = "
+            f"{outer.alpha * 1e6:.1f} us, {outer.bandwidth / 1e9:.2f} GB/s"
+        )
     share = result.link_rate is not None
     if share:
         lines.append(

@@ -3,6 +3,7 @@
 import json
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -251,6 +252,20 @@ def test_bench_cli_checks_every_algorithm_against_psum(tmp_path, capsys):
             assert row["vs_psum"] == 1.0
     assert result["link"]["alpha_s"] >= 0 and result["link"]["beta_s_per_byte"] >= 0
     assert result["link"]["ports"] == 1  # forced CPU devices share one memory bus
+    # The two-level schedules are priced on links fitted along each axis, the rest on the
+    # shift round all devices.
+    flat = cost_model.Link(*(result["link"][k] for k in ("alpha_s", "beta_s_per_byte", "ports")))
+    axes = cost_model.Network(
+        intra=cost_model.Link(result["intra_link"]["alpha_s"], result["intra_link"]["beta_s_per_byte"]),
+        inter=cost_model.Link(result["inter_link"]["alpha_s"], result["inter_link"]["beta_s_per_byte"]),
+    )  # fmt: skip
+    for row in result["rows"]:
+        two_level = row["algorithm"] in ("torus2d", "hierarchical")
+        expected = cost_model.predict(
+            row["algorithm"], row["nbytes"], (4, 2), axes if two_level else flat
+        )
+        assert row["predicted_seconds"] == pytest.approx(expected), row
+    assert "two-level schedules priced on the links along each axis: inner alpha" in table
     assert "busbw(GB/s)" in table and "torus2d" in table
     assert out_png.stat().st_size > 1000
 
@@ -294,6 +309,7 @@ def test_bench_prices_the_bidirectional_ring_with_the_ports_asked_for(tmp_path, 
         assert f"{ports} port(s) per device" in capsys.readouterr().out
         result = json.loads(out_json.read_text())
         assert result["link"]["ports"] == ports
+        assert "inter_link" not in result  # one axis: one link
         link = cost_model.Link(result["link"]["alpha_s"], result["link"]["beta_s_per_byte"], ports)
         for row in result["rows"]:
             expected = cost_model.predict(row["algorithm"], row["nbytes"], (8,), link)
@@ -327,10 +343,17 @@ def test_bench_reports_busbw_as_a_share_of_the_link_rate(tmp_path, capsys, monke
     for row in result["rows"]:
         assert row["link_share"] == pytest.approx(row["busbw"] / 1e9)
         assert f"{row['link_share'] * 100:5.1f}%" in out.out
-    # ... or set by `jaxdist cluster` for the processes it starts.
+    # ... or set by `jaxdist cluster` for the processes it starts, where each host's link is
+    # its one device's ...
     monkeypatch.setenv("JAXDIST_LINK_BITS_PER_S", "1000000000")
-    code, out, result = run()
+    with monkeypatch.context() as one_device_per_host:
+        one_device_per_host.setattr(jax, "local_device_count", lambda: 1)
+        code, out, result = run()
     assert code == 0 and result["link_rate"] == 125e6
+    # ... but not where the host's devices (here 8) share its link.
+    code, out, result = run()
+    assert code == 0 and result["link_rate"] is None
+    assert "# link% left out: the 8 devices of each emulated host share its link" in out.err
     monkeypatch.setenv("JAXDIST_LINK_BITS_PER_S", "1gbit")
     code, out, _ = run()
     assert code == 2
