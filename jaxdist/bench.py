@@ -263,7 +263,8 @@ def run(
     # Two-level schedules: each axis's own links, every device sending at once (so devices
     # that share a host's network card share it here too).
     axis_links = None
-    if len(names) == 2 and min(mesh.devices.shape) > 1:
+    two_level = any(a in collectives.TWO_LEVEL for a in runnable)
+    if two_level and len(names) == 2 and min(mesh.devices.shape) > 1:
         (outer, inner), (outer_size, inner_size) = names, mesh.devices.shape
         axis_links = cost_model.Network(
             intra=fitted_link(inner, inner_size, f"links along the inner axis {inner!r}"),

@@ -55,7 +55,8 @@ class ProcessGroup:
 
     Attributes:
       source: ``"arguments"``, ``"jaxdist-env"``, or the name of a cluster JAX detects
-        (``"slurm"``, ``"ompi"``, ``"tpu"``, ``"kubernetes"``); ``"none"`` for a single process.
+        (``"slurm"``, ``"ompi"``, ``"tpu"`` (GKE), ``"tpu-vm"`` (a Cloud TPU VM, found by its
+        chips), ``"kubernetes"``); ``"none"`` for a single process.
       coordinator_address: ``host:port`` of process 0; ``None`` lets JAX find it (clusters).
       num_processes / process_id: ``None`` lets JAX find them (clusters).
       local_device_count: forced CPU devices in this process; ``None`` leaves the platform's.
@@ -83,10 +84,21 @@ def _env_int(name: str) -> int | None:
 
 
 def _cloud_tpu_chips() -> int:
-    """TPU chips attached to this machine, read from sysfs by JAX's own check (no backend)."""
-    from jax._src import hardware_utils
+    """TPU chips attached to this machine, read from sysfs by JAX's own check (no backend);
+    0 where that check is missing or sysfs cannot be read."""
+    try:
+        from jax._src import hardware_utils
 
-    return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+        return hardware_utils.num_available_tpu_chips_and_device_id()[0]
+    except (ImportError, AttributeError, OSError):
+        return 0
+
+
+def _tpu_platform_allowed() -> bool:
+    """Whether JAX may use TPUs here: not when ``JAX_PLATFORMS`` names others only (as
+    ``--cpu-devices`` does: a dry run on CPU must not join the TPU workers)."""
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    return not platforms or "tpu" in platforms.lower().split(",")
 
 
 def _detect_cluster() -> tuple[str, int | None] | None:
@@ -116,8 +128,8 @@ def _detect_cluster() -> tuple[str, int | None] | None:
     # A Cloud TPU VM (one host or a pod slice): JAX asks the VM's metadata server for the
     # workers. That query is only made where TPU chips sit on the PCI bus, and not where
     # TPU_SKIP_MDS_QUERY says there is no metadata server, as JAX itself decides.
-    if "TPU_SKIP_MDS_QUERY" not in env and _cloud_tpu_chips() > 0:
-        return "tpu", None
+    if "TPU_SKIP_MDS_QUERY" not in env and _tpu_platform_allowed() and _cloud_tpu_chips() > 0:
+        return "tpu-vm", None
     if "KUBERNETES_SERVICE_HOST" in env and "JOB_COMPLETION_INDEX" in env:  # indexed Job
         return "kubernetes", None
     return None
@@ -149,6 +161,8 @@ def detect(
         process_id = _env_int(ENV_PROCESS_ID)
     else:
         cluster = _detect_cluster()
+        if cluster is not None and cluster[0] == "tpu-vm" and local_device_count is not None:
+            cluster = None  # forced CPU devices: a dry run, not one of the TPU workers
         if cluster is None:
             return ProcessGroup("none", local_device_count=local_device_count)
         name, count = cluster
@@ -282,6 +296,15 @@ def initialize(
         )
     except Exception as err:  # XlaRuntimeError, ValueError, ... all mean "could not join"
         text = str(err)
+        if group.source == "tpu-vm" and "coordinator_address" in text:
+            # TPU chips, but JAX found no pod slice around them (no metadata server answered):
+            # run as one process, as JAX itself would without initialize().
+            print(
+                f"jaxdist: TPU chips found but no TPU pod slice ({text.strip()}); running as "
+                f"one process",
+                file=sys.stderr,
+            )
+            return ProcessGroup("none", local_device_count=group.local_device_count)
         timed_out = "DEADLINE_EXCEEDED" in text or "timed out" in text.lower()
         what = (
             f"timed out after {timeout_s} s waiting for all processes to join"
@@ -289,8 +312,8 @@ def initialize(
             else "failed to join"
         )
         raise DistributedInitError(
-            f"jaxdist: {who} {what} at coordinator {group.coordinator_address or '(auto)'}: "
-            f"{text.strip().splitlines()[0] if text.strip() else type(err).__name__}. "
+            f"{who} {what} at coordinator {group.coordinator_address or '(auto)'}: "
+            f"{text.strip().splitlines()[0].rstrip('.') if text.strip() else type(err).__name__}. "
             f"Check that process 0 is running, that every process got the same coordinator "
             f"address and process count, and that the port is reachable."
         ) from err

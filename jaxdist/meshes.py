@@ -216,6 +216,12 @@ def device_grid(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> 
     if ordered[0].platform == "tpu" and len(ordered) == spec.size:
         if jax.process_count() > 1 and spec.num_hosts and spec.num_hosts > 1:
             outer = spec.shape[0]
+            if outer % jax.process_count():
+                raise MeshDoesNotFitError(
+                    f"mesh {spec.name!r}: on TPU each process must hold whole rows, so the "
+                    f"outer axis {spec.axis_names[0]!r} ({outer}) must be a multiple of the "
+                    f"process count ({jax.process_count()})"
+                )
             dcn = (jax.process_count(),) + (1,) * (len(spec.shape) - 1)
             ici = (outer // jax.process_count(), *spec.shape[1:])
             return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=ordered)
@@ -239,11 +245,18 @@ def host_mismatch(spec: MeshSpec, grid: np.ndarray) -> str | None:
         if len(found) == 1
         else ""
     )
-    return (
+    head = (
         f"mesh {spec.name!r} expects {spec.devices_per_host} devices per host, but its devices "
-        f"come from {len(per_process)} processes with {'/'.join(map(str, found))} each, so "
-        f"its rows along {spec.axis_names[-1]!r} are not the real hosts and traffic meant to "
-        f"stay inside a host crosses between hosts{hint}"
+        f"come from {len(per_process)} processes with {'/'.join(map(str, found))} each"
+    )
+    if all(k % spec.devices_per_host == 0 for k in found):
+        return (
+            f"{head}: each process holds several of its rows, so steps along "
+            f"{spec.axis_names[0]!r} meant to cross hosts partly stay inside one{hint}"
+        )
+    return (
+        f"{head}, so its rows along {spec.axis_names[-1]!r} are not the real hosts and "
+        f"traffic meant to stay inside a host crosses between hosts{hint}"
     )
 
 

@@ -317,6 +317,13 @@ def test_bench_prices_the_bidirectional_ring_with_the_ports_asked_for(tmp_path, 
             predicted[ports, row["algorithm"]] = row["predicted_seconds"]
     # One port: the bidirectional ring is priced above the ring (more messages, same bytes).
     assert predicted[1, "bidirectional_ring"] > predicted[1, "ring"]
+    # Links along each axis are fitted only for the two-level schedules.
+    out_json = tmp_path / "ring_on_torus.json"
+    argv = ["bench", "allreduce", "--mesh", "torus-4x2", "--sizes", "1K", "--iters", "1",
+            "--algorithms", "ring", "--quiet", "--json", str(out_json)]  # fmt: skip
+    assert main(argv) == 0
+    assert "inter_link" not in json.loads(out_json.read_text())
+    capsys.readouterr()
     argv = ["bench", "allreduce", "--mesh", "ring-8", "--link-ports", "0"]
     assert main(argv) == 2
     assert "--link-ports must be at least 1, got 0" in capsys.readouterr().err

@@ -95,17 +95,33 @@ def test_detect_a_cloud_tpu_vm_by_its_chips(monkeypatch):
     from jax._src import hardware_utils
 
     _clear_process_group_env(monkeypatch)
-    assert distributed._cloud_tpu_chips() == 0  # this machine has none
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (4, None))
     # Chips on the PCI bus: JAX is left to ask the metadata server for the workers.
     group = distributed.detect()
-    assert (group.source, group.num_processes, group.is_multiprocess) == ("tpu", None, True)
-    # ... unless the runtime was told there is no metadata server.
+    assert (group.source, group.num_processes, group.is_multiprocess) == ("tpu-vm", None, True)
+    # Not for a dry run on CPU: forced CPU devices, or JAX told to use the CPU only.
+    assert distributed.detect(local_device_count=8).source == "none"
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert distributed.detect().source == "none"
+    monkeypatch.setenv("JAX_PLATFORMS", "tpu,cpu")
+    assert distributed.detect().source == "tpu-vm"
+    # Nor where the runtime was told there is no metadata server.
     monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
     assert distributed.detect().source == "none"
     # GKE names the workers itself.
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "w0,w1,w2,w3")
     assert distributed.detect() == distributed.ProcessGroup("tpu", num_processes=4)
+
+
+def test_an_unreadable_tpu_check_counts_no_chips(monkeypatch):
+    from jax._src import hardware_utils
+
+    def unreadable():
+        raise PermissionError("/sys/bus/pci/devices")
+
+    monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", unreadable)
+    assert distributed._cloud_tpu_chips() == 0
 
 
 @pytest.mark.multiprocess
@@ -285,16 +301,50 @@ def test_process_group_flags_reach_initialize_or_are_refused(monkeypatch, capsys
 
     seen = []
     monkeypatch.setattr(
-        distributed, "initialize", lambda *a, **k: seen.append(a) or distributed.detect()
+        distributed,
+        "initialize",
+        lambda *a, **k: seen.append((a, k)) or distributed.ProcessGroup("none"),
     )
-    argv = ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "1", "mesh", "list"]
-    assert main(argv) == 0
-    assert seen == [("h:1", 2, 1)]
-    capsys.readouterr()
+    monkeypatch.setattr(sys.modules["jaxdist.cli"], "force_cpu_devices", lambda n: None)
+    flags = ["--coordinator", "h:1", "--num-processes", "2", "--process-id", "1"]
+    assert main(["--cpu-devices", "2", *flags, "mesh", "list"]) == 0
+    assert seen == [(("h:1", 2, 1), {"local_device_count": 2})]
+    # The flags win over the variables `jaxdist launch` sets, and say so.
+    monkeypatch.setenv(distributed.ENV_COORDINATOR, "elsewhere:2")
+    assert main([*flags, "mesh", "list"]) == 0
+    assert seen[-1] == (("h:1", 2, 1), {"local_device_count": None})
+    assert "jaxdist: the flags override JAXDIST_COORDINATOR" in capsys.readouterr().err
     monkeypatch.undo()
-    # Half a process group is an error that says what is missing.
-    assert main(["--coordinator", "h:1", "mesh", "list"]) == 1
-    assert "(missing: num_processes, process_id)" in capsys.readouterr().err
+    # Half a process group is refused, naming the flags that are missing.
+    assert main(["--coordinator", "h:1", "mesh", "list"]) == 2
+    assert "missing: --num-processes, --process-id" in capsys.readouterr().err
     # launch and cluster connect the processes they start; the flags have no place there.
     assert main(["--process-id", "1", "launch", "--processes", "2", "--", "true"]) == 2
     assert "--process-id: this command does not join a run" in capsys.readouterr().err
+
+
+def test_tpu_chips_without_a_pod_slice_run_as_one_process(monkeypatch, capsys):
+    """JAX finds no TPU workers around the chips: one process, as plain JAX would run."""
+    import jax
+    from jax._src import xla_bridge
+
+    def no_cluster(**kwargs):
+        raise ValueError("coordinator_address should be defined.")
+
+    monkeypatch.setattr(distributed, "detect", lambda *a: distributed.ProcessGroup("tpu-vm"))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", no_cluster)
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)  # leave this process's JAX be
+    group = distributed.initialize()
+    assert group == distributed.ProcessGroup("none")
+    assert "TPU chips found but no TPU pod slice" in capsys.readouterr().err
+    # Anywhere else the same failure is an error that names the process and the coordinator.
+    monkeypatch.setattr(
+        distributed, "detect", lambda *a: distributed.ProcessGroup("slurm", num_processes=2)
+    )
+    with pytest.raises(distributed.DistributedInitError) as caught:
+        distributed.initialize()
+    message = str(caught.value)
+    assert message.startswith("process ? of 2 (from slurm) failed to join at coordinator (auto)")
+    assert "coordinator_address should be defined. Check" in message  # one period, no prefix

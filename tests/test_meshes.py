@@ -231,3 +231,23 @@ def test_host_mismatch_compares_the_spec_with_the_real_processes():
     uneven = meshes.host_mismatch(spec, grid(0, 0, 0, 1, 1, 1, 1, 1))
     assert "with 3/5 each" in uneven and "in code" not in uneven
     assert meshes.host_mismatch(meshes.load("ring-8"), two_of_two) is None  # no hosts declared
+    # Real hosts larger than the spec's: rows are parts of hosts, not spread over several.
+    larger = meshes.host_mismatch(meshes.load("hierarchical-4x2"), grid(*[0] * 4, *[1] * 4))
+    assert larger.startswith(
+        "mesh 'hierarchical-4x2' expects 2 devices per host, but its devices come from "
+        "2 processes with 4 each: each process holds several of its rows, so steps along "
+        "'host' meant to cross hosts partly stay inside one"
+    ), larger
+
+
+def test_tpu_processes_must_hold_whole_rows(monkeypatch):
+    from types import SimpleNamespace
+
+    fakes = [SimpleNamespace(platform="tpu", process_index=i // 3, id=i) for i in range(8)]
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    with pytest.raises(
+        meshes.MeshDoesNotFitError,
+        match=r"on TPU each process must hold whole rows, so the outer axis 'host' \(2\) must "
+        r"be a multiple of the process count \(3\)",
+    ):
+        meshes.device_grid(meshes.load("hierarchical-2x4"), fakes)

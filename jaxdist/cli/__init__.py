@@ -79,6 +79,21 @@ def main(argv: list[str] | None = None) -> int:
         "--num-processes": args.num_processes,
         "--process-id": args.process_id,
     }
+    given = [flag for flag, value in by_hand.items() if value is not None]
+    if given and getattr(args, "joins_process_group", True):
+        missing = [flag for flag, value in by_hand.items() if value is None]
+        if missing:
+            print(
+                f"jaxdist: --coordinator, --num-processes and --process-id go together; "
+                f"missing: {', '.join(missing)}",
+                file=sys.stderr,
+            )
+            return 2
+        from jaxdist import distributed
+
+        overridden = [name for name in distributed.JAXDIST_ENV if os.environ.get(name)]
+        if overridden:
+            print(f"jaxdist: the flags override {', '.join(overridden)}", file=sys.stderr)
     if getattr(args, "joins_process_group", True):
         # One process of many (the flags above, JAXDIST_* variables from `jaxdist launch` /
         # `cluster`, or SLURM, Open MPI, ...): join the run before the subcommand starts JAX.
@@ -95,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         except distributed.DistributedInitError as err:
             print(f"jaxdist: {err}", file=sys.stderr)
             return 1
-    elif given := [flag for flag, value in by_hand.items() if value is not None]:
+    elif given:
         print(
             f"jaxdist: {', '.join(given)}: this command does not join a run (launch and "
             f"cluster start and connect their own processes; data and plot run alone)",
