@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from jaxdist import bench, collectives, cost_model
+from jaxdist import bench, cost_model
 
 
 def _link(stored: dict, ports: int) -> cost_model.Link:
@@ -43,12 +43,11 @@ def ratios(result: dict, ports: int) -> dict[tuple[str, int], float]:
     options = result.get("options", {})
     out = {}
     for row in result["rows"]:
-        two_level = row["algorithm"] in collectives.TWO_LEVEL and axis_links is not None
         predicted = cost_model.predict(
             row["algorithm"],
             row["nbytes"],
             tuple(result["axis_sizes"]),
-            axis_links if two_level else link,
+            bench.priced_on(row["algorithm"], link, axis_links),
             inter_algorithm=options.get("inter_algorithm", "ring"),
             crossed_exchange=options.get("crossed_exchange"),
         )

@@ -124,6 +124,15 @@ def link_rate_from_environment() -> float | None:
     return int(bits) / 8
 
 
+def priced_on(
+    algorithm: str, link: cost_model.Link, axis_links: cost_model.Network | None
+) -> cost_model.Link | cost_model.Network:
+    """The links the cost model prices ``algorithm`` on in a run: the two-level schedules on
+    the links fitted along each axis where there are some, the rest on the shift round all
+    devices (see :func:`run`)."""
+    return axis_links if algorithm in collectives.TWO_LEVEL and axis_links is not None else link
+
+
 def default_ports(platform: str) -> int:
     """Messages a device can send at full rate at once, as the cost model assumes by default:
     two on TPU (a separate ICI link to each ring neighbour), one elsewhere (one NIC per host,
@@ -263,8 +272,8 @@ def run(
     # Two-level schedules: each axis's own links, every device sending at once (so devices
     # that share a host's network card share it here too).
     axis_links = None
-    two_level = any(a in collectives.TWO_LEVEL for a in runnable)
-    if two_level and len(names) == 2 and min(mesh.devices.shape) > 1:
+    runs_two_level = any(a in collectives.TWO_LEVEL for a in runnable)
+    if runs_two_level and len(names) == 2 and min(mesh.devices.shape) > 1:
         (outer, inner), (outer_size, inner_size) = names, mesh.devices.shape
         axis_links = cost_model.Network(
             intra=fitted_link(inner, inner_size, f"links along the inner axis {inner!r}"),
@@ -296,12 +305,11 @@ def run(
         if algorithm not in algorithms:
             continue
         algbw, busbw = cost_model.bus_bandwidth(nbytes, seconds, p)
-        two_level = algorithm in collectives.TWO_LEVEL and axis_links is not None
         predicted = cost_model.predict(
             algorithm,
             nbytes,
             mesh.devices.shape,
-            axis_links if two_level else link,
+            priced_on(algorithm, link, axis_links),
             inter_algorithm=inter_algorithm,
             crossed_exchange=options.get("crossed_exchange"),
         )

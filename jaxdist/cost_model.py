@@ -126,6 +126,12 @@ _LINK_FORMAT = (
 )
 
 
+def _quantity(text: str) -> tuple[float, str] | None:
+    """``"12.5 GB/s"`` -> ``(12.5, "GB/s")``; None unless ``text`` is a number and a unit."""
+    match = re.fullmatch(_NUMBER + r"\s*(\S+)", text.strip(), re.IGNORECASE)
+    return (float(match.group(1)), match.group(2)) if match else None
+
+
 def _bytes_per_second(value: float, unit: str) -> float | None:
     """``value`` in ``unit`` as bytes per second, or None for an unknown unit. ``B`` is bytes
     and ``b`` bits, whatever the case of the prefix; ``bit`` is bits in any case."""
@@ -139,8 +145,8 @@ def _bytes_per_second(value: float, unit: str) -> float | None:
 def parse_rate(text: str) -> float:
     """Bytes per second of a rate such as ``"12.5GB/s"``, ``"1gbit"`` or ``"400 Mb/s"`` (units as
     in :func:`parse_link`)."""
-    match = re.fullmatch(_NUMBER + r"\s*(\S+)", text.strip(), re.IGNORECASE)
-    rate = _bytes_per_second(float(match.group(1)), match.group(2)) if match else None
+    quantity = _quantity(text)
+    rate = _bytes_per_second(*quantity) if quantity else None
     if rate is None:
         raise ValueError(f"a rate is a number and a unit, e.g. 1gbit or 12.5GB/s (in "
                          f"{_RATE_UNITS}), got {text!r}")  # fmt: skip
@@ -158,12 +164,11 @@ def parse_link(text: str, ports: int = 1) -> Link:
     ``tc`` writes them).
     """
     latency, sep, rate = text.partition(":")
-    alpha = re.fullmatch(_NUMBER + r"\s*(\S+)", latency.strip(), re.IGNORECASE)
-    bandwidth = re.fullmatch(_NUMBER + r"\s*(\S+)", rate.strip(), re.IGNORECASE)
-    if not (sep and alpha and bandwidth) or alpha.group(2).lower() not in _SECONDS:
+    alpha, bandwidth = _quantity(latency), _quantity(rate)
+    if not (sep and alpha and bandwidth) or alpha[1].lower() not in _SECONDS:
         raise ValueError(f"{_LINK_FORMAT}; got {text!r}")
-    seconds = float(alpha.group(1)) * _SECONDS[alpha.group(2).lower()]
-    bytes_per_second = _bytes_per_second(float(bandwidth.group(1)), bandwidth.group(2))
+    seconds = alpha[0] * _SECONDS[alpha[1].lower()]
+    bytes_per_second = _bytes_per_second(*bandwidth)
     if bytes_per_second is None:
         raise ValueError(f"{_LINK_FORMAT}; got {text!r}")
     if not (math.isfinite(seconds) and math.isfinite(bytes_per_second) and bytes_per_second > 0):

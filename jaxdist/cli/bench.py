@@ -168,7 +168,8 @@ def _exchange_piece(text: str) -> int | str | None:
     return size
 
 
-def _check_inter_algorithm(name: str) -> None:
+def check_inter_algorithm(name: str) -> None:
+    """``--inter-algorithm``: a one-dimensional schedule; ValueError naming the choices."""
     from jaxdist import cost_model
 
     if name not in cost_model.ONE_DIMENSIONAL:
@@ -188,7 +189,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
         exchange_piece = _exchange_piece(args.exchange_piece)
         if args.link_ports is not None and args.link_ports < 1:
             raise ValueError(f"--link-ports must be at least 1, got {args.link_ports}")
-        _check_inter_algorithm(args.inter_algorithm)
+        check_inter_algorithm(args.inter_algorithm)
         link_rate = (
             cost_model.parse_rate(args.link_rate)
             if args.link_rate

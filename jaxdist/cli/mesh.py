@@ -92,7 +92,7 @@ def _cost_inputs(args: argparse.Namespace):
     """(spec, sizes, network, algorithms, inter_algorithm) of ``mesh cost``; ValueError (or
     MeshSpecError) naming the bad argument."""
     from jaxdist import bench, cost_model, meshes
-    from jaxdist.cli.bench import parse_algorithms
+    from jaxdist.cli.bench import check_inter_algorithm, parse_algorithms
 
     spec = meshes.load(args.spec)
     if len(spec.shape) == 1:
@@ -113,11 +113,7 @@ def _cost_inputs(args: argparse.Namespace):
     if min(sizes) < 1:
         raise ValueError(f"--bytes must be at least 1 byte per device, got {args.bytes!r}")
     inter_algorithm = args.inter_algorithm or "ring"
-    if inter_algorithm not in cost_model.ONE_DIMENSIONAL:
-        raise ValueError(
-            f"--inter-algorithm must be one of {cost_model.ONE_DIMENSIONAL}, "
-            f"got {inter_algorithm!r}"
-        )
+    check_inter_algorithm(inter_algorithm)
     outer = cost_model.parse_link(args.link, args.ports)
     inner_ports = args.ports if args.inner_ports is None else args.inner_ports
     inner = cost_model.parse_link(args.inner_link or args.link, inner_ports)
