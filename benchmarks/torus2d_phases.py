@@ -4,11 +4,15 @@
 
 On ``torus-4x2`` (axes ``y`` of 4, ``x`` of 2) ``allreduce(v, ("y", "x"), "torus2d")``
 reduce-scatters along ``x``, an axis of two, and ``("x", "y")`` along ``y``, an axis of four.
-This times both next to psum and the flat ring of 8 (all four as a mean, with the input
+This times both next to psum and the flat ring of 8 and next to the textbook three-phase
+form of the first order built from the public building blocks (reduce-scatter over ``x``,
+ring allreduce over ``y``, all-gather over ``x``), which the schedule replaced on an inner
+axis of two by one that exchanges each block of the outer ring across the pair as it
+arrives (``collectives._torus_pair_allreduce``). All five run as a mean, with the input
 donated, as a train step hands over its gradient buckets, so the result of one call is the
-input of the next), then the three phases of the first order on their own and the
-operations they are made of: a swap of half the buffer, the copy of the slice it sends, the
-addition, the final concatenation. Medians of interleaved rounds (``jaxdist.timing``), then
+input of the next. Then the three phases on their own and the operations they are made of:
+a swap of half the buffer, the copy of the slice it sends, the addition, the final
+concatenation. Medians of interleaved rounds (``jaxdist.timing``), then
 the processor time per call of each, all threads, as in ``cpu_primitives.py``.
 Phase 2 runs as a mean, so that its chained donated calls keep their values bounded, and
 phase 3 without the division; in the schedule phase 2 is a sum and phase 3 divides as it
@@ -59,6 +63,15 @@ def main() -> None:
         "torus2d mean, (x, y): inner axis of 4": (
             n,
             lambda v: collectives.allreduce(v, ("x", "y"), "torus2d", op="mean"),
+            True,
+        ),
+        "three phases in turn, (y, x)": (
+            n,
+            lambda v: collectives.all_gather(
+                collectives.allreduce(collectives.reduce_scatter(v, "x"), "y", "ring"),
+                "x",
+                divisor=8,
+            ),
             True,
         ),
         f"phase 1: reduce-scatter over x, {mib} -> {hmib:g} MiB": (

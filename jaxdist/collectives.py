@@ -332,6 +332,7 @@ def _ring_reduce_scatter(
     wire: Wire,
     unroll_limit: int,
     stride: int | None = None,
+    offset: jax.Array | None = None,
 ) -> tuple[jax.Array, ...]:
     """Reduce-scatter a flat buffer round one ring per entry of ``directions``, in lockstep.
 
@@ -342,7 +343,9 @@ def _ring_reduce_scatter(
     ``[k p, (k + 1) p)``. On a ring a device's position is ``r = direction * i mod p``. At
     step ``s`` it passes its running sum to the next position and adds its own copy of
     window ``r - s - 2`` to what it received; after ``p - 1`` steps it holds the full sum of
-    window ``r`` of its ring. Returns one shard per ring.
+    window ``r`` of its ring. Returns one shard per ring. ``offset`` (one value per device)
+    moves every window but the last that many elements later; the last one still ends at
+    the buffer's end (:func:`_torus_pair_allreduce` needs this).
     """
     p = axis_size(axis_name)
     i = lax.axis_index(axis_name)
@@ -355,7 +358,9 @@ def _ring_reduce_scatter(
 
     def own(lane: int, index) -> jax.Array:
         start = (lane * p + index % p) * stride
-        if shift:  # the last window starts early enough to end at the buffer's end
+        if offset is not None:
+            start = start + offset
+        if shift or offset is not None:  # the last window ends at the buffer's end
             start = jnp.minimum(start, flat.size - window)
         return lax.dynamic_slice_in_dim(flat, start, window)
 
@@ -765,6 +770,142 @@ def uses_crossed_exchange(
     )
 
 
+def gathers_across_pair(
+    outer_size: int, inner_size: int, inter_algorithm: str = "ring", crossed_exchange: bool = False
+) -> bool:
+    """Whether a two-level schedule runs as :func:`_torus_pair_allreduce`: on an inner axis of
+    two with a ring across the outer axis (and not as the crossed exchange)."""
+    return (
+        inner_size == 2
+        and inter_algorithm == "ring"
+        and not uses_crossed_exchange(outer_size, inner_size, inter_algorithm, crossed_exchange)
+    )
+
+
+def _torus_pair_allreduce(
+    flat: jax.Array,
+    axis_name: tuple[str, str],
+    wire: Wire,
+    unroll_limit: int,
+    divisor: int | None = None,
+) -> jax.Array:
+    """The two-level schedule on an inner axis of two with a ring of Y devices across the outer
+    axis, its last two phases interleaved:
+
+    1. reduce-scatter across the pair: each device sends the region of the buffer its partner
+       keeps and adds what arrives to its own region (one exchange of half the buffer);
+    2. ring reduce-scatter of that region along the outer axis (Y - 1 steps);
+    3. ring all-gather along the outer axis (Y - 1 steps), in which every block, the device's
+       own first, crosses the pair as soon as it is there (Y exchanges of 1/(2Y) of the
+       buffer) and both copies are written straight into the result.
+
+    Each axis carries the bytes of :func:`hierarchical_allreduce`'s three phases; only the
+    last exchange across the pair goes as Y blocks instead of one half. Every message is then
+    a buffer as it arrived and the result is written once, where the three phases gathered
+    the outer ring's blocks into a half-size buffer, sent that and concatenated it with the
+    other half: two more passes over the data (8 CPU devices, ``torus-4x2``, 16 MiB in place:
+    docs/performance.md, "torus2d on an inner axis of two").
+
+    Windows: the result is laid out as a flat ring's ``2 Y`` windows (:func:`_window_stride`),
+    window ``k Y + j`` being block ``j`` of region ``k``. Region 0 is windows ``[0, Y)``;
+    region 1 ends at the buffer's end, so it starts where window ``Y`` does less the last
+    window's ``shift``, and its windows but the last sit ``shift`` further into it.
+    """
+    outer, inner = axis_name
+    q = axis_size(outer)
+    size = flat.size
+    stride = _window_stride(size, 2 * q)
+    length = _window_length(size, 2 * q, stride)
+    region = (q - 1) * stride + length
+    second = size - region  # where region 1 starts: q * stride - shift
+    k = lax.axis_index(inner)
+    given = lax.dynamic_slice_in_dim(flat, (1 - k) * second, region)
+    kept = lax.dynamic_slice_in_dim(flat, k * second, region)
+    pair_sum = _send(given, inner, [(0, 1), (1, 0)], wire) + kept
+    shift = _last_window_shift(size, 2 * q, stride, length)
+    (shard,) = _ring_reduce_scatter(
+        pair_sum, outer, (1,), wire, unroll_limit, stride, offset=k * shift
+    )
+    return _ring_all_gather_across_pair(
+        shard, axis_name, wire, unroll_limit, size, stride, into=flat, divisor=divisor
+    )
+
+
+def _ring_all_gather_across_pair(
+    shard: jax.Array,
+    axis_name: tuple[str, str],
+    wire: Wire,
+    unroll_limit: int,
+    size: int,
+    stride: int,
+    into: jax.Array,
+    divisor: int | None = None,
+) -> jax.Array:
+    """Phase 3 of :func:`_torus_pair_allreduce`: the ring all-gather along the outer axis, in
+    which every block is exchanged across the inner pair as it arrives and both copies are
+    written over ``into``.
+
+    What goes on round the ring is the block that just came across the pair, so each swap
+    waits for the ring step before it and each ring step for the swap before it. Forwarding
+    the block that arrived round the ring instead left consecutive swaps independent of each
+    other; over gloo, where a ppermute between two processes is matched by its source alone,
+    two swaps sent in pieces (loops) then ran at once and took each other's pieces
+    (8 processes, 16 MiB in 256 KiB pieces: wrong sums).
+
+    The device at ring position ``y`` starts with block ``y`` of its own region ``k``; the
+    block arriving at step ``t`` is block ``y - t`` of region ``k + t`` (mod 2), and its
+    partner's is the same block of the other region. Each window contributes its first
+    ``stride`` elements (the last window, which starts ``shift`` early, from its
+    ``shift``-th), and the last window's overhang past ``2 Y stride`` is written once all
+    steps are done, so every element of the result comes from exactly one window and every
+    device ends with the same bits.
+    """
+    outer, inner = axis_name
+    q = axis_size(outer)
+    count = 2 * q
+    shift = _last_window_shift(size, count, stride, shard.size)
+    overhang = size - count * stride
+    y, k = lax.axis_index(outer), lax.axis_index(inner)
+
+    def place(gathered, window, block):
+        if shift:
+            head = lax.dynamic_slice_in_dim(block, jnp.where(window == count - 1, shift, 0), stride)
+        else:
+            head = block[:stride]
+        return lax.dynamic_update_slice_in_dim(
+            gathered, _divided(head, divisor), window * stride, 0
+        )
+
+    def cross(t, gathered, kept, block):
+        """Exchange the block of step ``t`` across the pair and write both copies."""
+        region, j = (k + t) % 2, (y - t) % q
+        partner = _send(block, inner, [(0, 1), (1, 0)], wire)
+        gathered = place(gathered, region * q + j, block)
+        gathered = place(gathered, (1 - region) * q + j, partner)
+        if overhang:  # a cond, not a select: see _ring_all_gather's last_overhang
+            kept = lax.cond(
+                j == q - 1,
+                lambda: jnp.where(region == 1, block, partner)[shift + stride :],
+                lambda: kept,
+            )
+        return gathered, kept, partner
+
+    def step(s, carry):
+        gathered, kept, crossed = carry
+        arrived = _shift(crossed, outer, 1, wire)
+        return cross(s + 1, gathered, kept, arrived)
+
+    block = _as_sent(shard, wire)
+    kept = jnp.zeros_like(block[shift + stride :]) if overhang else None
+    carry = cross(0, into, kept, block)
+    gathered, kept, _ = _repeat(q - 1, step, carry, unroll_limit)
+    if overhang:
+        gathered = lax.dynamic_update_slice_in_dim(
+            gathered, _divided(kept, divisor), count * stride, 0
+        )
+    return gathered
+
+
 def torus2d_allreduce(
     flat: jax.Array,
     axis_name: tuple[str, str],
@@ -781,7 +922,8 @@ def torus2d_allreduce(
        with 1/X of the data, summed over its row;
     2. ring allreduce of that 1/X along the outer axis (each column of Y devices);
     3. all-gather along the inner axis.
-    Latency steps: 2(X-1) + 2(Y-1) instead of 2(XY-1) for one flat ring. With an outer axis
+    Latency steps: 2(X-1) + 2(Y-1) instead of 2(XY-1) for one flat ring (on an inner axis of
+    two, 1 + Y + 2(Y-1): :func:`_torus_pair_allreduce` interleaves steps 2 and 3). With an outer axis
     of two, ``crossed_exchange=True`` runs step 2 as :func:`_crossed_pair_sum` (off by
     default; on a torus both axes are network links, so its extra hop along the inner axis
     crosses the network too, and on a TPU torus it is not even a neighbour link).
@@ -819,7 +961,8 @@ def hierarchical_allreduce(
     3. all-gather inside each host.
     With ``inter_algorithm="ring"`` this is the 2-D torus schedule; the point of the name is
     the link classes: the cost model prices steps 1 and 3 on intra-host links and step 2 on
-    inter-host links.
+    inter-host links. On two devices per host with a ring across hosts, step 3 is
+    interleaved with the ring's all-gather (:func:`_torus_pair_allreduce`).
     """
     host, local = axis_name
     if inter_algorithm in TWO_LEVEL or inter_algorithm not in ALGORITHMS:
@@ -833,6 +976,10 @@ def hierarchical_allreduce(
         unroll_limit=unroll_limit,
     )
     wire = Wire(transfer_dtype, exchange_piece_bytes)
+    if gathers_across_pair(axis_size(host), axis_size(local), inter_algorithm, crossed_exchange):
+        buffer = _windowed(flat, 2 * axis_size(host))
+        summed = _torus_pair_allreduce(buffer, axis_name, wire, unroll_limit, divisor)
+        return _cut(summed, flat.size)
     buffer = _windowed(flat, axis_size(local))
     (host_sum,) = _ring_reduce_scatter(buffer, local, (1,), wire, unroll_limit)
     if uses_crossed_exchange(axis_size(host), axis_size(local), inter_algorithm, crossed_exchange):

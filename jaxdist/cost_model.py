@@ -23,6 +23,7 @@ halving_doubling       2 log2 p                    2(p-1)/p
 parameter_server       2(p-1)                      2(p-1)     (the server's link)
 torus2d / hierarchical intra 2(X-1), inter 2(Y-1)  intra 2(X-1)/X, inter 2(Y-1)/(XY)
 ... crossed, Y = 2     intra 2X-1, inter 1         intra (2X-1)/X, inter 1/X
+... X = 2, ring        intra 1 + Y, inter 2(Y-1)   intra 1, inter (Y-1)/Y
 native (psum)          modelled as ring: XLA/NCCL use rings for large messages
 =====================  ==========================  ======================================
 
@@ -34,9 +35,12 @@ at full rate at once and the bandwidth term halves.
 
 The crossed exchange (``collectives._crossed_pair_sum``, ``crossed_exchange=True`` on two hosts)
 runs the step between the hosts once instead of twice and adds one hop inside host 0.
+On an inner axis of two with a ring across the outer axis, the pair's all-gather goes as one
+exchange per block of the outer ring's all-gather (``collectives._torus_pair_allreduce``):
+Y exchanges instead of one, the same bytes.
 
-For ``torus2d`` the sum over both classes is 2(X+Y-2) alpha + 2(XY-1)/(XY) S beta, the same
-bandwidth term as a flat ring with far fewer latency steps. A one-dimensional schedule that
+For ``torus2d`` the sum over both classes is 2(X+Y-2) alpha + 2(XY-1)/(XY) S beta (3Y-1
+alpha when X = 2), the same bandwidth term as a flat ring with far fewer latency steps. A one-dimensional schedule that
 spans a two-axis mesh runs every step over the slowest link it crosses, so it is priced on
 ``"inter"`` (on ``"intra"`` when the outer axis has one device).
 
@@ -55,7 +59,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxdist.collectives import ALGORITHMS, TWO_LEVEL, option_default, uses_crossed_exchange
+from jaxdist.collectives import (
+    ALGORITHMS,
+    TWO_LEVEL,
+    gathers_across_pair,
+    option_default,
+    uses_crossed_exchange,
+)
 
 ONE_DIMENSIONAL = tuple(a for a in ALGORITHMS if a not in TWO_LEVEL)
 
@@ -236,10 +246,13 @@ def terms(
         if len(sizes) != 2:
             raise ValueError(f"{algorithm} needs two axes (outer, inner), got sizes {sizes}")
         outer, inner = sizes
-        intra = [Term("intra", 2 * (inner - 1), 2 * (inner - 1) / inner)] if inner > 1 else []
         inter_alg = "ring" if algorithm == "torus2d" else inter_algorithm
         if crossed_exchange is None:
             crossed_exchange = option_default(algorithm, "crossed_exchange")
+        intra = [Term("intra", 2 * (inner - 1), 2 * (inner - 1) / inner)] if inner > 1 else []
+        if gathers_across_pair(outer, inner, inter_alg, crossed_exchange):
+            # The pair's all-gather goes as one exchange per block of the outer ring.
+            intra = [Term("intra", 1 + outer, 1)]
         if uses_crossed_exchange(outer, inner, inter_alg, crossed_exchange):
             return [*intra, Term("intra", 1, 1 / inner), Term("inter", 1, 1 / inner)]
         # The outer allreduce moves only 1/inner of the data.

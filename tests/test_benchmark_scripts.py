@@ -72,6 +72,7 @@ def test_torus2d_phases_prints_the_schedule_and_its_phases():
         "ring mean over all 8",
         "torus2d mean, (y, x): inner axis of 2",
         "torus2d mean, (x, y): inner axis of 4",
+        "three phases in turn, (y, x)",
         "phase 1: reduce-scatter over x, 1 -> 0.5 MiB",
         "phase 2: ring mean over y of 0.5 MiB",
         "phase 3: all-gather over x, 0.5 -> 1 MiB",

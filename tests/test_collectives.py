@@ -368,6 +368,92 @@ def test_sizes_that_do_not_divide_are_not_padded(algorithm):
         assert " copy(" not in text
 
 
+@pytest.mark.parametrize("algorithm", ["torus2d", "hierarchical"])
+def test_an_inner_pair_exchanges_each_block_of_the_outer_ring_as_it_arrives(algorithm):
+    # On an inner axis of two, gathering the outer ring's blocks into a half-size buffer and
+    # then swapping that half and concatenating it with the other cost two more passes over
+    # the data (torus2d in place on torus-4x2, 16 MiB: docs/performance.md, "torus2d on an
+    # inner axis of two"). The pair now exchanges half the buffer once (the reduce-scatter),
+    # then every block of the outer ring's all-gather as it arrives, written straight into
+    # the donated input: no concatenation, no copy.
+    mesh = meshes.torus2d(4, 2)
+    spec = P(("y", "x"))
+    pair = "{{0,1},{1,0},{2,3},{3,2},{4,5},{5,4},{6,7},{7,6}}"
+    for count in (8 * 4096, 8 * 4096 + 3):
+        body = jax.shard_map(
+            lambda v: collectives.allreduce(v[0], ("y", "x"), algorithm, op="mean")[None],
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+        )
+        x = jax.device_put(random_rows(8, (count,)), NamedSharding(mesh, spec))
+        text = jax.jit(body, donate_argnums=0).lower(x).compile().as_text()
+        sent = re.findall(
+            r"= f32\[(\d+)\]\S* collective-permute\(.*source_target_pairs=(\S+),", text
+        )
+        across_pair = sorted(int(n) for n, pairs in sent if pairs == pair)
+        block = min(int(n) for n, _ in sent)  # one of the outer ring's 8 windows
+        assert across_pair[:-1] == [block] * 4 and across_pair[-1] >= count // 2, across_pair
+        assert " concatenate(" not in text and " copy(" not in text
+
+
+def test_an_inner_pairs_swaps_wait_for_each_other():
+    # Over gloo a ppermute between two processes is matched by its source alone, so two swaps
+    # across the pair must never be in flight at once: when the ring forwarded the block that
+    # had arrived round it, consecutive swaps were independent, and on 8 processes in
+    # 256 KiB pieces they took each other's pieces (wrong sums). The ring now forwards the
+    # block that came across the pair, so every ring step of the all-gather sends a swap's
+    # result and every swap but the first sends a ring step's.
+    mesh = meshes.torus2d(4, 2)
+    spec = P(("y", "x"))
+    body = jax.shard_map(
+        lambda v: collectives.allreduce(v[0], ("y", "x"), "torus2d")[None],
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+    )
+    x = jax.device_put(random_rows(8, (8 * 4096,)), NamedSharding(mesh, spec))
+    text = jax.jit(body).lower(x).compile().as_text()
+    pair = "{{0,1},{1,0},{2,3},{3,2},{4,5},{5,4},{6,7},{7,6}}"
+    sends = {
+        name: (operand, pairs == pair)
+        for name, operand, pairs in re.findall(
+            r"%(\S+) = f32\[4096\]\S* collective-permute\(%(\S+)\).*source_target_pairs=(\S+),",
+            text,
+        )
+    }
+    # The all-gather's messages: those that send another message's result.
+    chained = {name: sends[operand] for name, (operand, _) in sends.items() if operand in sends}
+    across = [name for name, (_, is_pair) in sends.items() if is_pair]
+    assert len(across) == 4 and sum(name in chained for name in across) == 3, sends
+    assert len(chained) == 6, f"expected 3 swaps and 3 ring steps chained, found {chained}"
+    for name, (_, sent_is_pair) in chained.items():
+        assert sent_is_pair != sends[name][1], f"{name} sends a message of its own kind: {sends}"
+
+
+@pytest.mark.parametrize("rows", [3, 4])
+def test_an_inner_pair_lays_its_windows_out_as_a_flat_ring(rows):
+    # The pair's two regions hold the outer ring's windows; region 1 ends at the buffer's end,
+    # so at sizes whose last window starts early its windows sit that far into it. Sizes
+    # around those boundaries, a mean and bf16 messages: every device with the same bits.
+    mesh = meshes.torus2d(rows, 2)
+    count = 2 * rows
+    for size in (count - 1, count, 16 * count - 1, 16 * count + 5, 16 * 7 * count + 17, 1000):
+        x = random_rows(mesh.size, (size,), seed=size)
+        out = per_device(
+            mesh,
+            lambda v: collectives.allreduce(
+                v, ("y", "x"), "torus2d", op="mean", transfer_dtype=jnp.bfloat16
+            ),
+            x,
+        )
+        for device, row in enumerate(out[1:], start=1):
+            np.testing.assert_array_equal(row, out[0], err_msg=f"size {size}: device {device}")
+        assert_allreduced(out, x, op="mean", rtol=0, atol=0.2 / mesh.size)
+        exact = per_device(mesh, lambda v: collectives.allreduce(v, ("y", "x"), "torus2d"), x)
+        assert_allreduced(exact, x)
+
+
 def test_bidirectional_ring_concatenates_whole_blocks_at_sizes_that_do_not_divide():
     # Its unrolled all-gather concatenates the blocks. XLA:CPU turns a concatenation of
     # slices into a slower loop (in place on 8 devices, 64 MiB + 4 bytes each: 376 ms

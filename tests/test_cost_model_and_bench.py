@@ -22,9 +22,12 @@ S = 64 * 2**20
         ("halving_doubling", (8,), 6, 2 * 7 / 8),
         ("parameter_server", (8,), 14, 14),
         # 2-D torus: 2(X+Y-2) steps and 2(XY-1)/(XY) volume (REFERENCE §5)
-        ("torus2d", (4, 2), 2 * (2 + 4 - 2), 2 * 7 / 8),
+        ("torus2d", (2, 4), 2 * (2 + 4 - 2), 2 * 7 / 8),
         ("torus2d", (48, 72), 2 * (72 + 48 - 2), 2 * (3456 - 1) / 3456),
-        ("hierarchical", (4, 2), 2 * (4 + 2 - 2), 2 * 7 / 8),
+        ("hierarchical", (2, 4), 2 * (4 + 2 - 2), 2 * 7 / 8),
+        # An inner pair exchanges once per block of the outer ring's all-gather: 3Y - 1 steps.
+        ("torus2d", (4, 2), 3 * 4 - 1, 2 * 7 / 8),
+        ("hierarchical", (4, 2), 3 * 4 - 1, 2 * 7 / 8),
     ],
 )
 def test_terms_match_the_reference_formulas(algorithm, sizes, steps, volume):
