@@ -398,12 +398,11 @@ def test_an_inner_pair_exchanges_each_block_of_the_outer_ring_as_it_arrives(algo
 
 
 def test_an_inner_pairs_swaps_wait_for_each_other():
-    # Over gloo a ppermute between two processes is matched by its source alone, so two swaps
-    # across the pair must never be in flight at once: when the ring forwarded the block that
-    # had arrived round it, consecutive swaps were independent, and on 8 processes in
-    # 256 KiB pieces they took each other's pieces (wrong sums). The ring now forwards the
-    # block that came across the pair, so every ring step of the all-gather sends a swap's
-    # result and every swap but the first sends a ring step's.
+    # When the ring forwarded the block that had arrived round it, consecutive swaps across
+    # the pair were independent of each other and of the ring steps, and over gloo (8
+    # processes, swaps in a loop of 256 KiB pieces) most sums came out wrong. The ring now
+    # forwards the block that came across the pair, so every ring step of the all-gather sends
+    # a swap's result and every swap but the first sends a ring step's: one chain.
     mesh = meshes.torus2d(4, 2)
     spec = P(("y", "x"))
     body = jax.shard_map(
