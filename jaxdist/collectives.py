@@ -819,9 +819,9 @@ def _torus_pair_allreduce(
     region = (q - 1) * stride + length
     second = size - region  # where region 1 starts: q * stride - shift
     k = lax.axis_index(inner)
-    given = lax.dynamic_slice_in_dim(flat, (1 - k) * second, region)
-    kept = lax.dynamic_slice_in_dim(flat, k * second, region)
-    pair_sum = _send(given, inner, [(0, 1), (1, 0)], wire) + kept
+    partners_region = lax.dynamic_slice_in_dim(flat, (1 - k) * second, region)
+    own_region = lax.dynamic_slice_in_dim(flat, k * second, region)
+    pair_sum = _send(partners_region, inner, [(0, 1), (1, 0)], wire) + own_region
     shift = _last_window_shift(size, 2 * q, stride, length)
     (shard,) = _ring_reduce_scatter(
         pair_sum, outer, (1,), wire, unroll_limit, stride, offset=k * shift
@@ -924,11 +924,11 @@ def torus2d_allreduce(
        with 1/X of the data, summed over its row;
     2. ring allreduce of that 1/X along the outer axis (each column of Y devices);
     3. all-gather along the inner axis.
-    Latency steps: 2(X-1) + 2(Y-1) instead of 2(XY-1) for one flat ring (on an inner axis of
-    two, 1 + Y + 2(Y-1): :func:`_torus_pair_allreduce` interleaves steps 2 and 3). With an outer axis
-    of two, ``crossed_exchange=True`` runs step 2 as :func:`_crossed_pair_sum` (off by
-    default; on a torus both axes are network links, so its extra hop along the inner axis
-    crosses the network too, and on a TPU torus it is not even a neighbour link).
+    Latency steps: 2(X-1) + 2(Y-1) instead of 2(XY-1) for one flat ring (on an inner axis
+    of two, 1 + Y + 2(Y-1): :func:`_torus_pair_allreduce` interleaves steps 2 and 3). With
+    an outer axis of two, ``crossed_exchange=True`` runs step 2 as :func:`_crossed_pair_sum`
+    (off by default; on a torus both axes are network links, so its extra hop along the inner
+    axis crosses the network too, and on a TPU torus it is not even a neighbour link).
     """
     return hierarchical_allreduce(
         flat,

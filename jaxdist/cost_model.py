@@ -40,9 +40,9 @@ exchange per block of the outer ring's all-gather (``collectives._torus_pair_all
 Y exchanges instead of one, the same bytes.
 
 For ``torus2d`` the sum over both classes is 2(X+Y-2) alpha + 2(XY-1)/(XY) S beta (3Y-1
-alpha when X = 2), the same bandwidth term as a flat ring with far fewer latency steps. A one-dimensional schedule that
-spans a two-axis mesh runs every step over the slowest link it crosses, so it is priced on
-``"inter"`` (on ``"intra"`` when the outer axis has one device).
+alpha when X = 2), the same bandwidth term as a flat ring with far fewer latency steps. A
+one-dimensional schedule that spans a two-axis mesh runs every step over the slowest link it
+crosses, so it is priced on ``"inter"`` (on ``"intra"`` when the outer axis has one device).
 
 :func:`fit` recovers ``alpha`` and ``beta`` from measured times by least squares;
 :func:`predict_all` prices every schedule on a mesh of any size (a planning preset included)
