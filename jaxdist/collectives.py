@@ -316,6 +316,16 @@ def _last_window_shift(size: int, count: int, stride: int, length: int) -> int:
     return length - (size - (count - 1) * stride)
 
 
+def _window_head(block: jax.Array, stride: int, shift: int, is_last) -> jax.Array:
+    """The ``stride`` elements of a window's ``block`` that an all-gather writes at the
+    window's start: from the ``shift``-th for the last window, which starts ``shift`` elements
+    early (:func:`_window_length`). ``is_last``: whether the block is the last window (traced),
+    or None where it cannot be."""
+    if shift and is_last is not None:
+        return lax.dynamic_slice_in_dim(block, jnp.where(is_last, shift, 0), stride)
+    return block[:stride]
+
+
 def _windowed(flat: jax.Array, count: int) -> jax.Array:
     """``flat`` itself when it has at least ``count`` elements (enough for :func:`_window_stride`),
     else zero-padded to ``count``: the ring schedules then cut the padding off their result."""
@@ -417,14 +427,11 @@ def _ring_all_gather(
     overhang = size - count * stride  # the last window's elements past count * stride
     positions = [(d * i) % p for d in directions]
 
-    def head(lane: int, index, block):
-        """The ``stride`` elements of ``block`` that go at its window's start."""
-        if shift and lane == lanes - 1:
-            return lax.dynamic_slice_in_dim(block, jnp.where(index % p == p - 1, shift, 0), stride)
-        return block[:stride]
-
     def place(gathered, lane: int, index, block):
-        block = _divided(head(lane, index, block), divisor)  # fused into the write
+        is_last = index % p == p - 1 if lane == lanes - 1 else None
+        block = _divided(
+            _window_head(block, stride, shift, is_last), divisor
+        )  # fused into the write
         return lax.dynamic_update_slice_in_dim(gathered, block, (lane * p + index % p) * stride, 0)
 
     def last_overhang(kept, index, block):
@@ -870,10 +877,7 @@ def _ring_all_gather_across_pair(
     y, k = lax.axis_index(outer), lax.axis_index(inner)
 
     def place(gathered, window, block):
-        if shift:
-            head = lax.dynamic_slice_in_dim(block, jnp.where(window == count - 1, shift, 0), stride)
-        else:
-            head = block[:stride]
+        head = _window_head(block, stride, shift, window == count - 1)
         return lax.dynamic_update_slice_in_dim(
             gathered, _divided(head, divisor), window * stride, 0
         )

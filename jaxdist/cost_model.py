@@ -249,10 +249,11 @@ def terms(
         inter_alg = "ring" if algorithm == "torus2d" else inter_algorithm
         if crossed_exchange is None:
             crossed_exchange = option_default(algorithm, "crossed_exchange")
-        intra = [Term("intra", 2 * (inner - 1), 2 * (inner - 1) / inner)] if inner > 1 else []
         if gathers_across_pair(outer, inner, inter_alg, crossed_exchange):
             # The pair's all-gather goes as one exchange per block of the outer ring.
             intra = [Term("intra", 1 + outer, 1)]
+        else:
+            intra = [Term("intra", 2 * (inner - 1), 2 * (inner - 1) / inner)] if inner > 1 else []
         if uses_crossed_exchange(outer, inner, inter_alg, crossed_exchange):
             return [*intra, Term("intra", 1, 1 / inner), Term("inter", 1, 1 / inner)]
         # The outer allreduce moves only 1/inner of the data.

@@ -38,6 +38,20 @@ def random_rows(p, shape, dtype=np.float32, seed=0):
     return np.random.default_rng(seed).standard_normal((p, *shape)).astype(dtype)
 
 
+def compiled_text(mesh, algorithm, count, op="sum", donate=True):
+    """The optimized program of ``allreduce`` over both axes of a 2-D ``mesh`` on a
+    ``(count,)`` buffer per device, its input donated unless ``donate`` is False."""
+    spec = P(("y", "x"))
+    body = jax.shard_map(
+        lambda v: collectives.allreduce(v[0], ("y", "x"), algorithm, op=op)[None],
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+    )
+    x = jax.device_put(random_rows(8, (count,)), NamedSharding(mesh, spec))
+    return jax.jit(body, donate_argnums=0 if donate else ()).lower(x).compile().as_text()
+
+
 def assert_allreduced(out, x, op="sum", rtol=1e-6, atol=1e-5):
     """Every device's output equals the float64 sum (or mean) over devices."""
     expected = x.astype(np.float64).sum(0)
@@ -354,18 +368,14 @@ def test_sizes_that_do_not_divide_are_not_padded(algorithm):
     # (halving-doubling: halves) instead, so no buffer larger than the data is ever made.
     count = 8 * 4096 + 3
     for mesh in (meshes.torus2d(4, 2), meshes.torus2d(2, 4)):
-        spec = P(("y", "x"))
-        body = jax.shard_map(
-            lambda v: collectives.allreduce(v[0], ("y", "x"), algorithm)[None],
-            mesh=mesh,
-            in_specs=spec,
-            out_specs=spec,
-        )
-        x = jax.device_put(random_rows(8, (count,)), NamedSharding(mesh, spec))
-        text = jax.jit(body, donate_argnums=0).lower(x).compile().as_text()
+        text = compiled_text(mesh, algorithm, count)
         sizes = [int(n) for n in re.findall(r"= f32\[(?:1,)?(\d+)\]", text)]
         assert max(sizes) == count, sorted(set(sizes))[-3:]
         assert " copy(" not in text
+
+
+# The pairs along `x` of torus2d(4, 2), as source_target_pairs in a compiled program.
+TORUS_4X2_PAIRS = "{{0,1},{1,0},{2,3},{3,2},{4,5},{5,4},{6,7},{7,6}}"
 
 
 @pytest.mark.parametrize("algorithm", ["torus2d", "hierarchical"])
@@ -377,21 +387,12 @@ def test_an_inner_pair_exchanges_each_block_of_the_outer_ring_as_it_arrives(algo
     # then every block of the outer ring's all-gather as it arrives, written straight into
     # the donated input: no concatenation, no copy.
     mesh = meshes.torus2d(4, 2)
-    spec = P(("y", "x"))
-    pair = "{{0,1},{1,0},{2,3},{3,2},{4,5},{5,4},{6,7},{7,6}}"
     for count in (8 * 4096, 8 * 4096 + 3):
-        body = jax.shard_map(
-            lambda v: collectives.allreduce(v[0], ("y", "x"), algorithm, op="mean")[None],
-            mesh=mesh,
-            in_specs=spec,
-            out_specs=spec,
-        )
-        x = jax.device_put(random_rows(8, (count,)), NamedSharding(mesh, spec))
-        text = jax.jit(body, donate_argnums=0).lower(x).compile().as_text()
+        text = compiled_text(mesh, algorithm, count, op="mean")
         sent = re.findall(
             r"= f32\[(\d+)\]\S* collective-permute\(.*source_target_pairs=(\S+),", text
         )
-        across_pair = sorted(int(n) for n, pairs in sent if pairs == pair)
+        across_pair = sorted(int(n) for n, pairs in sent if pairs == TORUS_4X2_PAIRS)
         block = min(int(n) for n, _ in sent)  # one of the outer ring's 8 windows
         assert across_pair[:-1] == [block] * 4 and across_pair[-1] >= count // 2, across_pair
         assert " concatenate(" not in text and " copy(" not in text
@@ -404,18 +405,9 @@ def test_an_inner_pairs_swaps_wait_for_each_other():
     # forwards the block that came across the pair, so every ring step of the all-gather sends
     # a swap's result and every swap but the first sends a ring step's: one chain.
     mesh = meshes.torus2d(4, 2)
-    spec = P(("y", "x"))
-    body = jax.shard_map(
-        lambda v: collectives.allreduce(v[0], ("y", "x"), "torus2d")[None],
-        mesh=mesh,
-        in_specs=spec,
-        out_specs=spec,
-    )
-    x = jax.device_put(random_rows(8, (8 * 4096,)), NamedSharding(mesh, spec))
-    text = jax.jit(body).lower(x).compile().as_text()
-    pair = "{{0,1},{1,0},{2,3},{3,2},{4,5},{5,4},{6,7},{7,6}}"
+    text = compiled_text(mesh, "torus2d", 8 * 4096, donate=False)
     sends = {
-        name: (operand, pairs == pair)
+        name: (operand, pairs == TORUS_4X2_PAIRS)
         for name, operand, pairs in re.findall(
             r"%(\S+) = f32\[4096\]\S* collective-permute\(%(\S+)\).*source_target_pairs=(\S+),",
             text,
@@ -460,16 +452,8 @@ def test_bidirectional_ring_concatenates_whole_blocks_at_sizes_that_do_not_divid
     # windows do not overlap but for the last, which is the one block that enters sliced:
     # one slice per concatenation (one per ring position).
     mesh = meshes.torus2d(4, 2)
-    spec = P(("y", "x"))
     for count in (8 * 4096 + 3, 10007):
-        body = jax.shard_map(
-            lambda v: collectives.allreduce(v[0], ("y", "x"), "bidirectional_ring")[None],
-            mesh=mesh,
-            in_specs=spec,
-            out_specs=spec,
-        )
-        x = jax.device_put(random_rows(8, (count,)), NamedSharding(mesh, spec))
-        text = jax.jit(body, donate_argnums=0).lower(x).compile().as_text()
+        text = compiled_text(mesh, "bidirectional_ring", count)
         concatenations = text.count(" concatenate(")
         assert concatenations == 8, concatenations
         assert text.count(" slice(") <= concatenations, (count, text.count(" slice("))
@@ -519,15 +503,7 @@ def test_a_ring_gather_refuses_windows_that_only_a_concatenation_takes():
 def _full_size_instructions(mesh, algorithm, op, count):
     """The instructions (fused bodies included) that produce a whole (count,) buffer in the
     compiled in-place allreduce on ``mesh``: each one is a pass over all of the data."""
-    spec = P(("y", "x"))
-    body = jax.shard_map(
-        lambda v: collectives.allreduce(v[0], ("y", "x"), algorithm, op=op)[None],
-        mesh=mesh,
-        in_specs=spec,
-        out_specs=spec,
-    )
-    x = jax.device_put(random_rows(8, (count,)), NamedSharding(mesh, spec))
-    text = jax.jit(body, donate_argnums=0).lower(x).compile().as_text()
+    text = compiled_text(mesh, algorithm, count, op=op)
     return re.findall(rf"= f32\[(?:1,)?{count}\]\S* (\S+?)\(", text)
 
 
