@@ -8,11 +8,11 @@ Run on the emulated cluster::
 Each link of the bidirectional ring carries its two rings' messages in opposite directions.
 Sent whole over gloo, a step's message can still sit in the socket's send buffer when its
 sender starts the next step towards its other neighbour, and two messages then share the
-host's link (docs/multihost_performance.md, section 4.1). ``jaxdist.collectives`` therefore
+host's link (docs/multihost_performance.md, section 4.1). ``jaxdist.comm.collectives`` therefore
 sends the schedule's steps in pieces of ``exchange_piece_bytes``, as it sends exchanges.
 This times the one-directional ring and the bidirectional ring with each piece size
 (``none``: whole), as a mean with the input donated, as a train step calls them (each
-call's result is the next call's input), in interleaved rounds (``jaxdist.timing``).
+call's result is the next call's input), in interleaved rounds (``jaxdist.bench.timing``).
 Process 0 prints per size and variant the median, mean and longest call and the median's
 busbw.
 """
@@ -41,7 +41,11 @@ def main() -> None:
     import numpy as np
     from jax import lax
 
-    from jaxdist import bench, collectives, distributed, meshes, timing
+    from jaxdist import meshes
+    from jaxdist.bench import allreduce as bench
+    from jaxdist.bench import timing
+    from jaxdist.comm import collectives
+    from jaxdist.runtime import distributed
 
     distributed.initialize()
     p = jax.device_count()

@@ -5,7 +5,7 @@
 Finds every 1x1 convolution of ResNet-50 at 224x224 by tracing the model (bottleneck reduce
 and expand convolutions, strided projection shortcuts), then times forward and forward +
 backward (gradients for input and kernel) of each distinct shape both ways, on one device, in
-interleaved rounds (`jaxdist.timing`); medians are printed, and the totals weight each shape by how often the
+interleaved rounds (`jaxdist.bench.timing`); medians are printed, and the totals weight each shape by how often the
 model uses it. Explains the model's share of `jaxdist bench resnet` (docs/models.md,
 docs/performance.md).
 """
@@ -64,7 +64,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from jaxdist import timing
+    from jaxdist.bench import timing
     from jaxdist.models import PointwiseConv
 
     def compiled(module: nn.Module, x: jax.Array):

@@ -35,7 +35,8 @@ def main() -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdist import collectives, meshes
+    from jaxdist import meshes
+    from jaxdist.comm import collectives
 
     p = args.devices
     n = args.mib * 2**20 // 4
@@ -83,7 +84,7 @@ def main() -> None:
 def time_and_print(runners: dict, rounds: int, what: str) -> None:
     """Time ``runners`` in interleaved rounds, then each alone for its processor time, and
     print one row per runner: median wall, mean user and system milliseconds per call."""
-    from jaxdist import timing
+    from jaxdist.bench import timing
 
     times = timing.interleaved_rounds(runners, steps=1, rounds=rounds)
     cpu = {name: processor_time(run, rounds) for name, run in runners.items()}

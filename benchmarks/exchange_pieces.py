@@ -7,10 +7,10 @@ Run on the emulated cluster::
 
 Over gloo a swap sent as one message runs one direction after the other (XLA posts the send
 before the receive, and gloo queues the later device's "ready to receive" notice behind its
-own payload; docs/multihost_performance.md, section 4.1). ``jaxdist.collectives.permute``
+own payload; docs/multihost_performance.md, section 4.1). ``jaxdist.comm.collectives.permute``
 sends an exchange as consecutive pieces of at most ``exchange_piece_bytes``. Process 0 prints,
 per piece size, the median time of ``--iters`` exchanges and the rate of each direction; the
-piece sizes are timed in interleaved rounds (``jaxdist.timing.interleaved_rounds``), so
+piece sizes are timed in interleaved rounds (``jaxdist.bench.timing.interleaved_rounds``), so
 machine noise falls on all of them alike.
 """
 
@@ -36,7 +36,11 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from jaxdist import bench, collectives, distributed, meshes, timing
+    from jaxdist import meshes
+    from jaxdist.bench import allreduce as bench
+    from jaxdist.bench import timing
+    from jaxdist.comm import collectives
+    from jaxdist.runtime import distributed
 
     distributed.initialize()
     p = jax.device_count()

@@ -24,7 +24,8 @@ import json
 import sys
 from pathlib import Path
 
-from jaxdist import bench, cost_model
+from jaxdist.bench import allreduce as bench
+from jaxdist.comm import cost_model
 
 
 def _link(stored: dict, ports: int) -> cost_model.Link:

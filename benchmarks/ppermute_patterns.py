@@ -5,7 +5,7 @@ Run it once per process, e.g. on the emulated cluster::
     sudo jaxdist cluster --hosts 4 --devices-per-host 1 --bandwidth 1gbit -- \\
         python benchmarks/ppermute_patterns.py --sizes 1K,1M,16M
 
-Every schedule in :mod:`jaxdist.collectives` is a chain of ``ppermute`` steps; over gloo each
+Every schedule in :mod:`jaxdist.comm.collectives` is a chain of ``ppermute`` steps; over gloo each
 step is one rendezvous-then-send per (source, target) pair. This script times the building
 blocks one at a time on a flat 1-D mesh of all devices, ``size`` bytes per device:
 
@@ -51,7 +51,10 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import bench, collectives, distributed, meshes
+from jaxdist import meshes
+from jaxdist.bench import allreduce as bench
+from jaxdist.comm import collectives
+from jaxdist.runtime import distributed
 
 
 def patterns(

@@ -4,7 +4,7 @@
 
 A Python loop that never reads a result queues jitted calls ahead of the one running. On 8
 forced CPU devices in one process a deep enough queue of programs with collectives hangs
-XLA:CPU's in-process rendezvous, which is why :class:`jaxdist.dispatch.InFlightWindow` limits
+XLA:CPU's in-process rendezvous, which is why :class:`jaxdist.runtime.dispatch.InFlightWindow` limits
 ``TrainStep`` and ``EvalStep`` on CPU meshes (docs/collectives.md). For each program and each
 queue depth this script runs ``--calls`` unblocked calls in a fresh process (a hang aborts the
 process, so each run needs its own) with XLA's collective timeouts cut to ``--timeout``
@@ -12,7 +12,7 @@ seconds, and reports whether the loop finished and its milliseconds per call:
 
 * ``ppermute``: a shard_map'ed ``lax.ppermute`` shift of 4 KiB per device;
 * ``psum``: a shard_map'ed ``lax.psum`` of 4 KiB per device;
-* ``train_step``: ``jaxdist.train_step.TrainStep`` with the ring allreduce on ``torus-4x2``
+* ``train_step``: ``jaxdist.training.train_step.TrainStep`` with the ring allreduce on ``torus-4x2``
   (a linear model: the step is all dispatch and collectives).
 
 Depth ``none`` is no limit (``max_in_flight=None``).
@@ -40,8 +40,9 @@ def child(program: str, depth: int | None, calls: int) -> None:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxdist import dispatch, meshes
-    from jaxdist import train_step as ts
+    from jaxdist import meshes
+    from jaxdist.runtime import dispatch
+    from jaxdist.training import train_step as ts
 
     if program == "train_step":
 

@@ -63,7 +63,10 @@ def run(mib: int, iters: int, in_place: bool) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxdist import bench, collectives, distributed, meshes
+    from jaxdist import meshes
+    from jaxdist.bench import allreduce as bench
+    from jaxdist.comm import collectives
+    from jaxdist.runtime import distributed
 
     distributed.initialize()
     p = jax.device_count()

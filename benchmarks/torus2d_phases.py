@@ -8,11 +8,11 @@ This times both next to psum and the flat ring of 8 and next to the textbook thr
 form of the first order built from the public building blocks (reduce-scatter over ``x``,
 ring allreduce over ``y``, all-gather over ``x``), which the schedule replaced on an inner
 axis of two by one that exchanges each block of the outer ring across the pair as it
-arrives (``collectives._torus_pair_allreduce``). All five run as a mean, with the input
+arrives (``collectives.torus2d.torus_pair_allreduce``). All five run as a mean, with the input
 donated, as a train step hands over its gradient buckets, so the result of one call is the
 input of the next. Then the three phases on their own and the operations they are made of:
 a swap of half the buffer, the copy of the slice it sends, the addition, the final
-concatenation. Medians of interleaved rounds (``jaxdist.timing``), then
+concatenation. Medians of interleaved rounds (``jaxdist.bench.timing``), then
 the processor time per call of each, all threads, as in ``cpu_primitives.py``.
 Phase 2 runs as a mean, so that its chained donated calls keep their values bounded, and
 phase 3 without the division; in the schedule phase 2 is a sum and phase 3 divides as it
@@ -38,7 +38,10 @@ def main() -> None:
     from cpu_primitives import time_and_print
     from jax import lax
 
-    from jaxdist import bench, collectives, meshes, timing
+    from jaxdist import meshes
+    from jaxdist.bench import allreduce as bench
+    from jaxdist.bench import timing
+    from jaxdist.comm import collectives
 
     mesh = meshes.build("torus-4x2")
     axes = tuple(mesh.axis_names)  # ("y", "x")

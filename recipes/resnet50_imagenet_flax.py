@@ -16,7 +16,7 @@ CPU smoke run:
 Hardware: TPU v3-32 or 8 GPUs. Expected: 76.5% top-1 after 100 epochs; not measured here.
 """
 
-from jaxdist.config import base_config
+from jaxdist.training.config import base_config
 
 
 def get_config():

@@ -17,7 +17,7 @@ Hardware: 256 GPUs (the paper: P100; any 256 devices with 32 images each). Expec
 top-1 after 90 epochs; about 1 hour on 256 P100 per the paper, not measured here.
 """
 
-from jaxdist.config import base_config
+from jaxdist.training.config import base_config
 
 
 def get_config():

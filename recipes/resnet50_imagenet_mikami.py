@@ -27,7 +27,7 @@ Hardware: 3,456 V100 (ABCI). Expected: 75% top-1 in about 2 minutes per the pape
 configuration itself has not been run at scale.
 """
 
-from jaxdist.config import base_config
+from jaxdist.training.config import base_config
 
 WARMUP_BATCH = 34_560  # 10 images on each of 3,456 GPUs
 

@@ -20,7 +20,7 @@ Hardware: TPU v3-1024 (the MLPerf v0.6 result: 1.28 min at this batch). Expected
 top-1 within 55-57 epochs; not measured here.
 """
 
-from jaxdist.config import base_config
+from jaxdist.training.config import base_config
 
 
 def get_config():

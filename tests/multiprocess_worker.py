@@ -3,10 +3,10 @@
 Usage: ``python tests/multiprocess_worker.py CHECK [CHECK ...]`` with CHECK one of
 
 * ``mesh``: host-aware meshes put each process's devices on one row of the inner axis;
-* ``allreduce``: every algorithm in ``jaxdist.collectives.ALGORITHMS`` against ``psum``;
+* ``allreduce``: every algorithm in ``jaxdist.comm.collectives.ALGORITHMS`` against ``psum``;
 * ``host``: inside ``jaxdist cluster``: this process's hostname is its emulated host's and
   resolves to that host's bridge address (what gloo advertises to its peers);
-* ``train``: a data-parallel :class:`jaxdist.train_step.TrainStep` (MLP with cross-replica
+* ``train``: a data-parallel :class:`jaxdist.training.train_step.TrainStep` (MLP with cross-replica
   BatchNorm) for every case in :data:`TRAIN_CASES`, each process feeding its own slice of the
   global batch; the final parameters and BatchNorm statistics go to
   ``$JAXDIST_TEST_OUT_DIR/train-<case>-p<id>.npz`` for the test to compare with one process;
@@ -37,9 +37,11 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import collectives, distributed, meshes
-from jaxdist import train_step as ts
-from jaxdist.batchnorm import CrossReplicaBatchNorm
+from jaxdist import meshes
+from jaxdist.comm import collectives
+from jaxdist.runtime import distributed
+from jaxdist.training import train_step as ts
+from jaxdist.training.batchnorm import CrossReplicaBatchNorm
 
 
 def check_mesh() -> None:
@@ -168,14 +170,14 @@ def check_allreduce(n: int = 1003) -> None:
             print(f"CHECK allreduce {algorithm} {outer}x{inner} OK max_err={err:.2g}")
         _check_exchanges_in_pieces(mesh, outer, inner)
     auto = collectives.default_exchange_piece_bytes()
-    assert auto == collectives.GLOO_EXCHANGE_PIECE_BYTES, (
-        f"expected exchanges over gloo in pieces of {collectives.GLOO_EXCHANGE_PIECE_BYTES} "
+    assert auto == collectives.wire.GLOO_EXCHANGE_PIECE_BYTES, (
+        f"expected exchanges over gloo in pieces of {collectives.wire.GLOO_EXCHANGE_PIECE_BYTES} "
         f"bytes, found {auto}"
     )
     auto = collectives.default_exchange_piece_bytes(reverse_traffic=True)
-    assert auto == collectives.GLOO_REVERSE_TRAFFIC_PIECE_BYTES, (
+    assert auto == collectives.wire.GLOO_REVERSE_TRAFFIC_PIECE_BYTES, (
         f"expected bidirectional ring steps over gloo in pieces of "
-        f"{collectives.GLOO_REVERSE_TRAFFIC_PIECE_BYTES} bytes, found {auto}"
+        f"{collectives.wire.GLOO_REVERSE_TRAFFIC_PIECE_BYTES} bytes, found {auto}"
     )
 
 
@@ -191,7 +193,7 @@ def check_host() -> None:
         f"expected host 0 coordinating, found {coordinator}"
     )
     # The link rate the bench reports busbw against: the cluster's --bandwidth.
-    from jaxdist import bench
+    from jaxdist.bench import allreduce as bench
 
     bits = os.environ["JAXDIST_LINK_BITS_PER_S"]  # empty for an uncapped cluster
     expected = int(bits) / 8 if bits else None

@@ -4,7 +4,7 @@ from fractions import Fraction
 
 import pytest
 
-from jaxdist.batch_schedule import BatchSchedule, DevicePlan, Stage, per_device_plan
+from jaxdist.training.batch_schedule import BatchSchedule, DevicePlan, Stage, per_device_plan
 
 # 1,000 samples; 128 per step for epoch [0, 1), 256 for [1, 2.5), 512 afterwards.
 # Stage 1 starts at step 8 (8 * 128 = 1,024 >= 1,000 samples: 24 samples of overshoot);

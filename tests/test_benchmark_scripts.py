@@ -134,7 +134,7 @@ def test_ring_timeline_run_under_strace_and_analyze(tmp_path):
 
 
 def test_model_check_reprices_stored_results(tmp_path):
-    from jaxdist import cost_model
+    from jaxdist.comm import cost_model
 
     # A result measured exactly at the one-port model's times.
     link = cost_model.Link(alpha=1e-4, beta=1e-9)

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.checkpoint import Checkpointer, NoCheckpointError, abstract_like
+from jaxdist.training.checkpoint import Checkpointer, NoCheckpointError, abstract_like
 
 
 def _mesh():

@@ -17,8 +17,8 @@ import uuid
 
 import pytest
 
-from jaxdist import cluster
-from jaxdist.collectives import ALGORITHMS
+from jaxdist.comm.collectives import ALGORITHMS
+from jaxdist.runtime import cluster
 from tests._procs import JAXDIST, REPO, WORKER, clean_env, processes_with_env
 
 

@@ -10,7 +10,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import collectives, meshes
+from jaxdist import meshes
+from jaxdist.comm import collectives
+from jaxdist.comm.collectives import ring_steps, windows
+from jaxdist.comm.collectives import wire as wire_module
 
 ONE_D = ("native", "ring", "bidirectional_ring", "halving_doubling", "parameter_server")
 
@@ -461,16 +464,16 @@ def test_bidirectional_ring_concatenates_whole_blocks_at_sizes_that_do_not_divid
 
 def test_whole_windows_fit_and_cover_the_buffer_once():
     # One window must be the whole buffer: rounded up it would not fit, so no stride.
-    assert collectives._whole_window_stride(17, 1) is None
-    assert collectives._whole_window_stride(32, 1) == 32
+    assert windows.whole_window_stride(17, 1) is None
+    assert windows.whole_window_stride(32, 1) == 32
     for count in range(2, 35):  # two rings of at least one device each
         for size in [*range(0, 700), 16 * count * (count - 1), 16 * count * (count - 1) - 1]:
-            stride = collectives._whole_window_stride(size, count)
+            stride = windows.whole_window_stride(size, count)
             if stride is None:
                 assert size < 16 * count * count, (size, count)  # only small buffers
                 continue
-            length = collectives._window_length(size, count, stride)
-            shift = collectives._last_window_shift(size, count, stride, length)
+            length = windows.window_length(size, count, stride)
+            shift = windows.last_window_shift(size, count, stride, length)
             assert length == stride and (stride < 16 or stride % 16 == 0), (size, count)
             # Where the reduce-scatter reads each window (the last one clamped to the end).
             starts = [min(w * stride, size - length) for w in range(count)]
@@ -487,12 +490,12 @@ def test_a_ring_gather_refuses_windows_that_only_a_concatenation_takes():
     # the gather that writes over its input would slice past the block, so it refuses them.
     mesh = meshes.ring(4)
     size = 16 * 4 * 3 + 16 * 5  # 272 elements in 4 windows of 80, the last starting at 192
-    stride = collectives._whole_window_stride(size, 4)
+    stride = windows.whole_window_stride(size, 4)
     assert stride == 80 and 4 * stride > size
-    wire = collectives.Wire()
+    wire = wire_module.Wire()
 
     def gather(v):
-        return collectives._ring_all_gather(
+        return ring_steps.ring_all_gather(
             [v[:stride]], "x", (1,), wire, collectives.UNROLL_LIMIT, size, stride
         )
 
@@ -564,7 +567,7 @@ def test_bad_op_and_options():
     with pytest.raises(TypeError, match=r"pass op='mean' instead of a divisor"):
         per_device(mesh, lambda v: collectives.allreduce(v, "x", "ring", divisor=2), x)
     for algorithm in collectives.ALGORITHMS:  # set by allreduce from op, not a user option
-        assert "divisor" not in collectives.schedule_options(algorithm)
+        assert "divisor" not in collectives.get(algorithm).option_names
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "torus2d", "halving_doubling", "parameter_server"])

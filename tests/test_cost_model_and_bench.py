@@ -7,8 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxdist import bench, cost_model, meshes
+from jaxdist import meshes
+from jaxdist.bench import allreduce as bench
 from jaxdist.cli import main
+from jaxdist.comm import cost_model
 
 LINK = cost_model.Link(alpha=10e-6, beta=1 / 10e9)
 S = 64 * 2**20
@@ -400,7 +402,7 @@ def test_bench_times_the_mean_against_pmean(tmp_path, capsys):
 
 
 def test_interleaved_rounds_alternate_the_order():
-    from jaxdist import timing
+    from jaxdist.bench import timing
 
     calls = []
     runners = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
@@ -433,7 +435,7 @@ def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
 
 
 def test_warm_up_runs_each_runner_once_plus_warmup():
-    from jaxdist import timing
+    from jaxdist.bench import timing
 
     calls, compiled = [], []
     runners = {name: (lambda name=name: calls.append(name)) for name in ("a", "b")}
@@ -447,7 +449,7 @@ def test_warm_up_runs_each_runner_once_plus_warmup():
 def test_resnet_bench_runs_end_to_end(tmp_path, capsys):
     """``bench resnet`` times jaxdist's step, the same step with 1x1 convolutions as nn.Conv,
     and the flax example's step, and rates the input pipeline."""
-    from jaxdist import resnet_bench
+    from jaxdist.bench import resnet as resnet_bench
 
     out_json = tmp_path / "resnet.json"
     argv = ["bench", "resnet", "--batch", "8", "--image-size", "16", "--width", "2",

@@ -12,9 +12,10 @@ import numpy as np
 import optax
 import pytest
 
-from jaxdist import dispatch, meshes
-from jaxdist import train_step as ts
-from jaxdist.loss_scale import DynamicLossScale
+from jaxdist import meshes
+from jaxdist.runtime import dispatch
+from jaxdist.training import train_step as ts
+from jaxdist.training.loss_scale import DynamicLossScale
 from tests._procs import REPO, clean_env
 
 
@@ -119,7 +120,9 @@ def test_many_unblocked_steps_finish_on_eight_cpu_devices():
     script = textwrap.dedent(
         """
         import jax, numpy as np, optax
-        from jaxdist import dispatch, meshes, train_step as ts
+        from jaxdist import meshes
+        from jaxdist.runtime import dispatch
+        from jaxdist.training import train_step as ts
         from tests.test_dispatch import _tiny_loss
         waits = []
         wait = dispatch.jax.block_until_ready

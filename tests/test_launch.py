@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from jaxdist import distributed, launch
 from jaxdist.cli.launch import command_after_dashes
+from jaxdist.runtime import distributed, launch
 from tests._procs import JAXDIST, REPO, WORKER, clean_env, processes_with_env
 
 PY = sys.executable

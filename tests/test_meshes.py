@@ -6,8 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxdist import cost_model, meshes
+from jaxdist import meshes
 from jaxdist.cli import main
+from jaxdist.comm import cost_model
 
 REQUIRED_PRESETS = ("ring-8", "torus-4x2", "torus-2x4", "hierarchical-2x4")
 PLANNING_PRESETS = ("abci-torus-3456", "tpu-v3-pod-1024", "dgx-h100-32x8", "dgx-h100-448x8")

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdist.collectives import ALGORITHMS
+from jaxdist.comm.collectives import ALGORITHMS
 from tests._procs import JAXDIST, REPO, WORKER, clean_env
 
 pytestmark = pytest.mark.multiprocess

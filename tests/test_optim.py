@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxdist import optim
+from jaxdist.training import optim
 
 # --------------------------------------------------------------------------- label smoothing
 

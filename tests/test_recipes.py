@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 
 from jaxdist.cli import main
-from jaxdist.config import ConfigError, apply_overrides, batch_stages, load_recipe
 from jaxdist.data.fake import write_image_folder
-from jaxdist.trainer import Trainer
+from jaxdist.training.config import ConfigError, apply_overrides, batch_stages, load_recipe
+from jaxdist.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))

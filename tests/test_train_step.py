@@ -7,10 +7,11 @@ import numpy as np
 import optax
 import pytest
 
-from jaxdist import buckets, collectives, meshes
-from jaxdist import train_step as ts
-from jaxdist.batchnorm import CrossReplicaBatchNorm, replica_mean
-from jaxdist.loss_scale import DynamicLossScale
+from jaxdist import meshes
+from jaxdist.comm import buckets, collectives
+from jaxdist.training import train_step as ts
+from jaxdist.training.batchnorm import CrossReplicaBatchNorm, replica_mean
+from jaxdist.training.loss_scale import DynamicLossScale
 
 NUM_CLASSES = 4
 STEPS = 3
@@ -367,7 +368,7 @@ def test_clear_errors():
 
 
 def test_buckets_let_xla_schedule_gradient_collectives_inside_backward():
-    from jaxdist import bench_train
+    from jaxdist.bench import train_step as bench_train
 
     mesh = meshes.torus2d(4, 2)
     small = dict(width=4, per_device_batch=2, image_size=8)

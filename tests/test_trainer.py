@@ -12,8 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxdist.config import base_config
-from jaxdist.trainer import Trainer
+from jaxdist.training.config import base_config
+from jaxdist.training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -115,7 +115,7 @@ def test_resume_after_the_ramp_continues_data_position(tmp_path):
 
 
 SIGTERM_RECIPE = """
-from jaxdist.config import base_config
+from jaxdist.training.config import base_config
 
 def get_config():
     c = base_config()

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        from jaxdist import distributed
+        from jaxdist.runtime import distributed
 
         overridden = [name for name in distributed.JAXDIST_ENV if os.environ.get(name)]
         if overridden:
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         # One process of many (the flags above, JAXDIST_* variables from `jaxdist launch` /
         # `cluster`, or SLURM, Open MPI, ...): join the run before the subcommand starts JAX.
         # No-op otherwise.
-        from jaxdist import distributed
+        from jaxdist.runtime import distributed
 
         try:
             distributed.initialize(

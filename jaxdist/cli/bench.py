@@ -121,15 +121,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def parse_algorithms(text: str) -> tuple[str, ...]:
     """``--algorithms``: ``"all"`` or comma-separated names; ValueError for an unknown one."""
-    from jaxdist import collectives
+    from jaxdist.comm import collectives
 
     if text == "all":
         return collectives.ALGORITHMS
-    algorithms = tuple(a.strip() for a in text.split(",") if a.strip())
-    unknown = [a for a in algorithms if a not in collectives.ALGORITHMS]
-    if unknown:
-        raise ValueError(f"unknown algorithm(s) {unknown}; expected {collectives.ALGORITHMS}")
-    return algorithms
+    return collectives.check_names(tuple(a.strip() for a in text.split(",") if a.strip()))
 
 
 def _algorithms_and_mesh(text: str, mesh_name: str):
@@ -153,7 +149,7 @@ def _leader_printer(enabled: bool):
 
 def _exchange_piece(text: str) -> int | str | None:
     """``--exchange-piece``: ``auto``, ``none`` or a size such as ``256K``."""
-    from jaxdist import bench
+    from jaxdist.bench import allreduce as bench
 
     if text == "auto":
         return "auto"
@@ -170,18 +166,18 @@ def _exchange_piece(text: str) -> int | str | None:
 
 def check_inter_algorithm(name: str) -> None:
     """``--inter-algorithm``: a one-dimensional schedule; ValueError naming the choices."""
-    from jaxdist import cost_model
+    from jaxdist.comm import collectives
 
-    if name not in cost_model.ONE_DIMENSIONAL:
-        raise ValueError(
-            f"--inter-algorithm must be one of {cost_model.ONE_DIMENSIONAL}, got {name!r}"
-        )
+    choices = collectives.one_dimensional()
+    if name not in choices:
+        raise ValueError(f"--inter-algorithm must be one of {choices}, got {name!r}")
 
 
 def run_allreduce(args: argparse.Namespace) -> int:
     import jax
 
-    from jaxdist import bench, cost_model
+    from jaxdist.bench import allreduce as bench
+    from jaxdist.comm import cost_model
 
     try:
         algorithms, spec, mesh = _algorithms_and_mesh(args.algorithms, args.mesh)
@@ -243,7 +239,7 @@ def run_train_step(args: argparse.Namespace) -> int:
 
     import jax
 
-    from jaxdist import bench_train
+    from jaxdist.bench import train_step as bench_train
 
     try:
         algorithms, _, mesh = _algorithms_and_mesh(args.algorithms, args.mesh)

@@ -45,7 +45,7 @@ def run_resnet(args: argparse.Namespace) -> int:
 
     import jax
 
-    from jaxdist import resnet_bench
+    from jaxdist.bench import resnet as resnet_bench
     from jaxdist.data import DataConfig
     from jaxdist.data import bench as data_bench
     from jaxdist.data.fake import write_image_folder

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxdist import cluster
 from jaxdist.cli.launch import add_supervision_arguments, command_after_dashes
+from jaxdist.runtime import cluster
 
 
 def register(subparsers) -> None:

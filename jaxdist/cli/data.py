@@ -133,7 +133,7 @@ def inspect_dataset(args: argparse.Namespace) -> int:
 
 
 def bench_pipeline(args: argparse.Namespace) -> int:
-    from jaxdist.data.bench import measure
+    from jaxdist.bench.data import measure
     from jaxdist.data.config import DataConfig
     from jaxdist.data.sources import DatasetError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jaxdist import launch
+from jaxdist.runtime import launch
 
 
 def command_after_dashes(rest: list[str]) -> list[str]:

@@ -91,8 +91,10 @@ def show_mesh(args: argparse.Namespace) -> int:
 def _cost_inputs(args: argparse.Namespace):
     """(spec, sizes, network, algorithms, inter_algorithm) of ``mesh cost``; ValueError (or
     MeshSpecError) naming the bad argument."""
-    from jaxdist import bench, cost_model, meshes
+    from jaxdist import meshes
+    from jaxdist.bench import allreduce as bench
     from jaxdist.cli.bench import check_inter_algorithm, parse_algorithms
+    from jaxdist.comm import cost_model
 
     spec = meshes.load(args.spec)
     if len(spec.shape) == 1:
@@ -122,7 +124,9 @@ def _cost_inputs(args: argparse.Namespace):
 
 
 def cost_on_mesh(args: argparse.Namespace) -> int:
-    from jaxdist import bench, cost_model, meshes
+    from jaxdist import meshes
+    from jaxdist.bench import allreduce as bench
+    from jaxdist.comm import cost_model
 
     try:
         spec, sizes, network, algorithms, inter_algorithm = _cost_inputs(args)

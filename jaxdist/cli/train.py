@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from jaxdist import config as config_lib
+    from jaxdist.training import config as config_lib
 
     try:
         path = config_lib.resolve_recipe_path(args.recipe)
@@ -45,7 +45,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(config)
         return 0
-    from jaxdist.trainer import Trainer
+    from jaxdist.training.trainer import Trainer
 
     workdir = Path(args.workdir or Path("runs") / path.stem)
     summary = Trainer(config, workdir).run()

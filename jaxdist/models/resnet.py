@@ -23,14 +23,14 @@ Design choices:
   than XLA's ``SAME`` (which pads more on the bottom/right for even inputs).
 * **1x1 convolutions as matrix products** (``pointwise_matmul``, on by default). A 1x1
   convolution is a matrix product over the channel axis; written as one (:class:`PointwiseConv`,
-  same ``kernel`` parameter of shape ``(1, 1, in, out)``, same function) XLA:CPU runs
-  ResNet-50's 1x1 convolutions 1.9-6.0x faster forward + backward than as convolutions
-  (``benchmarks/conv1x1.py``). Two of the three convolutions of every bottleneck block are
-  1x1. On GPU/TPU both forms should become the same GEMM (not measured here); set
+  same ``kernel`` parameter of shape ``(1, 1, in, out)``, same function) XLA:CPU runs them
+  several times faster forward + backward than as convolutions (``benchmarks/conv1x1.py``
+  times every 1x1 layer of ResNet-50 both ways). Two of the three convolutions of every
+  bottleneck block are 1x1. On GPU/TPU both forms should become the same GEMM; set
   ``pointwise_matmul=False`` to compare.
 * **Mixed precision.** ``dtype`` is the compute dtype (``jnp.bfloat16`` on accelerators);
   parameters stay in ``param_dtype`` (float32) and the logits come out in ``dtype``, so the
-  loss should upcast them (:func:`jaxdist.optim.smoothed_cross_entropy` does).
+  loss should upcast them (:func:`jaxdist.training.optim.smoothed_cross_entropy` does).
 """
 
 from __future__ import annotations

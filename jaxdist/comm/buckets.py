@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxdist import collectives
+from jaxdist.comm import collectives
 
 DEFAULT_BUCKET_BYTES = 16 * 2**20
 

@@ -2,14 +2,14 @@
 
 ::
 
-    config = jaxdist.config.load_recipe("recipes/mnist_small_batch.py")
+    config = jaxdist.training.config.load_recipe("recipes/mnist_small_batch.py")
     summary = Trainer(config, workdir="runs/mnist").run()
 
 Each step:
 
 1. the batch-size schedule names the step's stage; at a stage boundary the data iterator is
    rebuilt at the stream position reached (nothing dropped or repeated) and the stage's
-   :class:`~jaxdist.train_step.TrainStep` (one per accumulation setting) compiles once for the
+   :class:`~jaxdist.training.train_step.TrainStep` (one per accumulation setting) compiles once for the
    new batch shape;
 2. the learning rate is the epoch schedule at the *fractional epoch* (samples seen / dataset
    size), written into the optimizer state before the call, so it follows the samples and not
@@ -20,7 +20,7 @@ Each step:
 Around the steps: periodic evaluation (top-1/top-5 on the held-out split), progress lines,
 ``metrics.jsonl``, an MLPerf-style event log (``events.log``: ``run_start``, ``epoch_start``,
 ``eval_accuracy``, ``run_stop``; time-to-accuracy is ``run_stop - run_start`` when its
-status is ``success``) and checkpoints (:mod:`jaxdist.checkpoint`) every N steps, at the end
+status is ``success``) and checkpoints (:mod:`jaxdist.training.checkpoint`) every N steps, at the end
 and on SIGTERM. Only process 0 writes logs; every process takes part in checkpoints.
 """
 
@@ -42,14 +42,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import meshes, models, optim
-from jaxdist.batch_schedule import BatchSchedule
-from jaxdist.batchnorm import CrossReplicaBatchNorm
-from jaxdist.checkpoint import Checkpointer, PreemptionGuard, abstract_like
-from jaxdist.config import batch_stages
+from jaxdist import meshes, models
 from jaxdist.data import DataConfig, make_pipeline
 from jaxdist.data.transforms import normalize
-from jaxdist.train_step import (
+from jaxdist.training import optim
+from jaxdist.training.batch_schedule import BatchSchedule
+from jaxdist.training.batchnorm import CrossReplicaBatchNorm
+from jaxdist.training.checkpoint import Checkpointer, PreemptionGuard, abstract_like
+from jaxdist.training.config import batch_stages
+from jaxdist.training.train_step import (
     EvalStep,
     TrainState,
     TrainStep,
@@ -170,7 +171,7 @@ class RunLog:
 
 
 class Trainer:
-    """Train ``config`` (a recipe's ConfigDict, see :func:`jaxdist.config.base_config`),
+    """Train ``config`` (a recipe's ConfigDict, see :func:`jaxdist.training.config.base_config`),
     writing logs and checkpoints under ``workdir``; :meth:`run` resumes from the newest
     checkpoint there, if any."""
 

@@ -14,7 +14,7 @@ a list of :class:`Worker` and get back an exit code. Its promises:
   SIGKILLed at the end whatever happened.
 
 :func:`local_workers` builds the workers for ``jaxdist launch``: a coordinator on a free port
-of 127.0.0.1 and the ``JAXDIST_*`` variables :mod:`jaxdist.distributed` reads.
+of 127.0.0.1 and the ``JAXDIST_*`` variables :mod:`jaxdist.runtime.distributed` reads.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from jaxdist import distributed
+from jaxdist.runtime import distributed
 
 DEFAULT_GRACE_S = 5.0
 EXIT_TIMEOUT = 124

@@ -1,4 +1,4 @@
-"""Alpha-beta cost model of every allreduce schedule in :mod:`jaxdist.collectives`.
+"""Alpha-beta cost model of every allreduce schedule in :mod:`jaxdist.comm.collectives`.
 
 A message of ``S`` bytes over a link costs ``alpha + S * beta`` (latency plus bytes over
 bandwidth). Each schedule is described by its *terms*: for every class of link it uses
@@ -33,11 +33,15 @@ costs a ring's bandwidth term and twice its message count. With two (a separate 
 ring neighbour: a TPU torus's ICI links, rings of point-to-point NVLink) both directions run
 at full rate at once and the bandwidth term halves.
 
-The crossed exchange (``collectives._crossed_pair_sum``, ``crossed_exchange=True`` on two hosts)
-runs the step between the hosts once instead of twice and adds one hop inside host 0.
-On an inner axis of two with a ring across the outer axis, the pair's all-gather goes as one
-exchange per block of the outer ring's all-gather (``collectives._torus_pair_allreduce``):
-Y exchanges instead of one, the same bytes.
+The crossed exchange (:mod:`~jaxdist.comm.collectives.crossed_exchange`,
+``crossed_exchange=True`` on two hosts) runs the step between the hosts once instead of twice
+and adds one hop inside host 0. On an inner axis of two with a ring across the outer axis, the
+pair's all-gather goes as one exchange per block of the outer ring's all-gather
+(:func:`~jaxdist.comm.collectives.torus2d.torus_pair_allreduce`): Y exchanges instead of one,
+the same bytes.
+
+Each schedule's terms are written beside it, in its module's ``*_terms`` function and its
+:class:`~jaxdist.comm.collectives.Algorithm` record; this module prices them.
 
 For ``torus2d`` the sum over both classes is 2(X+Y-2) alpha + 2(XY-1)/(XY) S beta (3Y-1
 alpha when X = 2), the same bandwidth term as a flat ring with far fewer latency steps. A
@@ -59,15 +63,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxdist.collectives import (
-    ALGORITHMS,
-    TWO_LEVEL,
-    gathers_across_pair,
-    option_default,
-    uses_crossed_exchange,
-)
+from jaxdist.comm import collectives
+from jaxdist.comm.collectives import ALGORITHMS, Term
 
-ONE_DIMENSIONAL = tuple(a for a in ALGORITHMS if a not in TWO_LEVEL)
+__all__ = [
+    "Link",
+    "Network",
+    "Term",
+    "bus_bandwidth",
+    "fit",
+    "parse_link",
+    "parse_rate",
+    "predict",
+    "predict_all",
+    "terms",
+    "unsupported",
+]
 
 
 @dataclass(frozen=True)
@@ -107,23 +118,6 @@ class Network:
         if link_class == "intra" or self.inter is None:
             return self.intra
         return self.inter
-
-
-@dataclass(frozen=True)
-class Term:
-    """``steps`` sequential steps of ``lanes`` messages each that could travel at once, and
-    ``volume * S`` bytes sent in all (over every lane) over ``link_class``."""
-
-    link_class: str
-    steps: float
-    volume: float
-    lanes: int = 1
-
-    def cost_factors(self, ports: int) -> tuple[float, float]:
-        """(messages paid in sequence, multiple of ``S`` sent in sequence) on a link that
-        sends ``ports`` messages at once: the multipliers of ``alpha`` and ``S * beta``."""
-        concurrent = min(self.lanes, ports)
-        return self.steps * math.ceil(self.lanes / ports), self.volume / concurrent
 
 
 _SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ns": 1e-9}
@@ -192,39 +186,16 @@ def unsupported(
 ) -> str | None:
     """Why ``algorithm`` cannot run on a mesh with ``axis_sizes`` (``hierarchical``: with
     ``inter_algorithm`` across the outer axis), or None."""
-    if algorithm not in ALGORITHMS:
-        return f"unknown allreduce algorithm {algorithm!r}; expected one of {ALGORITHMS}"
-    if algorithm in TWO_LEVEL and len(axis_sizes) != 2:
-        return f"needs a 2-axis mesh, got axis sizes {tuple(axis_sizes)}"
-    p = math.prod(axis_sizes)
-    if algorithm == "halving_doubling" and p & (p - 1):
-        return f"needs a power-of-two device count, got {p}"
-    if algorithm == "hierarchical":
-        if inter_algorithm not in ONE_DIMENSIONAL:
-            return f"inter_algorithm must be one of {ONE_DIMENSIONAL}, got {inter_algorithm!r}"
-        outer = axis_sizes[0]
-        if inter_algorithm == "halving_doubling" and outer & (outer - 1):
-            return f"halving_doubling across the outer axis needs a power of two, got {outer}"
-    return None
+    try:
+        chosen = collectives.get(algorithm)
+    except ValueError as err:
+        return str(err)
+    return chosen.unsupported(axis_sizes, **_own_options(chosen, inter_algorithm=inter_algorithm))
 
 
-def _one_dimensional_terms(algorithm: str, p: int, link_class: str) -> list[Term]:
-    if p == 1:
-        return []
-    if algorithm in ("ring", "native"):
-        return [Term(link_class, 2 * (p - 1), 2 * (p - 1) / p)]
-    if algorithm == "bidirectional_ring":
-        if p <= 2:
-            return [Term(link_class, 2 * (p - 1), 2 * (p - 1) / p)]
-        # Two rings, one each way round, each on half of the data.
-        return [Term(link_class, 2 * (p - 1), 2 * (p - 1) / p, lanes=2)]
-    if algorithm == "halving_doubling":
-        if p & (p - 1):
-            raise ValueError(f"halving_doubling needs a power-of-two device count, got {p}")
-        return [Term(link_class, 2 * math.log2(p), 2 * (p - 1) / p)]
-    if algorithm == "parameter_server":
-        return [Term(link_class, 2 * (p - 1), 2 * (p - 1))]
-    raise ValueError(f"{algorithm!r} is not a one-dimensional schedule")
+def _own_options(chosen: collectives.Algorithm, **options) -> dict:
+    """The options among ``options`` that ``chosen`` takes (None: its default)."""
+    return {k: v for k, v in options.items() if k in chosen.options and v is not None}
 
 
 def terms(
@@ -237,35 +208,11 @@ def terms(
     """The cost terms of ``algorithm`` on a mesh with ``axis_sizes`` (outer to inner);
     ``inter_algorithm`` and ``crossed_exchange`` as for the two-level schedules (``None``:
     the schedule's own default)."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown allreduce algorithm {algorithm!r}; expected one of {ALGORITHMS}")
-    sizes = tuple(int(s) for s in axis_sizes)
-    if not sizes or any(s < 1 for s in sizes):
-        raise ValueError(f"axis sizes must be positive integers, got {axis_sizes!r}")
-    if algorithm in ("torus2d", "hierarchical"):
-        if len(sizes) != 2:
-            raise ValueError(f"{algorithm} needs two axes (outer, inner), got sizes {sizes}")
-        outer, inner = sizes
-        inter_alg = "ring" if algorithm == "torus2d" else inter_algorithm
-        if crossed_exchange is None:
-            crossed_exchange = option_default(algorithm, "crossed_exchange")
-        if gathers_across_pair(outer, inner, inter_alg, crossed_exchange):
-            # The pair's all-gather goes as one exchange per block of the outer ring.
-            intra = [Term("intra", 1 + outer, 1)]
-        else:
-            intra = [Term("intra", 2 * (inner - 1), 2 * (inner - 1) / inner)] if inner > 1 else []
-        if uses_crossed_exchange(outer, inner, inter_alg, crossed_exchange):
-            return [*intra, Term("intra", 1, 1 / inner), Term("inter", 1, 1 / inner)]
-        # The outer allreduce moves only 1/inner of the data.
-        inter = [
-            Term(t.link_class, t.steps, t.volume / inner, t.lanes)
-            for t in _one_dimensional_terms(inter_alg, outer, "inter")
-        ]
-        return intra + inter
-    # Across a two-axis mesh a one-dimensional schedule's ring crosses the outer axis's
-    # (slower) links unless that axis has a single device.
-    link_class = "inter" if len(sizes) == 2 and sizes[0] > 1 else "intra"
-    return _one_dimensional_terms(algorithm, math.prod(sizes), link_class)
+    chosen = collectives.get(algorithm)
+    options = _own_options(
+        chosen, inter_algorithm=inter_algorithm, crossed_exchange=crossed_exchange
+    )
+    return chosen.terms(axis_sizes, **options)
 
 
 def predict(

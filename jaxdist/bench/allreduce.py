@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import collectives, cost_model
+from jaxdist.comm import collectives, cost_model
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
 
@@ -130,7 +130,8 @@ def priced_on(
     """The links the cost model prices ``algorithm`` on in a run: the two-level schedules on
     the links fitted along each axis where there are some, the rest on the shift round all
     devices (see :func:`run`)."""
-    return axis_links if algorithm in collectives.TWO_LEVEL and axis_links is not None else link
+    two_level = collectives.get(algorithm).two_level
+    return axis_links if two_level and axis_links is not None else link
 
 
 def default_ports(platform: str) -> int:
@@ -220,11 +221,7 @@ def run(
     :func:`default_ports` of the mesh's platform). ``link_rate`` (bytes/s per direction of a
     device's link) adds every row's busbw as a share of it, as nccl-tests' busbw is read.
     """
-    unknown = [a for a in algorithms if a not in collectives.ALGORITHMS]
-    if unknown:
-        raise ValueError(
-            f"unknown algorithm(s) {unknown}; expected names from {collectives.ALGORITHMS}"
-        )
+    collectives.check_names(algorithms)
     if op not in ("sum", "mean"):
         raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
     options = options or {}
@@ -272,7 +269,7 @@ def run(
     # Two-level schedules: each axis's own links, every device sending at once (so devices
     # that share a host's network card share it here too).
     axis_links = None
-    runs_two_level = any(a in collectives.TWO_LEVEL for a in runnable)
+    runs_two_level = any(collectives.get(a).two_level for a in runnable)
     if runs_two_level and len(names) == 2 and min(mesh.devices.shape) > 1:
         (outer, inner), (outer_size, inner_size) = names, mesh.devices.shape
         axis_links = cost_model.Network(
@@ -287,7 +284,7 @@ def run(
         x = make_input(mesh, count, dtype, seed=nbytes)
         reference = per_device(mesh, lambda v: psum_or_pmean(v, flat_axes))(x)
         for algorithm in runnable:
-            accepted = collectives.schedule_options(algorithm)
+            accepted = collectives.get(algorithm).option_names
             opts = {k: v for k, v in options.items() if k in accepted}
             fn = per_device(
                 mesh,

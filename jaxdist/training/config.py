@@ -27,7 +27,7 @@ from typing import Any
 
 import ml_collections
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 # Top-level fields every recipe must define (base_config() has them all).
 REQUIRED_KEYS = (
@@ -187,13 +187,13 @@ def base_config() -> ml_collections.ConfigDict:
         whole data axis, 1 = per-device BN).
       data: :class:`jaxdist.data.DataConfig` fields.
       mesh: a preset in ``meshes/`` or a path to a mesh TOML; ``""`` = one axis over all devices.
-      allreduce, bucket_bytes: gradient averaging (:class:`jaxdist.train_step.TrainStep`).
+      allreduce, bucket_bytes: gradient averaging (:class:`jaxdist.training.train_step.TrainStep`).
       batch_size, batch_ramp: global batch; ``batch_ramp`` holds ``(until_epoch, batch)``
         pairs run before ``batch_size`` (see :func:`batch_stages`).
       max_per_device_batch: larger per-device batches are split into accumulation steps.
       num_epochs: training length; the LR schedule ends there.
       optimizer: ``name`` (``sgd``/``lars``) and its hyperparameters.
-      lr: ``kind`` and arguments of :func:`jaxdist.optim.lr_schedule` (in epochs).
+      lr: ``kind`` and arguments of :func:`jaxdist.training.optim.lr_schedule` (in epochs).
       label_smoothing: for the cross-entropy.
       eval_every_epochs, eval_batch_size: periodic top-1/top-5 on the held-out split.
       checkpoint: ``every_steps`` (0: only at the end), ``keep`` (last k), ``async_save``.

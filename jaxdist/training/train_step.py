@@ -2,7 +2,7 @@
 
 The five-line use::
 
-    step = jaxdist.train_step.TrainStep(loss_fn, optax.sgd(0.1, 0.9), mesh, allreduce="torus2d")
+    step = jaxdist.training.train_step.TrainStep(loss_fn, optax.sgd(0.1, 0.9), mesh, allreduce="torus2d")
     state = step.init(params, model_state)
     for batch in batches:
         state, metrics = step(state, step.shard_batch(batch), rng)
@@ -12,8 +12,8 @@ device's shard of the batch. Inside one ``jax.jit``-ed ``jax.shard_map`` program
 
 1. computes gradients on its shard (optionally summed over ``accumulation_steps`` micro-batches,
    and of a scaled loss for float16),
-2. averages them across the data axes with the chosen :mod:`jaxdist.collectives` schedule, one
-   call per gradient bucket (:mod:`jaxdist.buckets`), buckets in backward order,
+2. averages them across the data axes with the chosen :mod:`jaxdist.comm.collectives` schedule, one
+   call per gradient bucket (:mod:`jaxdist.comm.buckets`), buckets in backward order,
 3. applies the optax update -- or, with ``zero1=True``, reduce-scatters the gradients, updates
    only its own 1/p slice of the parameters and optimizer state, and all-gathers the parameters.
 
@@ -41,9 +41,10 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import buckets as bucketing
-from jaxdist import collectives, dispatch
-from jaxdist.loss_scale import DynamicLossScale, all_finite, select_tree
+from jaxdist.comm import buckets as bucketing
+from jaxdist.comm import collectives
+from jaxdist.runtime import dispatch
+from jaxdist.training.loss_scale import DynamicLossScale, all_finite, select_tree
 
 # Measurement only: skip the gradient allreduce, so each device trains on its own shard. The
 # train-step benchmark times this to split a step into compute and communication.
@@ -97,8 +98,8 @@ def donation_default(mesh: Mesh) -> bool:
 
     Donation lets XLA write the new state over the old one, which halves the state's device
     memory -- what matters on a GPU or TPU. On the CPU runtime it buys nothing (host memory)
-    and costs time: the ResNet-50 step ran 6-10% faster undonated than donated, with the same
-    compiled HLO apart from its input/output aliases (docs/performance.md, section 4).
+    and costs time: the same step runs measurably slower donated, with the same compiled HLO
+    apart from its input/output aliases (docs/performance.md has the figures).
     """
     return any(d.platform != "cpu" for d in mesh.devices.flat)
 
@@ -111,7 +112,7 @@ class TrainStep:
         device's shard; ``metrics`` is a dict of scalars.
       optimizer: any optax transformation (with ``zero1``: an element-wise one, see below).
       mesh: the device mesh; ``data_axes`` (default: all its axes) split the batch.
-      allreduce: a name from :data:`jaxdist.collectives.ALGORITHMS` (or :data:`NO_ALLREDUCE`,
+      allreduce: a name from :data:`jaxdist.comm.collectives.ALGORITHMS` (or :data:`NO_ALLREDUCE`,
         for measurements only); ``allreduce_options`` go to it (``transfer_dtype=jnp.bfloat16`` sends gradients in bf16, accumulating in float32).
       bucket_bytes: gradient fusion threshold; ``None`` or 0: one bucket for all gradients.
       accumulation_steps: micro-batches per device whose gradients are summed before one
@@ -126,7 +127,7 @@ class TrainStep:
       max_in_flight: how many calls may be queued at once; a call waits for the oldest to
         finish first. ``"auto"`` (default): 4 on CPU meshes, where deeper queues of collective
         programs can hang XLA:CPU, no limit elsewhere; ``None``: no limit. Steps on the same
-        devices with the same limit share one queue (:func:`jaxdist.dispatch.shared_window`).
+        devices with the same limit share one queue (:func:`jaxdist.runtime.dispatch.shared_window`).
     """
 
     def __init__(
@@ -145,7 +146,7 @@ class TrainStep:
         donate: bool | None = None,
         max_in_flight: dispatch.Limit = "auto",
     ):
-        if allreduce not in (*collectives.ALGORITHMS, NO_ALLREDUCE):
+        if allreduce != NO_ALLREDUCE and allreduce not in collectives.ALGORITHMS:
             raise ValueError(
                 f"unknown allreduce {allreduce!r}; expected one of {collectives.ALGORITHMS}"
             )
@@ -155,14 +156,10 @@ class TrainStep:
         self.optimizer = optimizer
         self.mesh = mesh
         self.data_axes = _data_axes(mesh, data_axes)
-        if allreduce in collectives.TWO_LEVEL and not (
-            isinstance(self.data_axes, tuple) and len(self.data_axes) == 2
-        ):
-            raise ValueError(
-                f"allreduce {allreduce!r} needs two data axes (outer, inner), got {self.data_axes!r}"
-            )
         self.allreduce = allreduce
         self.allreduce_options = dict(allreduce_options or {})
+        if allreduce != NO_ALLREDUCE:
+            self._check_allreduce(collectives.get(allreduce))
         self.bucket_bytes = bucket_bytes
         self.accumulation_steps = accumulation_steps
         self.zero1 = zero1
@@ -174,6 +171,20 @@ class TrainStep:
         self._compiled: Callable | None = None
         self._zero_size: int | None = None
         self._in_flight = dispatch.shared_window(mesh, max_in_flight)
+
+    def _check_allreduce(self, chosen: collectives.Algorithm) -> None:
+        """Refuse an algorithm that cannot run on the data axes, before anything is traced."""
+        axes = self.data_axes
+        if chosen.two_level and not (isinstance(axes, tuple) and len(axes) == 2):
+            raise ValueError(f"allreduce {chosen.name!r} needs two data axes (outer, inner), "
+                             f"got {axes!r}")  # fmt: skip
+        sizes = [self.mesh.shape[a] for a in np.atleast_1d(axes)]
+        if not chosen.two_level:
+            sizes = [int(np.prod(sizes))]
+        own = {k: v for k, v in self.allreduce_options.items() if k in chosen.options}
+        reason = chosen.unsupported(sizes, **own)
+        if reason:
+            raise ValueError(f"allreduce {chosen.name!r} cannot run over {axes!r}: {reason}")
 
     # ------------------------------------------------------------------ state and batches
 
@@ -356,10 +367,9 @@ class TrainStep:
         flat_grads, _ = ravel_pytree(grads)
         flat_params, unravel = ravel_pytree(state.params)
         options = self.allreduce_options
-        # The options the ring building blocks take; the rest belong to the full schedules.
-        ring_options = {
-            k: v for k, v in options.items() if k in ("unroll_limit", "exchange_piece_bytes")
-        }
+        # The options every schedule takes go to the ring building blocks; the rest belong to
+        # the full schedules.
+        ring_options = {k: v for k, v in options.items() if k in collectives.COMMON_OPTIONS}
         transfer = {k: v for k, v in options.items() if k == "transfer_dtype"}
         grad_slice = collectives.reduce_scatter(flat_grads, axes, **ring_options, **transfer)
         grad_slice = grad_slice / self.num_replicas
@@ -424,7 +434,7 @@ class EvalStep:
 def classifier_loss(model, *, num_classes: int, label_smoothing: float = 0.0) -> LossFn:
     """``loss_fn`` for a flax linen classifier taking ``(images, train=...)`` with BatchNorm
     state in the ``batch_stats`` collection; batches are ``{"image", "label"}`` dicts."""
-    from jaxdist.optim import smoothed_cross_entropy
+    from jaxdist.training.optim import smoothed_cross_entropy
 
     def loss_fn(params, model_state, batch, rng):
         variables = {"params": params, **model_state}

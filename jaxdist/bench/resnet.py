@@ -16,7 +16,7 @@ The peer is written here the way flax's ``examples/imagenet`` writes it (``model
   example uses ``pmap``, which is the same SPMD program), state not donated, as there.
 
 All steps take already-sharded device batches, so this times the step alone; the input
-pipeline's rate (:func:`jaxdist.data.bench.measure`) is reported next to it.
+pipeline's rate (:func:`jaxdist.bench.data.measure`) is reported next to it.
 """
 
 from __future__ import annotations
@@ -36,9 +36,12 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import dispatch, models, optim, timing
-from jaxdist.batchnorm import CrossReplicaBatchNorm
-from jaxdist.train_step import TrainStep, classifier_loss
+from jaxdist import models
+from jaxdist.bench import timing
+from jaxdist.runtime import dispatch
+from jaxdist.training import optim
+from jaxdist.training.batchnorm import CrossReplicaBatchNorm
+from jaxdist.training.train_step import TrainStep, classifier_loss
 
 
 class _FlaxBottleneck(nn.Module):
@@ -131,7 +134,7 @@ def _time_interleaved(
     runners: dict[str, Callable[[], Any]], batch_size: int, steps: int, warmup: int, rounds: int
 ) -> list[StepRate]:
     """Compile and warm up every runner, then time them in interleaved rounds of ``steps``
-    steps (:func:`jaxdist.timing.interleaved_rounds`); medians over rounds."""
+    steps (:func:`jaxdist.bench.timing.interleaved_rounds`); medians over rounds."""
     compile_s = timing.warm_up(runners, warmup)
     seconds = timing.interleaved_rounds(runners, steps, rounds)
     rates = []
@@ -185,7 +188,7 @@ def _flax_example_runner(
     batch = {"image": jax.device_put(images, sharded), "label": jax.device_put(labels, sharded)}
     train_step = flax_example_step(flax_model, tx, mesh)
     carry = {"state": (params, stats, opt_state)}
-    # The same queue limit as jaxdist's TrainStep (jaxdist.dispatch), so that neither runner
+    # The same queue limit as jaxdist's TrainStep (jaxdist.runtime.dispatch), so that neither runner
     # can queue more steps than the other, nor deep enough to hang XLA:CPU.
     window = dispatch.shared_window(mesh)
 

@@ -12,7 +12,7 @@
 How the learning rate reaches the optimizer
 -------------------------------------------
 optax calls a schedule with the *step count*, but with batch-size ramping (see
-:mod:`jaxdist.batch_schedule`) a step no longer stands for a fixed number of samples, so a
+:mod:`jaxdist.training.batch_schedule`) a step no longer stands for a fixed number of samples, so a
 schedule written in steps goes wrong the moment the batch size changes. Here the schedule is a
 function of the fractional epoch (samples seen / dataset size), and the optimizers are built
 with ``optax.inject_hyperparams``, which keeps ``learning_rate`` as a value in the optimizer
@@ -197,7 +197,7 @@ def set_learning_rate(opt_state: Any, learning_rate: jax.typing.ArrayLike) -> An
     if current is None:
         raise KeyError(
             "optimizer state has no 'learning_rate' hyperparameter; build the optimizer with "
-            "jaxdist.optim.make_optimizer (or optax.inject_hyperparams)"
+            "jaxdist.training.optim.make_optimizer (or optax.inject_hyperparams)"
         )
     value = jnp.asarray(learning_rate, dtype=jnp.result_type(current))
     return optax.tree_utils.tree_set(opt_state, learning_rate=value)

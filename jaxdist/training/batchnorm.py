@@ -15,7 +15,7 @@ channel, so here every replica all-gathers them and averages its own group's row
 differentiable (all_gather transposes to a reduce-scatter).
 
 Running statistics are updated from the group's statistics, so with groups (or per-device BN)
-they differ between devices; :func:`jaxdist.train_step.make_train_step` averages them over the
+they differ between devices; :func:`jaxdist.training.train_step.make_train_step` averages them over the
 data axes after every step so that evaluation sees one consistent set. Averaging every step
 equals averaging once before evaluation, because the running average is linear.
 
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxdist.collectives import AxisName, axis_size
+from jaxdist.comm.collectives import AxisName, axis_size
 
 
 def replica_mean(tree: Any, axis_name: AxisName, group_size: int | None = None) -> Any:

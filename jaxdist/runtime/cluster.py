@@ -18,7 +18,7 @@ per-run id, so leftovers of a crashed run can be found and removed by :func:`cle
   (``unshare -u``) and ``/etc/netns/<name>/hosts`` (``ip netns exec`` mounts it over
   ``/etc/hosts``) listing every host's bridge address.
 * Processes run as ``ip netns exec NAME unshare -u sh -c 'hostname NAME; exec CMD'`` under
-  :func:`jaxdist.launch.supervise` -- the same supervision as ``jaxdist launch``.
+  :func:`jaxdist.runtime.launch.supervise` -- the same supervision as ``jaxdist launch``.
 
 Teardown runs on normal exit, on exceptions, on Ctrl-C, SIGTERM and SIGHUP; after a SIGKILL of
 the supervisor itself, ``jaxdist cluster --cleanup`` removes what is left.
@@ -37,7 +37,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxdist import launch
+from jaxdist.runtime import launch
 
 PREFIX = "jdxc"
 SUBNET = "10.213.0"  # a /24 that exists only on the bridge inside the namespaces made here

@@ -25,8 +25,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import models, timing
-from jaxdist import train_step as ts
+from jaxdist import models
+from jaxdist.bench import timing
+from jaxdist.training import train_step as ts
 
 
 @dataclass

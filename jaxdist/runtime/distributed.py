@@ -250,7 +250,7 @@ def initialize(
         return group  # single process, nothing to configure: fine even after JAX started
     if xla_bridge.backends_are_initialized():
         raise DistributedInitError(
-            "jaxdist.distributed.initialize() must run before JAX starts a backend, but one is "
+            "jaxdist.runtime.distributed.initialize() must run before JAX starts a backend, but one is "
             "already running (something called jax.devices() or ran a computation first)"
         )
     if group.local_device_count is not None:

@@ -1,0 +1,2 @@
+"""Communication: the allreduce family (:mod:`~jaxdist.comm.collectives`), its cost model
+(:mod:`~jaxdist.comm.cost_model`) and gradient buckets (:mod:`~jaxdist.comm.buckets`)."""
