@@ -8,7 +8,7 @@ Run on the emulated cluster::
 Each link of the bidirectional ring carries its two rings' messages in opposite directions.
 Sent whole over gloo, a step's message can still sit in the socket's send buffer when its
 sender starts the next step towards its other neighbour, and two messages then share the
-host's link (docs/multihost_performance.md, section 4.1). ``jaxdist.comm.collectives`` therefore
+host's link (benchmarks/results/NOTES_emulated_hosts.md, section 4.1). ``jaxdist.comm.collectives`` therefore
 sends the schedule's steps in pieces of ``exchange_piece_bytes``, as it sends exchanges.
 This times the one-directional ring and the bidirectional ring with each piece size
 (``none``: whole), as a mean with the input donated, as a train step calls them (each

@@ -2,8 +2,9 @@
 
     python benchmarks/cpu_primitives.py --devices 8 --mib 16
 
-Explains the ratios of `jaxdist bench allreduce` on one CPU (docs/performance.md): how much a
-psum costs next to one ppermute, a chain of small ppermutes, writing an output and zero-filling a
+Explains the ratios of `jaxdist bench allreduce` on one CPU (benchmarks/results/
+NOTES_collectives_cpu.md, "What limits each schedule on one CPU"): how much a psum costs next
+to one ppermute, a chain of small ppermutes, writing an output and zero-filling a
 buffer, next to the ring allreduce built from them. Each operation runs per device inside
 the same shard_map harness the benchmark uses; the operations are timed in interleaved rounds
 and medians are printed. A second pass runs each operation alone and reports the processor

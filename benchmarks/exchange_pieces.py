@@ -7,7 +7,7 @@ Run on the emulated cluster::
 
 Over gloo a swap sent as one message runs one direction after the other (XLA posts the send
 before the receive, and gloo queues the later device's "ready to receive" notice behind its
-own payload; docs/multihost_performance.md, section 4.1). ``jaxdist.comm.collectives.permute``
+own payload; benchmarks/results/NOTES_emulated_hosts.md, section 4.1). ``jaxdist.comm.collectives.permute``
 sends an exchange as consecutive pieces of at most ``exchange_piece_bytes``. Process 0 prints,
 per piece size, the median time of ``--iters`` exchanges and the rate of each direction; the
 piece sizes are timed in interleaved rounds (``jaxdist.bench.timing.interleaved_rounds``), so

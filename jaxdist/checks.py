@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numbers
 
+__all__ = ["positive_int"]
+
 
 def positive_int(value: object, what: str, expected: str = "a positive integer") -> int:
     """``value`` as an ``int`` if it is an integer >= 1 (NumPy integers too, ``bool`` not);

@@ -32,6 +32,28 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
+__all__ = [
+    "CPU_DEVICES_HINT",
+    "LAYOUTS",
+    "MeshDoesNotFitError",
+    "MeshSpec",
+    "MeshSpecError",
+    "build",
+    "check_fits",
+    "describe",
+    "device_grid",
+    "from_dict",
+    "hierarchical",
+    "host_mismatch",
+    "host_of",
+    "load",
+    "presets",
+    "presets_dir",
+    "ring",
+    "summary",
+    "torus2d",
+]
+
 LAYOUTS = ("ring", "torus2d", "hierarchical")
 _AXES_PER_LAYOUT = {"ring": 1, "torus2d": 2, "hierarchical": 2}
 CPU_DEVICES_HINT = (

@@ -4,7 +4,7 @@ Reproduces, on a CPU scale, the large-batch recipe of the ImageNet-in-minutes pa
 ``mnist_small_batch``: the same model, data and number of epochs, but a global batch 16x
 larger (512 instead of 32), reached by batch-size control (128 for the first two epochs,
 while the learning rate warms up), label smoothing 0.1 and the linear scaling rule.
-The check (issue 5): top-1 on the 1,000 held-out digits within 0.5 points of the baseline.
+The check: top-1 on the 1,000 held-out digits within 0.5 points of the baseline.
 
 Command (no download; 2 CPU devices):
     jaxdist --cpu-devices 2 train recipes/mnist_large_batch_ramp.py --workdir runs/mnist_large_batch_ramp

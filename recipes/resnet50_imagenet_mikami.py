@@ -9,7 +9,7 @@ Reproduces: Mikami et al. 2018, "ImageNet/ResNet-50 training in a flash" (arXiv 
 
 Batch sizes: the paper's v1 used 34K then 68K on 2,176 GPUs (16, then 32 images each). On
 3,456 GPUs the nearest per-GPU sizes give 34,560 (10 each) then 69,120 (20 each); both divide
-over the mesh. Not taken from the paper (it is not in REFERENCE.md, so these are derived):
+over the mesh. Not given in the paper, so derived here:
 the optimizer is Nesterov momentum SGD with the linear-scaling rule on the 34,560 stage
 (0.1 x 34,560 / 256 = 13.5 peak), 5 warm-up epochs, polynomial (power 2) decay over 90
 epochs, weight decay 5e-5. Treat them as the starting point of a tuning run.

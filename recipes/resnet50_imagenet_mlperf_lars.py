@@ -1,8 +1,8 @@
 """ResNet-50 on ImageNet at batch 32K with LARS, per the MLPerf v1.5 reference.
 
 Reproduces: the MLPerf ResNet-50 closed-division task, 75.90% top-1 on the ImageNet
-validation set, with the reference convergence point for batch 32,768 (REFERENCE.md §2):
-LARS (trust coefficient 0.001, eps 0, BN and biases excluded from trust ratio and weight
+validation set, with the reference hyperparameters for batch 32,768 (MLPerf Training rules,
+ResNet-50 v1.5): LARS (trust coefficient 0.001, eps 0, BN and biases excluded from trust ratio and weight
 decay), peak LR 21.2 after 16 warm-up epochs, polynomial decay of power 2 to 1e-4,
 momentum 0.94, weight decay 2.5e-5, label smoothing 0.1, BatchNorm statistics over groups of
 128 images (4 chips of 32: ``model.bn_group_size = 4``), evaluation every 4 epochs. The

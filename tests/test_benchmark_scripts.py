@@ -7,7 +7,9 @@ results (exchange_pieces.py compares every piece size's data), that the check pa
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -21,13 +23,18 @@ from tests.test_cluster import needs_namespaces
 BENCHMARKS = REPO / "benchmarks"
 
 
-def _run(argv: list[str], timeout: int = 240) -> str:
+def _run_process(argv: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         argv, env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"expected exit 0 from {argv}, found {proc.returncode}:\n{output}"
-    return output
+    return proc
+
+
+def _run(argv: list[str], timeout: int = 240) -> str:
+    proc = _run_process(argv, timeout)
+    return proc.stdout + proc.stderr
 
 
 def _launch(processes: int, *command: str) -> list[str]:
@@ -49,10 +56,34 @@ def _operation_rows(output: str) -> list[str]:
     return [name.strip() for name, *_ in rows]
 
 
+def _operation_table(stdout: str) -> dict[str, tuple[float, float, float]]:
+    """Every line under the header of a table printed by ``cpu_primitives.time_and_print``:
+    operation -> (wall, user, sys) milliseconds, each read as whatever number it says (so a
+    nan, inf or negative time is read, not skipped)."""
+    lines = stdout.splitlines()
+    header = next((i for i, line in enumerate(lines) if line.split()[:1] == ["operation"]), None)
+    assert header is not None, f"no table in:\n{stdout}"
+    assert lines[header].split()[1:] == ["wall", "ms", "user", "ms", "sys", "ms"], stdout
+    table = {}
+    for line in lines[header + 1 :]:
+        name, *times = line.rsplit(maxsplit=3)
+        assert len(times) == 3, f"expected three times in {line!r}:\n{stdout}"
+        table[name.strip()] = tuple(float(t) for t in times)
+    return table
+
+
 def test_cpu_primitives_prints_every_operation():
     script = str(BENCHMARKS / "cpu_primitives.py")
-    output = _run([sys.executable, script, "--devices", "4", "--mib", "1", "--rounds", "1"])
-    assert _operation_rows(output) == [
+    argv = [sys.executable, script, "--devices", "4", "--mib", "1", "--rounds", "1"]
+    output = _run_process(argv).stdout
+    table = _operation_table(output)
+    for name, (wall, user, system) in table.items():
+        assert all(math.isfinite(t) for t in (wall, user, system)), (name, output)
+        assert wall > 0 and user >= 0 and system >= 0, (name, output)
+        # Every call runs XLA on the devices' threads, so it costs processor time (which the
+        # kernel splits into user and system by sampling: either alone may read 0.00).
+        assert user + system > 0, (name, output)
+    assert list(table) == [
         "psum of 1 MiB",
         "one ppermute of 1 MiB",
         "3 chained ppermutes of 1/4 MiB",
@@ -180,19 +211,75 @@ def test_ps_vs_ring_plot_draws_the_stored_results(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _socket_rates(script: str, output: str) -> dict[str, tuple[int, float, float, bool]]:
+    """Each row host 0 printed: name -> (payload bytes, seconds, the MB/s printed, whether the
+    time runs until the bytes arrived). ``one_way`` times host 0's ``sendall``, which returns
+    once the last bytes are in its socket buffer, not at the receiver: no link bound holds."""
+    rows = {}
+    if script == "tcp_duplex.py":
+        pattern = r"^\[p0\] (\w+)\s+(\d+) MB per direction:\s+(\S+) ms,\s+(\S+) MB/s per direction$"
+        for name, mbytes, ms, rate in re.findall(pattern, output, re.MULTILINE):
+            rows[name] = (int(mbytes) * 10**6, float(ms) / 1e3, float(rate), name != "one_way")
+    else:
+        pattern = (r"^\[p0\] (\d+) MiB in\s+(\d+) chained steps of \S+ MiB:\s+(\S+) ms,"
+                   r"\s+(\S+) MB/s per link,\s+\S+ ms per step$")  # fmt: skip
+        for mib, steps, ms, rate in re.findall(pattern, output, re.MULTILINE):
+            chunk = (int(mib) << 20) // int(steps)
+            rows[f"{steps} steps"] = (chunk * int(steps), float(ms) / 1e3, float(rate), True)
+    return rows
+
+
 @needs_namespaces
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("script", "hosts", "args"),
+    ("script", "hosts", "args", "names"),
     [
-        ("tcp_duplex.py", 2, ["--mbytes", "1", "--repeats", "1"]),
-        ("tcp_ring.py", 4, ["--mib", "1", "--repeats", "1"]),
+        ("tcp_duplex.py", 2, ["--mbytes", "8", "--repeats", "1"],
+         ["one_way", "duplex_1conn", "duplex_2conn"]),
+        # 1, H - 1 and 2 (H - 1) steps on H = 4 hosts.
+        ("tcp_ring.py", 4, ["--mib", "8", "--repeats", "1"], ["1 steps", "3 steps", "6 steps"]),
     ],
-)
-def test_plain_socket_scripts_on_the_emulated_cluster(script, hosts, args):
+)  # fmt: skip
+def test_plain_socket_scripts_on_the_emulated_cluster(script, hosts, args, names):
     argv = [*JAXDIST, "cluster", "--hosts", str(hosts), "--bandwidth", "1gbit", "--timeout", "120"]
     output = _run([*argv, "--", sys.executable, str(BENCHMARKS / script), *args], timeout=150)
-    assert "MB/s" in output, output
+    rows = _socket_rates(script, output)
+    assert list(rows) == names, output
+    # --bandwidth 1gbit: tbf passes at most burst + 125e6 * t bytes in any t seconds, headers
+    # included; jaxdist cluster gives each link a bucket of 2 ms of traffic at its rate
+    # (jaxdist/runtime/cluster.py). Allow 5 ms more for a sender that starts before the
+    # host timing it (the hosts line up within a scheduler's delay): with 8 MB, at most
+    # about 12% over the link's rate.
+    rate = 10**9 / 8
+    allowance = (0.002 + 0.005) * rate
+    for name, (nbytes, seconds, printed, over_the_link) in rows.items():
+        assert math.isfinite(printed) and printed > 0 and seconds > 0, (name, output)
+        # The rate printed is the payload over the time printed (to its rounding).
+        assert printed == pytest.approx(nbytes / seconds / 1e6, rel=0.01, abs=0.1), (name, output)
+        if over_the_link:
+            most = nbytes / ((nbytes - allowance) / rate) / 1e6
+            assert printed <= most, (name, printed, most, output)
+
+
+def _resnet50_pointwise_shapes() -> collections.Counter:
+    """``(side, in channels, out channels, stride) -> count`` of ResNet-50 v1.5's 1x1
+    convolutions at 224x224, from the architecture (not from the model's code): the stem leaves
+    56x56x64; four stages of 3, 4, 6, 3 bottleneck blocks of 64, 128, 256, 512 filters, each
+    a 1x1 reduce to the filters, a 3x3 (stride 2 in the first block of stages 2-4), a 1x1
+    expand to 4x the filters; the first block of each stage projects its input with a 1x1
+    convolution of the block's stride. 16 blocks x 2 + 4 projections = 36 convolutions."""
+    shapes = collections.Counter()
+    side, channels = 56, 64
+    for stage, blocks in enumerate((3, 4, 6, 3)):
+        filters = 64 * 2**stage
+        for block in range(blocks):
+            stride = 2 if stage > 0 and block == 0 else 1
+            shapes[(side, channels, filters, 1)] += 1
+            shapes[(side // stride, filters, 4 * filters, 1)] += 1
+            if block == 0:
+                shapes[(side, channels, 4 * filters, stride)] += 1
+            side, channels = side // stride, 4 * filters
+    return shapes
 
 
 @pytest.mark.slow
@@ -200,7 +287,21 @@ def test_conv1x1_compares_every_layer(tmp_path):
     out = tmp_path / "conv.json"
     script = str(BENCHMARKS / "conv1x1.py")
     _run([sys.executable, script, "--batch", "1", "--rounds", "1", "--json", str(out)])
-    assert json.loads(out.read_text()), "expected conv1x1.py to write its table"
+    result = json.loads(out.read_text())
+    shapes = collections.Counter()
+    for row in result["rows"]:
+        batch, height, width, channels = row["input"]
+        assert batch == 1 and height == width, row
+        key = (height, channels, row["features"], row["stride"])
+        assert key not in shapes, f"{key} timed twice"
+        shapes[key] = row["count"]
+        times = {k: v for k, v in row.items() if k.endswith(" ms")}
+        assert sorted(times) == ["conv forward ms", "conv forward+backward ms",
+                                 "matmul forward ms", "matmul forward+backward ms"], row  # fmt: skip
+        assert all(math.isfinite(v) and v > 0 for v in times.values()), row
+    expected = _resnet50_pointwise_shapes()
+    assert sum(expected.values()) == 36 and len(expected) == 15
+    assert shapes == expected
 
 
 @pytest.mark.multiprocess

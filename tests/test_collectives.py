@@ -385,7 +385,7 @@ TORUS_4X2_PAIRS = "{{0,1},{1,0},{2,3},{3,2},{4,5},{5,4},{6,7},{7,6}}"
 def test_an_inner_pair_exchanges_each_block_of_the_outer_ring_as_it_arrives(algorithm):
     # On an inner axis of two, gathering the outer ring's blocks into a half-size buffer and
     # then swapping that half and concatenating it with the other cost two more passes over
-    # the data (torus2d in place on torus-4x2, 16 MiB: docs/performance.md, "torus2d on an
+    # the data (torus2d in place on torus-4x2, 16 MiB: benchmarks/results/NOTES_collectives_cpu.md, "torus2d on an
     # inner axis of two"). The pair now exchanges half the buffer once (the reduce-scatter),
     # then every block of the outer ring's all-gather as it arrives, written straight into
     # the donated input: no concatenation, no copy.
@@ -451,7 +451,7 @@ def test_an_inner_pair_lays_its_windows_out_as_a_flat_ring(rows):
 def test_bidirectional_ring_concatenates_whole_blocks_at_sizes_that_do_not_divide():
     # Its unrolled all-gather concatenates the blocks. XLA:CPU turns a concatenation of
     # slices into a slower loop (in place on 8 devices, 64 MiB + 4 bytes each: 376 ms
-    # against 243 ms at 64 MiB; docs/performance.md, "Sizes that do not divide"), so the
+    # against 243 ms at 64 MiB; benchmarks/results/NOTES_collectives_cpu.md, "Sizes that do not divide"), so the
     # windows do not overlap but for the last, which is the one block that enters sliced:
     # one slice per concatenation (one per ring position).
     mesh = meshes.torus2d(4, 2)

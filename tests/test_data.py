@@ -367,3 +367,14 @@ def test_cli_convert_and_inspect(folder, tmp_path, capsys):
     missing = ["--src", str(tmp_path / "none"), "--dst", str(tmp_path / "x"), "--shards", "1"]
     assert cli_main(["data", "convert", *missing]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_convert_refuses_an_existing_output_before_it_says_converting(folder, tmp_path, capsys):
+    out = tmp_path / "ar"
+    argv = ["data", "convert", "--src", str(folder), "--dst", str(out), "--shards", "1"]
+    assert cli_main(argv) == 0
+    assert "converting" in capsys.readouterr().out
+    assert cli_main(argv) != 0
+    captured = capsys.readouterr()
+    assert "converting" not in captured.out, captured.out
+    assert "metadata.json" in captured.err or "exists" in captured.err, captured.err

@@ -69,8 +69,8 @@ def test_derived_lr_follows_batch_override():
     ("override", "message"),
     [
         ("lr.peek=1", "unknown config key 'lr.peek'; did you mean lr.peak"),
-        ("batch_size=abc", "expected a int like 8192, got 'abc'"),
-        ("batch_size=1.5", "expected a int like 8192, got 1.5"),
+        ("batch_size=abc", "expected an int like 8192, got 'abc'"),
+        ("batch_size=1.5", "expected an int like 8192, got 1.5"),
         ("model.zero_init_last_bn_scale=maybe", "expected a boolean"),
         ("nonsense", "not of the form key=value"),
     ],

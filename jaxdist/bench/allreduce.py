@@ -12,7 +12,6 @@ process 0 prints).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import statistics
@@ -28,6 +27,21 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.comm import collectives, cost_model
+
+__all__ = [
+    "Result",
+    "Row",
+    "default_ports",
+    "format_size",
+    "link_rate_from_environment",
+    "make_input",
+    "parse_size",
+    "parse_sizes",
+    "per_device",
+    "priced_on",
+    "run",
+    "skip_reason",
+]
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
 
@@ -196,6 +210,27 @@ def per_device(mesh: Mesh, body: Callable, donate: bool = False) -> Callable:
     )
 
 
+@dataclass(frozen=True)
+class _Settings:
+    """What every step of one :func:`run` shares."""
+
+    mesh: Mesh
+    dtype: np.dtype
+    warmup: int
+    iters: int
+    options: dict
+    op: str
+    in_place: bool
+    say: Callable[[str], None]
+
+    @property
+    def flat_axes(self) -> str | tuple[str, ...]:
+        """The mesh's axes as the schedules read them: two-level ones as (outer, inner), the
+        others as one flattened axis."""
+        names = tuple(self.mesh.axis_names)
+        return names[0] if len(names) == 1 else names
+
+
 def run(
     mesh: Mesh,
     sizes: Sequence[int],
@@ -225,111 +260,31 @@ def run(
     if op not in ("sum", "mean"):
         raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
     options = options or {}
-    dtype = jnp.dtype(dtype)
-    names = tuple(mesh.axis_names)
-    # Two-level schedules read this as (outer, inner); the others as one flattened axis.
-    flat_axes = names[0] if len(names) == 1 else names
-    p = mesh.size
+    settings = _Settings(
+        mesh, jnp.dtype(dtype), warmup, iters, options, op, in_place, progress or (lambda _: None)
+    )
     platform = mesh.devices.flat[0].platform
-    ports = default_ports(platform) if ports is None else ports
-    say = progress or (lambda _msg: None)
     inter_algorithm = options.get("inter_algorithm", "ring")
     skipped = {a: r for a in algorithms if (r := skip_reason(a, mesh, inter_algorithm))}
     runnable = [a for a in algorithms if a not in skipped]
-    if "native" not in runnable:
+    if "native" not in runnable:  # psum is always timed: every row is a ratio to it
         runnable = ["native", *runnable]
-
-    max_error = jax.jit(
-        lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
-    )
-    # The links the cost model uses, each fitted from one ppermute shift round a ring, timed at
-    # every benchmark size plus two fixed ones so that a fit is possible even for one size.
-    fit_sizes = sorted(set(sizes) | {2**10, 2**20})
-
-    def fitted_link(axes, n: int, what: str) -> cost_model.Link:
-        def shift(v):  # sent as the schedules send it: on two devices a shift is an exchange
-            ring = [(j, (j + 1) % n) for j in range(n)]
-            pieces = options.get("exchange_piece_bytes", "auto")
-            return collectives.permute(v, axes, ring, exchange_piece_bytes=pieces)
-
-        times = []
-        for nbytes in fit_sizes:
-            x = make_input(mesh, max(1, nbytes // dtype.itemsize), dtype, seed=nbytes)
-            times.append(_timed(per_device(mesh, shift), x, warmup, iters, False)[1])
-        link = cost_model.fit("p2p", (n,), fit_sizes, times, ports=ports)
-        say(
-            f"  {what}: alpha {link.alpha * 1e6:.1f} us, {link.bandwidth / 1e9:.2f} GB/s, "
-            f"{link.ports} port(s)"
+    ports = default_ports(platform) if ports is None else ports
+    link, axis_links = _fit_links(settings, sizes, runnable, ports)
+    measured = _measure(settings, sizes, runnable)
+    rows = [
+        _row(
+            settings, nbytes, algorithm, measured, priced_on(algorithm, link, axis_links), link_rate
         )
-        return link
-
-    # One-axis schedules: a shift round all devices (on a two-axis mesh its slowest hops set
-    # the pace, as they set the schedule's).
-    link = fitted_link(flat_axes, p, "point-to-point link round all devices")
-    # Two-level schedules: each axis's own links, every device sending at once (so devices
-    # that share a host's network card share it here too).
-    axis_links = None
-    runs_two_level = any(collectives.get(a).two_level for a in runnable)
-    if runs_two_level and len(names) == 2 and min(mesh.devices.shape) > 1:
-        (outer, inner), (outer_size, inner_size) = names, mesh.devices.shape
-        axis_links = cost_model.Network(
-            intra=fitted_link(inner, inner_size, f"links along the inner axis {inner!r}"),
-            inter=fitted_link(outer, outer_size, f"links along the outer axis {outer!r}"),
-        )
-
-    psum_or_pmean = jax.lax.pmean if op == "mean" else jax.lax.psum
-    measured: dict[tuple[int, str], tuple[float, float, float]] = {}
-    for nbytes in sizes:
-        count = max(1, nbytes // dtype.itemsize)
-        x = make_input(mesh, count, dtype, seed=nbytes)
-        reference = per_device(mesh, lambda v: psum_or_pmean(v, flat_axes))(x)
-        for algorithm in runnable:
-            accepted = collectives.get(algorithm).option_names
-            opts = {k: v for k, v in options.items() if k in accepted}
-            fn = per_device(
-                mesh,
-                lambda v, a=algorithm, o=opts: collectives.allreduce(v, flat_axes, a, op=op, **o),
-                donate=in_place,
-            )
-            compile_s, seconds = _timed(fn, x, warmup, iters, in_place)
-            err = float(max_error(fn(jnp.copy(x)), reference))
-            measured[(nbytes, algorithm)] = (seconds, err, compile_s)
-            say(f"  {format_size(nbytes):>6s} {algorithm:<20s} {seconds * 1e6:12.1f} us")
-        del x, reference
-
-    rows = []
-    for (nbytes, algorithm), (seconds, err, compile_s) in measured.items():
-        if algorithm not in algorithms:
-            continue
-        algbw, busbw = cost_model.bus_bandwidth(nbytes, seconds, p)
-        predicted = cost_model.predict(
-            algorithm,
-            nbytes,
-            mesh.devices.shape,
-            priced_on(algorithm, link, axis_links),
-            inter_algorithm=inter_algorithm,
-            crossed_exchange=options.get("crossed_exchange"),
-        )
-        rows.append(
-            Row(
-                nbytes=nbytes,
-                algorithm=algorithm,
-                seconds=seconds,
-                algbw=algbw,
-                busbw=busbw,
-                vs_psum=seconds / measured[(nbytes, "native")][0],
-                max_error=err,
-                predicted_seconds=predicted,
-                compile_seconds=compile_s,
-                link_share=busbw / link_rate if link_rate else None,
-            )
-        )
+        for (nbytes, algorithm) in measured
+        if algorithm in algorithms
+    ]
     return Result(
         mesh=mesh_name,
         axis_sizes=tuple(mesh.devices.shape),
-        devices=p,
+        devices=mesh.size,
         platform=platform,
-        dtype=str(dtype),
+        dtype=str(settings.dtype),
         in_place=in_place,
         op=op,
         link_rate=link_rate,
@@ -344,74 +299,126 @@ def run(
     )
 
 
-def format_table(result: Result) -> str:
-    """The nccl-tests-style table."""
-    link = result.link
-    lines = [
-        f"# allreduce ({result.op}) on mesh {result.mesh or '?'} {result.axis_sizes} = "
-        f"{result.devices} {result.platform} devices, dtype {result.dtype}, "
-        f"{'in place (input donated)' if result.in_place else 'out of place'}",
-        f"# fitted point-to-point link: alpha = {link.alpha * 1e6:.1f} us, "
-        f"beta = 1/({link.bandwidth / 1e9:.2f} GB/s), {link.ports} port(s) per device",
-    ]
-    if result.axis_links is not None:
-        outer, inner = result.axis_links.inter, result.axis_links.intra
-        lines.append(
-            f"# two-level schedules priced on the links along each axis: inner alpha = "
-            f"{inner.alpha * 1e6:.1f} us, {inner.bandwidth / 1e9:.2f} GB/s; outer alpha = "
-            f"{outer.alpha * 1e6:.1f} us, {outer.bandwidth / 1e9:.2f} GB/s"
-        )
-    share = result.link_rate is not None
-    if share:
-        lines.append(
-            f"# link rate {result.link_rate / 1e6:g} MB/s per direction; link% = busbw / link rate"
-        )
-    lines.append(
-        f"{'size':>8s} {'algorithm':<20s} {'time(us)':>11s} {'algbw(GB/s)':>11s} "
-        f"{'busbw(GB/s)':>11s}{'  link%' if share else ''} {'x psum':>7s} {'max err':>9s} "
-        f"{'model(us)':>10s} {'compile(s)':>10s}"
+def _fit_links(
+    settings: _Settings, sizes: Sequence[int], runnable: Sequence[str], ports: int
+) -> tuple[cost_model.Link, cost_model.Network | None]:
+    """The links the cost model prices the run on, fitted from ppermute shifts timed here.
+
+    One-axis schedules: a shift round all devices (on a two-axis mesh its slowest hops set the
+    pace, as they set the schedule's). Two-level schedules: each axis's own links, every device
+    sending at once (so devices that share a host's network card share it here too).
+    """
+    mesh = settings.mesh
+    link = _fitted_link(
+        settings,
+        sizes,
+        ports,
+        settings.flat_axes,
+        mesh.size,
+        "point-to-point link round all devices",
     )
-    for row in sorted(
-        result.rows, key=lambda r: (r.nbytes, collectives.ALGORITHMS.index(r.algorithm))
+    names = tuple(mesh.axis_names)
+    if not (
+        any(collectives.get(a).two_level for a in runnable)
+        and len(names) == 2
+        and min(mesh.devices.shape) > 1
     ):
-        link_share = f" {row.link_share * 100:5.1f}%" if row.link_share is not None else ""
-        lines.append(
-            f"{format_size(row.nbytes):>8s} {row.algorithm:<20s} {row.seconds * 1e6:11.1f} "
-            f"{row.algbw / 1e9:11.3f} {row.busbw / 1e9:11.3f}{link_share} {row.vs_psum:7.2f} "
-            f"{row.max_error:9.2e} {row.predicted_seconds * 1e6:10.1f} {row.compile_seconds:10.2f}"
-        )
-    for algorithm, reason in result.skipped.items():
-        lines.append(f"# skipped {algorithm}: {reason}")
-    return "\n".join(lines)
-
-
-def save_json(result: Result, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(result.to_json(), f, indent=2)
-
-
-def plot(result: Result, path: str) -> None:
-    """busbw against size, one line per algorithm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for algorithm in collectives.ALGORITHMS:
-        rows = sorted((r for r in result.rows if r.algorithm == algorithm), key=lambda r: r.nbytes)
-        if rows:
-            ax.plot(
-                [r.nbytes for r in rows], [r.busbw / 1e9 for r in rows], marker="o", label=algorithm
-            )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("bytes per device")
-    ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title(
-        f"allreduce on {result.mesh or result.axis_sizes} ({result.devices} {result.platform} devices)"
+        return link, None
+    (outer, inner), (outer_size, inner_size) = names, mesh.devices.shape
+    return link, cost_model.Network(
+        intra=_fitted_link(
+            settings, sizes, ports, inner, inner_size, f"links along the inner axis {inner!r}"
+        ),
+        inter=_fitted_link(
+            settings, sizes, ports, outer, outer_size, f"links along the outer axis {outer!r}"
+        ),
     )
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+
+
+def _fitted_link(
+    settings: _Settings, sizes: Sequence[int], ports: int, axes, n: int, what: str
+) -> cost_model.Link:
+    """One link fitted from a ppermute shift round a ring of ``n`` devices along ``axes``,
+    timed at every benchmark size plus two fixed ones, so that a fit is possible even for one
+    size. The shift goes as the schedules send it: on two devices it is an exchange."""
+    pieces = settings.options.get("exchange_piece_bytes", "auto")
+    ring = [(j, (j + 1) % n) for j in range(n)]
+    shift = per_device(
+        settings.mesh,
+        lambda v: collectives.permute(v, axes, ring, exchange_piece_bytes=pieces),
+    )
+    fit_sizes = sorted(set(sizes) | {2**10, 2**20})
+    times = []
+    for nbytes in fit_sizes:
+        count = max(1, nbytes // settings.dtype.itemsize)
+        x = make_input(settings.mesh, count, settings.dtype, seed=nbytes)
+        times.append(_timed(shift, x, settings.warmup, settings.iters, False)[1])
+    link = cost_model.fit("p2p", (n,), fit_sizes, times, ports=ports)
+    settings.say(
+        f"  {what}: alpha {link.alpha * 1e6:.1f} us, {link.bandwidth / 1e9:.2f} GB/s, "
+        f"{link.ports} port(s)"
+    )
+    return link
+
+
+def _measure(
+    settings: _Settings, sizes: Sequence[int], runnable: Sequence[str]
+) -> dict[tuple[int, str], tuple[float, float, float]]:
+    """``(bytes, algorithm) -> (median seconds, max error against psum, compile seconds)``."""
+    axes, op, options = settings.flat_axes, settings.op, settings.options
+    max_error = jax.jit(
+        lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+    )
+    psum_or_pmean = jax.lax.pmean if op == "mean" else jax.lax.psum
+    measured = {}
+    for nbytes in sizes:
+        count = max(1, nbytes // settings.dtype.itemsize)
+        x = make_input(settings.mesh, count, settings.dtype, seed=nbytes)
+        reference = per_device(settings.mesh, lambda v: psum_or_pmean(v, axes))(x)
+        for algorithm in runnable:
+            accepted = collectives.get(algorithm).option_names
+            opts = {k: v for k, v in options.items() if k in accepted}
+            fn = per_device(
+                settings.mesh,
+                lambda v, a=algorithm, o=opts: collectives.allreduce(v, axes, a, op=op, **o),
+                donate=settings.in_place,
+            )
+            compile_s, seconds = _timed(fn, x, settings.warmup, settings.iters, settings.in_place)
+            err = float(max_error(fn(jnp.copy(x)), reference))
+            measured[(nbytes, algorithm)] = (seconds, err, compile_s)
+            settings.say(f"  {format_size(nbytes):>6s} {algorithm:<20s} {seconds * 1e6:12.1f} us")
+        del x, reference
+    return measured
+
+
+def _row(
+    settings: _Settings,
+    nbytes: int,
+    algorithm: str,
+    measured: dict[tuple[int, str], tuple[float, float, float]],
+    links: cost_model.Link | cost_model.Network,
+    link_rate: float | None,
+) -> Row:
+    """One table row: the measurement, its bandwidths and the cost model's prediction."""
+    seconds, err, compile_s = measured[(nbytes, algorithm)]
+    algbw, busbw = cost_model.bus_bandwidth(nbytes, seconds, settings.mesh.size)
+    predicted = cost_model.predict(
+        algorithm,
+        nbytes,
+        settings.mesh.devices.shape,
+        links,
+        inter_algorithm=settings.options.get("inter_algorithm", "ring"),
+        crossed_exchange=settings.options.get("crossed_exchange"),
+    )
+    return Row(
+        nbytes=nbytes,
+        algorithm=algorithm,
+        seconds=seconds,
+        algbw=algbw,
+        busbw=busbw,
+        vs_psum=seconds / measured[(nbytes, "native")][0],
+        max_error=err,
+        predicted_seconds=predicted,
+        compile_seconds=compile_s,
+        link_share=busbw / link_rate if link_rate else None,
+    )

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from jaxdist.data.config import DataConfig, make_pipeline
 
+__all__ = ["PipelineRate", "measure"]
+
 
 @dataclass(frozen=True)
 class PipelineRate:

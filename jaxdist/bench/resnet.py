@@ -43,6 +43,16 @@ from jaxdist.training import optim
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm
 from jaxdist.training.train_step import TrainStep, classifier_loss
 
+__all__ = [
+    "FLAX_EXAMPLE",
+    "JAXDIST",
+    "JAXDIST_CONV_1X1",
+    "FlaxExampleResNet50",
+    "StepRate",
+    "flax_example_step",
+    "measure",
+]
+
 
 class _FlaxBottleneck(nn.Module):
     filters: int

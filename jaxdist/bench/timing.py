@@ -16,6 +16,8 @@ from typing import Any
 
 import jax
 
+__all__ = ["interleaved_rounds", "warm_up"]
+
 
 def warm_up(
     runners: dict[str, Callable[[], Any]],

@@ -29,6 +29,17 @@ from jaxdist import models
 from jaxdist.bench import timing
 from jaxdist.training import train_step as ts
 
+__all__ = [
+    "Measurement",
+    "baseline_step",
+    "compiled_step_hlo",
+    "format_table",
+    "run",
+    "schedule_summary",
+    "small_resnet",
+    "to_json",
+]
+
 
 @dataclass
 class Measurement:
@@ -113,10 +124,26 @@ def run(
         init_model.init(jax.random.key(0), host_batch["image"][:2], train=False)
     )
     optimizer = optax.sgd(0.1, momentum=0.9)
-
-    replicated = NamedSharding(mesh, P())
     batch = ts.shard_batch(mesh, axes, host_batch)
-    runners: dict[str, Callable[[], None]] = {}
+    runners = {
+        **_baseline_runners(model, optimizer, mesh, axes, variables, batch),
+        **_jaxdist_runners(
+            model, optimizer, mesh, algorithms, variables, batch, num_classes, bucket_bytes
+        ),
+    }
+    timing.warm_up(
+        runners, warmup=1, on_compiled=lambda name, s: say(f"  compiled {name} ({s:.1f} s)")
+    )
+    say(f"  timing {len(runners)} variants in {rounds} interleaved rounds of {steps} steps")
+    times = timing.interleaved_rounds(runners, steps, rounds)
+    return _measurements({name: statistics.median(t) for name, t in times.items()}, global_batch)
+
+
+def _baseline_runners(model, optimizer, mesh, axes, variables, batch) -> dict[str, Callable]:
+    """One step of the plain jit + pmean baseline, with (``baseline``) and without
+    (``baseline/none``) its gradient pmean, each on its own copy of the state."""
+    replicated = NamedSharding(mesh, P())
+    runners = {}
     for communicate in (True, False):
         step = baseline_step(model, optimizer, mesh, axes, communicate)
         carry = jax.device_put(
@@ -130,7 +157,15 @@ def run(
             jax.block_until_ready(params)
 
         runners["baseline" + ("" if communicate else "/none")] = run_baseline
+    return runners
 
+
+def _jaxdist_runners(
+    model, optimizer, mesh, algorithms, variables, batch, num_classes, bucket_bytes
+) -> dict[str, Callable]:
+    """One step of jaxdist's TrainStep per algorithm (``jaxdist ALGORITHM``), and the same
+    step with no allreduce (``jaxdist ALGORITHM/none``), each on its own state."""
+    runners = {}
     for algorithm in algorithms:
         for allreduce in (algorithm, ts.NO_ALLREDUCE):
             step = ts.TrainStep(
@@ -148,16 +183,13 @@ def run(
 
             suffix = "" if allreduce == algorithm else "/none"
             runners[f"jaxdist {algorithm}{suffix}"] = run_jaxdist
+    return runners
 
-    timing.warm_up(
-        runners, warmup=1, on_compiled=lambda name, s: say(f"  compiled {name} ({s:.1f} s)")
-    )
-    say(f"  timing {len(runners)} variants in {rounds} interleaved rounds of {steps} steps")
-    times = timing.interleaved_rounds(runners, steps, rounds)
 
-    median = {name: statistics.median(t) for name, t in times.items()}
+def _measurements(median: dict[str, float], global_batch: int) -> list[Measurement]:
+    """One row per variant that communicates; its ``/none`` twin's time is its compute."""
     results = []
-    for name in [n for n in runners if not n.endswith("/none")]:
+    for name in [n for n in median if not n.endswith("/none")]:
         step_s, compute_s = median[name], median[f"{name}/none"]
         results.append(
             Measurement(

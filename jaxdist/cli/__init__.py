@@ -11,6 +11,8 @@ import importlib
 import os
 import sys
 
+__all__ = ["SUBCOMMANDS", "build_parser", "force_cpu_devices", "main"]
+
 # Subcommand modules; each defines ``register(subparsers)`` that adds its parser and sets
 # ``func`` to a callable taking the parsed arguments and returning an exit code.
 SUBCOMMANDS = (

@@ -4,11 +4,29 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+__all__ = [
+    "check_inter_algorithm",
+    "parse_algorithms",
+    "register",
+    "run_allreduce",
+    "run_train_step",
+]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """``jaxdist bench allreduce|resnet|train-step``."""
+    from jaxdist.cli import bench_resnet
+
     bench = subparsers.add_parser("bench", help="benchmarks")
     kinds = bench.add_subparsers(dest="bench_kind", metavar="KIND")
+    _register_allreduce(kinds)
+    bench_resnet.register_kind(kinds)
+    _register_train_step(kinds)
+
+
+def _register_allreduce(kinds: argparse._SubParsersAction) -> None:
     p = kinds.add_parser(
         "allreduce",
         help="time every allreduce schedule against psum (nccl-tests style)",
@@ -34,6 +52,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("float32", "bfloat16", "float16"),
         help="send messages in this dtype (ppermute schedules and psum)",
     )
+    _add_schedule_arguments(p)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--json", metavar="PATH", help="write the table as JSON")
+    p.add_argument("--plot", metavar="PATH", help="draw busbw against size (PNG)")
+    p.add_argument("--quiet", action="store_true", help="no per-measurement progress lines")
+    p.set_defaults(func=run_allreduce)
+
+
+def _add_schedule_arguments(p: argparse.ArgumentParser) -> None:
+    """How the schedules run and how the cost model prices them."""
     p.add_argument("--inter-algorithm", default="ring", help="hierarchical: schedule across hosts")
     p.add_argument(
         "--crossed-exchange",
@@ -77,17 +106,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="each device's link rate per direction (e.g. 1gbit, 12.5GB/s): print busbw as a "
         "share of it; default: the rate `jaxdist cluster` set, else none",
     )
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--json", metavar="PATH", help="write the table as JSON")
-    p.add_argument("--plot", metavar="PATH", help="draw busbw against size (PNG)")
-    p.add_argument("--quiet", action="store_true", help="no per-measurement progress lines")
-    p.set_defaults(func=run_allreduce)
 
-    from jaxdist.cli import bench_resnet
 
-    bench_resnet.register_kind(kinds)
-
+def _register_train_step(kinds: argparse._SubParsersAction) -> None:
     t = kinds.add_parser(
         "train-step",
         help="images/s of the jaxdist train step against a plain jit + pmean step",
@@ -177,6 +198,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
     import jax
 
     from jaxdist.bench import allreduce as bench
+    from jaxdist.bench import allreduce_report
     from jaxdist.comm import cost_model
 
     try:
@@ -226,11 +248,13 @@ def run_allreduce(args: argparse.Namespace) -> int:
         progress=_leader_printer(not args.quiet),
     )
     if jax.process_index() == 0:
-        print(bench.format_table(result))
+        print(allreduce_report.format_table(result))
         if args.json:
-            bench.save_json(result, args.json)
+            allreduce_report.save_json(result, args.json)
+            print(f"wrote {Path(args.json).resolve()}")
         if args.plot:
-            bench.plot(result, args.plot)
+            allreduce_report.plot(result, args.plot)
+            print(f"wrote {Path(args.plot).resolve()}")
     return 0
 
 
@@ -273,4 +297,5 @@ def run_train_step(args: argparse.Namespace) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(bench_train.to_json(results), f, indent=2)
+            print(f"wrote {Path(args.json).resolve()}")
     return 0

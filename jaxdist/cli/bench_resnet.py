@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+__all__ = ["register_kind", "run_resnet"]
+
 
 def register_kind(kinds: argparse._SubParsersAction) -> None:
     """Add ``resnet`` to the ``bench`` kinds (called from :mod:`jaxdist.cli.bench`)."""
@@ -45,9 +47,9 @@ def run_resnet(args: argparse.Namespace) -> int:
 
     import jax
 
+    from jaxdist.bench import data as data_bench
     from jaxdist.bench import resnet as resnet_bench
     from jaxdist.data import DataConfig
-    from jaxdist.data import bench as data_bench
     from jaxdist.data.fake import write_image_folder
 
     rates = resnet_bench.measure(

@@ -7,6 +7,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+__all__ = ["bench_pipeline", "convert_dataset", "fake_dataset", "inspect_dataset", "register"]
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     data = subparsers.add_parser("data", help="prepare, inspect and benchmark datasets")
@@ -76,7 +78,12 @@ def convert_dataset(args: argparse.Namespace) -> int:
     from jaxdist.data.arrayrecord import convert_folder
     from jaxdist.data.sources import DatasetError
 
+    started = []
+
     def progress(split: str, done: int, total: int, seconds: float) -> None:
+        if not started:  # said once the output is known to be writable, not before
+            started.append(True)
+            print(f"converting {args.src} -> {args.dst} ({args.shards} train shards)")
         rate = done / seconds if seconds > 0 else 0.0
         end = "\n" if done == total else "\r"
         print(
@@ -85,7 +92,6 @@ def convert_dataset(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    print(f"converting {args.src} -> {args.dst} ({args.shards} train shards)")
     try:
         meta = convert_folder(
             args.src, args.dst, args.shards, args.val_shards, progress=progress, verify=args.verify

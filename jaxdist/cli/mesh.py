@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+__all__ = ["cost_on_mesh", "list_meshes", "register", "show_mesh"]
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     mesh = subparsers.add_parser("mesh", help="inspect device meshes")

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+__all__ = ["plot_runs", "read_metrics", "register", "run_plot"]
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(

@@ -30,6 +30,14 @@ import numpy as np
 
 from jaxdist.comm import collectives
 
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "backward_order",
+    "bucketed_allreduce",
+    "leaf_bytes",
+    "plan_buckets",
+]
+
 DEFAULT_BUCKET_BYTES = 16 * 2**20
 
 

@@ -37,6 +37,18 @@ from jaxdist.data.sources import (
 )
 from jaxdist.data.transforms import decode
 
+__all__ = [
+    "FORMAT",
+    "METADATA",
+    "ArrayRecordSource",
+    "ProgressFn",
+    "convert_folder",
+    "decode_record",
+    "encode_record",
+    "read_metadata",
+    "shard_names",
+]
+
 FORMAT = "jaxdist-arrayrecord-v1"
 METADATA = "metadata.json"
 

@@ -26,6 +26,8 @@ from jaxdist.data.pipeline import (
 from jaxdist.data.small_datasets import load_digits, load_mnist5k
 from jaxdist.data.sources import ImageFolderSource, ImageSource, SyntheticSource
 
+__all__ = ["SOURCES", "DataConfig", "Pipeline", "make_pipeline", "open_source"]
+
 SOURCES = ("folder", "arrayrecord", "synthetic", "digits", "mnist5k")
 
 

@@ -9,6 +9,8 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
+__all__ = ["write_image_folder"]
+
 
 def write_image_folder(
     root: str | os.PathLike,

@@ -35,6 +35,8 @@ import numpy as np
 from jaxdist.data.sources import DatasetError, ImageSource
 from jaxdist.data.transforms import DecodeEval, DecodeTrain, Padding, ToOutput
 
+__all__ = ["Batch", "BatchIterator", "build_eval_iterator", "build_train_iterator", "image_shape"]
+
 Batch = dict[str, np.ndarray]
 
 

@@ -23,6 +23,8 @@ import numpy as np
 
 from jaxdist.data.sources import ArraySource
 
+__all__ = ["SPLIT_SEED", "VAL_FRACTION", "load_digits", "load_mnist5k", "stratified_split"]
+
 SPLIT_SEED = 0
 VAL_FRACTION = 0.2
 

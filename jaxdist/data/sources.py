@@ -20,6 +20,20 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "JPEG_SUFFIXES",
+    "SPLITS",
+    "ArraySource",
+    "DatasetError",
+    "ImageFolderSource",
+    "ImageSource",
+    "SyntheticSource",
+    "folder_layout",
+    "list_image_folder",
+]
+
 # ImageNet channel statistics in 0-255 units (the usual torchvision / flax values).
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)

@@ -23,6 +23,23 @@ from PIL import Image
 
 from jaxdist.data.sources import DatasetError
 
+__all__ = [
+    "AREA_RANGE",
+    "ASPECT_RANGE",
+    "EVAL_CROP_FRACTION",
+    "Box",
+    "DecodeEval",
+    "DecodeTrain",
+    "Padding",
+    "ToOutput",
+    "center_crop_box",
+    "decode",
+    "decode_crop_resize",
+    "jpeg_size",
+    "normalize",
+    "random_resized_crop_box",
+]
+
 AREA_RANGE = (0.08, 1.0)
 ASPECT_RANGE = (3 / 4, 4 / 3)
 EVAL_CROP_FRACTION = 0.875  # 224 of 256: resize the short side to size/0.875, crop the centre

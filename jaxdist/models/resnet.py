@@ -43,6 +43,25 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+__all__ = [
+    "ARCHITECTURES",
+    "BLOCKS",
+    "STEMS",
+    "BasicBlock",
+    "BottleneckBlock",
+    "Dtype",
+    "ModuleFactory",
+    "PointwiseConv",
+    "ResNet",
+    "conv_kernel_init",
+    "default_norm",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet101",
+    "resnet152",
+]
+
 Dtype = Any
 ModuleFactory = Callable[..., nn.Module]
 

@@ -6,7 +6,7 @@ own task, and the tasks of one call meet in an in-process rendezvous at every co
 dozens of calls queued (a loop of small steps that never reads a result), a rendezvous can wait
 for a device task that never starts: "Expected 8 threads to join the rendezvous, but only 7 of
 them arrived", and XLA aborts the process after its collective timeout.
-``benchmarks/queue_depth.py`` measures it (docs/performance.md, "How many steps may be queued
+``benchmarks/queue_depth.py`` measures it (benchmarks/results/NOTES_train_step_resnet.md, "How many steps may be queued
 on CPU devices"): on 8 forced CPU devices (jax 0.10.2, 2 cores) every unbounded loop of 2,000
 calls hung, and every loop of at most 1-32 queued calls finished, at the same speed per call.
 
@@ -26,6 +26,15 @@ import jax
 from jax.sharding import Mesh
 
 from jaxdist.checks import positive_int
+
+__all__ = [
+    "CPU_IN_FLIGHT_LIMIT",
+    "InFlightWindow",
+    "Limit",
+    "default_limit",
+    "resolve_limit",
+    "shared_window",
+]
 
 # Calls queued at once on CPU devices: far below the depth that hung, and deep enough that the
 # Python loop still prepares the next batch while a step runs.

@@ -31,6 +31,8 @@ from fractions import Fraction
 
 from jaxdist.checks import positive_int
 
+__all__ = ["BatchSchedule", "DevicePlan", "Stage", "per_device_plan"]
+
 
 @dataclass(frozen=True)
 class Stage:

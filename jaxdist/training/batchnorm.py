@@ -35,6 +35,8 @@ from jax import lax
 
 from jaxdist.comm.collectives import AxisName, axis_size
 
+__all__ = ["CrossReplicaBatchNorm", "replica_mean"]
+
 
 def replica_mean(tree: Any, axis_name: AxisName, group_size: int | None = None) -> Any:
     """Mean of ``tree`` over replicas along ``axis_name``, in groups of ``group_size``

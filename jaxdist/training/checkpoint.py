@@ -31,6 +31,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+__all__ = ["Checkpointer", "NoCheckpointError", "PreemptionGuard", "abstract_like"]
+
 log = logging.getLogger(__name__)
 
 

@@ -27,6 +27,18 @@ from typing import Any
 
 import ml_collections
 
+__all__ = [
+    "RECIPES_DIR",
+    "REQUIRED_KEYS",
+    "ConfigError",
+    "apply_overrides",
+    "base_config",
+    "batch_stages",
+    "flat_keys",
+    "load_recipe",
+    "resolve_recipe_path",
+]
+
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 # Top-level fields every recipe must define (base_config() has them all).
@@ -119,6 +131,11 @@ def _parse_value(text: str, current: Any) -> Any:
     return value
 
 
+def _a(noun: str) -> str:
+    """``noun`` with its indefinite article: "an int", "a float"."""
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
+
+
 def apply_overrides(
     config: ml_collections.ConfigDict, overrides: Iterable[str]
 ) -> ml_collections.ConfigDict:
@@ -146,13 +163,13 @@ def apply_overrides(
         value = _parse_value(text, current)
         if current is not None and isinstance(value, str) and not isinstance(current, str):
             raise ConfigError(
-                f"--set {key}: expected a {type(current).__name__} like {current!r}, got {text!r}"
+                f"--set {key}: expected {_a(type(current).__name__)} like {current!r}, got {text!r}"
             )
         try:
             node[leaf] = value
         except TypeError as err:
             raise ConfigError(
-                f"--set {key}: expected a {type(current).__name__} like {current!r}, got "
+                f"--set {key}: expected {_a(type(current).__name__)} like {current!r}, got "
                 f"{value!r} ({type(value).__name__})"
             ) from err
     return config

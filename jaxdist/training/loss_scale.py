@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+__all__ = ["DynamicLossScale", "all_finite", "select_tree"]
+
 
 class DynamicLossScale(struct.PyTreeNode):
     """Loss-scale state; a pytree, so it lives in the train state and in checkpoints."""

@@ -47,6 +47,21 @@ import jax
 import jax.numpy as jnp
 import optax
 
+__all__ = [
+    "OPTIMIZERS",
+    "SCHEDULE_KINDS",
+    "EpochSchedule",
+    "decay_mask",
+    "get_learning_rate",
+    "lars",
+    "lr_schedule",
+    "make_optimizer",
+    "scaled_learning_rate",
+    "set_learning_rate",
+    "sgd_momentum",
+    "smoothed_cross_entropy",
+]
+
 SCHEDULE_KINDS = ("cosine", "poly", "constant", "step")
 
 EpochSchedule = Callable[[jax.typing.ArrayLike], jax.Array]

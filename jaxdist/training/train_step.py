@@ -44,7 +44,22 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.comm import buckets as bucketing
 from jaxdist.comm import collectives
 from jaxdist.runtime import dispatch
+from jaxdist.training.gradients import local_gradients
 from jaxdist.training.loss_scale import DynamicLossScale, all_finite, select_tree
+from jaxdist.training.zero1 import zero1_update
+
+__all__ = [
+    "NO_ALLREDUCE",
+    "EvalFn",
+    "EvalStep",
+    "LossFn",
+    "TrainState",
+    "TrainStep",
+    "classifier_eval",
+    "classifier_loss",
+    "donation_default",
+    "shard_batch",
+]
 
 # Measurement only: skip the gradient allreduce, so each device trains on its own shard. The
 # train-step benchmark times this to split a step into compute and communication.
@@ -99,7 +114,7 @@ def donation_default(mesh: Mesh) -> bool:
     Donation lets XLA write the new state over the old one, which halves the state's device
     memory -- what matters on a GPU or TPU. On the CPU runtime it buys nothing (host memory)
     and costs time: the same step runs measurably slower donated, with the same compiled HLO
-    apart from its input/output aliases (docs/performance.md has the figures).
+    apart from its input/output aliases (benchmarks/results/NOTES_train_step_resnet.md has the figures).
     """
     return any(d.platform != "cpu" for d in mesh.devices.flat)
 
@@ -267,14 +282,27 @@ class TrainStep:
         axes = self.data_axes
         rng = jax.random.fold_in(rng, lax.axis_index(axes))
         scale = None if state.loss_scale is None else state.loss_scale.scale
-        grads, model_state, loss, metrics = self._local_gradients(
-            state.params, state.model_state, batch, rng, scale
+        grads, model_state, loss, metrics = local_gradients(
+            self.loss_fn,
+            state.params,
+            state.model_state,
+            batch,
+            rng,
+            scale,
+            self.accumulation_steps,
         )
         # Every device leaves the step with the same model state and metrics.
         model_state, loss, metrics = lax.pmean((model_state, loss, metrics), axes)
 
         if self.zero1:
-            params, opt_state, finite = self._zero1_update(state, grads)
+            params, opt_state, finite = zero1_update(
+                self.optimizer,
+                state,
+                grads,
+                self.data_axes,
+                self._zero_size,
+                self.allreduce_options,
+            )
         else:
             if self.buckets is None:
                 self.buckets = self._plan_buckets(state, batch, rng)
@@ -300,54 +328,6 @@ class TrainStep:
             metrics = {**metrics, "loss_scale": state.loss_scale.scale, "grads_finite": finite}
         return new_state, metrics
 
-    def _local_gradients(self, params, model_state, batch, rng, scale):
-        """Gradients of this device's shard, summed over micro-batches when accumulating."""
-
-        def grad_of(micro_batch, model_state, rng):
-            def objective(params):
-                loss, (new_model_state, metrics) = self.loss_fn(
-                    params, model_state, micro_batch, rng
-                )
-                scaled = loss if scale is None else loss * scale.astype(loss.dtype)
-                return scaled, (loss, new_model_state, metrics)
-
-            grads, (loss, new_model_state, metrics) = jax.grad(objective, has_aux=True)(params)
-            return grads, new_model_state, loss, metrics
-
-        k = self.accumulation_steps
-        if k == 1:
-            return grad_of(batch, model_state, rng)
-        local = jax.tree.leaves(batch)[0].shape[0]
-        if local % k:
-            raise ValueError(
-                f"per-device batch of {local} does not split into accumulation_steps={k} micro-batches"
-            )
-        micro_batches = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-
-        def accumulate(carry, xs):
-            grads_sum, model_state, loss_sum, metrics_sum = carry
-            micro_batch, index = xs
-            grads, model_state, loss, metrics = grad_of(
-                micro_batch, model_state, jax.random.fold_in(rng, index)
-            )
-            add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
-            return (
-                add(grads_sum, grads),
-                model_state,
-                loss_sum + loss,
-                add(metrics_sum, metrics),
-            ), None
-
-        first = jax.tree.map(lambda x: x[0], micro_batches)
-        shapes = jax.eval_shape(grad_of, first, model_state, rng)
-        zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
-        carry = (zeros(shapes[0]), model_state, zeros(shapes[2]), zeros(shapes[3]))
-        (grads, model_state, loss, metrics), _ = lax.scan(
-            accumulate, carry, (micro_batches, jnp.arange(k))
-        )
-        mean = lambda tree: jax.tree.map(lambda x: x / k, tree)  # noqa: E731
-        return mean(grads), model_state, loss / k, mean(metrics)
-
     def _plan_buckets(self, state, batch, rng) -> list[list[int]]:
         """Gradient buckets in backward order (traced once, abstractly, at the first step)."""
         axes = (self.data_axes,) if isinstance(self.data_axes, str) else self.data_axes
@@ -360,35 +340,6 @@ class TrainStep:
             axis_env=axis_env,
         )
         return bucketing.plan_buckets(bucketing.leaf_bytes(state.params), order, self.bucket_bytes)
-
-    def _zero1_update(self, state: TrainState, grads: Any):
-        """ZeRO-1: reduce-scatter gradients, update this device's slice, all-gather params."""
-        axes = self.data_axes
-        flat_grads, _ = ravel_pytree(grads)
-        flat_params, unravel = ravel_pytree(state.params)
-        options = self.allreduce_options
-        # The options every schedule takes go to the ring building blocks; the rest belong to
-        # the full schedules.
-        ring_options = {k: v for k, v in options.items() if k in collectives.COMMON_OPTIONS}
-        transfer = {k: v for k, v in options.items() if k == "transfer_dtype"}
-        grad_slice = collectives.reduce_scatter(flat_grads, axes, **ring_options, **transfer)
-        grad_slice = grad_slice / self.num_replicas
-        finite = None
-        if state.loss_scale is not None:
-            grad_slice = grad_slice / state.loss_scale.scale
-            # Each device checks only its slice; the step is skipped everywhere if one is bad.
-            finite = lax.pmin(all_finite(grad_slice).astype(jnp.int32), axes) > 0
-        slice_size = self._zero_size // self.num_replicas
-        padded = jnp.pad(flat_params, (0, self._zero_size - flat_params.size))
-        param_slice = lax.dynamic_slice_in_dim(
-            padded, lax.axis_index(axes) * slice_size, slice_size
-        )
-        updates, opt_state = self.optimizer.update(grad_slice, state.opt_state, param_slice)
-        new_slice = optax.apply_updates(param_slice, updates)
-        # Parameters travel in full precision: ``transfer_dtype`` is for gradients, and a
-        # rounded all-gather would cut every device's float32 master copy to that dtype.
-        new_flat = collectives.all_gather(new_slice, axes, **ring_options)[: flat_params.size]
-        return unravel(new_flat), opt_state, finite
 
 
 class EvalStep:

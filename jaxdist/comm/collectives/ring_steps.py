@@ -114,13 +114,10 @@ def ring_all_gather(
     if stride is None:
         stride = window_stride(size, count)
     length = window_length(size, count, stride)
-    if shards[0].size != length:
-        raise ValueError(
-            f"all_gather: {count} windows {stride} apart ending at {size} hold "
-            f"{length} elements each, got {shards[0].size}"
-        )
     early = last_window_shift(size, count, stride, length)
     overhang = size - count * stride  # the last window's elements past count * stride
+    concatenate = gathers_by_concatenation(lanes, p, unroll_limit)
+    _check_gather(shards[0].size, length, count, stride, size, into, overhang, concatenate)
     positions = [(d * i) % p for d in directions]
 
     def place(gathered, lane: int, index, block):
@@ -145,14 +142,6 @@ def ring_all_gather(
         kept = last_overhang(kept, positions[-1] - s - 1, in_flight[-1])
         return gathered, in_flight, kept
 
-    if into is not None and into.shape != (size,):
-        raise ValueError(f"all_gather: `into` must have shape ({size},), got {into.shape}")
-    concatenate = gathers_by_concatenation(lanes, p, unroll_limit)
-    if overhang < 0 and not concatenate:
-        raise ValueError(
-            f"all_gather: windows {stride} apart overlap only at the end here, which only a "
-            f"gather by concatenation handles (several rings, at most {unroll_limit} steps)"
-        )
     if concatenate:
         # Two rings writing over one buffer made XLA copy it; one ring writing over a donated
         # input is faster than concatenating, so it keeps the in-place updates. The shards are
@@ -171,6 +160,32 @@ def ring_all_gather(
             gathered, divided(kept, divisor), count * stride, 0
         )
     return gathered
+
+
+def _check_gather(
+    shard_size: int,
+    length: int,
+    count: int,
+    stride: int,
+    size: int,
+    into: jax.Array | None,
+    overhang: int,
+    concatenate: bool,
+) -> None:
+    """Refuse shards that are not the windows, an ``into`` of the wrong shape, and windows
+    that overlap only at the end where the gather writes over its input."""
+    if shard_size != length:
+        raise ValueError(
+            f"all_gather: {count} windows {stride} apart ending at {size} hold "
+            f"{length} elements each, got {shard_size}"
+        )
+    if into is not None and into.shape != (size,):
+        raise ValueError(f"all_gather: `into` must have shape ({size},), got {into.shape}")
+    if overhang < 0 and not concatenate:
+        raise ValueError(
+            f"all_gather: windows {stride} apart overlap only at the end here, which only a "
+            f"gather by concatenation handles (several rings, unrolled)"
+        )
 
 
 def gathers_by_concatenation(lanes: int, p: int, unroll_limit: int) -> bool:

@@ -13,6 +13,16 @@ from jax import lax
 
 from jaxdist.checks import positive_int
 
+__all__ = [
+    "UNROLL_LIMIT",
+    "AxisName",
+    "Run",
+    "Wire",
+    "axis_size",
+    "default_exchange_piece_bytes",
+    "permute",
+]
+
 AxisName = str | tuple[str, ...]
 
 # Schedules with more steps than this run their steps in a ``lax.fori_loop`` instead of
@@ -21,7 +31,8 @@ UNROLL_LIMIT = 16
 
 # Over gloo a pairwise exchange goes in pieces of this many bytes, and a step of the
 # bidirectional ring in pieces of the second size (see default_exchange_piece_bytes; the
-# sizes were chosen by measurement on emulated hosts, docs/performance.md).
+# sizes were chosen by measurement on emulated hosts:
+# benchmarks/results/NOTES_emulated_hosts.md, section 4.1).
 GLOO_EXCHANGE_PIECE_BYTES = 256 << 10
 GLOO_REVERSE_TRAFFIC_PIECE_BYTES = 512 << 10
 # More pieces than this go in a fori_loop, which keeps compile time flat.

@@ -1,0 +1,74 @@
+"""A device's gradients inside the train step: of its shard of the batch, optionally summed
+over micro-batches (gradient accumulation) and of a scaled loss (float16 training)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["local_gradients"]
+
+
+def local_gradients(
+    loss_fn: Callable,
+    params: Any,
+    model_state: Any,
+    batch: Any,
+    rng: jax.Array,
+    scale: jax.Array | None,
+    accumulation_steps: int = 1,
+) -> tuple[Any, Any, jax.Array, dict]:
+    """``(grads, new model state, loss, metrics)`` of ``loss_fn`` on this device's ``batch``.
+
+    With ``accumulation_steps = k > 1`` the batch is cut into ``k`` micro-batches run one
+    after the other in a ``lax.scan`` (the model state threads through them, each gets its
+    own rng), and gradients, loss and metrics are their means. With a loss ``scale``
+    (float16 training) the gradients are of the scaled loss; the loss reported is unscaled.
+    """
+
+    def grad_of(micro_batch, model_state, rng):
+        def objective(params):
+            loss, (new_model_state, metrics) = loss_fn(params, model_state, micro_batch, rng)
+            scaled = loss if scale is None else loss * scale.astype(loss.dtype)
+            return scaled, (loss, new_model_state, metrics)
+
+        grads, (loss, new_model_state, metrics) = jax.grad(objective, has_aux=True)(params)
+        return grads, new_model_state, loss, metrics
+
+    k = accumulation_steps
+    if k == 1:
+        return grad_of(batch, model_state, rng)
+    local = jax.tree.leaves(batch)[0].shape[0]
+    if local % k:
+        raise ValueError(
+            f"per-device batch of {local} does not split into accumulation_steps={k} micro-batches"
+        )
+    micro_batches = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+    def accumulate(carry, xs):
+        grads_sum, model_state, loss_sum, metrics_sum = carry
+        micro_batch, index = xs
+        grads, model_state, loss, metrics = grad_of(
+            micro_batch, model_state, jax.random.fold_in(rng, index)
+        )
+        add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
+        return (
+            add(grads_sum, grads),
+            model_state,
+            loss_sum + loss,
+            add(metrics_sum, metrics),
+        ), None
+
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    shapes = jax.eval_shape(grad_of, first, model_state, rng)
+    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
+    carry = (zeros(shapes[0]), model_state, zeros(shapes[2]), zeros(shapes[3]))
+    (grads, model_state, loss, metrics), _ = lax.scan(
+        accumulate, carry, (micro_batches, jnp.arange(k))
+    )
+    mean = lambda tree: jax.tree.map(lambda x: x / k, tree)  # noqa: E731
+    return mean(grads), model_state, loss / k, mean(metrics)

@@ -1,0 +1,126 @@
+"""The train-step benchmark (jaxdist.bench.train_step) and `jaxdist bench train-step`."""
+
+import json
+import math
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import meshes
+from jaxdist.bench import train_step as bench_train
+from jaxdist.cli import main
+from jaxdist.training import train_step as ts
+
+
+def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
+    out_json = tmp_path / "train_step.json"
+    argv = ["bench", "train-step", "--mesh", "torus-4x2", "--algorithms", "ring,native",
+            "--per-device-batch", "2", "--image-size", "8", "--width", "4", "--steps", "1",
+            "--rounds", "2", "--json", str(out_json)]  # fmt: skip
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    rows = json.loads(out_json.read_text())
+    # One row per variant asked for, in the order asked, after the baseline; the compute-only
+    # twins ("/none") are folded into their rows, not reported as variants of their own.
+    assert [r["variant"] for r in rows] == ["baseline", "jaxdist ring", "jaxdist native"], rows
+    global_batch = 2 * 8  # --per-device-batch 2 on the 8 devices of torus-4x2
+    baseline = rows[0]
+    for row in rows:
+        for key in ("step_seconds", "compute_seconds", "images_per_second", "vs_baseline"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+        assert math.isfinite(row["communication_seconds"]), row
+        # Images/s counts the whole global batch once per step ...
+        assert row["images_per_second"] * row["step_seconds"] == pytest.approx(global_batch), row
+        # ... and each row is rated against the baseline's step, not its own or its twin's.
+        assert row["vs_baseline"] == pytest.approx(baseline["step_seconds"] / row["step_seconds"])
+        assert row["communication_seconds"] == pytest.approx(
+            row["step_seconds"] - row["compute_seconds"]
+        )
+    # The table prints the same numbers as the JSON, one line per row, in its columns.
+    printed = {
+        name: [float(cell) for cell in cells.split()]
+        for name, cells in re.findall(
+            r"^(baseline|jaxdist \w+)((?: +-?\d+\.\d+){5})$", table, re.MULTILINE
+        )
+    }
+    assert list(printed) == [r["variant"] for r in rows], table
+    for row in rows:
+        step_ms, images, ratio, compute_ms, comm_ms = printed[row["variant"]]
+        assert step_ms == pytest.approx(row["step_seconds"] * 1e3, abs=0.051), table
+        assert images == pytest.approx(row["images_per_second"], abs=0.051), table
+        assert ratio == pytest.approx(row["vs_baseline"], abs=0.00051), table
+        assert compute_ms == pytest.approx(row["compute_seconds"] * 1e3, abs=0.051), table
+        assert comm_ms == pytest.approx(row["communication_seconds"] * 1e3, abs=0.051), table
+
+
+def test_baseline_and_jaxdist_steps_train_alike():
+    """What the benchmark compares is the same training: from the same state and batch, the
+    hand-written baseline step and jaxdist's TrainStep (built as the benchmark builds them)
+    give the same loss, parameters and BatchNorm statistics, step after step; and each
+    compute-only twin really leaves the gradient mean out (its parameters differ)."""
+    mesh = meshes.build("torus-4x2")
+    axes = tuple(mesh.axis_names)
+    num_classes, width = 10, 4
+    model = bench_train.small_resnet(axes, width, num_classes)
+    init_model = bench_train.small_resnet(None, width, num_classes)
+    rng = np.random.default_rng(0)
+    host_batch = {
+        "image": rng.standard_normal((2 * mesh.size, 8, 8, 3)).astype(np.float32),
+        "label": rng.integers(0, num_classes, 2 * mesh.size).astype(np.int32),
+    }
+    variables = jax.device_get(
+        init_model.init(jax.random.key(0), host_batch["image"][:2], train=False)
+    )
+    optimizer = optax.sgd(0.1, momentum=0.9)
+    batch = ts.shard_batch(mesh, axes, host_batch)
+
+    def baseline(communicate):
+        step = bench_train.baseline_step(model, optimizer, mesh, axes, communicate)
+        carry = jax.device_put(
+            [variables["params"], variables["batch_stats"], optimizer.init(variables["params"])],
+            NamedSharding(mesh, P()),
+        )
+        losses = []
+        for _ in range(2):
+            params, stats, opt_state, loss = step(*carry, batch)
+            carry = [params, stats, opt_state]
+            losses.append(float(loss))
+        return losses, jax.device_get(carry[0]), jax.device_get(carry[1])
+
+    def jaxdist(allreduce):
+        step = ts.TrainStep(
+            ts.classifier_loss(model, num_classes=num_classes), optimizer, mesh,
+            allreduce=allreduce, bucket_bytes=ts.bucketing.DEFAULT_BUCKET_BYTES,
+        )  # fmt: skip
+        state = step.init(variables["params"], {"batch_stats": variables["batch_stats"]})
+        losses = []
+        for _ in range(2):
+            state, metrics = step(state, batch, jax.random.key(0))
+            losses.append(float(metrics["loss"]))
+        params, stats = jax.device_get((state.params, state.model_state["batch_stats"]))
+        return losses, params, stats
+
+    def assert_close(a, b):
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), a, b)
+
+    def differs(a, b):
+        return any(
+            not np.allclose(x, y, rtol=1e-4, atol=1e-6)
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+        )
+
+    losses, params, stats = baseline(communicate=True)
+    assert all(math.isfinite(loss) for loss in losses) and losses[0] != losses[1], losses
+    assert differs(params, variables["params"])  # the step trained something
+    for algorithm in ("native", "ring"):
+        theirs = jaxdist(algorithm)
+        np.testing.assert_allclose(theirs[0], losses, rtol=1e-5)
+        assert_close(theirs[1], params)
+        assert_close(theirs[2], stats)
+    assert differs(baseline(communicate=False)[1], params)
+    assert differs(jaxdist(ts.NO_ALLREDUCE)[1], params)
