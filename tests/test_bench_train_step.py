@@ -45,17 +45,21 @@ def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
     printed = {
         name: [float(cell) for cell in cells.split()]
         for name, cells in re.findall(
-            r"^(baseline|jaxdist \w+)((?: +-?\d+\.\d+){5})$", table, re.MULTILINE
+            r"^(baseline|jaxdist \w+)((?: +-?\d+\.\d+){6})$", table, re.MULTILINE
         )
     }
     assert list(printed) == [r["variant"] for r in rows], table
     for row in rows:
-        step_ms, images, ratio, compute_ms, comm_ms = printed[row["variant"]]
+        step_ms, images, ratio, compute_ms, comm_ms, spread_ms = printed[row["variant"]]
         assert step_ms == pytest.approx(row["step_seconds"] * 1e3, abs=0.051), table
         assert images == pytest.approx(row["images_per_second"], abs=0.051), table
         assert ratio == pytest.approx(row["vs_baseline"], abs=0.00051), table
         assert compute_ms == pytest.approx(row["compute_seconds"] * 1e3, abs=0.051), table
         assert comm_ms == pytest.approx(row["communication_seconds"] * 1e3, abs=0.051), table
+        spread = row["communication_spread_seconds"]
+        assert math.isfinite(spread) and spread >= 0, row
+        assert spread_ms == pytest.approx(spread * 1e3, abs=0.051), table
+    assert "comm = step - compute" in table and "+-: half its spread" in table
 
 
 def test_baseline_and_jaxdist_steps_train_alike():
@@ -124,3 +128,19 @@ def test_baseline_and_jaxdist_steps_train_alike():
         assert_close(theirs[2], stats)
     assert differs(baseline(communicate=False)[1], params)
     assert differs(jaxdist(ts.NO_ALLREDUCE)[1], params)
+
+
+def test_communication_is_paired_by_round_and_carries_its_spread():
+    # Two rounds: the allreduce adds 2 ms in one and nothing in the other (it overlapped).
+    times = {
+        "baseline": [0.010, 0.012],
+        "baseline/none": [0.009, 0.011],
+        "jaxdist ring": [0.013, 0.010],
+        "jaxdist ring/none": [0.011, 0.010],
+    }
+    baseline, ring = bench_train._measurements(times, global_batch=16)
+    assert (baseline.variant, ring.variant) == ("baseline", "jaxdist ring")
+    assert ring.communication_seconds == pytest.approx(0.0115 - 0.0105)
+    assert ring.communication_spread_seconds == pytest.approx((0.002 - 0.0) / 2)
+    assert baseline.communication_spread_seconds == pytest.approx(0.0)
+    assert ring.vs_baseline == pytest.approx(0.011 / 0.0115)

@@ -48,7 +48,12 @@ class Measurement:
     images_per_second: float
     vs_baseline: float  # images/s over the baseline's
     compute_seconds: float  # median step time without gradient communication
-    communication_seconds: float  # step_seconds - compute_seconds
+    # step_seconds - compute_seconds: the time the gradient allreduce adds to a step. Near 0,
+    # or below it, where the allreduce overlaps the backward pass or is lost in noise.
+    communication_seconds: float
+    # Half the range, over the timing rounds, of the step's time minus its compute-only
+    # twin's in the same round: how far communication_seconds can be trusted.
+    communication_spread_seconds: float = 0.0
 
 
 def small_resnet(axes, width: int, num_classes: int) -> nn.Module:
@@ -136,7 +141,7 @@ def run(
     )
     say(f"  timing {len(runners)} variants in {rounds} interleaved rounds of {steps} steps")
     times = timing.interleaved_rounds(runners, steps, rounds)
-    return _measurements({name: statistics.median(t) for name, t in times.items()}, global_batch)
+    return _measurements(times, global_batch)
 
 
 def _baseline_runners(model, optimizer, mesh, axes, variables, batch) -> dict[str, Callable]:
@@ -186,11 +191,14 @@ def _jaxdist_runners(
     return runners
 
 
-def _measurements(median: dict[str, float], global_batch: int) -> list[Measurement]:
-    """One row per variant that communicates; its ``/none`` twin's time is its compute."""
+def _measurements(times: dict[str, list[float]], global_batch: int) -> list[Measurement]:
+    """One row per variant that communicates, from its per-round step times; its ``/none``
+    twin's time, taken in the same rounds, is its compute."""
+    median = {name: statistics.median(t) for name, t in times.items()}
     results = []
-    for name in [n for n in median if not n.endswith("/none")]:
+    for name in [n for n in times if not n.endswith("/none")]:
         step_s, compute_s = median[name], median[f"{name}/none"]
+        differences = [a - b for a, b in zip(times[name], times[f"{name}/none"])]
         results.append(
             Measurement(
                 variant=name,
@@ -199,6 +207,7 @@ def _measurements(median: dict[str, float], global_batch: int) -> list[Measureme
                 vs_baseline=median["baseline"] / step_s,
                 compute_seconds=compute_s,
                 communication_seconds=step_s - compute_s,
+                communication_spread_seconds=(max(differences) - min(differences)) / 2,
             )
         )
     return results
@@ -209,14 +218,20 @@ def format_table(results: list[Measurement], mesh: Mesh, global_batch: int) -> s
         f"# train step on mesh {dict(mesh.shape)} ({mesh.size} {mesh.devices.flat[0].platform} "
         f"devices), global batch {global_batch}",
         f"{'variant':<20s} {'step(ms)':>9s} {'images/s':>9s} {'x baseline':>10s} "
-        f"{'compute(ms)':>11s} {'comm(ms)':>9s}",
+        f"{'compute(ms)':>11s} {'comm(ms)':>9s} {'+-(ms)':>7s}",
     ]
     for m in results:
         lines.append(
             f"{m.variant:<20s} {m.step_seconds * 1e3:9.1f} {m.images_per_second:9.1f} "
             f"{m.vs_baseline:10.3f} {m.compute_seconds * 1e3:11.1f} "
-            f"{m.communication_seconds * 1e3:9.1f}"
+            f"{m.communication_seconds * 1e3:9.1f} {m.communication_spread_seconds * 1e3:7.1f}"
         )
+    lines.append(
+        "# compute: the same step without its gradient allreduce; comm = step - compute, the "
+        "time the allreduce adds (medians over rounds). +-: half its spread across rounds. A "
+        "comm within its +- of 0, or below 0, means the allreduce is hidden behind the backward "
+        "pass or lost in the noise, not that it is free."
+    )
     return "\n".join(lines)
 
 
