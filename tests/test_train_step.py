@@ -1,5 +1,7 @@
 """Data-parallel train steps against plain single-device training."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ from jaxdist.comm import buckets, collectives
 from jaxdist.training import train_step as ts
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm, replica_mean
 from jaxdist.training.loss_scale import DynamicLossScale
+from tests._procs import REPO
 
 NUM_CLASSES = 4
 STEPS = 3
@@ -381,6 +384,25 @@ def test_buckets_let_xla_schedule_gradient_collectives_inside_backward():
     assert one["convolutions_after_first_permute"] == 0
     # With buckets in backward order the first one is scheduled while backward still runs.
     assert many["convolutions_after_first_permute"] > 0
+    # docs/train_step.md states these figures; they must be what the code compiles to.
+    documented = _schedule_table((REPO / "docs" / "train_step.md").read_text())
+    keys = (
+        "instructions",
+        "convolutions",
+        "collective_permutes",
+        "convolutions_after_first_permute",
+    )
+    found = [[n_one, *(one[k] for k in keys)], [n_many, *(many[k] for k in keys)]]
+    assert documented == found, (
+        f"docs/train_step.md's schedule table says {documented}, the compiled steps give {found}: "
+        "rerun the command above the table and update it"
+    )
+
+
+def _schedule_table(text: str) -> list[list[int]]:
+    """The rows of the doc's "buckets | instructions | ..." table, as integers."""
+    rows = re.findall(r"^\| (\d+) \(`--bucket-mb[^|]*\|" + r" (\d+) \|" * 4 + "$", text, re.M)
+    return [[int(cell) for cell in row] for row in rows]
 
 
 def test_bfloat16_compute_with_float32_master_weights_trains():
