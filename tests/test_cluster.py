@@ -53,15 +53,17 @@ def _assert_gone(run: str) -> None:
     assert (names, folders) == ([], []), f"expected no leftovers of {run}, found {names} {folders}"
 
 
-def test_parse_rate_and_latency():
-    assert cluster.parse_rate("1gbit") == 10**9
-    assert cluster.parse_rate("100mbit") == 10**8
-    assert cluster.parse_rate("2.5Gbit") == 2_500_000_000
+def test_rate_bits_and_latency():
+    assert cluster.rate_bits("1gbit") == 10**9
+    assert cluster.rate_bits("100mbit") == 10**8
+    assert cluster.rate_bits("2.5Gbit") == 2_500_000_000
+    # One reading of rates for the cluster and the cost model: bytes work too.
+    assert cluster.rate_bits("12.5GB/s") == 10**11
     assert cluster.parse_latency("100us") == pytest.approx(1e-4)
     assert cluster.parse_latency("2ms") == pytest.approx(2e-3)
     assert cluster.parse_latency("0") == 0
-    with pytest.raises(ValueError, match="bandwidth must look like"):
-        cluster.parse_rate("1GB/s")
+    with pytest.raises(ValueError, match=r"a rate is a number and a unit, e\.g\. 1gbit"):
+        cluster.rate_bits("fast")
     with pytest.raises(ValueError, match="latency must look like"):
         cluster.parse_latency("100")
 

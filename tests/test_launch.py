@@ -138,6 +138,36 @@ def test_supervise_labels_output_and_returns_zero():
     assert lines == expected
 
 
+def test_a_program_that_cannot_be_found_is_one_line_and_exit_127(tmp_path):
+    log = io.StringIO()
+    workers = [
+        launch.Worker([PY, "-c", "import time; time.sleep(60)"]),
+        launch.Worker(["/nonexistent/cmd", "--flag"]),
+    ]
+    start = time.monotonic()
+    assert launch.supervise(workers, grace_s=1, out=io.StringIO(), log=log) == 127
+    assert time.monotonic() - start < 10, "the worker already started was not stopped"
+    assert log.getvalue() == "jaxdist: cannot run '/nonexistent/cmd': not found\n"
+    # Through the command line: one line on stderr, no traceback.
+    proc = subprocess.run(
+        [*JAXDIST, "launch", "--processes", "1", "--", "no-such-program-here"],
+        capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 127, proc.stderr
+    assert "cannot run 'no-such-program-here': not found" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_bare_program_is_found_beside_this_python(tmp_path):
+    """``.venv/bin/jaxdist launch -- jaxdist ...`` with the venv not on PATH."""
+    here = os.path.dirname(sys.executable)
+    worker = launch.Worker(["jaxdist", "--help"], dict(os.environ, PATH=str(tmp_path)))
+    assert launch._resolve_program(worker) == [os.path.join(here, "jaxdist"), "--help"]
+    out = io.StringIO()
+    assert launch.supervise([worker], out=out, log=io.StringIO()) == 0
+    assert "[p0] usage: jaxdist" in out.getvalue()
+
+
 @pytest.mark.multiprocess
 def test_supervise_stops_the_others_on_failure():
     token = f"JAXDIST_TEST_TOKEN={uuid.uuid4().hex}"

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -170,3 +171,35 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
     assert meta["step"] == steps[-1] and meta["samples_seen"] == 16 * steps[-1]
     stop = json.loads((workdir / "events.log").read_text().splitlines()[-1].split(" ", 1)[1])
     assert stop["key"] == "run_stop" and stop["metadata"]["status"] == "aborted"
+
+
+def test_a_finished_run_rerun_says_so_and_appends_nothing(tmp_path, capsys):
+    workdir = tmp_path / "run"
+    first = Trainer(tiny_config(eval_every_epochs=1.0), workdir).run()
+    written = {name: (workdir / name).read_text() for name in ("metrics.jsonl", "events.log")}
+    capsys.readouterr()
+    again = Trainer(tiny_config(eval_every_epochs=1.0), workdir).run()
+    out = capsys.readouterr().out
+    assert "already finished: step 7 of 7" in out and "resumed" not in out, out
+    assert again["already_finished"] and again["step"] == first["step"] == 7
+    # The eval it reports is the finished run's, read back from its metrics.
+    assert again["top1"] == pytest.approx(first["top1"]) and "top5" in again
+    for name, text in written.items():
+        assert (workdir / name).read_text() == text, f"the rerun appended to {name}"
+
+
+def test_progress_lines_carry_elapsed_time_and_an_eta(tmp_path, capsys):
+    Trainer(tiny_config(), tmp_path / "run").run()
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+    assert lines, "no progress line"
+    for line in lines:
+        assert re.search(r"\| \d+(?:m\d\ds|s) elapsed, eta \d+(?:m\d\ds|s)$", line), line
+    assert lines[-1].endswith("eta 0s"), lines[-1]
+
+
+def test_cli_names_the_workdir_and_what_to_run_next(tmp_path):
+    from jaxdist.cli.train import where_results_are
+
+    text = where_results_are(tmp_path / "run")
+    for part in ("metrics.jsonl", "events.log", "checkpoints/", f"jaxdist plot {tmp_path}/run"):
+        assert part in text, text

@@ -8,6 +8,8 @@ import sys
 from jaxdist.cli.launch import add_supervision_arguments, command_after_dashes
 from jaxdist.runtime import cluster
 
+__all__ = ["register", "run"]
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -30,8 +32,8 @@ def register(subparsers) -> None:
         "--bandwidth",
         default="1gbit",
         metavar="RATE",
-        help="each host link's rate, both directions, tc syntax (default %(default)s; "
-        "'none' leaves links uncapped)",
+        help="each host link's rate, both directions, e.g. 1gbit, 100mbit or 12.5GB/s "
+        "(default %(default)s; 'none' leaves links uncapped)",
     )
     parser.add_argument(
         "--latency",

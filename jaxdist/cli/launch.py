@@ -6,6 +6,8 @@ import argparse
 
 from jaxdist.runtime import launch
 
+__all__ = ["add_supervision_arguments", "command_after_dashes", "register", "run"]
+
 
 def command_after_dashes(rest: list[str]) -> list[str]:
     """The command given after ``--`` (argparse keeps the separator in a REMAINDER)."""

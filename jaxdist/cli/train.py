@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+__all__ = ["PREEMPTED_EXIT_CODE", "register", "run_train", "where_results_are"]
+
 # Exit status of a run stopped by SIGTERM after saving its checkpoint (128 + 15, the shell's
 # convention), so a job scheduler sees that it did not finish.
 PREEMPTED_EXIT_CODE = 143
@@ -53,5 +55,21 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"jaxdist train: stopped by SIGTERM at step {summary['step']}; checkpoint saved")
         return PREEMPTED_EXIT_CODE
     evals = ", ".join(f"{k} {summary[k]:.4f}" for k in ("top1", "top5") if k in summary)
-    print(f"done: step {summary['step']}, epoch {summary['epoch']:.2f}; {evals}")
+    done = "already finished" if summary.get("already_finished") else "done"
+    print(f"{done}: step {summary['step']}, epoch {summary['epoch']:.2f}"
+          + (f"; {evals}" if evals else ""))  # fmt: skip
+    print(where_results_are(workdir))
     return 0
+
+
+def where_results_are(workdir: Path) -> str:
+    """The closing lines of a run: what its workdir holds and what to run next."""
+    return "\n".join(
+        [
+            f"results in {workdir}/:",
+            "  metrics.jsonl   train and eval metrics, one JSON record per line",
+            "  events.log      MLPerf-style events (run_start ... run_stop)",
+            "  checkpoints/    the newest checkpoints; rerunning this command resumes from them",
+            f"curves: jaxdist plot {workdir}",
+        ]
+    )

@@ -37,7 +37,25 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from jaxdist.comm import cost_model
 from jaxdist.runtime import launch
+
+__all__ = [
+    "COORDINATOR_PORT",
+    "MAX_HOSTS",
+    "NETNS_ETC",
+    "PREFIX",
+    "SUBNET",
+    "ClusterError",
+    "EmulatedCluster",
+    "PrivilegeError",
+    "check_tools",
+    "cleanup",
+    "leftovers",
+    "parse_latency",
+    "rate_bits",
+    "run_cluster",
+]
 
 PREFIX = "jdxc"
 SUBNET = "10.213.0"  # a /24 that exists only on the bridge inside the namespaces made here
@@ -45,7 +63,6 @@ COORDINATOR_PORT = 8476  # free by construction: each host namespace starts empt
 NETNS_ETC = Path("/etc/netns")
 MAX_HOSTS = 250
 
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
@@ -57,17 +74,10 @@ class PrivilegeError(ClusterError):
     """Not allowed to create network namespaces here."""
 
 
-def parse_rate(text: str) -> int:
-    """tc-style rate (``"1gbit"``, ``"100mbit"``) in bits per second."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]+)\s*", text.lower())
-    if not m or m.group(2) not in _RATE_UNITS:
-        raise ValueError(
-            f"bandwidth must look like 1gbit or 100mbit ({'/'.join(_RATE_UNITS)}), got {text!r}"
-        )
-    bits = int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
-    if bits <= 0:
-        raise ValueError(f"bandwidth must be > 0, got {text!r}")
-    return bits
+def rate_bits(text: str) -> int:
+    """A link rate for tc, in whole bits per second, read as the cost model reads rates
+    (:func:`jaxdist.comm.cost_model.parse_rate`: ``1gbit``, ``100mbit``, ``12.5GB/s``, ...)."""
+    return round(8 * cost_model.parse_rate(text))
 
 
 def parse_latency(text: str) -> float:
@@ -129,7 +139,7 @@ class EmulatedCluster:
         self.hosts = hosts
         self.devices_per_host = devices_per_host
         self.bandwidth = bandwidth
-        self.rate_bits = parse_rate(bandwidth) if bandwidth else None
+        self.rate_bits = rate_bits(bandwidth) if bandwidth else None
         self.latency = latency
         self.latency_s = parse_latency(latency)
         self.run_id = run_id or secrets.token_hex(2)
@@ -335,12 +345,6 @@ def cleanup(prefix: str = PREFIX) -> list[str]:
     return removed
 
 
-class _Stop(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 def run_cluster(
     command: Sequence[str],
     hosts: int,
@@ -358,15 +362,10 @@ def run_cluster(
         hosts, devices_per_host=devices_per_host, bandwidth=bandwidth, latency=latency
     )
 
-    def on_signal(signum, _frame):
-        raise _Stop(signum)
-
     # While building (and between build and run) SIGTERM/SIGHUP must unwind through the
     # teardown like Ctrl-C does; supervise() installs its own handlers while it runs.
-    handled = (signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, on_signal) for s in handled}
     try:
-        with cluster:
+        with launch.signals_raise_stop((signal.SIGTERM, signal.SIGHUP)), cluster:
             print(
                 f"jaxdist cluster: {hosts} hosts {', '.join(cluster.host_names)} on "
                 f"{SUBNET}.0/24, links {bandwidth or 'uncapped'}, +{latency} delay",
@@ -374,10 +373,7 @@ def run_cluster(
                 flush=True,
             )
             return launch.supervise(cluster.workers(command), timeout_s=timeout_s, grace_s=grace_s)
-    except _Stop as stop:
+    except launch.Stop as stop:
         return 128 + stop.signum
     except KeyboardInterrupt:
         return 128 + signal.SIGINT
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)

@@ -29,6 +29,22 @@ import sys
 import threading
 from dataclasses import dataclass
 
+__all__ = [
+    "DEFAULT_HEARTBEAT_TIMEOUT_S",
+    "DEFAULT_TIMEOUT_S",
+    "ENV_COORDINATOR",
+    "ENV_LOCAL_DEVICES",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "ENV_TIMEOUT",
+    "JAXDIST_ENV",
+    "DistributedInitError",
+    "ProcessGroup",
+    "detect",
+    "initialize",
+    "shutdown",
+]
+
 ENV_COORDINATOR = "JAXDIST_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXDIST_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXDIST_PROCESS_ID"
@@ -250,7 +266,7 @@ def initialize(
         return group  # single process, nothing to configure: fine even after JAX started
     if xla_bridge.backends_are_initialized():
         raise DistributedInitError(
-            "jaxdist.runtime.distributed.initialize() must run before JAX starts a backend, but one is "
+            "jaxdist.distributed.initialize() must run before JAX starts a backend, but one is "
             "already running (something called jax.devices() or ran a computation first)"
         )
     if group.local_device_count is not None:
@@ -258,20 +274,60 @@ def initialize(
     if not group.is_multiprocess:
         return group
 
-    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    # The CPU client exchanges device topologies through the coordinator when it starts; by
-    # default it waits minutes for a missing peer. Bound it by the same timeout.
-    minutes = max(1, math.ceil(timeout_s / 60))
-    jax.config.update("jax_cpu_get_local_topology_timeout_minutes", minutes)
-    jax.config.update("jax_cpu_get_global_topology_timeout_minutes", minutes)
-
+    _configure_cpu_collectives(cpu_collectives, timeout_s)
     who = (
         f"process {group.process_id if group.process_id is not None else '?'} of "
         f"{group.num_processes if group.num_processes is not None else '?'} "
         f"(from {group.source})"
     )
-    # When peers never show up, JAX's runtime aborts the process from C++ (a fatal
-    # DEADLINE_EXCEEDED) rather than raising, so say who waited on what just before that.
+    watchdog = _join_watchdog(who, group, timeout_s)
+    try:
+        jax.distributed.initialize(
+            coordinator_address=group.coordinator_address,
+            num_processes=group.num_processes,
+            process_id=group.process_id,
+            initialization_timeout=int(timeout_s),
+            heartbeat_timeout_seconds=int(heartbeat_timeout_s),
+            shutdown_timeout_seconds=int(timeout_s),
+        )
+    except Exception as err:  # XlaRuntimeError, ValueError, ... all mean "could not join"
+        if group.source == "tpu-vm" and "coordinator_address" in str(err):
+            # TPU chips, but JAX found no pod slice around them (no metadata server answered):
+            # run as one process, as JAX itself would without initialize().
+            print(
+                f"jaxdist: TPU chips found but no TPU pod slice ({str(err).strip()}); running "
+                f"as one process",
+                file=sys.stderr,
+            )
+            return ProcessGroup("none", local_device_count=group.local_device_count)
+        raise _join_error(who, group, timeout_s, err) from err
+    finally:
+        watchdog.cancel()
+    return ProcessGroup(
+        group.source,
+        group.coordinator_address or jax_distributed.global_state.coordinator_address,
+        # From the runtime's state, not jax.process_count(): that would start the backend.
+        jax_distributed.global_state.num_processes,
+        jax_distributed.global_state.process_id,
+        group.local_device_count,
+    )
+
+
+def _configure_cpu_collectives(implementation: str, timeout_s: int) -> None:
+    """Cross-process collectives on CPU, and the CPU client's topology exchange through the
+    coordinator bounded by the join timeout (by default it waits minutes for a missing peer)."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", implementation)
+    minutes = max(1, math.ceil(timeout_s / 60))
+    jax.config.update("jax_cpu_get_local_topology_timeout_minutes", minutes)
+    jax.config.update("jax_cpu_get_global_topology_timeout_minutes", minutes)
+
+
+def _join_watchdog(who: str, group: ProcessGroup, timeout_s: int) -> threading.Timer:
+    """A started timer that says, just before the join times out, who waited on what: when
+    peers never show up, JAX's runtime aborts the process from C++ (a fatal
+    DEADLINE_EXCEEDED) rather than raising."""
     watchdog = threading.Timer(
         max(timeout_s - 1.0, 0.9 * timeout_s),
         lambda: print(
@@ -285,47 +341,25 @@ def initialize(
     )
     watchdog.daemon = True
     watchdog.start()
-    try:
-        jax.distributed.initialize(
-            coordinator_address=group.coordinator_address,
-            num_processes=group.num_processes,
-            process_id=group.process_id,
-            initialization_timeout=int(timeout_s),
-            heartbeat_timeout_seconds=int(heartbeat_timeout_s),
-            shutdown_timeout_seconds=int(timeout_s),
-        )
-    except Exception as err:  # XlaRuntimeError, ValueError, ... all mean "could not join"
-        text = str(err)
-        if group.source == "tpu-vm" and "coordinator_address" in text:
-            # TPU chips, but JAX found no pod slice around them (no metadata server answered):
-            # run as one process, as JAX itself would without initialize().
-            print(
-                f"jaxdist: TPU chips found but no TPU pod slice ({text.strip()}); running as "
-                f"one process",
-                file=sys.stderr,
-            )
-            return ProcessGroup("none", local_device_count=group.local_device_count)
-        timed_out = "DEADLINE_EXCEEDED" in text or "timed out" in text.lower()
-        what = (
-            f"timed out after {timeout_s} s waiting for all processes to join"
-            if timed_out
-            else "failed to join"
-        )
-        raise DistributedInitError(
-            f"{who} {what} at coordinator {group.coordinator_address or '(auto)'}: "
-            f"{text.strip().splitlines()[0].rstrip('.') if text.strip() else type(err).__name__}. "
-            f"Check that process 0 is running, that every process got the same coordinator "
-            f"address and process count, and that the port is reachable."
-        ) from err
-    finally:
-        watchdog.cancel()
-    return ProcessGroup(
-        group.source,
-        group.coordinator_address or jax_distributed.global_state.coordinator_address,
-        # From the runtime's state, not jax.process_count(): that would start the backend.
-        jax_distributed.global_state.num_processes,
-        jax_distributed.global_state.process_id,
-        group.local_device_count,
+    return watchdog
+
+
+def _join_error(
+    who: str, group: ProcessGroup, timeout_s: int, err: Exception
+) -> DistributedInitError:
+    """One sentence for a failed join: who, what happened, where, and what to check."""
+    text = str(err)
+    timed_out = "DEADLINE_EXCEEDED" in text or "timed out" in text.lower()
+    what = (
+        f"timed out after {timeout_s} s waiting for all processes to join"
+        if timed_out
+        else "failed to join"
+    )
+    return DistributedInitError(
+        f"{who} {what} at coordinator {group.coordinator_address or '(auto)'}: "
+        f"{text.strip().splitlines()[0].rstrip('.') if text.strip() else type(err).__name__}. "
+        f"Check that process 0 is running, that every process got the same coordinator "
+        f"address and process count, and that the port is reachable."
     )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,19 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from jaxdist.runtime import distributed
+
+__all__ = [
+    "DEFAULT_GRACE_S",
+    "EXIT_TIMEOUT",
+    "Stop",
+    "Worker",
+    "free_port",
+    "launch",
+    "local_workers",
+    "signals_raise_stop",
+    "supervise",
+    "worker_env",
+]
 
 DEFAULT_GRACE_S = 5.0
 EXIT_TIMEOUT = 124
@@ -46,12 +60,29 @@ class Worker:
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
 
-class _Stop(Exception):
-    """Raised in the supervisor's main thread by a signal handler."""
+class Stop(Exception):
+    """A termination signal, raised in the main thread so that a supervisor unwinds through
+    its cleanup (:func:`signals_raise_stop`)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+@contextlib.contextmanager
+def signals_raise_stop(signums: Sequence[int]):
+    """While inside, each of ``signums`` raises :class:`Stop` in the main thread; the previous
+    handlers come back on the way out."""
+
+    def on_signal(signum, _frame):
+        raise Stop(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in signums}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -156,17 +187,43 @@ def supervise(
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-
-    def on_signal(signum, _frame):
-        raise _Stop(signum)
-
     handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {s: signal.signal(s, on_signal) for s in handled}
-    code = 0
-    try:
-        for i, worker in enumerate(workers):
+    with signals_raise_stop(handled):
+        try:
+            code = _start(workers, procs, pumps, out, log, lock)
+            if code == 0:
+                code = _wait(procs, timeout_s, log, lock)
+        except Stop as stop:
+            code = 128 + stop.signum
+            with lock:
+                log.write(f"jaxdist: received {stop}; stopping all processes\n")
+        except KeyboardInterrupt:  # a SIGINT that arrived before our handler was installed
+            code = 128 + signal.SIGINT
+        finally:
+            # Further signals must not interrupt the shutdown itself.
+            for s in handled:
+                signal.signal(s, signal.SIG_IGN)
+            _stop_all(procs, grace_s)
+            for pump in pumps:
+                pump.join(timeout=grace_s)
+    return code
+
+
+def _start(
+    workers: Sequence[Worker],
+    procs: list[subprocess.Popen],
+    pumps: list[threading.Thread],
+    out: TextIO,
+    log: TextIO,
+    lock: threading.Lock,
+) -> int:
+    """Start every worker with a thread copying its output (appended to ``procs`` and
+    ``pumps`` as they start, so that a failure stops those already running); 0, or 127 / 126
+    with one line on ``log`` when a worker's program is not found / cannot be run."""
+    for i, worker in enumerate(workers):
+        try:
             proc = subprocess.Popen(
-                list(worker.argv),
+                _resolve_program(worker),
                 env=dict(worker.env),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -175,48 +232,59 @@ def supervise(
                 # starts at once, and the terminal's Ctrl-C reaches only the supervisor.
                 start_new_session=True,
             )
-            procs.append(proc)
-            pump = threading.Thread(target=_pump, args=(i, proc.stdout, out, lock), daemon=True)
-            pump.start()
-            pumps.append(pump)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                i, c = failed[0]
-                code = _exit_code(c)
-                with lock:
-                    log.write(
-                        f"jaxdist: process {i} exited with code {code}; stopping the others\n"
-                    )
-                break
-            if all(c == 0 for c in codes):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                code = EXIT_TIMEOUT
-                with lock:
-                    log.write(f"jaxdist: timed out after {timeout_s:g} s; stopping all processes\n")
-                break
-            time.sleep(_POLL_S)
-    except _Stop as stop:
-        code = 128 + stop.signum
-        with lock:
-            log.write(f"jaxdist: received {stop}; stopping all processes\n")
-    except KeyboardInterrupt:  # a SIGINT that arrived before our handler was installed
-        code = 128 + signal.SIGINT
-    finally:
-        # Further signals must not interrupt the shutdown itself.
-        for s in handled:
-            signal.signal(s, signal.SIG_IGN)
-        try:
-            _stop_all(procs, grace_s)
-            for pump in pumps:
-                pump.join(timeout=grace_s)
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-    return code
+        except OSError as err:
+            not_found = isinstance(err, FileNotFoundError)
+            with lock:
+                log.write(f"jaxdist: cannot run {worker.argv[0]!r}: "
+                          f"{'not found' if not_found else err.strerror}\n")  # fmt: skip
+            return 127 if not_found else 126
+        procs.append(proc)
+        pump = threading.Thread(target=_pump, args=(i, proc.stdout, out, lock), daemon=True)
+        pump.start()
+        pumps.append(pump)
+    return 0
+
+
+def _resolve_program(worker: Worker) -> list[str]:
+    """The worker's argv with its program looked up as a shell would, on the worker's PATH,
+    and then beside this Python: ``.venv/bin/jaxdist launch -- jaxdist ...`` finds the
+    virtual environment's ``jaxdist`` even when that environment is not on PATH."""
+    argv = list(worker.argv)
+    if not argv:
+        raise FileNotFoundError("no program given")
+    if os.sep in argv[0]:
+        return argv
+    here = os.path.dirname(sys.executable)
+    found = shutil.which(argv[0], path=worker.env.get("PATH", os.defpath)) or shutil.which(
+        argv[0], path=here
+    )
+    if found is None:
+        raise FileNotFoundError(argv[0])
+    return [found, *argv[1:]]
+
+
+def _wait(
+    procs: list[subprocess.Popen], timeout_s: float | None, log: TextIO, lock: threading.Lock
+) -> int:
+    """Poll until every worker exited 0 (0), one failed (its exit code) or ``timeout_s`` ran
+    out (:data:`EXIT_TIMEOUT`)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            i, c = failed[0]
+            code = _exit_code(c)
+            with lock:
+                log.write(f"jaxdist: process {i} exited with code {code}; stopping the others\n")
+            return code
+        if all(c == 0 for c in codes):
+            return 0
+        if deadline is not None and time.monotonic() > deadline:
+            with lock:
+                log.write(f"jaxdist: timed out after {timeout_s:g} s; stopping all processes\n")
+            return EXIT_TIMEOUT
+        time.sleep(_POLL_S)
 
 
 def launch(

@@ -26,10 +26,9 @@ and on SIGTERM. Only process 0 writes logs; every process takes part in checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +49,7 @@ from jaxdist.training.batch_schedule import BatchSchedule
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm
 from jaxdist.training.checkpoint import Checkpointer, PreemptionGuard, abstract_like
 from jaxdist.training.config import batch_stages
+from jaxdist.training.run_log import RunLog, format_duration, last_eval
 from jaxdist.training.train_step import (
     EvalStep,
     TrainState,
@@ -57,6 +57,8 @@ from jaxdist.training.train_step import (
     classifier_eval,
     classifier_loss,
 )
+
+__all__ = ["DTYPES", "OPTIMIZER_FIELDS", "Trainer", "build_mesh", "build_model"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Optimizer hyperparameters each optimizer takes from config.optimizer.
@@ -69,7 +71,7 @@ OPTIMIZER_FIELDS = {
 def build_mesh(name: str) -> Mesh:
     """The recipe's mesh preset (or TOML path); ``""``: one ``data`` axis over all devices."""
     if not name:
-        return Mesh(np.asarray(jax.devices()), ("data",))
+        return meshes.ring(jax.device_count(), axis_name="data")
     return meshes.build(meshes.load(name))
 
 
@@ -106,68 +108,27 @@ class _NormalizeOnDevice:
         return self.model.apply(variables, normalize(images, self.mean, self.std), **kwargs)
 
 
-class RunLog:
-    """``metrics.jsonl``, ``events.log`` (MLPerf ``:::MLLOG`` lines) and progress output;
-    everything is a no-op on processes other than 0."""
+@dataclasses.dataclass
+class _Loop:
+    """What the training loop carries from one step to the next."""
 
-    def __init__(self, workdir: Path, enabled: bool) -> None:
-        self.enabled = enabled
-        self.tty = sys.stdout.isatty()
-        self._metrics = self._events = self._tensorboard = None
-        if enabled:
-            workdir.mkdir(parents=True, exist_ok=True)
-            self._metrics = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115
-            self._events = open(workdir / "events.log", "a")  # noqa: SIM115
-            try:  # TensorBoard only if a writer is installed; JSONL is the record either way.
-                from tensorboardX import SummaryWriter
-
-                self._tensorboard = SummaryWriter(str(workdir / "tensorboard"))
-            except ImportError:
-                pass
-
-    def event(self, key: str, value: Any = None, **metadata: Any) -> None:
-        """One MLPerf-style event line with a millisecond timestamp."""
-        if not self.enabled:
-            return
-        kind = "INTERVAL_START" if key.endswith("_start") else "POINT_IN_TIME"
-        if key.endswith("_stop"):
-            kind = "INTERVAL_END"
-        record = {
-            "namespace": "",
-            "time_ms": int(time.time() * 1000),
-            "event_type": kind,
-            "key": key,
-            "value": value,
-            "metadata": metadata,
-        }
-        self._events.write(":::MLLOG " + json.dumps(record) + "\n")
-        self._events.flush()
-
-    def metrics(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
-        if self._tensorboard is not None:
-            for key, value in record.items():
-                if key not in ("kind", "step") and isinstance(value, float | int):
-                    self._tensorboard.add_scalar(f"{record['kind']}/{key}", value, record["step"])
-
-    def progress(self, line: str, final: bool = False) -> None:
-        """One status line: rewritten in place on a terminal, appended otherwise."""
-        if not self.enabled:
-            return
-        if self.tty:
-            print("\r" + line.ljust(110), end="\n" if final else "", flush=True)
-        else:
-            print(line, flush=True)
-
-    def close(self) -> None:
-        for f in (self._metrics, self._events):
-            if f is not None:
-                f.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+    state: TrainState
+    step: int
+    base_rng: jax.Array
+    data_state: dict | None = None
+    stage: int = -1
+    iterator: Any = None
+    epoch: float = 0.0
+    lr: float = 0.0
+    batch_size: int = 0
+    pending: list = dataclasses.field(default_factory=list)  # metrics since the last report
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    window_start: float = dataclasses.field(default_factory=time.perf_counter)
+    window_samples: int = 0
+    window_steps: int = 0
+    last_eval: dict = dataclasses.field(default_factory=dict)
+    reached_target: bool = False
+    preempted: bool = False
 
 
 class Trainer:
@@ -278,7 +239,9 @@ class Trainer:
         """Train to ``num_epochs`` (or ``max_steps``), resuming if a checkpoint exists.
 
         ``on_step(step, state)`` is called after every step (steps counted from 1).
-        Returns a summary: final step and epoch, last eval, whether it was preempted.
+        Returns a summary: final step and epoch, last eval, whether it was preempted, and
+        ``already_finished`` when the workdir held a finished run (then nothing is trained or
+        written, and the eval is the one recorded in its ``metrics.jsonl``).
         """
         cfg = self.config
         log = RunLog(self.workdir, enabled=jax.process_index() == 0)
@@ -288,108 +251,135 @@ class Trainer:
             keep=cfg.checkpoint.keep,
             async_save=cfg.checkpoint.async_save,
         )
+        loop = None
+        try:
+            loop = self._resume(ckpt, log)
+            if loop.step >= self.total_steps:
+                return self._already_finished(loop, log)
+            with PreemptionGuard(ckpt.manager) as guard:
+                while loop.step < self.total_steps and not loop.preempted:
+                    self._train_one_step(loop, log)
+                    self._report_progress(loop, log)
+                    self._evaluate_when_due(loop, log)
+                    meta = {"epoch": loop.epoch, "samples_seen": loop.iterator.next_sample}
+                    ckpt.save(loop.step, loop.state, loop.iterator.get_state(),
+                              {**meta, "stage": loop.stage})  # fmt: skip
+                    if on_step is not None:
+                        on_step(loop.step, loop.state)
+                    loop.preempted = guard.preempted(loop.step)
+            self._finish(loop, ckpt, log)
+        finally:
+            ckpt.close()
+            if loop is not None and loop.iterator is not None:
+                loop.iterator.close()
+            log.close()
+        self.state = loop.state
+        return {"step": loop.step, "epoch": loop.epoch, "preempted": loop.preempted,
+                **loop.last_eval}  # fmt: skip
+
+    def _resume(self, ckpt: Checkpointer, log: RunLog) -> _Loop:
+        """The loop's state: from the newest checkpoint, or fresh from the seed."""
         state = self.initial_state()
         step, data_state = 0, None
         if ckpt.steps():
             step, state, data_state, meta = ckpt.restore(abstract_like(state))
-            log.progress(f"resumed from step {step} (epoch {meta['epoch']:.3f})", final=True)
-        log.event("run_start", resumed_step=step, workdir=str(self.workdir))
-        log.event("global_batch_size", cfg.batch_size, batch_ramp=list(map(list, cfg.batch_ramp)))
-        log.event("opt_name", cfg.optimizer.name, peak_lr=cfg.lr.peak)
+            if step < self.total_steps:
+                log.progress(f"resumed from step {step} (epoch {meta['epoch']:.3f})", final=True)
+        base_rng = jax.random.PRNGKey(self.config.seed)
+        loop = _Loop(state=state, step=step, base_rng=base_rng, data_state=data_state)
+        loop.epoch = self.schedule.epoch_at(step)
+        if step < self.total_steps:
+            cfg = self.config
+            log.event("run_start", resumed_step=step, workdir=str(self.workdir))
+            log.event("global_batch_size", cfg.batch_size,
+                      batch_ramp=list(map(list, cfg.batch_ramp)))  # fmt: skip
+            log.event("opt_name", cfg.optimizer.name, peak_lr=cfg.lr.peak)
+        return loop
 
-        base_rng = jax.random.PRNGKey(cfg.seed)
-        stage, iterator = -1, None
-        last_eval: dict[str, float] = {}
-        pending: list[dict] = []
-        window_start, window_samples = time.perf_counter(), 0
-        preempted, reached_target = False, False
-        try:
-            with PreemptionGuard(ckpt.manager) as guard:
-                while step < self.total_steps:
-                    if self.schedule.stage_index_at(step) != stage:
-                        stage = self.schedule.stage_index_at(step)
-                        iterator = self._open_iterator(step, iterator, data_state)
-                        data_state = None
-                    epoch = self.schedule.epoch_at(step)
-                    if step == 0 or math.floor(epoch) > math.floor(
-                        self.schedule.epoch_at(step - 1)
-                    ):
-                        log.event("epoch_start", epoch_num=math.floor(epoch) + 1, step=step)
-                    train_step = self.train_step_for(stage)
-                    batch = train_step.shard_batch(next(iterator))
-                    state, lr = self._set_lr(state, epoch)
-                    rng = jax.random.fold_in(base_rng, step)
-                    state, metrics = train_step(state, batch, rng)
-                    step += 1
-                    batch_size = self.schedule.batch_size_at(step - 1)
-                    window_samples += batch_size
-                    pending.append(metrics)
-                    epoch = self.schedule.epoch_at(step)
+    def _already_finished(self, loop: _Loop, log: RunLog) -> dict[str, Any]:
+        """A rerun of a finished run: say so, train nothing, append nothing."""
+        log.progress(
+            f"already finished: step {loop.step} of {self.total_steps} (epoch {loop.epoch:.2f}); "
+            "nothing to train (raise num_epochs or max_steps to go on)",
+            final=True,
+        )
+        self.state = loop.state
+        return {"step": loop.step, "epoch": loop.epoch, "preempted": False,
+                "already_finished": True, **last_eval(self.workdir)}  # fmt: skip
 
-                    if step % cfg.log_every_steps == 0 or step == self.total_steps:
-                        fetched = jax.device_get(pending)
-                        means = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
-                        elapsed = time.perf_counter() - window_start
-                        record = {
-                            "kind": "train",
-                            "step": step,
-                            "epoch": epoch,
-                            "lr": lr,
-                            "batch_size": batch_size,
-                            "images_per_sec": window_samples / elapsed,
-                            **means,
-                        }
-                        log.metrics(record)
-                        log.progress(
-                            f"step {step}/{self.total_steps} | epoch {epoch:.2f} | "
-                            f"{record['images_per_sec']:.0f} img/s | loss {means['loss']:.4f} | "
-                            f"lr {lr:.4g} | batch {batch_size}"
-                        )
-                        pending, window_start, window_samples = [], time.perf_counter(), 0
+    def _train_one_step(self, loop: _Loop, log: RunLog) -> None:
+        """One step: a new stage's iterator and step if the step starts one, the epoch's LR,
+        the step's RNG."""
+        step = loop.step
+        if self.schedule.stage_index_at(step) != loop.stage:
+            loop.stage = self.schedule.stage_index_at(step)
+            loop.iterator = self._open_iterator(step, loop.iterator, loop.data_state)
+            loop.data_state = None
+        epoch = self.schedule.epoch_at(step)
+        if step == 0 or math.floor(epoch) > math.floor(self.schedule.epoch_at(step - 1)):
+            log.event("epoch_start", epoch_num=math.floor(epoch) + 1, step=step)
+        train_step = self.train_step_for(loop.stage)
+        batch = train_step.shard_batch(next(loop.iterator))
+        loop.state, loop.lr = self._set_lr(loop.state, epoch)
+        rng = jax.random.fold_in(loop.base_rng, step)
+        loop.state, metrics = train_step(loop.state, batch, rng)
+        loop.step += 1
+        loop.batch_size = self.schedule.batch_size_at(step)
+        loop.window_samples += loop.batch_size
+        loop.window_steps += 1
+        loop.pending.append(metrics)
+        loop.epoch = self.schedule.epoch_at(loop.step)
 
-                    every = cfg.eval_every_epochs
-                    previous = self.schedule.epoch_at(step - 1)
-                    if step == self.total_steps or (
-                        every > 0 and math.floor(epoch / every) > math.floor(previous / every)
-                    ):
-                        last_eval = self.evaluate(state)
-                        log.metrics({"kind": "eval", "step": step, "epoch": epoch, **last_eval})
-                        log.event("eval_accuracy", last_eval["top1"], epoch_num=epoch, step=step)
-                        log.progress(
-                            f"eval at epoch {epoch:.2f}: top-1 {last_eval['top1']:.4f}, "
-                            f"top-5 {last_eval['top5']:.4f}",
-                            final=True,
-                        )
-                        if last_eval["top1"] >= cfg.target_accuracy and not reached_target:
-                            reached_target = True
-                            log.event("target_reached", last_eval["top1"], epoch_num=epoch)
+    def _report_progress(self, loop: _Loop, log: RunLog) -> None:
+        """Every ``log_every_steps``: the mean metrics since the last report to
+        ``metrics.jsonl`` and a progress line with the elapsed time and an ETA from the recent
+        step rate."""
+        if not (loop.step % self.config.log_every_steps == 0 or loop.step == self.total_steps):
+            return
+        fetched = jax.device_get(loop.pending)
+        means = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+        now = time.perf_counter()
+        window = now - loop.window_start
+        record = {"kind": "train", "step": loop.step, "epoch": loop.epoch, "lr": loop.lr,
+                  "batch_size": loop.batch_size,
+                  "images_per_sec": loop.window_samples / window, **means}  # fmt: skip
+        log.metrics(record)
+        eta = (self.total_steps - loop.step) * window / loop.window_steps
+        log.progress(
+            f"step {loop.step}/{self.total_steps} | epoch {loop.epoch:.2f} | "
+            f"{record['images_per_sec']:.0f} img/s | loss {means['loss']:.4f} | "
+            f"lr {loop.lr:.4g} | batch {loop.batch_size} | "
+            f"{format_duration(now - loop.started)} elapsed, eta {format_duration(eta)}"
+        )
+        loop.pending, loop.window_start = [], now
+        loop.window_samples = loop.window_steps = 0
 
-                    meta = {"epoch": epoch, "samples_seen": iterator.next_sample, "stage": stage}
-                    ckpt.save(step, state, iterator.get_state(), meta)
-                    if on_step is not None:
-                        on_step(step, state)
-                    if guard.preempted(step):
-                        preempted = True
-                        break
-            if step > 0:
-                meta = {"epoch": self.schedule.epoch_at(step), "stage": stage}
-                if iterator is not None:
-                    meta["samples_seen"] = iterator.next_sample
-                    ckpt.save(step, state, iterator.get_state(), meta, force=True)
-            status = "aborted" if preempted else ("success" if reached_target else "finished")
-            log.event("run_stop", status=status, step=step, epoch=self.schedule.epoch_at(step))
-        finally:
-            ckpt.close()
-            if iterator is not None:
-                iterator.close()
-            log.close()
-        self.state = state
-        return {
-            "step": step,
-            "epoch": self.schedule.epoch_at(step),
-            "preempted": preempted,
-            **last_eval,
-        }
+    def _evaluate_when_due(self, loop: _Loop, log: RunLog) -> None:
+        """Top-1/top-5 every ``eval_every_epochs`` and at the end; the first eval at or above
+        ``target_accuracy`` is logged as reached."""
+        every = self.config.eval_every_epochs
+        previous = self.schedule.epoch_at(loop.step - 1)
+        due = every > 0 and math.floor(loop.epoch / every) > math.floor(previous / every)
+        if not (loop.step == self.total_steps or due):
+            return
+        loop.last_eval = self.evaluate(loop.state)
+        top1, epoch = loop.last_eval["top1"], loop.epoch
+        log.metrics({"kind": "eval", "step": loop.step, "epoch": epoch, **loop.last_eval})
+        log.event("eval_accuracy", top1, epoch_num=epoch, step=loop.step)
+        log.progress(f"eval at epoch {epoch:.2f}: top-1 {top1:.4f}, "
+                     f"top-5 {loop.last_eval['top5']:.4f}", final=True)  # fmt: skip
+        if top1 >= self.config.target_accuracy and not loop.reached_target:
+            loop.reached_target = True
+            log.event("target_reached", top1, epoch_num=epoch)
+
+    def _finish(self, loop: _Loop, ckpt: Checkpointer, log: RunLog) -> None:
+        """The final checkpoint and the ``run_stop`` event."""
+        if loop.step > 0 and loop.iterator is not None:
+            meta = {"epoch": loop.epoch, "stage": loop.stage,
+                    "samples_seen": loop.iterator.next_sample}  # fmt: skip
+            ckpt.save(loop.step, loop.state, loop.iterator.get_state(), meta, force=True)
+        status = "aborted" if loop.preempted else ("success" if loop.reached_target else "finished")
+        log.event("run_stop", status=status, step=loop.step, epoch=loop.epoch)
 
     def _open_iterator(self, step: int, previous, data_state: dict | None):
         """The data iterator for the stage ``step`` is in, continuing the global stream."""

@@ -1,0 +1,102 @@
+"""The public API: every module declares ``__all__``, its names exist, the short names work
+lazily, and ``docs/api.md`` lists exactly those names.
+
+``python tests/test_public_api.py`` rewrites docs/api.md from the modules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jaxdist
+
+ROOT = Path(__file__).resolve().parents[1]
+API_DOC = ROOT / "docs" / "api.md"
+
+
+def library_modules() -> list[str]:
+    """Every module of the package except the ``python -m jaxdist`` entry point."""
+    names = ["jaxdist"]
+    for info in pkgutil.walk_packages(jaxdist.__path__, "jaxdist."):
+        if not info.name.endswith("__main__"):
+            names.append(info.name)
+    return sorted(names)
+
+
+def api_reference() -> str:
+    """docs/api.md as the modules define it: per module its summary line and ``__all__``."""
+    lines = [
+        "# API reference",
+        "",
+        "Every module of `jaxdist` and the names it exports (its `__all__`): what research code",
+        "should use. Everything else is internal and may change. The short names",
+        "`jaxdist.collectives`, `jaxdist.meshes`, `jaxdist.train_step`, ... resolve to the modules",
+        "below (`import jaxdist; jaxdist.collectives.allreduce`). This page is generated from the",
+        "code by `python tests/test_public_api.py`, and a test keeps the two in step.",
+        "",
+    ]
+    for name in library_modules():
+        if name == "jaxdist":
+            continue
+        module = importlib.import_module(name)
+        summary = _markdown((module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " "))
+        exported = ", ".join(f"`{n}`" for n in module.__all__) or "(none: see its submodules)"
+        lines += [f"## `{name}`", "", summary, "", exported, ""]
+    return "\n".join(lines)
+
+
+def _markdown(rst: str) -> str:
+    """A docstring's reST roles and double backticks as markdown code spans."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", rst)
+    return text.replace("``", "`")
+
+
+@pytest.mark.parametrize("name", library_modules())
+def test_every_module_declares_what_it_exports(name):
+    module = importlib.import_module(name)
+    assert hasattr(module, "__all__"), f"{name} has no __all__"
+    missing = [n for n in module.__all__ if not hasattr(module, n)]
+    assert not missing, f"{name}.__all__ names {missing}, which the module does not define"
+    assert len(set(module.__all__)) == len(module.__all__), f"{name}.__all__ repeats a name"
+
+
+def test_api_doc_lists_exactly_the_exported_names():
+    expected = api_reference()
+    found = API_DOC.read_text()
+    assert found == expected, (
+        "docs/api.md does not match the modules' __all__: run `python tests/test_public_api.py`"
+    )
+
+
+def test_short_names_resolve_lazily_to_the_modules():
+    code = (
+        "import sys, jaxdist\n"
+        "assert 'jax' not in sys.modules, 'import jaxdist imported jax'\n"
+        "from jaxdist import collectives, meshes, train_step as ts\n"
+        "import jaxdist.comm.collectives as canonical\n"
+        "assert jaxdist.collectives is canonical\n"
+        "assert jaxdist.collectives.allreduce is canonical.allreduce\n"
+        "assert ts.TrainStep.__module__ == 'jaxdist.training.train_step'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'colectives'"):
+        jaxdist.colectives  # noqa: B018
+
+
+if __name__ == "__main__":
+    API_DOC.write_text(api_reference())
+    print(f"wrote {API_DOC}")
