@@ -19,6 +19,7 @@ code. Turning a spec into an ordered grid of devices happens in one place, :func
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import tomllib
 import warnings
@@ -65,9 +66,18 @@ CPU_DEVICES_HINT = (
 class MeshSpecError(ValueError):
     """A mesh spec is malformed."""
 
+    exit_code = 2  # the command line's usage error
+
 
 class MeshDoesNotFitError(ValueError):
     """A mesh spec needs more devices than are present."""
+
+    exit_code = 2
+
+
+def _is_int(value: object) -> bool:
+    """An integer as TOML writes one (``2``, not ``"2"``, ``2.0`` or ``true``)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -90,8 +100,9 @@ class MeshSpec:
     description: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "axes", tuple((str(n), int(s)) for n, s in self.axes))
-        self.validate()
+        object.__setattr__(self, "axes", tuple((n, s) for n, s in self.axes))
+        self.validate()  # before any conversion, so that a size written "2" is refused
+        object.__setattr__(self, "axes", tuple((n, int(s)) for n, s in self.axes))
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -124,12 +135,16 @@ class MeshSpec:
         if len(set(names)) != len(names):
             raise MeshSpecError(f"{where}: axis names must be distinct, got {list(names)}")
         for name, size in self.axes:
-            if not name.isidentifier():
+            if not isinstance(name, str) or not name.isidentifier():
                 raise MeshSpecError(f"{where}: axis name must be an identifier, got {name!r}")
-            if size < 1:
-                raise MeshSpecError(f"{where}: axis {name!r} must have size >= 1, got {size}")
+            if not _is_int(size) or size < 1:
+                raise MeshSpecError(
+                    f"{where}: axis {name!r} must have an integer size >= 1, got {size!r}"
+                )
         dph = self.devices_per_host
         if dph is not None:
+            if not _is_int(dph):
+                raise MeshSpecError(f"{where}: devices_per_host must be an integer, got {dph!r}")
             if dph < 1 or self.size % dph:
                 raise MeshSpecError(
                     f"{where}: devices_per_host must be >= 1 and divide the mesh size "

@@ -78,7 +78,7 @@ def test_spec_validation_errors(tmp_path):
         meshes.MeshSpec("bad", "star", (("x", 8),))
     with pytest.raises(meshes.MeshSpecError, match="axis names must be distinct"):
         meshes.MeshSpec("bad", "torus2d", (("x", 2), ("x", 4)))
-    with pytest.raises(meshes.MeshSpecError, match="must have size >= 1"):
+    with pytest.raises(meshes.MeshSpecError, match="must have an integer size >= 1, got 0"):
         meshes.MeshSpec("bad", "ring", (("x", 0),))
     with pytest.raises(meshes.MeshSpecError, match="must equal devices_per_host"):
         meshes.MeshSpec("bad", "hierarchical", (("host", 2), ("local", 4)), devices_per_host=2)

@@ -10,8 +10,19 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
-__all__ = ["SUBCOMMANDS", "build_parser", "force_cpu_devices", "main"]
+__all__ = [
+    "SUBCOMMANDS",
+    "TRACEBACK_ENV",
+    "build_parser",
+    "force_cpu_devices",
+    "main",
+    "run_subcommand",
+]
+
+# Set to 1 to see the stack of an error that is otherwise reported in one line.
+TRACEBACK_ENV = "JAXDIST_TRACEBACK"
 
 # Subcommand modules; each defines ``register(subparsers)`` that adds its parser and sets
 # ``func`` to a callable taking the parsed arguments and returning an exit code.
@@ -36,7 +47,10 @@ def force_cpu_devices(count: int) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="jaxdist", description="JAX-native sharded training toolkit."
+        prog="jaxdist",
+        description="JAX-native sharded training toolkit.",
+        epilog=f"Known errors print one line (exit 2: the command or config; 1: at run time); "
+        f"{TRACEBACK_ENV}=1 shows their stack.",
     )
     parser.add_argument(
         "--cpu-devices",
@@ -59,8 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_python_formatwarning = warnings.formatwarning
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """The toolkit's own warnings as one line; everyone else's as Python prints them."""
+    if category.__module__.startswith("jaxdist"):
+        return f"jaxdist: warning: {message}\n"
+    return _python_formatwarning(message, category, filename, lineno, line)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    warnings.formatwarning = _format_warning
     # Pre-parse only --cpu-devices so the environment is set before JAX is imported.
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--cpu-devices", type=int, default=None)
@@ -119,7 +144,22 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    return int(args.func(args) or 0)
+    return run_subcommand(args)
+
+
+def run_subcommand(args: argparse.Namespace) -> int:
+    """Run the parsed subcommand. An error the toolkit knows (its class has an ``exit_code``:
+    2 for a bad command or config, 1 for a failure at run time) prints one line naming the
+    problem and exits with that code; with ``JAXDIST_TRACEBACK=1`` it raises with its stack.
+    Anything else is a bug and keeps its traceback."""
+    try:
+        return int(args.func(args) or 0)
+    except Exception as err:
+        code = getattr(err, "exit_code", None)
+        if code is None or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        print(f"jaxdist {args.command}: {err}", file=sys.stderr)
+        return int(code)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-__all__ = ["bench_pipeline", "convert_dataset", "fake_dataset", "inspect_dataset", "register"]
+__all__ = [
+    "bench_pipeline",
+    "convert_dataset",
+    "fake_dataset",
+    "inspect_dataset",
+    "register",
+    "undecodable_images",
+]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,6 +47,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "inspect", help="print images per split and class of a folder or ArrayRecord dataset"
     )
     inspect.add_argument("path", metavar="PATH", help="folder root or converted ArrayRecord folder")
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="decode every image and name each one that cannot be decoded (exit 1 if any)",
+    )
     inspect.set_defaults(func=inspect_dataset)
 
     bench = actions.add_parser("bench", help="images/s of the training input pipeline")
@@ -126,16 +138,45 @@ def inspect_dataset(args: argparse.Namespace) -> int:
                 if split == "train":
                     raise
                 continue
-            splits[split] = (source.classes, Counter(labels))
+            splits[split] = (source, Counter(labels))
     except DatasetError as err:
         return _fail(err)
     print(f"{root} ({kind})")
-    for split, (classes, counts) in splits.items():
+    bad: list[str] = []
+    for split, (source, counts) in splits.items():
         total = sum(counts.values())
-        print(f"  {split}: {total:,} images, {len(counts)} of {len(classes)} classes")
-        for label, name in enumerate(classes):
+        print(f"  {split}: {total:,} images, {len(counts)} of {len(source.classes)} classes")
+        for label, name in enumerate(source.classes):
             print(f"    {name:<24s} {counts.get(label, 0):>8,d}")
-    return 0
+        if args.verify:
+            bad += undecodable_images(source, split)
+    if not args.verify:
+        return 0
+    checked = sum(sum(counts.values()) for _, counts in splits.values())
+    if not bad:
+        print(f"verified: all {checked:,} images decode")
+        return 0
+    for line in bad:
+        print(f"  {line}", file=sys.stderr)
+    print(f"{len(bad)} of {checked:,} images cannot be decoded (listed above)", file=sys.stderr)
+    return 1
+
+
+def undecodable_images(source, split: str) -> list[str]:
+    """``"NAME: reason"`` for every image of ``source`` that cannot be decoded."""
+    from jaxdist.data.sources import DatasetError
+    from jaxdist.data.transforms import decode
+
+    bad = []
+    for index in range(len(source)):
+        record = source[index]
+        name = record.get("name", f"{split} record {index}")
+        try:
+            decode(record["jpeg"], name)
+        except DatasetError:
+            reason = "empty file" if not record["jpeg"] else "not a JPEG or other image"
+            bad.append(f"{name}: {reason}")
+    return bad
 
 
 def bench_pipeline(args: argparse.Namespace) -> int:

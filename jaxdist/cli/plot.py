@@ -30,10 +30,18 @@ def read_metrics(workdir: str | Path) -> dict[str, list[dict]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; expected the metrics of a `jaxdist train` run")
     by_kind: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
-    for line in path.read_text().splitlines():
-        if line.strip():
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
             record = json.loads(line)
             by_kind.setdefault(record["kind"], {})[record["step"]] = record
+        except (json.JSONDecodeError, KeyError, TypeError):
+            print(
+                f"jaxdist plot: warning: skipped {path}:{number}, not a whole metrics record "
+                "(a run killed while writing leaves one)",
+                file=sys.stderr,
+            )
     return {kind: [records[s] for s in sorted(records)] for kind, records in by_kind.items()}
 
 

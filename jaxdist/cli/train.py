@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 __all__ = ["PREEMPTED_EXIT_CODE", "register", "run_train", "where_results_are"]
@@ -19,7 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="train a recipe (resumes from the workdir's newest checkpoint)",
         description="Train the recipe file RECIPE (a path, or a name in recipes/). Metrics go "
         "to WORKDIR/metrics.jsonl, the MLPerf-style event log to WORKDIR/events.log, "
-        "checkpoints to WORKDIR/checkpoints; an existing checkpoint there is resumed.",
+        "checkpoints to WORKDIR/checkpoints and the resolved config to WORKDIR/config.json. "
+        "A rerun resumes the newest checkpoint there if its config is the same (max_steps, "
+        "a larger num_epochs and the logging, eval and checkpoint intervals may change).",
     )
     p.add_argument("recipe", help="recipe file or name, e.g. recipes/mnist_small_batch.py")
     p.add_argument("--workdir", default=None, help="run directory (default runs/<recipe name>)")
@@ -31,26 +32,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="override a config field, e.g. --set data.source=synthetic (repeatable)",
     )
-    p.add_argument("--print-config", action="store_true", help="print the config and exit")
+    p.add_argument(
+        "--print-config",
+        action="store_true",
+        help="check the config as a run would (mesh, data, batch plan, model, optimizer), "
+        "print it and exit",
+    )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume a workdir whose run was started with another config; the change is "
+        "recorded in WORKDIR/config_changes.jsonl and events.log",
+    )
     p.set_defaults(func=run_train)
 
 
 def run_train(args: argparse.Namespace) -> int:
     from jaxdist.training import config as config_lib
 
-    try:
-        path = config_lib.resolve_recipe_path(args.recipe)
-        config = config_lib.apply_overrides(config_lib.load_recipe(path), args.overrides)
-    except config_lib.ConfigError as err:
-        print(f"jaxdist train: {err}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(config)
-        return 0
+    path = config_lib.resolve_recipe_path(args.recipe)
+    config = config_lib.apply_overrides(config_lib.load_recipe(path), args.overrides)
     from jaxdist.training.trainer import Trainer
 
     workdir = Path(args.workdir or Path("runs") / path.stem)
-    summary = Trainer(config, workdir).run()
+    trainer = Trainer(config, workdir, allow_config_change=args.allow_config_change)
+    if args.print_config:
+        print(config)
+        return 0
+    summary = trainer.run()
     if summary["preempted"]:
         print(f"jaxdist train: stopped by SIGTERM at step {summary['step']}; checkpoint saved")
         return PREEMPTED_EXIT_CODE

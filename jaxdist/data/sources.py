@@ -50,6 +50,8 @@ def folder_layout(root: str | os.PathLike) -> str:
 class DatasetError(ValueError):
     """A dataset is missing or malformed; the message names the path and the expected layout."""
 
+    exit_code = 1  # what is on disk is wrong, not the command
+
 
 @runtime_checkable
 class ImageSource(Protocol):

@@ -80,7 +80,11 @@ def _pil_decode(data: bytes, name: str) -> np.ndarray:
         with Image.open(io.BytesIO(data)) as img:
             return np.asarray(img.convert("RGB"))
     except Exception as err:  # PIL raises many types for broken files
-        raise DatasetError(f"cannot decode image {name}: not a valid JPEG ({err})") from err
+        reason = "empty file" if not data else f"not a JPEG or other image ({type(err).__name__})"
+        raise DatasetError(
+            f"cannot decode image {name}: {reason}; `jaxdist data inspect DATASET --verify` "
+            "lists every such file"
+        ) from err
 
 
 def random_resized_crop_box(

@@ -64,6 +64,8 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 60
 class DistributedInitError(RuntimeError):
     """This process could not join the process group (bad configuration or a timeout)."""
 
+    exit_code = 1
+
 
 @dataclass(frozen=True)
 class ProcessGroup:

@@ -14,15 +14,22 @@ writes them in a background thread, so the next step may donate the device buffe
 every ``every_steps`` steps and at the end, and the last ``keep`` are kept.
 
 Restoring tries the newest step first; if it cannot be read (a truncated or corrupted file, a
-missing item) it warns and falls back to the one before, and so on. A preemption is a SIGTERM:
+missing item) it warns in one line and falls back to the one before, and so on; the unreadable
+steps are then moved aside (``checkpoints.unreadable/``) so that they are saved anew. A preemption is a SIGTERM:
 :class:`PreemptionGuard` turns it into a flag that the training loop checks after each step, so
 the checkpoint is written from a consistent state and not from inside a signal handler.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import io
 import logging
+import shutil
 import signal
+import sys
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,13 +38,25 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-__all__ = ["Checkpointer", "NoCheckpointError", "PreemptionGuard", "abstract_like"]
+__all__ = [
+    "CheckpointWarning",
+    "Checkpointer",
+    "NoCheckpointError",
+    "PreemptionGuard",
+    "abstract_like",
+]
 
 log = logging.getLogger(__name__)
 
 
+class CheckpointWarning(RuntimeWarning):
+    """A checkpoint could not be read and was skipped (or moved aside)."""
+
+
 class NoCheckpointError(RuntimeError):
     """No step in the directory could be restored."""
+
+    exit_code = 1
 
 
 class Checkpointer:
@@ -110,42 +129,85 @@ class Checkpointer:
 
         ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` with shardings (see
         :func:`abstract_like`); the arrays are read straight into those shardings. A step that
-        fails to restore is skipped with a warning. Raises :class:`NoCheckpointError` if none
-        is readable.
+        cannot be read is skipped with a one-line :class:`CheckpointWarning`; once an older
+        step is restored, the unreadable newer ones are moved to :attr:`unreadable_directory`,
+        so that the run saves those steps anew instead of meeting them again. Raises
+        :class:`NoCheckpointError`, leaving every checkpoint where it is, if none is readable.
         """
         self.manager.wait_until_finished()
         self.manager.reload()
         steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:
             raise NoCheckpointError(f"no checkpoint under {self.directory}")
-        failures = []
-        for step in steps:
-            try:
-                restored = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state),
-                        data=ocp.args.JsonRestore(),
-                        meta=ocp.args.JsonRestore(),
-                    ),
-                )
-                meta = dict(restored.meta)
-                if meta.get("step") != step:
-                    raise ValueError(f"meta says step {meta.get('step')}, folder says {step}")
-            except Exception as err:  # any unreadable checkpoint: try the previous one
-                failures.append(f"step {step}: {type(err).__name__}: {err}")
-                warnings.warn(
-                    f"checkpoint at step {step} in {self.directory} could not be restored "
-                    f"({type(err).__name__}: {str(err)[:300]}); falling back to an older one",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                continue
-            return step, restored.state, dict(restored.data), meta
-        raise NoCheckpointError(
-            f"none of the checkpoints under {self.directory} could be restored:\n  "
-            + "\n  ".join(failures)
+        failures: list[tuple[int, str]] = []
+        found = None
+        with _library_noise_hidden(self.directory, failures):
+            for step in steps:
+                try:
+                    found = step, self._restore_step(step, abstract_state)
+                    break
+                except Exception as err:  # any unreadable checkpoint: try the previous one
+                    failures.append((step, _short_reason(err)))
+        for step, reason in failures:
+            warnings.warn(
+                f"checkpoint at step {step} in {self.directory} cannot be read ({reason})",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+        if found is None:
+            tried = "; ".join(f"step {s}: {reason}" for s, reason in failures)
+            raise NoCheckpointError(
+                f"none of the {len(steps)} checkpoints under {self.directory} can be read "
+                f"({tried}); they are left untouched: move that folder aside to start afresh, "
+                "or train in another --workdir"
+            )
+        step, restored = found
+        if failures:
+            self._move_aside([s for s, _ in failures], restored_step=step)
+        return step, restored.state, dict(restored.data), dict(restored.meta)
+
+    @property
+    def unreadable_directory(self) -> Path:
+        """Where steps that could not be read are moved: beside the checkpoints, not among
+        them, so the manager neither lists nor prunes them."""
+        return self.directory.with_name(self.directory.name + ".unreadable")
+
+    def _restore_step(self, step: int, abstract_state: Any) -> Any:
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=ocp.args.JsonRestore(),
+                meta=ocp.args.JsonRestore(),
+            ),
         )
+        if dict(restored.meta).get("step") != step:
+            raise ValueError(f"meta says step {restored.meta.get('step')}, folder says {step}")
+        return restored
+
+    def _move_aside(self, steps: list[int], restored_step: int) -> None:
+        """Move unreadable ``steps`` (process 0 moves; every process then sees them gone)."""
+        if jax.process_index() == 0:
+            self.unreadable_directory.mkdir(exist_ok=True)
+            for step in steps:
+                source = self.directory / str(step)
+                target = self.unreadable_directory / str(step)
+                suffix = 1
+                while target.exists():  # a step found unreadable once before
+                    target = self.unreadable_directory / f"{step}-{suffix}"
+                    suffix += 1
+                shutil.move(source, target)
+                warnings.warn(
+                    f"moved the unreadable step {step} to {target}; resuming from step "
+                    f"{restored_step}, and step {step} will be saved anew",
+                    CheckpointWarning,
+                    stacklevel=3,
+                )
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("jaxdist_checkpoint_moved_aside")
+        self.manager.reload()
 
     def wait(self) -> None:
         """Block until background saves are on disk."""
@@ -154,6 +216,60 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _short_reason(err: Exception, limit: int = 160) -> str:
+    """``Type: first line`` of an error, cut to ``limit`` characters (TensorStore's messages
+    carry whole specs)."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _UnreadCheckpointFutures(logging.Filter):
+    """Drops asyncio's "Future exception was never retrieved" reports about reads under one
+    checkpoint directory: a failed restore leaves such futures behind, and they report when
+    collected, possibly at exit, long after the one-line warning said what failed."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = str(directory)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += str(record.exc_info[1])
+        return not ("never retrieved" in text and self.directory in text)
+
+
+@contextlib.contextmanager
+def _library_noise_hidden(directory: Path, failures: list, settle_s: float = 0.2, most_s=3.0):
+    """Hide what TensorStore and asyncio print about failed reads of checkpoints under
+    ``directory``. A failed read leaves TensorStore threads calling back into orbax's closed
+    event loop, and each prints an "Event loop is closed" traceback to ``sys.stderr``: if
+    ``failures`` is not empty at the end, this waits until they have gone quiet for
+    ``settle_s`` (at most ``most_s``) before stderr comes back. The read's futures are
+    filtered out of the asyncio log for good."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(
+        isinstance(f, _UnreadCheckpointFutures) and f.directory == str(directory)
+        for f in asyncio_log.filters
+    ):
+        asyncio_log.addFilter(_UnreadCheckpointFutures(directory))
+    captured = io.StringIO()
+    real = sys.stderr
+    sys.stderr = captured
+    try:
+        yield
+    finally:
+        if failures:
+            deadline = time.monotonic() + most_s
+            size = -1
+            while size != len(captured.getvalue()) and time.monotonic() < deadline:
+                size = len(captured.getvalue())
+                time.sleep(settle_s)
+            gc.collect()
+        sys.stderr = real
 
 
 def abstract_like(state: Any) -> Any:

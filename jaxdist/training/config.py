@@ -65,7 +65,9 @@ REQUIRED_KEYS = (
 
 
 class ConfigError(ValueError):
-    """A recipe or an override is malformed."""
+    """A recipe, an override or a config value is malformed."""
+
+    exit_code = 2  # the command line's usage error
 
 
 def resolve_recipe_path(recipe: str | Path) -> Path:
@@ -84,10 +86,21 @@ def load_recipe(recipe: str | Path) -> ml_collections.ConfigDict:
     path = resolve_recipe_path(recipe)
     spec = importlib.util.spec_from_file_location(f"jaxdist_recipe_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as err:
+        line = (err.text or "").strip()
+        raise ConfigError(
+            f"recipe {path}: invalid Python at line {err.lineno}: {err.msg}: {line!r}"
+        ) from err
     if not callable(getattr(module, "get_config", None)):
         raise ConfigError(f"recipe {path} defines no get_config() function")
-    config = module.get_config()
+    try:
+        config = module.get_config()
+    except Exception as err:  # the recipe's own code failed: name it, keep the cause chained
+        raise ConfigError(
+            f"recipe {path}: get_config() raised {type(err).__name__}: {err}"
+        ) from err
     if not isinstance(config, ml_collections.ConfigDict):
         raise ConfigError(
             f"recipe {path}: get_config() must return an ml_collections.ConfigDict, "

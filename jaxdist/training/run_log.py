@@ -28,10 +28,22 @@ def last_eval(workdir: Path) -> dict[str, float]:
     found: dict[str, float] = {}
     if path.exists():
         for line in path.read_text().splitlines():
-            record = json.loads(line) if line.strip() else {}
+            try:
+                record = json.loads(line) if line.strip() else {}
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed run
             if record.get("kind") == "eval":
                 found = {k: record[k] for k in ("top1", "top5") if k in record}
     return found
+
+
+def _end_with_newline(path: Path) -> None:
+    """Finish a line cut short by a killed run, so the next record starts on its own line."""
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, 2)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
 
 
 class RunLog:
@@ -41,9 +53,12 @@ class RunLog:
     def __init__(self, workdir: Path, enabled: bool) -> None:
         self.enabled = enabled
         self.tty = sys.stdout.isatty()
+        self.running = False  # between run_start and run_stop
         self._metrics = self._events = self._tensorboard = None
         if enabled:
             workdir.mkdir(parents=True, exist_ok=True)
+            _end_with_newline(workdir / "metrics.jsonl")  # after a kill mid-line
+            _end_with_newline(workdir / "events.log")
             self._metrics = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115
             self._events = open(workdir / "events.log", "a")  # noqa: SIM115
             try:  # TensorBoard only if a writer is installed; JSONL is the record either way.
@@ -70,6 +85,8 @@ class RunLog:
         }
         self._events.write(":::MLLOG " + json.dumps(record) + "\n")
         self._events.flush()
+        if key in ("run_start", "run_stop"):
+            self.running = key == "run_start"
 
     def metrics(self, record: dict) -> None:
         if not self.enabled:
@@ -90,7 +107,11 @@ class RunLog:
         else:
             print(line, flush=True)
 
-    def close(self) -> None:
+    def close(self, aborted_by: str | None = None) -> None:
+        """Close the files; a run still open gets its ``run_stop`` with status ``aborted`` and
+        the reason, so the event log never ends inside a run."""
+        if self.running:
+            self.event("run_stop", status="aborted", reason=aborted_by or "stopped")
         for f in (self._metrics, self._events):
             if f is not None:
                 f.close()

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.comm import buckets as bucketing
 from jaxdist.comm import collectives
 from jaxdist.runtime import dispatch
+from jaxdist.training.batches import check_batch_sizes, data_axes_of, shard_batch
 from jaxdist.training.gradients import local_gradients
 from jaxdist.training.loss_scale import DynamicLossScale, all_finite, select_tree
 from jaxdist.training.zero1 import zero1_update
@@ -58,7 +59,6 @@ __all__ = [
     "classifier_eval",
     "classifier_loss",
     "donation_default",
-    "shard_batch",
 ]
 
 # Measurement only: skip the gradient allreduce, so each device trains on its own shard. The
@@ -77,35 +77,6 @@ class TrainState(struct.PyTreeNode):
     model_state: Any
     opt_state: Any
     loss_scale: DynamicLossScale | None = None
-
-
-def _data_axes(mesh: Mesh, data_axes) -> str | tuple[str, ...]:
-    axes = tuple(mesh.axis_names) if data_axes is None else data_axes
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
-    missing = [a for a in names if a not in mesh.axis_names]
-    if missing:
-        raise ValueError(f"data axes {missing} are not axes of the mesh {tuple(mesh.axis_names)}")
-    return names[0] if len(names) == 1 else names
-
-
-def shard_batch(mesh: Mesh, data_axes: str | tuple[str, ...], batch: Any) -> Any:
-    """Place a batch on ``mesh``, split along its leading axis over ``data_axes``.
-
-    Each process passes its own part of the global batch (all of it on one process)."""
-    sharding = NamedSharding(mesh, P(data_axes))
-    replicas = int(np.prod([mesh.shape[a] for a in np.atleast_1d(data_axes)]))
-    local_replicas = replicas // jax.process_count()
-
-    def place(x):
-        x = np.asarray(x)
-        if x.ndim == 0 or x.shape[0] % local_replicas:
-            raise ValueError(
-                f"batch leading axis {x.shape[:1]} must divide evenly over the "
-                f"{local_replicas} local data-parallel device(s) of this process"
-            )
-        return jax.make_array_from_process_local_data(sharding, x)
-
-    return jax.tree.map(place, batch)
 
 
 def donation_default(mesh: Mesh) -> bool:
@@ -170,7 +141,7 @@ class TrainStep:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.mesh = mesh
-        self.data_axes = _data_axes(mesh, data_axes)
+        self.data_axes = data_axes_of(mesh, data_axes)
         self.allreduce = allreduce
         self.allreduce_options = dict(allreduce_options or {})
         if allreduce != NO_ALLREDUCE:
@@ -253,6 +224,7 @@ class TrainStep:
     # ------------------------------------------------------------------ the step
 
     def __call__(self, state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
+        check_batch_sizes(batch)
         if self._compiled is None:
             self._compiled = self._build(state)
         self._in_flight.make_room()
@@ -356,7 +328,7 @@ class EvalStep:
         max_in_flight: dispatch.Limit = "auto",
     ):
         self.mesh = mesh
-        self.data_axes = _data_axes(mesh, data_axes)
+        self.data_axes = data_axes_of(mesh, data_axes)
         self._in_flight = dispatch.shared_window(mesh, max_in_flight)
 
         def body(params, model_state, batch):
@@ -373,6 +345,7 @@ class EvalStep:
         )
 
     def __call__(self, state: TrainState, batch: Any) -> dict:
+        check_batch_sizes(batch)
         self._in_flight.make_room()
         sums = self._step(state.params, state.model_state, batch)
         self._in_flight.add(sums)  # an eval_fn with no outputs leaves nothing to wait on

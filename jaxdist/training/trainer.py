@@ -26,8 +26,8 @@ and on SIGTERM. Only process 0 writes logs; every process takes part in checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Callable
@@ -38,17 +38,21 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist import meshes, models
 from jaxdist.data import DataConfig, make_pipeline
-from jaxdist.data.transforms import normalize
-from jaxdist.training import optim
+from jaxdist.training import optim, run_config
 from jaxdist.training.batch_schedule import BatchSchedule
-from jaxdist.training.batchnorm import CrossReplicaBatchNorm
 from jaxdist.training.checkpoint import Checkpointer, PreemptionGuard, abstract_like
-from jaxdist.training.config import batch_stages
+from jaxdist.training.config import ConfigError, batch_stages
+from jaxdist.training.from_config import (
+    NormalizeOnDevice,
+    build_lr_schedule,
+    build_mesh,
+    build_model,
+    build_optimizer,
+)
 from jaxdist.training.run_log import RunLog, format_duration, last_eval
 from jaxdist.training.train_step import (
     EvalStep,
@@ -58,54 +62,26 @@ from jaxdist.training.train_step import (
     classifier_loss,
 )
 
-__all__ = ["DTYPES", "OPTIMIZER_FIELDS", "Trainer", "build_mesh", "build_model"]
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# Optimizer hyperparameters each optimizer takes from config.optimizer.
-OPTIMIZER_FIELDS = {
-    "sgd": ("momentum", "nesterov", "weight_decay"),
-    "lars": ("momentum", "nesterov", "weight_decay", "trust_coefficient", "eps"),
-}
+__all__ = ["Trainer"]
 
 
-def build_mesh(name: str) -> Mesh:
-    """The recipe's mesh preset (or TOML path); ``""``: one ``data`` axis over all devices."""
-    if not name:
-        return meshes.ring(jax.device_count(), axis_name="data")
-    return meshes.build(meshes.load(name))
+@contextlib.contextmanager
+def _config_problems():
+    """A ValueError or TypeError while building from the config is a bad config value: one
+    :class:`ConfigError` (the original chained). Errors that carry their own ``exit_code``,
+    such as a missing dataset, pass unchanged."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        if hasattr(err, "exit_code"):
+            raise
+        raise ConfigError(f"the config cannot run here: {err}") from err
 
 
-def build_model(cfg: ml_collections.ConfigDict, num_classes: int, axis_name: Any):
-    """The recipe's model with cross-replica BatchNorm over ``axis_name`` in groups."""
-    norm = functools.partial(
-        CrossReplicaBatchNorm,
-        axis_name=axis_name,
-        group_size=cfg.bn_group_size,
-        momentum=cfg.bn_momentum,
-        epsilon=cfg.bn_epsilon,
-    )
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
-    return models.create(
-        cfg.name,
-        num_classes=num_classes,
-        width=cfg.width,
-        stem=cfg.stem,
-        dtype=DTYPES[cfg.dtype],
-        zero_init_last_bn_scale=cfg.zero_init_last_bn_scale,
-        pointwise_matmul=cfg.pointwise_matmul,
-        norm=norm,
-    )
-
-
-class _NormalizeOnDevice:
-    """A model whose ``apply`` first normalises uint8 images (for ``data.dtype="uint8"``)."""
-
-    def __init__(self, model, mean, std) -> None:
-        self.model, self.mean, self.std = model, mean, std
-
-    def apply(self, variables, images, **kwargs):
-        return self.model.apply(variables, normalize(images, self.mean, self.std), **kwargs)
+def _one_line(err: BaseException) -> str:
+    """``Type: first line of the message``, for the event log."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 @dataclasses.dataclass
@@ -136,9 +112,22 @@ class Trainer:
     writing logs and checkpoints under ``workdir``; :meth:`run` resumes from the newest
     checkpoint there, if any."""
 
-    def __init__(self, config: ml_collections.ConfigDict, workdir: str | Path) -> None:
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        workdir: str | Path,
+        *,
+        allow_config_change: bool = False,
+    ) -> None:
         self.config = config
         self.workdir = Path(workdir)
+        self.allow_config_change = allow_config_change
+        with _config_problems():
+            self._build(config)
+
+    def _build(self, config: ml_collections.ConfigDict) -> None:
+        """Everything the config describes: mesh, data, batch plan, model, loss, optimizer and
+        the train step of every stage, so that a bad value fails here, before any training."""
         self.mesh = build_mesh(config.mesh)
         names = tuple(self.mesh.axis_names)
         self.data_axes = names[0] if len(names) == 1 else names
@@ -157,38 +146,23 @@ class Trainer:
                 f"{self.num_replicas} data-parallel devices"
             )
 
-        self.model = build_model(config.model, self.pipeline.num_classes, self.data_axes)
+        self.model = build_model(config.model, self.pipeline.num_classes, self.data_axes,
+                                 self.num_replicas)  # fmt: skip
         applied = self.model
         if config.data.dtype == "uint8":
-            applied = _NormalizeOnDevice(self.model, self.pipeline.mean, self.pipeline.std)
+            applied = NormalizeOnDevice(self.model, self.pipeline.mean, self.pipeline.std)
         self.loss_fn = classifier_loss(
             applied,
             num_classes=self.pipeline.num_classes,
             label_smoothing=config.label_smoothing,
         )
-        lr = config.lr
-        self.lr_fn = jax.jit(
-            optim.lr_schedule(
-                lr.kind,
-                lr.peak,
-                lr.warmup_epochs,
-                config.num_epochs,
-                end_lr=lr.end_lr,
-                power=lr.power,
-                init_lr=lr.init_lr,
-                step_epochs=tuple(lr.step_epochs),
-                step_factor=lr.step_factor,
-            )
-        )
-        opt = config.optimizer
-        if opt.name not in OPTIMIZER_FIELDS:
-            raise ValueError(f"optimizer.name must be one of {sorted(OPTIMIZER_FIELDS)}")
-        self.optimizer = optim.make_optimizer(
-            opt.name, float(self.lr_fn(0.0)), **{k: opt[k] for k in OPTIMIZER_FIELDS[opt.name]}
-        )
+        self.lr_fn = jax.jit(build_lr_schedule(config))
+        self.optimizer = build_optimizer(config.optimizer, float(self.lr_fn(0.0)))
         self.eval_step = EvalStep(classifier_eval(applied), self.mesh, data_axes=self.data_axes)
         self._train_steps: dict[int, TrainStep] = {}
         self._replicated = NamedSharding(self.mesh, P())
+        for stage in range(len(self.plans)):
+            self.train_step_for(stage)
 
     # ------------------------------------------------------------------ pieces
 
@@ -244,16 +218,20 @@ class Trainer:
         written, and the eval is the one recorded in its ``metrics.jsonl``).
         """
         cfg = self.config
-        log = RunLog(self.workdir, enabled=jax.process_index() == 0)
+        writer = jax.process_index() == 0
+        changes = run_config.check_rerun(
+            self.workdir, cfg, allow_change=self.allow_config_change, write=writer
+        )
+        log = RunLog(self.workdir, enabled=writer)
         ckpt = Checkpointer(
             self.workdir / "checkpoints",
             every_steps=cfg.checkpoint.every_steps,
             keep=cfg.checkpoint.keep,
             async_save=cfg.checkpoint.async_save,
         )
-        loop = None
+        loop, failure = None, None
         try:
-            loop = self._resume(ckpt, log)
+            loop = self._resume(ckpt, log, changes)
             if loop.step >= self.total_steps:
                 return self._already_finished(loop, log)
             with PreemptionGuard(ckpt.manager) as guard:
@@ -268,17 +246,21 @@ class Trainer:
                         on_step(loop.step, loop.state)
                     loop.preempted = guard.preempted(loop.step)
             self._finish(loop, ckpt, log)
+        except BaseException as err:  # KeyboardInterrupt too: the event log says why it stopped
+            failure = _one_line(err)
+            raise
         finally:
             ckpt.close()
             if loop is not None and loop.iterator is not None:
                 loop.iterator.close()
-            log.close()
+            log.close(aborted_by=failure)
         self.state = loop.state
         return {"step": loop.step, "epoch": loop.epoch, "preempted": loop.preempted,
                 **loop.last_eval}  # fmt: skip
 
-    def _resume(self, ckpt: Checkpointer, log: RunLog) -> _Loop:
-        """The loop's state: from the newest checkpoint, or fresh from the seed."""
+    def _resume(self, ckpt: Checkpointer, log: RunLog, changes: list) -> _Loop:
+        """The loop's state: from the newest checkpoint, or fresh from the seed; the event log
+        records the start and any accepted config change."""
         state = self.initial_state()
         step, data_state = 0, None
         if ckpt.steps():
@@ -294,6 +276,9 @@ class Trainer:
             log.event("global_batch_size", cfg.batch_size,
                       batch_ramp=list(map(list, cfg.batch_ramp)))  # fmt: skip
             log.event("opt_name", cfg.optimizer.name, peak_lr=cfg.lr.peak)
+            for key, old, new in changes:
+                log.event("config_change", key, old=old, new=new)
+                log.progress(f"config changed: {key} {old!r} -> {new!r}", final=True)
         return loop
 
     def _already_finished(self, loop: _Loop, log: RunLog) -> dict[str, Any]:
@@ -378,7 +363,11 @@ class Trainer:
             meta = {"epoch": loop.epoch, "stage": loop.stage,
                     "samples_seen": loop.iterator.next_sample}  # fmt: skip
             ckpt.save(loop.step, loop.state, loop.iterator.get_state(), meta, force=True)
-        status = "aborted" if loop.preempted else ("success" if loop.reached_target else "finished")
+        if loop.preempted:
+            log.event("run_stop", status="aborted", reason="preempted (SIGTERM)",
+                      step=loop.step, epoch=loop.epoch)  # fmt: skip
+            return
+        status = "success" if loop.reached_target else "finished"
         log.event("run_stop", status=status, step=loop.step, epoch=loop.epoch)
 
     def _open_iterator(self, step: int, previous, data_state: dict | None):

@@ -1,0 +1,56 @@
+"""Where a batch lives: the data axes of a mesh, and a host batch placed on them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["check_batch_sizes", "data_axes_of", "shard_batch"]
+
+
+def data_axes_of(mesh: Mesh, data_axes: str | tuple[str, ...] | None) -> str | tuple[str, ...]:
+    """The data axes as a step names them: all of the mesh's axes for ``None``, one name for
+    one axis, a tuple for several; refuses names that are not axes of ``mesh``."""
+    axes = tuple(mesh.axis_names) if data_axes is None else data_axes
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    missing = [a for a in names if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"data axes {missing} are not axes of the mesh {tuple(mesh.axis_names)}")
+    return names[0] if len(names) == 1 else names
+
+
+def check_batch_sizes(batch: Any) -> None:
+    """Refuse a batch whose leaves differ in leading (batch) size: images of 8 with labels of 4
+    would broadcast inside the loss into a wrong value instead of failing."""
+    sizes = {
+        jax.tree_util.keystr(path): (np.shape(leaf)[0] if np.ndim(leaf) else None)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(batch)
+    }
+    if len(set(sizes.values())) > 1:
+        found = ", ".join(f"{name or 'batch'}: {size}" for name, size in sizes.items())
+        raise ValueError(f"batch leaves must share one leading (batch) size, got {found}")
+
+
+def shard_batch(mesh: Mesh, data_axes: str | tuple[str, ...], batch: Any) -> Any:
+    """Place a batch on ``mesh``, split along its leading axis over ``data_axes``.
+
+    Each process passes its own part of the global batch (all of it on one process)."""
+    check_batch_sizes(batch)
+    sharding = NamedSharding(mesh, P(data_axes))
+    replicas = int(np.prod([mesh.shape[a] for a in np.atleast_1d(data_axes)]))
+    local_replicas = replicas // jax.process_count()
+
+    def place(x):
+        x = np.asarray(x)
+        if x.ndim == 0 or x.shape[0] % local_replicas:
+            raise ValueError(
+                f"batch leading axis {x.shape[:1]} must divide evenly over the "
+                f"{local_replicas} local data-parallel device(s) of this process"
+            )
+        return jax.make_array_from_process_local_data(sharding, x)
+
+    return jax.tree.map(place, batch)

@@ -1,0 +1,114 @@
+"""The pieces a recipe's config names, built: the mesh, the model with cross-replica
+BatchNorm, the learning-rate schedule and the optimizer. Each raises ``ValueError`` naming the
+config field when a value cannot work."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import Mesh
+
+from jaxdist import meshes, models
+from jaxdist.data.transforms import normalize
+from jaxdist.training import optim
+from jaxdist.training.batchnorm import CrossReplicaBatchNorm
+
+__all__ = [
+    "DTYPES",
+    "OPTIMIZER_FIELDS",
+    "NormalizeOnDevice",
+    "build_lr_schedule",
+    "build_mesh",
+    "build_model",
+    "build_optimizer",
+]
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Optimizer hyperparameters each optimizer takes from config.optimizer.
+OPTIMIZER_FIELDS = {
+    "sgd": ("momentum", "nesterov", "weight_decay"),
+    "lars": ("momentum", "nesterov", "weight_decay", "trust_coefficient", "eps"),
+}
+
+
+def build_mesh(name: str) -> Mesh:
+    """The recipe's mesh preset (or TOML path); ``""``: one ``data`` axis over all devices."""
+    if not name:
+        return meshes.ring(jax.device_count(), axis_name="data")
+    return meshes.build(meshes.load(name))
+
+
+def build_model(
+    cfg: ml_collections.ConfigDict, num_classes: int, axis_name: Any, num_replicas: int
+):
+    """The recipe's model with cross-replica BatchNorm over ``axis_name`` (``num_replicas``
+    devices) in groups of ``cfg.bn_group_size``."""
+    group = cfg.bn_group_size
+    if group is not None and (group < 1 or num_replicas % group):
+        raise ValueError(
+            f"model.bn_group_size={group} must divide the {num_replicas} data-parallel "
+            "devices (None: BatchNorm statistics over all of them)"
+        )
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
+    norm = functools.partial(
+        CrossReplicaBatchNorm,
+        axis_name=axis_name,
+        group_size=group,
+        momentum=cfg.bn_momentum,
+        epsilon=cfg.bn_epsilon,
+    )
+    return models.create(
+        cfg.name,
+        num_classes=num_classes,
+        width=cfg.width,
+        stem=cfg.stem,
+        dtype=DTYPES[cfg.dtype],
+        zero_init_last_bn_scale=cfg.zero_init_last_bn_scale,
+        pointwise_matmul=cfg.pointwise_matmul,
+        norm=norm,
+    )
+
+
+def build_lr_schedule(config: ml_collections.ConfigDict):
+    """``epoch -> learning rate`` from ``config.lr``, ending at ``config.num_epochs``."""
+    lr = config.lr
+    return optim.lr_schedule(
+        lr.kind,
+        lr.peak,
+        lr.warmup_epochs,
+        config.num_epochs,
+        end_lr=lr.end_lr,
+        power=lr.power,
+        init_lr=lr.init_lr,
+        step_epochs=tuple(lr.step_epochs),
+        step_factor=lr.step_factor,
+    )
+
+
+def build_optimizer(
+    opt: ml_collections.ConfigDict, initial_lr: float
+) -> optax.GradientTransformation:
+    """``config.optimizer``'s optimizer, its learning rate a hyperparameter set each step."""
+    if opt.name not in OPTIMIZER_FIELDS:
+        raise ValueError(
+            f"optimizer.name must be one of {sorted(OPTIMIZER_FIELDS)}, got {opt.name!r}"
+        )
+    return optim.make_optimizer(
+        opt.name, initial_lr, **{k: opt[k] for k in OPTIMIZER_FIELDS[opt.name]}
+    )
+
+
+class NormalizeOnDevice:
+    """A model whose ``apply`` first normalises uint8 images (for ``data.dtype="uint8"``)."""
+
+    def __init__(self, model, mean, std) -> None:
+        self.model, self.mean, self.std = model, mean, std
+
+    def apply(self, variables, images, **kwargs):
+        return self.model.apply(variables, normalize(images, self.mean, self.std), **kwargs)

@@ -1,0 +1,157 @@
+"""The config a workdir's run was started with, and what a rerun may change.
+
+A run records its resolved config (every field, derived ones included) in
+``WORKDIR/config.json`` when it starts. A rerun in the same workdir resumes the run's
+checkpoints, so it must be the same run: the rerun's config is compared with the recorded one
+and any difference is refused, naming each differing key ``old -> new``. Only keys that do not
+change what is computed may change freely (:data:`SAFE_TO_CHANGE`), and ``num_epochs`` may
+grow (a longer run, with its learning-rate schedule stretched to the new end).
+
+Passing ``allow_change=True`` (``jaxdist train --allow-config-change``) continues anyway; the
+change is appended to ``WORKDIR/config_changes.jsonl`` and the recorded config becomes the new
+one, so the workdir says which steps ran under which settings.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+from jaxdist.training.config import ConfigError
+
+__all__ = [
+    "CHANGES_FILE",
+    "CONFIG_FILE",
+    "MAY_GROW",
+    "SAFE_TO_CHANGE",
+    "ConfigChangedError",
+    "Difference",
+    "check_rerun",
+    "differences",
+    "flatten",
+]
+
+CONFIG_FILE = "config.json"
+CHANGES_FILE = "config_changes.jsonl"
+# How long to train, how often to log, evaluate and checkpoint, and how the input is read: none
+# of them changes the numbers a step computes.
+SAFE_TO_CHANGE = (
+    "max_steps",
+    "log_every_steps",
+    "eval_every_epochs",
+    "checkpoint.every_steps",
+    "checkpoint.keep",
+    "checkpoint.async_save",
+    "data.worker_count",
+    "data.read_threads",
+    "data.prefetch_batches",
+)
+MAY_GROW = ("num_epochs",)
+
+Difference = tuple[str, Any, Any]  # (dotted key, recorded value, new value)
+
+
+class ConfigChangedError(ConfigError):
+    """A rerun's config differs from the one its workdir was started with."""
+
+
+def flatten(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
+    """Dotted key -> JSON value (tuples as lists) for every leaf of ``config``."""
+    tree = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else config
+    tree = json.loads(json.dumps(tree))  # what config.json holds: tuples become lists
+
+    def walk(node: dict, prefix: str) -> dict[str, Any]:
+        leaves = {}
+        for key, value in node.items():
+            if isinstance(value, dict):
+                leaves.update(walk(value, f"{prefix}{key}."))
+            else:
+                leaves[f"{prefix}{key}"] = value
+        return leaves
+
+    return walk(tree, "")
+
+
+def differences(recorded: dict[str, Any], new: dict[str, Any]) -> list[Difference]:
+    """Every key whose value differs (a key on one side only counts, as missing)."""
+    missing = "<missing>"
+    keys = sorted(set(recorded) | set(new))
+    return [
+        (k, recorded.get(k, missing), new.get(k, missing))
+        for k in keys
+        if recorded.get(k, missing) != new.get(k, missing)
+    ]
+
+
+def _is_safe(difference: Difference) -> bool:
+    key, old, new = difference
+    if key in SAFE_TO_CHANGE:
+        return True
+    numbers = isinstance(old, int | float) and isinstance(new, int | float)
+    return key in MAY_GROW and numbers and new >= old
+
+
+def _describe(diffs: list[Difference]) -> str:
+    return "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in diffs)
+
+
+def _has_progress(workdir: Path) -> bool:
+    """Whether a run got far enough to leave checkpoints or metrics behind."""
+    checkpoints = workdir / "checkpoints"
+    has_checkpoints = checkpoints.is_dir() and any(checkpoints.iterdir())
+    metrics = workdir / "metrics.jsonl"
+    return has_checkpoints or (metrics.exists() and metrics.stat().st_size > 0)
+
+
+def check_rerun(
+    workdir: str | Path,
+    config: ml_collections.ConfigDict,
+    *,
+    allow_change: bool = False,
+    write: bool = True,
+) -> list[Difference]:
+    """Record ``config`` in a new workdir, or check it against the recorded one.
+
+    Returns the differences that were accepted (empty on a first start or an unchanged
+    rerun). Raises :class:`ConfigChangedError` for a difference outside
+    :data:`SAFE_TO_CHANGE` and :data:`MAY_GROW` unless ``allow_change``. A workdir without
+    checkpoints or metrics holds no run yet, so its recorded config is simply replaced.
+    ``write=False`` checks without writing (the processes other than 0).
+    """
+    workdir = Path(workdir)
+    path = workdir / CONFIG_FILE
+    new = flatten(config)
+    accepted: list[Difference] = []
+    if path.exists() and _has_progress(workdir):
+        try:
+            recorded = flatten(json.loads(path.read_text()))
+        except (json.JSONDecodeError, AttributeError) as err:
+            raise ConfigChangedError(
+                f"{path} is not a config written by jaxdist ({err}); move it aside to record "
+                "this run's config afresh"
+            ) from err
+        accepted = differences(recorded, new)
+        refused = [d for d in accepted if not _is_safe(d)]
+        if refused and not allow_change:
+            raise ConfigChangedError(
+                f"{workdir} holds a run started with another config ({_describe(refused)}); "
+                "resuming would mix the two: use a new --workdir, or pass "
+                "--allow-config-change to continue and record the change"
+            )
+    if write and (accepted or not path.exists() or not _has_progress(workdir)):
+        workdir.mkdir(parents=True, exist_ok=True)
+        if accepted:
+            record = {
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "changes": [{"key": k, "old": old, "new": v} for k, old, v in accepted],
+            }
+            with open(workdir / CHANGES_FILE, "a") as changes:
+                changes.write(json.dumps(record) + "\n")
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+    return accepted
