@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import numbers
 
-__all__ = ["positive_int"]
+__all__ = ["is_integer", "positive_int"]
+
+
+def is_integer(value: object) -> bool:
+    """An integer, NumPy's included; not ``bool``, not a float or a string that looks like one."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def positive_int(value: object, what: str, expected: str = "a positive integer") -> int:
     """``value`` as an ``int`` if it is an integer >= 1 (NumPy integers too, ``bool`` not);
     otherwise ``ValueError("{what} must be {expected}, got {value!r}")``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if not is_integer(value) or value < 1:
         raise ValueError(f"{what} must be {expected}, got {value!r}")
     return int(value)

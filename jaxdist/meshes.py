@@ -19,7 +19,6 @@ code. Turning a spec into an ordered grid of devices happens in one place, :func
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import tomllib
 import warnings
@@ -32,6 +31,8 @@ import jax
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh
+
+from jaxdist.checks import is_integer
 
 __all__ = [
     "CPU_DEVICES_HINT",
@@ -73,11 +74,6 @@ class MeshDoesNotFitError(ValueError):
     """A mesh spec needs more devices than are present."""
 
     exit_code = 2
-
-
-def _is_int(value: object) -> bool:
-    """An integer as TOML writes one (``2``, not ``"2"``, ``2.0`` or ``true``)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -137,13 +133,13 @@ class MeshSpec:
         for name, size in self.axes:
             if not isinstance(name, str) or not name.isidentifier():
                 raise MeshSpecError(f"{where}: axis name must be an identifier, got {name!r}")
-            if not _is_int(size) or size < 1:
+            if not is_integer(size) or size < 1:
                 raise MeshSpecError(
                     f"{where}: axis {name!r} must have an integer size >= 1, got {size!r}"
                 )
         dph = self.devices_per_host
         if dph is not None:
-            if not _is_int(dph):
+            if not is_integer(dph):
                 raise MeshSpecError(f"{where}: devices_per_host must be an integer, got {dph!r}")
             if dph < 1 or self.size % dph:
                 raise MeshSpecError(

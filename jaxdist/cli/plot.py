@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-__all__ = ["plot_runs", "read_metrics", "register", "run_plot"]
+from jaxdist.training.run_log import read_metrics
+
+__all__ = ["plot_runs", "register", "run_plot"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,28 +22,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="PNG path (default WORKDIR/curves.png)")
     p.add_argument("--title", default=None, help="figure title")
     p.set_defaults(func=run_plot, joins_process_group=False)
-
-
-def read_metrics(workdir: str | Path) -> dict[str, list[dict]]:
-    """``{"train": [...], "eval": [...]}`` records of a run, by step; for a step logged twice
-    (a resumed run repeats the steps after its checkpoint) the later record wins."""
-    path = Path(workdir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; expected the metrics of a `jaxdist train` run")
-    by_kind: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            by_kind.setdefault(record["kind"], {})[record["step"]] = record
-        except (json.JSONDecodeError, KeyError, TypeError):
-            print(
-                f"jaxdist plot: warning: skipped {path}:{number}, not a whole metrics record "
-                "(a run killed while writing leaves one)",
-                file=sys.stderr,
-            )
-    return {kind: [records[s] for s in sorted(records)] for kind, records in by_kind.items()}
 
 
 def plot_runs(workdirs: list[str | Path], out: str | Path, title: str | None = None) -> Path:

@@ -38,6 +38,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from jaxdist.training.run_log import describe_error
+
 __all__ = [
     "CheckpointWarning",
     "Checkpointer",
@@ -147,7 +149,7 @@ class Checkpointer:
                     found = step, self._restore_step(step, abstract_state)
                     break
                 except Exception as err:  # any unreadable checkpoint: try the previous one
-                    failures.append((step, _short_reason(err)))
+                    failures.append((step, describe_error(err, limit=160)))
         for step, reason in failures:
             warnings.warn(
                 f"checkpoint at step {step} in {self.directory} cannot be read ({reason})",
@@ -216,14 +218,6 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
-
-
-def _short_reason(err: Exception, limit: int = 160) -> str:
-    """``Type: first line`` of an error, cut to ``limit`` characters (TensorStore's messages
-    carry whole specs)."""
-    lines = str(err).strip().splitlines()
-    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _UnreadCheckpointFutures(logging.Filter):

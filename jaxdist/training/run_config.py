@@ -126,7 +126,8 @@ def check_rerun(
     path = workdir / CONFIG_FILE
     new = flatten(config)
     accepted: list[Difference] = []
-    if path.exists() and _has_progress(workdir):
+    compared = path.exists() and _has_progress(workdir)
+    if compared:
         try:
             recorded = flatten(json.loads(path.read_text()))
         except (json.JSONDecodeError, AttributeError) as err:
@@ -142,7 +143,7 @@ def check_rerun(
                 "resuming would mix the two: use a new --workdir, or pass "
                 "--allow-config-change to continue and record the change"
             )
-    if write and (accepted or not path.exists() or not _has_progress(workdir)):
+    if write and (accepted or not compared):  # an unchanged rerun leaves the record as it is
         workdir.mkdir(parents=True, exist_ok=True)
         if accepted:
             record = {

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunLog", "format_duration", "last_eval"]
+__all__ = ["RunLog", "describe_error", "format_duration", "last_eval", "read_metrics"]
 
 
 def format_duration(seconds: float) -> str:
@@ -22,19 +22,43 @@ def format_duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
-def last_eval(workdir: Path) -> dict[str, float]:
-    """The last evaluation recorded in ``workdir``'s ``metrics.jsonl`` (empty if none)."""
+def describe_error(err: BaseException, limit: int | None = None) -> str:
+    """``Type: first line of the message``, cut to ``limit`` characters if given (TensorStore's
+    messages carry whole specs): the reason a log line gives."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
+
+
+def read_metrics(workdir: str | Path) -> dict[str, list[dict]]:
+    """``{"train": [...], "eval": [...]}`` records of a run's ``metrics.jsonl``, by step; for a
+    step logged twice (a resumed run repeats the steps after its checkpoint) the later record
+    wins. A line that is not a whole record is skipped with a warning on stderr."""
     path = Path(workdir) / "metrics.jsonl"
-    found: dict[str, float] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line) if line.strip() else {}
-            except json.JSONDecodeError:
-                continue  # a line cut short by a killed run
-            if record.get("kind") == "eval":
-                found = {k: record[k] for k in ("top1", "top5") if k in record}
-    return found
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; expected the metrics of a `jaxdist train` run")
+    by_kind: dict[str, dict[int, dict]] = {"train": {}, "eval": {}}
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            by_kind.setdefault(record["kind"], {})[record["step"]] = record
+        except (json.JSONDecodeError, KeyError, TypeError):
+            print(
+                f"jaxdist: warning: skipped {path}:{number}, not a whole metrics record "
+                "(a run killed while writing leaves one)",
+                file=sys.stderr,
+            )
+    return {kind: [records[s] for s in sorted(records)] for kind, records in by_kind.items()}
+
+
+def last_eval(workdir: str | Path) -> dict[str, float]:
+    """The last evaluation recorded in ``workdir``'s ``metrics.jsonl`` (empty if none)."""
+    if not (Path(workdir) / "metrics.jsonl").is_file():
+        return {}
+    evals = read_metrics(workdir)["eval"]
+    return {k: evals[-1][k] for k in ("top1", "top5") if k in evals[-1]} if evals else {}
 
 
 def _end_with_newline(path: Path) -> None:

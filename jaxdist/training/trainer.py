@@ -53,7 +53,7 @@ from jaxdist.training.from_config import (
     build_model,
     build_optimizer,
 )
-from jaxdist.training.run_log import RunLog, format_duration, last_eval
+from jaxdist.training.run_log import RunLog, describe_error, format_duration, last_eval
 from jaxdist.training.train_step import (
     EvalStep,
     TrainState,
@@ -76,12 +76,6 @@ def _config_problems():
         if hasattr(err, "exit_code"):
             raise
         raise ConfigError(f"the config cannot run here: {err}") from err
-
-
-def _one_line(err: BaseException) -> str:
-    """``Type: first line of the message``, for the event log."""
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 @dataclasses.dataclass
@@ -247,7 +241,7 @@ class Trainer:
                     loop.preempted = guard.preempted(loop.step)
             self._finish(loop, ckpt, log)
         except BaseException as err:  # KeyboardInterrupt too: the event log says why it stopped
-            failure = _one_line(err)
+            failure = describe_error(err)
             raise
         finally:
             ckpt.close()
