@@ -258,9 +258,27 @@ def device_grid(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> 
             dcn = (jax.process_count(),) + (1,) * (len(spec.shape) - 1)
             ici = (outer // jax.process_count(), *spec.shape[1:])
             return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=ordered)
-        return mesh_utils.create_device_mesh(spec.shape, devices=ordered)
+        return _tpu_device_mesh(spec, ordered)
     # A sub-mesh (fewer devices than present) takes the first devices in (process, id) order.
     return np.array(ordered[: spec.size], dtype=object).reshape(spec.shape)
+
+
+def _tpu_device_mesh(spec: MeshSpec, devices: list[jax.Device]) -> np.ndarray:
+    """The TPU devices laid out so that each mesh axis follows the physical torus; an axis
+    whose size is no product of the torus dimensions (48 x 72 on 12x12x24) splits them."""
+    try:
+        return mesh_utils.create_device_mesh(spec.shape, devices=devices)
+    except NotImplementedError:
+        pass
+    try:
+        return mesh_utils.create_device_mesh(
+            spec.shape, devices=devices, allow_split_physical_axes=True
+        )
+    except NotImplementedError as err:
+        raise MeshDoesNotFitError(
+            f"mesh {spec.name!r} ({' x '.join(map(str, spec.shape))}) cannot be laid over the "
+            f"TPU torus of its {len(devices)} chips: {str(err).splitlines()[0]}"
+        ) from err
 
 
 def host_mismatch(spec: MeshSpec, grid: np.ndarray) -> str | None:

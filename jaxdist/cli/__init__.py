@@ -33,6 +33,7 @@ SUBCOMMANDS = (
     "jaxdist.cli.cluster",
     "jaxdist.cli.data",
     "jaxdist.cli.train",
+    "jaxdist.cli.plan",
     "jaxdist.cli.plot",
 )
 

@@ -25,9 +25,10 @@ def local_gradients(
     """``(grads, new model state, loss, metrics)`` of ``loss_fn`` on this device's ``batch``.
 
     With ``accumulation_steps = k > 1`` the batch is cut into ``k`` micro-batches run one
-    after the other in a ``lax.scan`` (the model state threads through them, each gets its
-    own rng), and gradients, loss and metrics are their means. With a loss ``scale``
-    (float16 training) the gradients are of the scaled loss; the loss reported is unscaled.
+    after the other (the model state threads through them, each gets its own rng), all but
+    the last in a ``lax.scan``, and gradients, loss and metrics are their means. With a loss
+    ``scale`` (float16 training) the gradients are of the scaled loss; the loss reported is
+    unscaled.
     """
 
     def grad_of(micro_batch, model_state, rng):
@@ -67,8 +68,14 @@ def local_gradients(
     shapes = jax.eval_shape(grad_of, first, model_state, rng)
     zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
     carry = (zeros(shapes[0]), model_state, zeros(shapes[2]), zeros(shapes[3]))
-    (grads, model_state, loss, metrics), _ = lax.scan(
-        accumulate, carry, (micro_batches, jnp.arange(k))
-    )
+    # The last micro-batch runs after the loop, not as its last turn. Collectives that wait
+    # for a loop's end cannot overlap anything inside it; after the loop, each gradient
+    # bucket's allreduce can start as soon as the last backward pass has produced that
+    # bucket, and run while the rest of that backward pass does (wait-free backprop). The
+    # sums are the same additions in the same order.
+    head = jax.tree.map(lambda x: x[:-1], micro_batches)
+    carry, _ = lax.scan(accumulate, carry, (head, jnp.arange(k - 1)))
+    last = jax.tree.map(lambda x: x[-1], micro_batches)
+    (grads, model_state, loss, metrics), _ = accumulate(carry, (last, k - 1))
     mean = lambda tree: jax.tree.map(lambda x: x / k, tree)  # noqa: E731
     return mean(grads), model_state, loss / k, mean(metrics)

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.comm import buckets as bucketing
 from jaxdist.comm import collectives
+from jaxdist.comm.scopes import GRADIENT_SCOPE
 from jaxdist.runtime import dispatch
 from jaxdist.training.batches import check_batch_sizes, data_axes_of, shard_batch
 from jaxdist.training.gradients import local_gradients
@@ -176,7 +177,30 @@ class TrainStep:
 
     def init(self, params: Any, model_state: Any = None) -> TrainState:
         """The initial state, placed on the mesh (replicated; ZeRO-1 state sharded)."""
-        params = jax.tree.map(jnp.asarray, params)
+        state = self._fresh_state(jax.tree.map(jnp.asarray, params), model_state)
+        shardings = jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec), self.state_specs(state)
+        )
+        state = jax.device_put(state, shardings)
+        # device_put may alias the caller's buffers on devices they already live on; a step
+        # that donates its state gets buffers of its own, so the caller's stay valid.
+        return jax.tree.map(jnp.copy, state) if self.donate else state
+
+    def abstract_init(self, params: Any, model_state: Any = None) -> TrainState:
+        """What :meth:`init` would return, as ``jax.ShapeDtypeStruct`` leaves carrying their
+        shardings; ``params`` and ``model_state`` may be shapes too. Nothing is allocated, so
+        the step can be lowered and compiled for devices that are not here
+        (:mod:`jaxdist.aot`)."""
+        state = jax.eval_shape(self._fresh_state, params, model_state)
+        return jax.tree.map(
+            lambda leaf, spec: jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=NamedSharding(self.mesh, spec)
+            ),
+            state,
+            self.state_specs(state),
+        )
+
+    def _fresh_state(self, params: Any, model_state: Any) -> TrainState:
         model_state = {} if model_state is None else model_state
         if self.zero1:
             flat, _ = ravel_pytree(params)
@@ -186,20 +210,13 @@ class TrainStep:
             opt_state = self.optimizer.init(jnp.zeros((self._zero_size,), jnp.float32))
         else:
             opt_state = self.optimizer.init(params)
-        state = TrainState(
+        return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
             model_state=model_state,
             opt_state=opt_state,
             loss_scale=self.loss_scale,
         )
-        shardings = jax.tree.map(
-            lambda spec: NamedSharding(self.mesh, spec), self.state_specs(state)
-        )
-        state = jax.device_put(state, shardings)
-        # device_put may alias the caller's buffers on devices they already live on; a step
-        # that donates its state gets buffers of its own, so the caller's stay valid.
-        return jax.tree.map(jnp.copy, state) if self.donate else state
 
     def state_specs(self, state: TrainState) -> TrainState:
         """PartitionSpecs of the state: replicated, except ZeRO-1's optimizer-state slices."""
@@ -279,9 +296,11 @@ class TrainStep:
             if self.buckets is None:
                 self.buckets = self._plan_buckets(state, batch, rng)
             if self.allreduce != NO_ALLREDUCE:
-                grads = bucketing.bucketed_allreduce(
-                    grads, axes, self.buckets, self.allreduce, op="mean", **self.allreduce_options
-                )
+                with jax.named_scope(GRADIENT_SCOPE):  # how jaxdist.aot finds them
+                    grads = bucketing.bucketed_allreduce(
+                        grads, axes, self.buckets, self.allreduce, op="mean",
+                        **self.allreduce_options,
+                    )  # fmt: skip
             if state.loss_scale is not None:
                 grads = state.loss_scale.unscale(grads)
             # Same on every device: they all hold the same reduced gradients.

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.data import DataConfig, make_pipeline
@@ -104,7 +104,8 @@ class _Loop:
 class Trainer:
     """Train ``config`` (a recipe's ConfigDict, see :func:`jaxdist.training.config.base_config`),
     writing logs and checkpoints under ``workdir``; :meth:`run` resumes from the newest
-    checkpoint there, if any."""
+    checkpoint there, if any. ``mesh`` replaces the recipe's (a mesh of compile-only devices,
+    :mod:`jaxdist.aot`, lets its steps be compiled but not run)."""
 
     def __init__(
         self,
@@ -112,17 +113,18 @@ class Trainer:
         workdir: str | Path,
         *,
         allow_config_change: bool = False,
+        mesh: Mesh | None = None,
     ) -> None:
         self.config = config
         self.workdir = Path(workdir)
         self.allow_config_change = allow_config_change
         with _config_problems():
-            self._build(config)
+            self._build(config, mesh)
 
-    def _build(self, config: ml_collections.ConfigDict) -> None:
+    def _build(self, config: ml_collections.ConfigDict, mesh: Mesh | None) -> None:
         """Everything the config describes: mesh, data, batch plan, model, loss, optimizer and
         the train step of every stage, so that a bad value fails here, before any training."""
-        self.mesh = build_mesh(config.mesh)
+        self.mesh = build_mesh(config.mesh) if mesh is None else mesh
         names = tuple(self.mesh.axis_names)
         self.data_axes = names[0] if len(names) == 1 else names
         self.num_replicas = self.mesh.devices.size

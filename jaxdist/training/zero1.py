@@ -19,6 +19,7 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 from jaxdist.comm import collectives
+from jaxdist.comm.scopes import GRADIENT_SCOPE, PARAMETER_SCOPE
 from jaxdist.training.loss_scale import all_finite
 
 __all__ = ["zero1_update"]
@@ -44,7 +45,8 @@ def zero1_update(
     # the full schedules.
     ring_options = {k: v for k, v in options.items() if k in collectives.COMMON_OPTIONS}
     transfer = {k: v for k, v in options.items() if k == "transfer_dtype"}
-    grad_slice = collectives.reduce_scatter(flat_grads, axes, **ring_options, **transfer)
+    with jax.named_scope(GRADIENT_SCOPE):  # how jaxdist.aot tells gradients from the rest
+        grad_slice = collectives.reduce_scatter(flat_grads, axes, **ring_options, **transfer)
     grad_slice = grad_slice / num_replicas
     finite = None
     if state.loss_scale is not None:
@@ -58,5 +60,6 @@ def zero1_update(
     new_slice = optax.apply_updates(param_slice, updates)
     # Parameters travel in full precision: ``transfer_dtype`` is for gradients, and a
     # rounded all-gather would cut every device's float32 master copy to that dtype.
-    new_flat = collectives.all_gather(new_slice, axes, **ring_options)[: flat_params.size]
+    with jax.named_scope(PARAMETER_SCOPE):
+        new_flat = collectives.all_gather(new_slice, axes, **ring_options)[: flat_params.size]
     return unravel(new_flat), opt_state, finite

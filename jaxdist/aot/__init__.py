@@ -1,0 +1,17 @@
+"""Ahead-of-time compilation for TPU slices that are not here, and plans built on it.
+
+With the TPU compiler installed (``pip install 'jaxdist[tpu]'``), a train step compiles for a
+named slice (``"v5e:16x16"``) on any machine, CPU-only ones included:
+
+* :mod:`~jaxdist.aot.topology`: slice names and their compile-only devices;
+* :mod:`~jaxdist.aot.chips`: each chip's published peak, memory and links;
+* :mod:`~jaxdist.aot.compile`: a step compiled from shapes alone, with memory per chip,
+  FLOPs and the scheduled program;
+* :mod:`~jaxdist.aot.schedule`: the collectives of a scheduled program and the backward
+  compute placed between their start and done;
+* :mod:`~jaxdist.aot.predict`: step time and time-to-train;
+* :mod:`~jaxdist.aot.published`: published runs and the calibration of the time model;
+* :mod:`~jaxdist.aot.plan`: all of it for a recipe, what ``jaxdist plan`` prints.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,175 @@
+"""Compile a train step for devices that are not here and read what the compiler decided.
+
+::
+
+    topology = jaxdist.aot.parse_topology("v5e:2x2")
+    mesh = Mesh(np.array(topology.devices()).reshape(2, 2), ("y", "x"))
+    step = TrainStep(loss_fn, optax.sgd(0.1, 0.9), mesh, allreduce="torus2d")
+    report = compile_train_step(step, param_shapes, {}, {"image": ((128, 224, 224, 3), jnp.bfloat16), ...})
+    report.memory.total, report.flops, report.schedule.by_kind()
+
+Nothing is allocated: the state, the batch and the RNG key are ``jax.ShapeDtypeStruct`` with
+their shardings, and ``jax.jit(...).lower(...).compile()`` runs the target's own compiler.
+The figures are per chip and per step: memory from ``compiled.memory_analysis()``, FLOPs from
+``compiled.cost_analysis()`` and the scheduled program from ``compiled.as_text()``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.aot.schedule import Schedule, read_schedule
+from jaxdist.training.train_step import TrainStep
+
+__all__ = [
+    "CompiledStep",
+    "DoesNotFitError",
+    "MemoryPerChip",
+    "abstract_batch",
+    "compile_train_step",
+    "per_chip_bytes",
+]
+
+
+class DoesNotFitError(ValueError):
+    """The compiler refused the step: it needs more memory than a chip has."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class MemoryPerChip:
+    """Device memory of one chip during a step, in bytes.
+
+    ``arguments``, ``temp``, ``outputs`` and ``code`` are the compiler's own figures and add
+    up to ``total``: ``arguments`` is the state's shards and the batch as laid out on the chip
+    (tiled layouts pad small dimensions); ``temp`` is what the step allocates (activations kept
+    for backward, gradients, communication buffers); ``outputs`` are results that cannot reuse
+    an argument's buffer (none when the state is donated); ``code`` is the program.
+    ``parameters``, ``optimizer_state`` and ``model_state`` say what of ``arguments`` is the
+    state, from its shapes and shardings, before padding.
+    """
+
+    parameters: int
+    optimizer_state: int
+    model_state: int
+    arguments: int
+    temp: int
+    outputs: int
+    code: int
+
+    @property
+    def total(self) -> int:
+        return self.arguments + self.temp + self.outputs + self.code
+
+
+@dataclass
+class CompiledStep:
+    """What compiling one step told: time to compile, memory, FLOPs and the schedule."""
+
+    compile_seconds: float
+    memory: MemoryPerChip
+    flops: float  # per chip per step, as the compiler counts them
+    schedule: Schedule
+    gradient_bytes: int  # bytes of the gradients each chip averages per step
+    bucket_bytes: list[int]  # the same, per gradient bucket
+    compiled: Any = None  # the jax Compiled object: as_text(), memory_analysis(), ...
+
+
+def per_chip_bytes(tree: Any) -> int:
+    """Bytes one chip holds of ``tree``'s leaves (``ShapeDtypeStruct`` with shardings)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.shape
+        if getattr(leaf, "sharding", None) is not None:
+            shape = leaf.sharding.shard_shape(shape)
+        total += math.prod(shape) * _itemsize(leaf.dtype)
+    return total
+
+
+def _step_flops(counted: float, accumulation_steps: int) -> float:
+    """FLOPs of a step from the compiler's count, which takes a loop's body once. With k > 1
+    micro-batches the step runs k - 1 of them in a loop and the last one after it, so the
+    count holds two forward and backward passes; the whole count is scaled to k of them,
+    the update with it (a share of a per cent of any real model's step)."""
+    if accumulation_steps == 1:
+        return counted
+    return counted * accumulation_steps / 2
+
+
+def _itemsize(dtype) -> int:
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return 8  # a threefry key: two uint32 words
+    return np.dtype(dtype).itemsize
+
+
+def abstract_batch(
+    mesh: Mesh, data_axes: str | tuple[str, ...], shapes: dict[str, tuple[tuple[int, ...], Any]]
+) -> dict[str, jax.ShapeDtypeStruct]:
+    """A global batch as shapes, split over ``data_axes`` like ``TrainStep.shard_batch``:
+    ``{"image": ((1024, 224, 224, 3), jnp.uint8), "label": ((1024,), jnp.int32)}``."""
+    sharding = NamedSharding(mesh, P(data_axes))
+    return {
+        k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        for k, (shape, dtype) in shapes.items()
+    }
+
+
+def compile_train_step(
+    step: TrainStep,
+    params: Any,
+    model_state: Any,
+    batch: dict[str, tuple[tuple[int, ...], Any]] | dict[str, jax.ShapeDtypeStruct],
+) -> CompiledStep:
+    """Compile ``step`` for its mesh's devices from shapes alone and report per chip; raises
+    :class:`DoesNotFitError` where the compiler finds the step cannot fit in a chip's memory.
+
+    ``params`` and ``model_state`` may be arrays or shapes (e.g. from ``jax.eval_shape`` of
+    the model's ``init``); ``batch`` maps each key to ``(global shape, dtype)`` or to a
+    ``ShapeDtypeStruct``.
+    """
+    state = step.abstract_init(params, model_state)
+    if any(not isinstance(v, jax.ShapeDtypeStruct) for v in batch.values()):
+        batch = abstract_batch(step.mesh, step.data_axes, batch)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(step.mesh, P()))
+    started = time.perf_counter()
+    try:
+        compiled = step.lower(state, batch, rng).compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        raise DoesNotFitError(str(err).splitlines()[0]) from err
+    seconds = time.perf_counter() - started
+    analysis = compiled.memory_analysis()
+    memory = MemoryPerChip(
+        parameters=per_chip_bytes(state.params),
+        optimizer_state=per_chip_bytes(state.opt_state),
+        model_state=per_chip_bytes(state.model_state),
+        arguments=analysis.argument_size_in_bytes,
+        temp=analysis.temp_size_in_bytes,
+        outputs=max(0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes),
+        code=analysis.generated_code_size_in_bytes,
+    )
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    flops = _step_flops(float(cost.get("flops", 0.0)), step.accumulation_steps)
+    sizes = [per_chip_bytes(leaf) for leaf in jax.tree.leaves(state.params)]
+    buckets = step.buckets or [list(range(len(sizes)))]
+    return CompiledStep(
+        compile_seconds=seconds,
+        memory=memory,
+        flops=flops,
+        schedule=read_schedule(compiled.as_text()),
+        gradient_bytes=sum(sizes),
+        bucket_bytes=[sum(sizes[i] for i in bucket) for bucket in buckets],
+        compiled=compiled,
+    )

@@ -1,0 +1,287 @@
+"""Plan a recipe on a TPU slice before renting it: compile every batch-size stage's step for
+the slice, read its memory, FLOPs and schedule, and predict step time and time-to-train.
+
+::
+
+    plan = plan_recipe(load_recipe("recipes/resnet50_imagenet_mlperf_lars.py"),
+                       parse_topology("v5e:16x16"))
+    plan.stages[0].compiled.memory.total, plan.total_seconds
+
+The recipe's own mesh is used when it has as many devices as the slice has chips; otherwise
+its layout is laid over the slice (``ring``: one axis of every chip; ``torus2d``: rows along
+the slice's first dimension; ``hierarchical``: rows of one host's chips). A recipe that
+reads a dataset from disk is planned on a synthetic stand-in of the same image size and
+ImageNet's size (1,281,167 images, 1000 classes), as nothing is read.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from jaxdist import meshes
+from jaxdist.aot.chips import network_for
+from jaxdist.aot.compile import CompiledStep, DoesNotFitError, compile_train_step
+from jaxdist.aot.predict import StepTime, predict_step, time_to_train
+from jaxdist.aot.topology import Topology
+from jaxdist.training.batch_schedule import DevicePlan
+
+__all__ = [
+    "FIT_HINT",
+    "MeshMismatchError",
+    "Plan",
+    "StagePlan",
+    "check_mesh_matches",
+    "largest_fitting_batch",
+    "largest_fitting_batch_of",
+    "mesh_spec_for",
+    "plan_recipe",
+]
+
+_READS_FROM_DISK = ("folder", "arrayrecord")
+FIT_HINT = (
+    "lower max_per_device_batch (--set max_per_device_batch=N; --max-batch finds the largest "
+    "that fits) or plan on more chips"
+)
+
+
+class MeshMismatchError(ValueError):
+    """A mesh given for a plan does not have one device per chip of the topology."""
+
+    exit_code = 2
+
+
+@dataclass
+class StagePlan:
+    """One batch-size stage: how its batch is split, what compiling it showed, its time."""
+
+    index: int
+    device_plan: DevicePlan
+    compiled: CompiledStep
+    step_time: StepTime
+
+
+@dataclass
+class Plan:
+    """A recipe planned on a topology."""
+
+    topology: Topology
+    mesh_spec: meshes.MeshSpec
+    mesh_note: str
+    data_note: str
+    algorithm: str
+    network: object
+    stages: list[StagePlan]
+    epochs: float
+    time_rows: list[dict] = field(default_factory=list)
+    # What compiling another batch size needs (see largest_fitting_batch_of).
+    trainer: object = field(default=None, repr=False)
+    variable_shapes: tuple = field(default=(), repr=False)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(row["seconds"] for row in self.time_rows)
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(s.compiled.compile_seconds for s in self.stages)
+
+
+def mesh_spec_for(config_mesh: str, topology: Topology) -> tuple[meshes.MeshSpec, str]:
+    """The mesh to plan on and a line saying where it came from (see the module docstring)."""
+    chips = topology.num_chips
+    base = meshes.load(config_mesh) if config_mesh else None
+    if base is not None and base.size == chips:
+        return base, f"the recipe's mesh {base.name!r}"
+    layout = base.layout if base is not None else "ring"
+    names = base.axis_names if base is not None else ("data",)
+    inner = _inner_axis(layout, topology)
+    if layout == "ring":
+        axes = ((names[0], chips),)
+    else:
+        axes = ((names[0], chips // inner), (names[1], inner))
+    spec = meshes.MeshSpec(
+        f"{layout}-on-{topology.name}", layout, axes,
+        devices_per_host=inner if layout == "hierarchical" else None,
+    )  # fmt: skip
+    if base is None:
+        return spec, "one data axis over every chip (the recipe names no mesh)"
+    return spec, (
+        f"the recipe's {layout} layout over the slice (its mesh {base.name!r} has "
+        f"{base.size} devices, the slice {chips} chips)"
+    )
+
+
+def _inner_axis(layout: str, topology: Topology) -> int:
+    """Chips along the inner axis of a two-axis layout: a whole slice when several slices
+    are joined by the data-centre network (the outer axis crosses it); inside one slice, a
+    host's chips for ``hierarchical`` and a row of the torus for ``torus2d``."""
+    if topology.slices > 1:
+        return topology.chips_per_slice
+    return topology.chip.chips_per_host if layout == "hierarchical" else topology.shape[0]
+
+
+def check_mesh_matches(spec: meshes.MeshSpec, topology: Topology) -> None:
+    """Raise :class:`MeshMismatchError` unless ``spec`` has one device per chip."""
+    if spec.size != topology.num_chips:
+        raise MeshMismatchError(
+            f"mesh {spec.name!r} has {spec.size} devices, topology {topology.name} has "
+            f"{topology.num_chips} chips: give a mesh of {topology.num_chips} devices, or no "
+            "--mesh to lay the recipe's layout over the slice"
+        )
+
+
+def _stand_in_data(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, str]:
+    """The config with a synthetic source in place of one read from disk."""
+    if config.data.source not in _READS_FROM_DISK:
+        return config, f"the recipe's {config.data.source!r} data"
+    source = config.data.source
+    config = copy.deepcopy(config)
+    config.data.source = "synthetic"
+    config.data.root = None
+    size = config.data.image_size
+    note = (
+        f"synthetic stand-in for the recipe's {source} data: "
+        f"{config.data.synthetic_train_examples:,} images {size}x{size}x3, "
+        f"{config.data.num_classes} classes (nothing is read)"
+    )
+    return config, note
+
+
+def plan_recipe(
+    config: ml_collections.ConfigDict,
+    topology: Topology,
+    *,
+    efficiency: float,
+    mesh: str | None = None,
+    link_latency: dict[str, float] | None = None,
+    on_stage: Callable[[int, DevicePlan], None] | None = None,
+) -> Plan:
+    """Compile every batch-size stage of ``config`` for ``topology`` and predict its time.
+
+    ``mesh`` (a preset or TOML path) replaces the recipe's; ``efficiency`` is the share of
+    peak FLOP/s a step reaches (:mod:`jaxdist.aot.predict`); ``on_stage`` is called before
+    each stage compiles (for progress output).
+    """
+    from jaxdist.training.trainer import Trainer
+
+    config, data_note = _stand_in_data(config)
+    if mesh:
+        spec, mesh_note = meshes.load(mesh), f"mesh {mesh!r} as given"
+        check_mesh_matches(spec, topology)
+    else:
+        spec, mesh_note = mesh_spec_for(config.mesh, topology)
+    trainer = Trainer(
+        config, "unused: a plan writes nothing", mesh=meshes.build(spec, topology.devices())
+    )
+    params, model_state = _variable_shapes(trainer, config)
+    host_network = topology.chip.host_network if topology.slices > 1 else None
+    network = network_for(topology.chip, host_network=host_network, latency=link_latency)
+    axis_sizes = list(spec.shape)
+    stages = []
+    for index, device_plan in enumerate(trainer.plans):
+        if on_stage is not None:
+            on_stage(index, device_plan)
+        try:
+            compiled = _compile_at(
+                trainer, index, device_plan.global_batch_size, (params, model_state)
+            )
+        except DoesNotFitError as err:
+            raise DoesNotFitError(
+                f"stage {index} (global batch {device_plan.global_batch_size:,}, "
+                f"{device_plan.per_device_batch} per chip) does not fit on a "
+                f"{topology.chip.name}: {err}; {FIT_HINT}"
+            ) from err
+        step_time = predict_step(
+            compiled, topology.chip, efficiency=efficiency, algorithm=config.allreduce,
+            axis_sizes=axis_sizes, network=network,
+        )  # fmt: skip
+        stages.append(StagePlan(index, device_plan, compiled, step_time))
+    plan = Plan(topology, spec, mesh_note, data_note, config.allreduce, network, stages,
+                config.num_epochs, trainer=trainer, variable_shapes=(params, model_state))  # fmt: skip
+    plan.time_rows = time_to_train(
+        trainer.schedule, config.num_epochs, [s.step_time.total for s in stages]
+    )
+    return plan
+
+
+def _variable_shapes(trainer, config) -> tuple[dict, dict]:
+    """Parameter and BatchNorm-statistics shapes of the recipe's model (nothing allocated)."""
+    images = jax.ShapeDtypeStruct((1, *trainer.pipeline.image_shape), jnp.float32)
+    variables = jax.eval_shape(
+        lambda x: trainer.model.init(jax.random.key(config.seed), x, train=False), images
+    )
+    variables = dict(variables)
+    params = variables.pop("params")
+    return params, variables
+
+
+def _compile_at(trainer, stage: int, global_batch: int, variable_shapes: tuple) -> CompiledStep:
+    """Compile stage ``stage``'s train step for a global batch of ``global_batch`` images."""
+    step = trainer.train_step_for(stage)
+    dtype = jnp.uint8 if trainer.config.data.dtype == "uint8" else jnp.float32
+    batch = {
+        "image": ((global_batch, *trainer.pipeline.image_shape), dtype),
+        "label": ((global_batch,), jnp.int32),
+    }
+    compiled = compile_train_step(step, *variable_shapes, batch)
+    step._compiled = None  # another batch shape compiles afresh
+    return compiled
+
+
+def largest_fitting_batch_of(
+    plan: Plan, on_try: Callable[[int, DevicePlan], None] | None = None
+) -> tuple[int, dict[int, int | None]]:
+    """:func:`largest_fitting_batch` for the first stage of a plan: per-chip batches compiled
+    with the stage's accumulation, against the chip's HBM."""
+    first = plan.stages[0].device_plan
+
+    def memory_at(per_chip: int) -> int:
+        global_batch = per_chip * first.num_devices * first.accumulation_steps
+        if on_try is not None:
+            on_try(
+                0, DevicePlan(global_batch, first.num_devices, per_chip, first.accumulation_steps)
+            )
+        try:
+            return _compile_at(plan.trainer, 0, global_batch, plan.variable_shapes).memory.total
+        except DoesNotFitError:
+            return None
+
+    return largest_fitting_batch(
+        memory_at, int(plan.topology.chip.hbm_bytes), first.per_device_batch
+    )
+
+
+def largest_fitting_batch(
+    memory_at: Callable[[int], int | None], capacity: int, start: int, limit: int = 1 << 16
+) -> tuple[int, dict[int, int | None]]:
+    """The largest per-chip batch whose step fits ``capacity`` bytes, by doubling from
+    ``start`` and then bisection; ``memory_at(b)`` compiles at per-chip batch ``b`` and
+    returns its bytes, or None where the compiler refused it. Returns the batch (0 if even 1
+    does not fit) and every size tried."""
+    tried: dict[int, int | None] = {}
+
+    def fits(b: int) -> bool:
+        if b not in tried:
+            tried[b] = memory_at(b)
+        return tried[b] is not None and tried[b] <= capacity
+
+    low, high = 0, max(1, start)
+    while fits(high):
+        low, high = high, high * 2
+        if high > limit:
+            return low, tried
+    if low == 0:
+        low_try = 1
+        if not fits(low_try):
+            return 0, tried
+        low = low_try
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low, tried

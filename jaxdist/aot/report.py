@@ -1,0 +1,123 @@
+"""A :class:`~jaxdist.aot.plan.Plan` as the text ``jaxdist plan`` prints, or as JSON."""
+
+from __future__ import annotations
+
+from jaxdist import meshes
+from jaxdist.aot.chips import GIB
+from jaxdist.aot.plan import Plan, StagePlan
+from jaxdist.training.run_log import format_duration
+
+__all__ = ["plan_json", "plan_text"]
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f}"
+
+
+def _fit_line(total: int, capacity: float) -> str:
+    if total <= capacity:
+        return f"fits ({(capacity - total) / GIB:.2f} GiB free)"
+    return f"does not fit by {(total - capacity) / GIB:.2f} GiB"
+
+
+def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
+    chip = plan.topology.chip
+    dp, mem, t = stage.device_plan, stage.compiled.memory, stage.step_time
+    accumulation = f" x {dp.accumulation_steps} accumulated" if dp.accumulation_steps > 1 else ""
+    lines = [
+        f"stage {stage.index}: global batch {dp.global_batch_size:,} = {dp.num_devices} chips x "
+        f"{dp.per_device_batch}{accumulation}; compiled in {stage.compiled.compile_seconds:.1f} s",
+        f"  HBM per chip (GiB): parameters {_gib(mem.parameters)}, optimizer state "
+        f"{_gib(mem.optimizer_state)}, BatchNorm statistics {_gib(mem.model_state)} "
+        f"(all arguments with the batch {_gib(mem.arguments)}); activations and temp "
+        f"{_gib(mem.temp)}; outputs {_gib(mem.outputs)}; code {_gib(mem.code)}",
+        f"  total {_gib(mem.total)} of {_gib(chip.hbm_bytes)} GiB: "
+        f"{_fit_line(mem.total, chip.hbm_bytes)}",
+        f"  FLOPs per chip per step: {stage.compiled.flops:.3e}",
+        "  collectives per step (role, kind: count, MiB per chip, async, inside a loop, with "
+        "backward inside, most backward matmuls inside one):",
+    ]
+    for row in stage.compiled.schedule.by_kind():
+        lines.append(
+            f"    {row['role']:<10} {row['kind']:<19} {row['count']:>5} {row['bytes'] / 2**20:>10.2f}"
+            f" {row['async']:>5} {row['in_loop']:>5} {row['with_backward_inside']:>5}"
+            f" {row['most_backward_inside']:>5}"
+        )
+    schedule = stage.compiled.schedule
+    lines += [
+        f"  overlap: {schedule.backward_during_gradients} of {schedule.backward_matmuls} "
+        f"backward matmuls ({schedule.overlapped_backward_fraction:.0%}) run while gradients "
+        "are in flight",
+        f"  step: compute {t.compute * 1e3:.1f} ms (FLOPs at peak x efficiency "
+        f"{t.efficiency:.2f}) + exposed communication {t.exposed * 1e3:.1f} ms (of "
+        f"{t.communication * 1e3:.1f} ms; {t.hidden * 1e3:.1f} ms hidden behind backward) = "
+        f"{t.total * 1e3:.1f} ms -> {dp.global_batch_size / t.total:,.0f} images/s",
+    ]
+    return lines
+
+
+def plan_text(plan: Plan, efficiency_note: str) -> str:
+    """The plan as ``jaxdist plan`` prints it."""
+    topo, chip = plan.topology, plan.topology.chip
+    network = plan.network
+    links = f"ICI {1 / network.intra.beta / 1e9:.0f} GB/s per direction x {network.intra.ports} "
+    links += f"ports, latency {network.intra.alpha * 1e6:.0f} us (assumed)"
+    if network.inter is not None:
+        links += f"; DCN {1 / network.inter.beta / 1e9:.1f} GB/s per chip"
+    lines = [
+        f"topology: {topo.name}: {topo.num_chips} x {chip.name} ({_gib(chip.hbm_bytes)} GiB HBM, "
+        f"{chip.peak_flops / 1e12:.0f} TFLOP/s bf16 each), {topo.num_hosts} hosts",
+        f"{meshes.summary(plan.mesh_spec).splitlines()[0]} -- {plan.mesh_note}",
+        f"data: {plan.data_note}",
+        f"allreduce: {plan.algorithm}; links: {links}",
+        f"efficiency: {efficiency_note}",
+        f"compiled {len(plan.stages)} stage(s) in {plan.compile_seconds:.1f} s",
+        "",
+    ]
+    for stage in plan.stages:
+        lines += [*_stage_lines(plan, stage), ""]
+    lines.append(f"time to train {plan.epochs:g} epochs (steps only: no input, eval or start-up):")
+    for row in plan.time_rows:
+        lines.append(
+            f"  stage {row['stage']}: batch {row['global_batch']:>7,} x {row['steps']:>6,} steps "
+            f"x {row['step_seconds'] * 1e3:7.1f} ms = {format_duration(row['seconds'])} "
+            f"({row['images_per_second']:,.0f} images/s)"
+        )
+    lines.append(f"  total: {format_duration(plan.total_seconds)}")
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan, efficiency_note: str) -> dict:
+    """The plan as plain data (``jaxdist plan --json``)."""
+    stages = []
+    for stage in plan.stages:
+        mem, t = stage.compiled.memory, stage.step_time
+        stages.append({
+            "stage": stage.index,
+            "global_batch": stage.device_plan.global_batch_size,
+            "per_chip_batch": stage.device_plan.per_device_batch,
+            "accumulation_steps": stage.device_plan.accumulation_steps,
+            "compile_seconds": stage.compiled.compile_seconds,
+            "memory_bytes": {**mem.__dict__, "total": mem.total,
+                             "capacity": plan.topology.chip.hbm_bytes},
+            "fits": mem.total <= plan.topology.chip.hbm_bytes,
+            "flops_per_chip": stage.compiled.flops,
+            "collectives": stage.compiled.schedule.by_kind(),
+            "overlapped_backward_fraction": stage.compiled.schedule.overlapped_backward_fraction,
+            "gradient_bytes": stage.compiled.gradient_bytes,
+            "step_seconds": {"compute": t.compute, "communication": t.communication,
+                             "hidden": t.hidden, "total": t.total},
+        })  # fmt: skip
+    return {
+        "topology": plan.topology.name,
+        "chips": plan.topology.num_chips,
+        "chip": plan.topology.chip.name,
+        "mesh": dict(plan.mesh_spec.axes),
+        "mesh_note": plan.mesh_note,
+        "data": plan.data_note,
+        "allreduce": plan.algorithm,
+        "efficiency": efficiency_note,
+        "stages": stages,
+        "time_to_train": plan.time_rows,
+        "total_seconds": plan.total_seconds,
+    }

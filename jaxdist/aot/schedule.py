@@ -1,0 +1,240 @@
+"""What the compiler scheduled: the collectives of a compiled step and the compute around them.
+
+A compiled program's text (``compiled.as_text()``) lists its entry computation in the order
+the device runs it. An asynchronous collective is a ``*-start`` and a ``*-done``; whatever the
+scheduler placed between the two runs while the data moves. This module reads that order:
+
+* every collective: its kind, bytes, whether it is asynchronous, and its role, from the
+  named scope the train step gives it (:data:`GRADIENT_SCOPE`, :data:`PARAMETER_SCOPE`;
+  anything else, such as BatchNorm statistics and metrics, is ``"other"``);
+* the compute: matrix products and convolutions, counted inside fusions and loops, and
+  whether each belongs to the backward pass (the metadata of a transposed op says so).
+
+The overlap of a gradient collective is the backward compute between its start and its
+done: Poseidon's wait-free backprop, as the compiler arranged it. Counts are of matrix
+products and convolutions, not FLOPs: they say where the work is, not how long it takes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from jaxdist.comm.scopes import GRADIENT_SCOPE, PARAMETER_SCOPE
+
+__all__ = [
+    "Collective",
+    "Schedule",
+    "read_schedule",
+]
+
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_MATMULS = ("convolution", "dot")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+          "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
+_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
+_CALLS = re.compile(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclass
+class Collective:
+    """One collective of the scheduled program."""
+
+    kind: str  # "all-reduce", "collective-permute", ...
+    nbytes: int  # bytes of its result on one device
+    asynchronous: bool
+    role: str  # "gradients", "parameters" or "other"
+    turns: int = 1  # how many times it runs per step (inside a loop: the loop's turns)
+    in_loop: bool = False  # inside a loop's body: nothing outside the loop overlaps it
+    backward_between: int = 0  # backward matrix products between start and done
+    compute_between: int = 0  # all matrix products between start and done
+
+
+@dataclass
+class Schedule:
+    """The collectives and compute of a compiled program's entry computation, in order."""
+
+    collectives: list[Collective] = field(default_factory=list)
+    matmuls: int = 0  # matrix products and convolutions in the whole step
+    backward_matmuls: int = 0
+    # Backward matrix products that run while a gradient collective is in flight.
+    backward_during_gradients: int = 0
+
+    def by_kind(self) -> list[dict]:
+        """One row per (role, kind): count and bytes per step, how many are asynchronous,
+        inside a loop, with backward compute inside, and the most backward compute inside one."""
+        rows: dict[tuple[str, str], dict] = {}
+        for c in self.collectives:
+            row = rows.setdefault(
+                (c.role, c.kind),
+                {"role": c.role, "kind": c.kind, "count": 0, "bytes": 0, "async": 0,
+                 "in_loop": 0, "with_backward_inside": 0, "most_backward_inside": 0},
+            )  # fmt: skip
+            row["count"] += c.turns
+            row["bytes"] += c.nbytes * c.turns
+            row["async"] += c.asynchronous * c.turns
+            row["in_loop"] += c.in_loop * c.turns
+            row["with_backward_inside"] += (c.backward_between > 0) * c.turns
+            row["most_backward_inside"] = max(row["most_backward_inside"], c.backward_between)
+        order = {"gradients": 0, "parameters": 1, "other": 2}
+        return sorted(rows.values(), key=lambda r: (order[r["role"]], -r["bytes"]))
+
+    @property
+    def gradient_collectives(self) -> list[Collective]:
+        return [c for c in self.collectives if c.role == "gradients"]
+
+    @property
+    def overlapped_backward_fraction(self) -> float:
+        """Share of the backward matrix products that run while gradients are in flight: the
+        part of backward that hides communication."""
+        if not self.backward_matmuls:
+            return 0.0
+        return self.backward_during_gradients / self.backward_matmuls
+
+
+@dataclass
+class _Instruction:
+    name: str
+    type_text: str
+    opcode: str
+    rest: str
+
+    @property
+    def op_name(self) -> str:
+        match = _OP_NAME.search(self.rest)
+        return match.group(1) if match else ""
+
+    @property
+    def called(self) -> list[str]:
+        return _CALLS.findall(self.rest)
+
+    @property
+    def first_operand(self) -> str | None:
+        match = re.match(r"\s*%([\w.\-]+)", self.rest)
+        return match.group(1) if match else None
+
+
+def _computations(text: str) -> tuple[dict[str, list[_Instruction]], str]:
+    """Every computation's instructions by name, and the entry computation's name."""
+    computations: dict[str, list[_Instruction]] = {}
+    current, entry = None, ""
+    for line in text.splitlines():
+        if line.endswith("{") and not line.startswith(" ") and "%" in line:
+            head = line.split("(")[0].split()
+            current = head[-1].lstrip("%")
+            if head[0] == "ENTRY":
+                entry = current
+            computations[current] = []
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            match = _INSTRUCTION.match(line)
+            if match:
+                computations[current].append(_Instruction(*match.groups()))
+    if not entry:
+        raise ValueError("no ENTRY computation in the compiled program's text")
+    return computations, entry
+
+
+def _nbytes(type_text: str) -> int:
+    """Bytes of every array in an HLO type (a tuple's parts added)."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(type_text):
+        size = 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        total += size * _BYTES.get(dtype, 4)
+    return total
+
+
+def _role(op_name: str) -> str:
+    if f"/{GRADIENT_SCOPE}/" in op_name:
+        return "gradients"
+    if f"/{PARAMETER_SCOPE}/" in op_name:
+        return "parameters"
+    return "other"
+
+
+def read_schedule(text: str) -> Schedule:
+    """The :class:`Schedule` of a compiled program from its text (``compiled.as_text()``)."""
+    computations, entry = _computations(text)
+    inner_matmuls: dict[str, tuple[int, int]] = {}
+
+    def matmuls_in(name: str) -> tuple[int, int]:
+        """(all, backward) matrix products inside a called computation."""
+        if name not in inner_matmuls:
+            inner_matmuls[name] = (0, 0)  # a guard against cycles while it is counted
+            found = [_matmuls_of(inst, matmuls_in) for inst in computations.get(name, [])]
+            inner_matmuls[name] = (sum(f[0] for f in found), sum(f[1] for f in found))
+        return inner_matmuls[name]
+
+    schedule = Schedule()
+    _walk(computations, entry, schedule, matmuls_in, turns=1, in_loop=False, top=True)
+    return schedule
+
+
+def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top) -> None:
+    """Read one computation in order: its collectives (those inside a loop's body counted
+    once per turn) and the matrix products between each start and done."""
+    open_starts: dict[str, Collective] = {}
+    for inst in computations.get(name, []):
+        total, backward = _matmuls_of(inst, matmuls_in)
+        if top:
+            schedule.matmuls += total
+            schedule.backward_matmuls += backward
+            if any(c.role == "gradients" for c in open_starts.values()):
+                schedule.backward_during_gradients += backward
+        for pending in open_starts.values():
+            pending.compute_between += total
+            pending.backward_between += backward
+        if inst.opcode == "while":
+            body = re.search(r"body=%([\w.\-]+)", inst.rest)
+            condition = re.search(r"condition=%([\w.\-]+)", inst.rest)
+            trips = _trip_count(computations.get(condition.group(1), [])) if condition else 1
+            if body:
+                _walk(computations, body.group(1), schedule, matmuls_in,
+                      turns=turns * trips, in_loop=True, top=False)  # fmt: skip
+            continue
+        if inst.opcode in ("conditional", "call"):
+            for called in inst.called:
+                _walk(computations, called, schedule, matmuls_in,
+                      turns=turns, in_loop=in_loop, top=False)  # fmt: skip
+            continue
+        kind = inst.opcode.removesuffix("-start").removesuffix("-done")
+        if kind not in _COLLECTIVES:
+            continue
+        if inst.opcode.endswith("-done"):
+            started = open_starts.pop(inst.first_operand or "", None)
+            if started is not None:
+                started.nbytes = _nbytes(inst.type_text)
+            continue
+        collective = Collective(kind, _nbytes(inst.type_text), inst.opcode.endswith("-start"),
+                                _role(inst.op_name), turns=turns, in_loop=in_loop)  # fmt: skip
+        schedule.collectives.append(collective)
+        if collective.asynchronous:
+            open_starts[inst.name] = collective
+
+
+def _trip_count(condition: list[_Instruction]) -> int:
+    """Turns of a counted loop (``fori_loop``): the bound its condition compares with."""
+    bounds = [int(m) for inst in condition if inst.opcode == "constant"
+              for m in re.findall(r"^\s*(-?\d+)\)", inst.rest)]  # fmt: skip
+    return max([b for b in bounds if b > 0], default=1)
+
+
+def _matmuls_of(inst: _Instruction, matmuls_in) -> tuple[int, int]:
+    """(all, backward) matrix products an instruction runs, its called computations included
+    (a fusion's body, a loop's body). A product inside a fusion counts as backward when the
+    fusion's own metadata says so, as the fused ops' metadata may be dropped."""
+    is_backward = "transpose(" in inst.op_name
+    if inst.opcode in _MATMULS:
+        return 1, int(is_backward)
+    total = backward = 0
+    for name in inst.called:
+        inner_total, inner_backward = matmuls_in(name)
+        total += inner_total
+        backward += inner_total if is_backward else inner_backward
+    return total, backward

@@ -1,0 +1,120 @@
+"""``jaxdist plan RECIPE --topology v5e:16x16``: compile a recipe for a TPU slice that is not
+here and print its memory, collectives, overlap and predicted time-to-train."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["register", "run_plan"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="compile a recipe for a TPU slice without one: memory, overlap, time-to-train",
+        description="Compile every batch-size stage of RECIPE with the TPU compiler for "
+        "TOPOLOGY (no TPU needed: pip install 'jaxdist[tpu]') and print, per chip: HBM use "
+        "against capacity, FLOPs per step, the scheduled collectives and the backward compute "
+        "placed between their start and done; then a step time (compute at peak x a calibrated "
+        "efficiency, plus the gradient communication the cost model says backward cannot hide) "
+        "and the recipe's time-to-train over its epochs and batch stages.",
+    )
+    p.add_argument(
+        "recipe", help="recipe file or name, e.g. recipes/resnet50_imagenet_mlperf_lars.py"
+    )
+    p.add_argument(
+        "--topology",
+        required=True,
+        metavar="GEN:SHAPE[/SLICES]",
+        help="TPU slice to compile for: v4, v5e, v5p or v6e with its shape in chips, e.g. "
+        "v5e:16x16, v5p:12x12x24, v4:4x4x4; /N for N slices joined by the data-centre network",
+    )
+    p.add_argument("--mesh", default=None, help="mesh preset or TOML path (default: the "
+                   "recipe's when its size matches the slice, else its layout over the slice)")  # fmt: skip
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set max_per_device_batch=128 (repeatable)",
+    )
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        default=None,
+        help="share of peak FLOP/s a step reaches (default: the value calibrated on a "
+        "published run, see docs/planning.md)",
+    )
+    p.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="also find the largest per-chip batch of the first stage that fits in HBM "
+        "(compiles several times)",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run_plan, joins_process_group=False)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    import jax
+
+    # A plan compiles for the slice and runs nothing: JAX itself needs only the CPU.
+    jax.config.update("jax_platforms", "cpu")
+    from jaxdist.aot import published
+    from jaxdist.aot.plan import largest_fitting_batch_of, plan_recipe
+    from jaxdist.aot.report import plan_json, plan_text
+    from jaxdist.aot.topology import parse_topology
+    from jaxdist.training import config as config_lib
+
+    topology = parse_topology(args.topology)
+    path = config_lib.resolve_recipe_path(args.recipe)
+    config = config_lib.apply_overrides(config_lib.load_recipe(path), args.overrides)
+    if args.efficiency is not None:
+        efficiency, note = args.efficiency, f"{args.efficiency:.2f} (--efficiency)"
+    else:
+        efficiency, note = published.calibrated_efficiency()
+
+    def progress(index, device_plan):
+        if not args.json:
+            print(f"compiling stage {index} (global batch {device_plan.global_batch_size:,}) "
+                  f"for {topology.name} ...", file=sys.stderr, flush=True)  # fmt: skip
+
+    plan = plan_recipe(config, topology, efficiency=efficiency, mesh=args.mesh, on_stage=progress)
+    fitting = largest_fitting_batch_of(plan, progress) if args.max_batch else None
+    if args.json:
+        data = plan_json(plan, note)
+        if fitting is not None:
+            data["largest_fitting_per_chip_batch"] = {"batch": fitting[0], "tried": fitting[1]}
+        print(json.dumps(data, indent=2))
+    else:
+        print(plan_text(plan, note))
+        if fitting is not None:
+            batch, tried = fitting
+            sizes = ", ".join(
+                f"{b}: {'refused' if m is None else f'{m / 2**30:.2f} GiB'}"
+                for b, m in sorted(tried.items())
+            )
+            print(f"largest per-chip batch that fits (stage 0): {batch} (tried {sizes})")
+    return _fit_verdict(plan)
+
+
+def _fit_verdict(plan) -> int:
+    """0 when every stage fits in HBM; otherwise one line naming the stage and the fix, 2."""
+    from jaxdist.aot.plan import FIT_HINT
+
+    capacity = plan.topology.chip.hbm_bytes
+    over = [s for s in plan.stages if s.compiled.memory.total > capacity]
+    if not over:
+        return 0
+    worst = max(over, key=lambda s: s.compiled.memory.total)
+    excess = (worst.compiled.memory.total - capacity) / 2**30
+    print(
+        f"jaxdist plan: stage {worst.index} needs {worst.compiled.memory.total / 2**30:.2f} GiB "
+        f"per chip, {excess:.2f} GiB more than a {plan.topology.chip.name}'s "
+        f"{capacity / 2**30:.2f} GiB: {FIT_HINT}",
+        file=sys.stderr,
+    )
+    return 2

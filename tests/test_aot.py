@@ -1,0 +1,292 @@
+"""Deviceless TPU compilation: train steps compiled for TPU slices with the TPU compiler.
+
+The compile tests need libtpu (``pip install -e '.[tpu]'``) and skip without it; the parsing,
+bisection and schedule-reading tests run everywhere.
+"""
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+from jaxdist.aot import compile as aot_compile
+from jaxdist.aot.plan import FIT_HINT, largest_fitting_batch
+from jaxdist.aot.schedule import read_schedule
+from jaxdist.aot.topology import TopologyError, TpuCompilerMissing, libtpu_available, parse_topology
+from jaxdist.comm import collectives
+from jaxdist.training.train_step import TrainStep
+
+needs_libtpu = pytest.mark.skipif(
+    not libtpu_available(), reason="the TPU compiler is not installed (pip install -e '.[tpu]')"
+)
+
+
+class MLP(nn.Module):
+    widths: tuple = (512, 384, 512, 256)
+
+    @nn.compact
+    def __call__(self, x):
+        for w in self.widths:
+            x = nn.relu(nn.Dense(w)(x))
+        return nn.Dense(10)(x)
+
+
+MODEL = MLP()
+PARAMS = jax.eval_shape(lambda: MODEL.init(jax.random.key(0), jnp.zeros((1, 256)))["params"])
+
+
+def loss_fn(params, model_state, batch, rng):
+    logits = MODEL.apply({"params": params}, batch["x"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, (model_state, {})
+
+
+def batch_of(size):
+    return {"x": ((size, 256), jnp.float32), "y": ((size,), jnp.int32)}
+
+
+@pytest.fixture(scope="module")
+def torus_2x2():
+    devices = parse_topology("v5e:2x2").devices()
+    return Mesh(np.asarray(devices).reshape(2, 2), ("y", "x"))
+
+
+def compile_step(mesh, batch=64, **options):
+    step = TrainStep(loss_fn, optax.sgd(0.1, 0.9), mesh, **options)
+    return aot_compile.compile_train_step(step, PARAMS, {}, batch_of(batch))
+
+
+# ------------------------------------------------------------------ without libtpu
+
+
+def test_topology_names_parse_and_bad_ones_say_what_is_expected():
+    topo = parse_topology("v5p:12x12x24")
+    assert (topo.generation, topo.shape, topo.num_chips, topo.num_hosts) == (
+        "v5p",
+        (12, 12, 24),
+        3456,
+        864,
+    )
+    assert parse_topology("v5e:16x16/2").num_chips == 512
+    with pytest.raises(TopologyError, match="GENERATION:SHAPE"):
+        parse_topology("v5e-16")
+    with pytest.raises(TopologyError, match="must be one of"):
+        parse_topology("v9:2x2")
+    with pytest.raises(TopologyError, match="has 3 dimensions"):
+        parse_topology("v4:4x4")
+
+
+def test_missing_tpu_compiler_is_one_line_naming_the_install(monkeypatch):
+    monkeypatch.setattr("jaxdist.aot.topology.libtpu_available", lambda: False)
+    with pytest.raises(TpuCompilerMissing, match=r"pip install 'jaxdist\[tpu\]'"):
+        parse_topology("v5e:2x2").devices()
+
+
+def test_largest_fitting_batch_bisects_to_the_boundary():
+    memory = lambda b: 1000 + 37 * b  # noqa: E731
+    batch, tried = largest_fitting_batch(memory, capacity=1000 + 37 * 100, start=8)
+    assert batch == 100
+    assert memory(batch + 1) > 1000 + 37 * 100
+    assert len(tried) < 12
+    assert largest_fitting_batch(memory, capacity=500, start=8)[0] == 0
+    # Sizes the compiler refuses (None) count as not fitting.
+    refused_above_50 = lambda b: memory(b) if b <= 50 else None  # noqa: E731
+    batch, tried = largest_fitting_batch(refused_above_50, capacity=10**9, start=8)
+    assert batch == 50 and tried[64] is None
+
+
+def test_schedule_reader_finds_collectives_and_the_compute_between():
+    text = """HloModule m, is_scheduled=true
+
+%fused (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %c = f32[4,4]{1,0} convolution(%p, %p), dim_labels=bf_io->bf
+}
+
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %f0 = f32[4,4]{1,0} fusion(%a), kind=kOutput, calls=%fused, metadata={op_name="jit(f)/jvp(m)/dot"}
+  %s = (f32[16]{0}, f32[16]{0}, u32[]) collective-permute-start(%a), metadata={op_name="jit(f)/gradient_sync/ppermute"}
+  %f1 = f32[4,4]{1,0} fusion(%f0), kind=kOutput, calls=%fused, metadata={op_name="jit(f)/transpose(jvp(m))/dot"}
+  %d = f32[16]{0} collective-permute-done(%s)
+  %r = f32[4]{0} all-reduce(%a), to_apply=%sum, metadata={op_name="jit(f)/psum"}
+  ROOT %f2 = f32[4,4]{1,0} fusion(%f1), kind=kOutput, calls=%fused, metadata={op_name="jit(f)/transpose(jvp(m))/dot"}
+}
+"""
+    schedule = read_schedule(text)
+    grads, other = schedule.collectives
+    assert (grads.kind, grads.role, grads.asynchronous, grads.nbytes) == (
+        "collective-permute",
+        "gradients",
+        True,
+        64,
+    )
+    assert (grads.backward_between, grads.compute_between) == (1, 1)
+    assert (other.kind, other.role, other.asynchronous, other.nbytes) == (
+        "all-reduce",
+        "other",
+        False,
+        16,
+    )
+    assert (schedule.matmuls, schedule.backward_matmuls) == (3, 2)
+    assert schedule.backward_during_gradients == 1
+    assert schedule.overlapped_backward_fraction == 0.5
+
+
+def test_cpu_runs_never_load_the_tpu_compiler():
+    # The test set-up pins JAX to the CPU; with libtpu installed nothing may probe for a TPU.
+    code = (
+        "import jax; from jax._src.lib import xla_client; jax.devices(); import jaxdist.aot.topology; "
+        "print(jax.default_backend(), xla_client.pjrt_plugin_loaded('tpu'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert out.stdout.split() == ["cpu", "False"]
+    assert "TPU" not in out.stderr
+
+
+# ------------------------------------------------------------------ with libtpu
+
+
+@needs_libtpu
+@pytest.mark.parametrize("algorithm", collectives.ALGORITHMS)
+def test_every_allreduce_compiles_for_a_tpu_slice(torus_2x2, algorithm):
+    report = compile_step(torus_2x2, allreduce=algorithm, data_axes=("y", "x"))
+    grads = [c for c in report.schedule.collectives if c.role == "gradients"]
+    assert grads, "no gradient collective in the compiled program"
+    assert report.flops > 0 and report.memory.total > 0
+
+
+@needs_libtpu
+@pytest.mark.parametrize("generation", ["v5e:2x2", "v4:2x2x1"])
+def test_zero1_and_accumulation_compile(generation):
+    mesh = Mesh(np.asarray(parse_topology(generation).devices()), ("data",))
+    assert compile_step(mesh, zero1=True).flops > 0
+    assert compile_step(mesh, accumulation_steps=2).flops > 0
+
+
+@needs_libtpu
+def test_gradient_collectives_are_async_and_overlap_backward_with_several_buckets(torus_2x2):
+    several = compile_step(torus_2x2, allreduce="ring", data_axes=("y", "x"), bucket_bytes=1 << 19)
+    grads = [c for c in several.schedule.collectives if c.role == "gradients"]
+    assert all(c.asynchronous for c in grads)
+    assert any(c.backward_between > 0 for c in grads)
+    assert several.schedule.overlapped_backward_fraction > 0
+    one = compile_step(torus_2x2, allreduce="ring", data_axes=("y", "x"), bucket_bytes=None)
+    assert all(c.backward_between == 0 for c in one.schedule.collectives if c.role == "gradients")
+    assert one.schedule.overlapped_backward_fraction == 0
+
+
+@needs_libtpu
+def test_zero1_divides_optimizer_state_per_chip(torus_2x2):
+    plain = compile_step(torus_2x2, data_axes=("y", "x"))
+    sharded = compile_step(torus_2x2, data_axes=("y", "x"), zero1=True)
+    assert sharded.memory.optimizer_state == pytest.approx(
+        plain.memory.optimizer_state / 4, rel=0.01
+    )
+    # The compiler's own argument bytes drop by the same three quarters of the momentum.
+    dropped = plain.memory.arguments - sharded.memory.arguments
+    assert dropped == pytest.approx(0.75 * plain.memory.optimizer_state, rel=0.05)
+
+
+@needs_libtpu
+def test_hbm_grows_with_the_batch(torus_2x2):
+    small, large = (compile_step(torus_2x2, batch=b, data_axes=("y", "x")) for b in (64, 65536))
+    assert large.memory.temp > small.memory.temp
+    assert large.memory.arguments > small.memory.arguments
+    assert large.flops > 4 * small.flops
+
+
+@needs_libtpu
+def test_plan_command_prints_memory_overlap_and_time_to_train(capsys):
+    from jaxdist.cli import main
+
+    code = main(["plan", "mnist_small_batch", "--topology", "v5e:2x2", "--efficiency", "0.4",
+                 "--set", "num_epochs=2", "--json"])  # fmt: skip
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out)
+    stage = plan["stages"][0]
+    assert plan["chips"] == 4 and stage["fits"] is True
+    assert stage["memory_bytes"]["total"] <= stage["memory_bytes"]["capacity"]
+    assert stage["flops_per_chip"] > 0 and stage["step_seconds"]["total"] > 0
+    assert plan["time_to_train"][0]["steps"] == 2 * 4000 // 32 + (2 * 4000 % 32 > 0)
+
+
+@needs_libtpu
+def test_flops_count_every_micro_batch(torus_2x2):
+    # A batch large enough that the update, counted once per micro-batch, is a small share.
+    one = compile_step(torus_2x2, batch=16384, data_axes=("y", "x"))
+    accumulated = compile_step(torus_2x2, batch=16384, data_axes=("y", "x"), accumulation_steps=4)
+    assert accumulated.flops == pytest.approx(one.flops, rel=0.02)
+
+
+@needs_libtpu
+def test_accumulated_steps_overlap_the_last_micro_batch_backward(torus_2x2):
+    report = compile_step(
+        torus_2x2, allreduce="ring", data_axes=("y", "x"), bucket_bytes=1 << 19,
+        accumulation_steps=2,
+    )  # fmt: skip
+    grads = report.schedule.gradient_collectives
+    assert all(c.asynchronous and not c.in_loop for c in grads)
+    assert report.schedule.overlapped_backward_fraction > 0
+
+
+def test_plan_refuses_an_unknown_topology_and_a_mesh_of_another_size(capsys):
+    from jaxdist.cli import main
+
+    assert main(["plan", "mnist_small_batch", "--topology", "v9:2x2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "must be one of" in err
+    code = main(["plan", "mnist_small_batch", "--topology", "v5e:2x2", "--mesh", "torus-4x2",
+                 "--efficiency", "0.4"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "jaxdist plan: mesh 'torus-4x2' has 8 devices, topology v5e:2x2 has 4 chips: give a "
+        "mesh of 4 devices, or no --mesh to lay the recipe's layout over the slice"
+    )
+
+
+@needs_libtpu
+def test_plan_of_a_recipe_the_compiler_cannot_fit_is_one_line(capsys):
+    from jaxdist.cli import main
+
+    code = main(["plan", "mnist_small_batch", "--topology", "v5e:2x2", "--efficiency", "0.4",
+                 "--set", "batch_size=2097152", "--set", "max_per_device_batch=524288"])  # fmt: skip
+    assert code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    progress, error = err.strip().split("\n")  # progress, then the error in one line
+    assert progress.startswith("compiling stage 0")
+    assert error.startswith(
+        "jaxdist plan: stage 0 (global batch 2,097,152, 524288 per chip) does not fit on a "
+        "TPU v5e: RESOURCE_EXHAUSTED: Ran out of memory"
+    )
+    assert error.endswith(FIT_HINT)
+
+
+def test_a_compiled_plan_over_the_published_capacity_ends_with_one_line(capsys):
+    from jaxdist.cli.plan import _fit_verdict
+
+    def plan_with(total):
+        memory = SimpleNamespace(total=total)
+        stage = SimpleNamespace(index=1, compiled=SimpleNamespace(memory=memory))
+        return SimpleNamespace(topology=parse_topology("v5e:2x2"), stages=[stage])
+
+    assert _fit_verdict(plan_with(15 * 10**9)) == 0
+    assert _fit_verdict(plan_with(17 * 2**30)) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "jaxdist plan: stage 1 needs 17.00 GiB per chip, 2.10 GiB more than a TPU v5e's "
+        f"14.90 GiB: {FIT_HINT}\n"
+    )
