@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--topologies", default=DEFAULT_TOPOLOGIES)
     parser.add_argument("--algorithms", default="native,ring,torus2d")
     parser.add_argument("--unroll-limits", default="16,100000")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per compile")
     parser.add_argument("--one", nargs=3, metavar=("TOPOLOGY", "ALGORITHM", "UNROLL"),
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args(argv)
@@ -111,10 +112,17 @@ def main(argv=None) -> int:
         for algorithm in args.algorithms.split(","):
             limits = args.unroll_limits.split(",") if algorithm != "native" else ["0"]
             for limit in limits:
-                done = subprocess.run(
-                    [sys.executable, __file__, "--one", topology, algorithm, limit],
-                    capture_output=True, text=True, check=False,
-                )  # fmt: skip
+                try:
+                    done = subprocess.run(
+                        [sys.executable, __file__, "--one", topology, algorithm, limit],
+                        capture_output=True, text=True, check=False, timeout=args.timeout,
+                    )  # fmt: skip
+                except subprocess.TimeoutExpired:
+                    rows.append({"topology": topology, "algorithm": algorithm,
+                                 "unroll_limit": int(limit), "timed_out": args.timeout})  # fmt: skip
+                    print(f"| {topology} | | {algorithm} | {limit} | over {args.timeout:.0f} "
+                          "| | | |", flush=True)  # fmt: skip
+                    continue
                 if done.returncode:
                     print(f"{topology} {algorithm} {limit}: failed: {done.stderr[-2000:]}")
                     continue

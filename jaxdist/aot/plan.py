@@ -119,10 +119,11 @@ def mesh_spec_for(config_mesh: str, topology: Topology) -> tuple[meshes.MeshSpec
 
 def _inner_axis(layout: str, topology: Topology) -> int:
     """Chips along the inner axis of a two-axis layout: a whole slice when several slices
-    are joined by the data-centre network (the outer axis crosses it); inside one slice, a
-    host's chips for ``hierarchical`` and a row of the torus for ``torus2d``."""
-    if topology.slices > 1:
-        return topology.chips_per_slice
+    are joined by the data-centre network, and a host's GPUs (the outer axis crosses the
+    host network); inside one TPU slice, a host's chips for ``hierarchical`` and a row of the
+    torus for ``torus2d``."""
+    if topology.network_groups > 1 or topology.is_gpu:
+        return topology.chips_per_group
     return topology.chip.chips_per_host if layout == "hierarchical" else topology.shape[0]
 
 
@@ -180,7 +181,7 @@ def plan_recipe(
         config, "unused: a plan writes nothing", mesh=meshes.build(spec, topology.devices())
     )
     params, model_state = _variable_shapes(trainer, config)
-    host_network = topology.chip.host_network if topology.slices > 1 else None
+    host_network = topology.chip.host_network if topology.network_groups > 1 else None
     network = network_for(topology.chip, host_network=host_network, latency=link_latency)
     axis_sizes = list(spec.shape)
     stages = []

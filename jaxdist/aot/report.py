@@ -60,10 +60,15 @@ def plan_text(plan: Plan, efficiency_note: str) -> str:
     """The plan as ``jaxdist plan`` prints it."""
     topo, chip = plan.topology, plan.topology.chip
     network = plan.network
-    links = f"ICI {1 / network.intra.beta / 1e9:.0f} GB/s per direction x {network.intra.ports} "
-    links += f"ports, latency {network.intra.alpha * 1e6:.0f} us (assumed)"
+    fast = "ICI" if chip.torus_dims else "NVLink"
+    links = f"{fast} {1 / network.intra.beta / 1e9:.0f} GB/s per direction x "
+    links += f"{network.intra.ports} port(s), latency {network.intra.alpha * 1e6:.0f} us (assumed)"
     if network.inter is not None:
-        links += f"; DCN {1 / network.inter.beta / 1e9:.1f} GB/s per chip"
+        slow = "DCN" if chip.torus_dims else "host network"
+        links += (
+            f"; {slow} {1 / network.inter.beta / 1e9:.2f} GB/s per chip, latency "
+            f"{network.inter.alpha * 1e6:.0f} us (assumed)"
+        )
     lines = [
         f"topology: {topo.name}: {topo.num_chips} x {chip.name} ({_gib(chip.hbm_bytes)} GiB HBM, "
         f"{chip.peak_flops / 1e12:.0f} TFLOP/s bf16 each), {topo.num_hosts} hosts",

@@ -37,6 +37,9 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OPERAND = re.compile(r"%([\w.\-]+)")
+# Matrix products and convolutions that a GPU program hands to a library (cuBLAS, cuDNN).
+_LIBRARY_MATMUL = re.compile(r'custom_call_target="[^"]*(?:conv|gemm|matmul)', re.IGNORECASE)
 
 
 @dataclass
@@ -180,7 +183,9 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top) -> N
     """Read one computation in order: its collectives (those inside a loop's body counted
     once per turn) and the matrix products between each start and done."""
     open_starts: dict[str, Collective] = {}
-    for inst in computations.get(name, []):
+    instructions = computations.get(name, [])
+    role_of = _roles_by_use(instructions)
+    for inst in instructions:
         total, backward = _matmuls_of(inst, matmuls_in)
         if top:
             schedule.matmuls += total
@@ -211,11 +216,29 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top) -> N
             if started is not None:
                 started.nbytes = _nbytes(inst.type_text)
             continue
+        role = _role(inst.op_name) if inst.op_name else role_of.get(inst.name, "other")
         collective = Collective(kind, _nbytes(inst.type_text), inst.opcode.endswith("-start"),
-                                _role(inst.op_name), turns=turns, in_loop=in_loop)  # fmt: skip
+                                role, turns=turns, in_loop=in_loop)  # fmt: skip
         schedule.collectives.append(collective)
         if collective.asynchronous:
             open_starts[inst.name] = collective
+
+
+def _roles_by_use(instructions: list[_Instruction]) -> dict[str, str]:
+    """The role of each collective whose own metadata is gone (a collective XLA made by
+    combining several keeps none), read from the first instruction that uses its result
+    (an async one's: its done's)."""
+    done_of = {i.first_operand: i.name for i in instructions if i.opcode.endswith("-done")}
+    first_user: dict[str, str] = {}
+    for inst in instructions:
+        if inst.op_name:
+            for used in _OPERAND.findall(inst.rest):
+                first_user.setdefault(used, inst.op_name)
+    return {
+        inst.name: _role(first_user.get(done_of.get(inst.name, inst.name), ""))
+        for inst in instructions
+        if inst.opcode.removesuffix("-start") in _COLLECTIVES and not inst.op_name
+    }
 
 
 def _trip_count(condition: list[_Instruction]) -> int:
@@ -230,7 +253,9 @@ def _matmuls_of(inst: _Instruction, matmuls_in) -> tuple[int, int]:
     (a fusion's body, a loop's body). A product inside a fusion counts as backward when the
     fusion's own metadata says so, as the fused ops' metadata may be dropped."""
     is_backward = "transpose(" in inst.op_name
-    if inst.opcode in _MATMULS:
+    if inst.opcode in _MATMULS or (
+        inst.opcode == "custom-call" and _LIBRARY_MATMUL.search(inst.rest)
+    ):
         return 1, int(is_backward)
     total = backward = 0
     for name in inst.called:
