@@ -95,17 +95,18 @@ def per_chip_bytes(tree: Any) -> int:
     return total
 
 
-def _cost_analysis(compiled) -> dict:
-    """The compiler's cost analysis of the optimized program. The GPU compiler has none of
-    its own without a GPU; XLA's generic analysis, run on the same optimized module, counts
-    the same FLOPs (the compiler's own matrix-product kernels included)."""
+def _cost_analysis(compiled, lowered) -> dict:
+    """The compiler's cost analysis of the optimized program. The GPU compiler has none
+    without a GPU; XLA's generic analysis of the program as lowered (before the GPU passes
+    hand convolutions to cuDNN, whose calls it could not count) stands in for it: it counts
+    3.7% fewer FLOPs than the TPU compiler for the same small step."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     if cost:
         return cost
     from jax._src.lib import _jax  # the analysis jax's CPU backend exposes
 
-    module = compiled.runtime_executable().hlo_modules()[0]
+    module = lowered.compiler_ir("hlo").get_hlo_module()
     return _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
 
 
@@ -157,7 +158,8 @@ def compile_train_step(
     rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(step.mesh, P()))
     started = time.perf_counter()
     try:
-        compiled = step.lower(state, batch, rng).compile()
+        lowered = step.lower(state, batch, rng)
+        compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
@@ -173,7 +175,7 @@ def compile_train_step(
         outputs=max(0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes),
         code=analysis.generated_code_size_in_bytes,
     )
-    cost = _cost_analysis(compiled)
+    cost = _cost_analysis(compiled, lowered)
     flops = _step_flops(float(cost.get("flops", 0.0)), step.accumulation_steps)
     sizes = [per_chip_bytes(leaf) for leaf in jax.tree.leaves(state.params)]
     buckets = step.buckets or [list(range(len(sizes)))]

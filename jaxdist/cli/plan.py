@@ -7,6 +7,8 @@ import argparse
 import json
 import sys
 
+from jaxdist.cli.train import add_set_argument
+
 __all__ = ["register", "run_plan"]
 
 
@@ -29,18 +31,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         metavar="GEN:SHAPE[/SLICES]",
         help="TPU slice to compile for: v4, v5e, v5p or v6e with its shape in chips, e.g. "
-        "v5e:16x16, v5p:12x12x24, v4:4x4x4; /N for N slices joined by the data-centre network",
+        "v5e:16x16, v5p:12x12x24, v4:4x4x4; /N for N slices joined by the data-centre "
+        "network; or GPU hosts, e.g. h100:4x8 (4 hosts of 8; needs JAX's CUDA plugin)",
     )
     p.add_argument("--mesh", default=None, help="mesh preset or TOML path (default: the "
                    "recipe's when its size matches the slice, else its layout over the slice)")  # fmt: skip
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set max_per_device_batch=128 (repeatable)",
-    )
+    add_set_argument(p, "max_per_device_batch=128")
     p.add_argument(
         "--efficiency",
         type=float,

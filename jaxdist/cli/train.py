@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["PREEMPTED_EXIT_CODE", "register", "run_train", "where_results_are"]
+__all__ = ["PREEMPTED_EXIT_CODE", "add_set_argument", "register", "run_train", "where_results_are"]
 
 # Exit status of a run stopped by SIGTERM after saving its checkpoint (128 + 15, the shell's
 # convention), so a job scheduler sees that it did not finish.
@@ -24,14 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("recipe", help="recipe file or name, e.g. recipes/mnist_small_batch.py")
     p.add_argument("--workdir", default=None, help="run directory (default runs/<recipe name>)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set data.source=synthetic (repeatable)",
-    )
+    add_set_argument(p, "data.source=synthetic")
     p.add_argument(
         "--print-config",
         action="store_true",
@@ -45,6 +38,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "recorded in WORKDIR/config_changes.jsonl and events.log",
     )
     p.set_defaults(func=run_train)
+
+
+def add_set_argument(p: argparse.ArgumentParser, example: str) -> None:
+    """``--set KEY=VALUE`` (repeatable): a recipe's field overridden on the command line."""
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"override a config field, e.g. --set {example} (repeatable)",
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:

@@ -42,6 +42,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 __all__ = [
     "ARCHITECTURES",
@@ -118,7 +119,10 @@ class PointwiseConv(nn.Module):
         )
         x, kernel = nn.dtypes.promote_dtype(x_BxHxWxC, kernel, dtype=self.dtype)
         if self.strides != 1:
-            x = x[:, :: self.strides, :: self.strides, :]
+            # The barrier keeps the strided pixels a buffer of their own: fused through the
+            # reshape below into its matrix-product kernel, the slice made XLA's GPU compiler
+            # (jaxlib 0.10.2) abort. On CPU it costs one copy of the (smaller) sliced input.
+            x = lax.optimization_barrier(x[:, :: self.strides, :: self.strides, :])
         batch, height, width, _ = x.shape
         y = jnp.matmul(
             x.reshape(batch * height * width, channels),
