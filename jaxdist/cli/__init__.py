@@ -34,6 +34,7 @@ SUBCOMMANDS = (
     "jaxdist.cli.data",
     "jaxdist.cli.train",
     "jaxdist.cli.plan",
+    "jaxdist.cli.pipeline",
     "jaxdist.cli.plot",
 )
 

@@ -1,0 +1,97 @@
+"""``jaxdist pipeline show``: a pipeline schedule's table, its bubble and the activations each
+stage keeps, as text and as a timeline picture."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["plot_timeline", "register", "show_schedule"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    pipeline = subparsers.add_parser("pipeline", help="pipeline-parallel schedules")
+    actions = pipeline.add_subparsers(dest="pipeline_action", metavar="ACTION")
+    show = actions.add_parser(
+        "show",
+        help="draw a schedule's timeline: which stage runs which micro-batch at each tick",
+        description="Build the table of a pipeline schedule (GPipe, 1F1B or interleaved "
+        "1F1B) for STAGES devices and MICROBATCHES micro-batches, print it (F3: forward of "
+        "micro-batch 3, B3.1: backward of micro-batch 3 on the device's model chunk 1, '.': "
+        "idle), its bubble fraction against the formula, and the most activations each "
+        "stage keeps at once.",
+    )
+    show.add_argument("--stages", type=int, required=True, help="pipeline stages (devices)")
+    show.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
+    show.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
+    show.add_argument(
+        "--chunks",
+        type=int,
+        default=2,
+        help="model chunks per device for the interleaved schedule (default 2)",
+    )
+    show.add_argument("--plot", metavar="PNG", help="also draw the timeline to this file")
+    show.set_defaults(func=show_schedule, joins_process_group=False)
+    pipeline.set_defaults(func=lambda args: pipeline.print_help() or 2, joins_process_group=False)
+
+
+class ScheduleArgumentError(ValueError):
+    """A schedule that cannot be built from the arguments given."""
+
+    exit_code = 2
+
+
+def show_schedule(args: argparse.Namespace) -> int:
+    from jaxdist.pipeline import schedules
+
+    try:
+        schedule = schedules.build(args.schedule, args.stages, args.microbatches, args.chunks)
+    except ValueError as err:
+        raise ScheduleArgumentError(str(err)) from None
+    formula = schedules.bubble_formula(
+        schedule.name, schedule.stages, schedule.microbatches, schedule.chunks
+    )
+    chunks = f", {schedule.chunks} chunks per device" if schedule.name == "interleaved" else ""
+    print(f"{schedule.name}: {schedule.stages} stages, {schedule.microbatches} micro-batches"
+          f"{chunks}; {schedule.ticks} ticks")  # fmt: skip
+    print(schedule.text())
+    print(f"bubble: {schedule.bubble_fraction:.4f} of stage-ticks idle "
+          f"(formula (S-1)/(v*M+S-1): {formula:.4f})")  # fmt: skip
+    live = ", ".join(map(str, schedule.live_activations()))
+    print(f"most live activations per stage (micro-batch chunks): {live}")
+    if args.plot:
+        plot_timeline(schedule, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def plot_timeline(schedule, path: str) -> None:
+    """Draw ``schedule`` as boxes on a stage-by-tick grid (forwards blue, backwards orange,
+    darker for later chunks) to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, schedule.ticks * 0.32), 1.0 + 0.5 * schedule.stages))
+    for tick, row in enumerate(schedule.table):
+        for stage, op in enumerate(row):
+            if op is None:
+                continue
+            shade = 0.45 + 0.55 * (1 - op.chunk / max(1, schedule.chunks))
+            color = (0.2, 0.45, 0.85, shade) if op.kind == "F" else (0.95, 0.55, 0.15, shade)
+            ax.add_patch(plt.Rectangle((tick, stage), 1, 0.9, color=color))
+            ax.text(tick + 0.5, stage + 0.45, str(op.microbatch), ha="center", va="center",
+                    fontsize=7)  # fmt: skip
+    ax.set_xlim(0, schedule.ticks)
+    ax.set_ylim(schedule.stages, 0)
+    ax.set_yticks([s + 0.45 for s in range(schedule.stages)])
+    ax.set_yticklabels([f"stage {s}" for s in range(schedule.stages)])
+    ax.set_xlabel("tick (forward blue, backward orange; the number is the micro-batch)")
+    ax.set_title(
+        f"{schedule.name}: {schedule.stages} stages, {schedule.microbatches} micro-batches, "
+        f"bubble {schedule.bubble_fraction:.1%}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
