@@ -85,7 +85,8 @@ def test_topology_names_parse_and_bad_ones_say_what_is_expected():
         3456,
         864,
     )
-    assert parse_topology("v5e:16x16/2").num_chips == 512
+    two_slices = parse_topology("v5e:2x2/2")  # half a host of 8 chips each, on 2 hosts
+    assert (two_slices.num_chips, two_slices.num_hosts, two_slices.network_groups) == (8, 2, 2)
     gpus = parse_topology("h100:4x8")
     assert (gpus.is_gpu, gpus.num_chips, gpus.num_hosts, gpus.network_groups) == (True, 32, 4, 4)
     with pytest.raises(TopologyError, match="GENERATION:SHAPE"):
@@ -352,3 +353,18 @@ def test_plan_command_for_gpu_hosts(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["chips"] == 8 and plan["chip"] == "NVIDIA H100 SXM5"
     assert plan["stages"][0]["fits"] is True and plan["stages"][0]["flops_per_chip"] > 0
+
+
+@needs_libtpu
+def test_plan_over_two_slices_runs_the_outer_axis_over_the_data_centre_network(capsys):
+    from jaxdist.cli import main
+
+    code = main(["plan", "mnist_small_batch", "--topology", "v5e:2x2/2", "--efficiency", "0.4",
+                 "--set", "num_epochs=2", "--set", "mesh=torus-2x2", "--json"])  # fmt: skip
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out)
+    # The recipe's torus of 4 laid over 8 chips: a slice along the inner axis.
+    assert plan["mesh"] == {"y": 2, "x": 4}
+    assert plan["links"]["fast"]["bytes_per_s"] == 50e9
+    assert plan["links"]["host"]["bytes_per_s"] == 200e9 / 8 / 8  # 2 x 100 Gb/s per 8 chips
+    assert plan["chips"] == 8 and plan["stages"][0]["fits"] is True

@@ -92,6 +92,10 @@ def plan_text(plan: Plan, efficiency_note: str) -> str:
     return "\n".join(lines)
 
 
+def _link_json(link) -> dict:
+    return {"latency_s": link.alpha, "bytes_per_s": link.bandwidth, "ports": link.ports}
+
+
 def plan_json(plan: Plan, efficiency_note: str) -> dict:
     """The plan as plain data (``jaxdist plan --json``)."""
     stages = []
@@ -121,6 +125,10 @@ def plan_json(plan: Plan, efficiency_note: str) -> dict:
         "mesh_note": plan.mesh_note,
         "data": plan.data_note,
         "allreduce": plan.algorithm,
+        "links": {
+            "fast": _link_json(plan.network.intra),
+            "host": None if plan.network.inter is None else _link_json(plan.network.inter),
+        },
         "efficiency": efficiency_note,
         "stages": stages,
         "time_to_train": plan.time_rows,

@@ -124,7 +124,7 @@ class Topology:
     def num_hosts(self) -> int:
         if self.is_gpu:
             return self.shape[0]
-        return math.ceil(self.num_chips / self.chip.chips_per_host)
+        return self.slices * math.ceil(self.chips_per_slice / self.chip.chips_per_host)
 
     @property
     def network_groups(self) -> int:
