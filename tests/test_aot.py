@@ -368,3 +368,20 @@ def test_plan_over_two_slices_runs_the_outer_axis_over_the_data_centre_network(c
     assert plan["links"]["fast"]["bytes_per_s"] == 50e9
     assert plan["links"]["host"]["bytes_per_s"] == 200e9 / 8 / 8  # 2 x 100 Gb/s per 8 chips
     assert plan["chips"] == 8 and plan["stages"][0]["fits"] is True
+
+
+@needs_libtpu
+def test_plan_takes_the_recipes_unroll_limit(capsys):
+    from jaxdist.cli import main
+    from jaxdist.training.config import base_config
+
+    assert base_config().unroll_limit == collectives.UNROLL_LIMIT
+    in_loops = {}
+    for limit in (2, collectives.UNROLL_LIMIT):  # a ring over 4 chips has 3 steps each way
+        code = main(["plan", "mnist_small_batch", "--topology", "v5e:2x2", "--efficiency",
+                     "0.4", "--set", "num_epochs=2", "--set", "allreduce=ring", "--set",
+                     f"unroll_limit={limit}", "--json"])  # fmt: skip
+        assert code == 0
+        rows = json.loads(capsys.readouterr().out)["stages"][0]["collectives"]
+        in_loops[limit] = sum(r["in_loop"] for r in rows if r["role"] == "gradients")
+    assert in_loops[2] > 0 and in_loops[collectives.UNROLL_LIMIT] == 0

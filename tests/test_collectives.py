@@ -685,6 +685,14 @@ def test_permute_in_pieces_of_a_replicated_input_under_vma_checks():
     np.testing.assert_array_equal(np.asarray(f(jnp.arange(40.0))), np.tile(np.arange(40.0), (2, 1)))
 
 
+def test_bad_unroll_limit_is_a_clear_error_before_anything_is_traced():
+    for bad in (-1, 2.5, "16", True):
+        with pytest.raises(ValueError, match=f"unroll_limit must be an integer >= 0, got {bad!r}"):
+            collectives.common_options({"unroll_limit": bad})
+    assert collectives.common_options({"unroll_limit": np.int64(0)})["unroll_limit"] == 0
+    assert collectives.common_options({})["unroll_limit"] == collectives.UNROLL_LIMIT
+
+
 def test_bad_exchange_piece_bytes_is_a_clear_error():
     mesh = meshes.ring(2)
     for bad in (0, -5, 2.5, "big", True):

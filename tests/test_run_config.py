@@ -57,6 +57,21 @@ def test_safe_changes_and_a_longer_schedule_continue(tmp_path):
         run_config.check_rerun(workdir, shorter)
 
 
+def test_a_field_added_after_the_run_started_continues_at_its_default(tmp_path):
+    workdir = _workdir_with_progress(tmp_path, base_config())
+    recorded = json.loads((workdir / run_config.CONFIG_FILE).read_text())
+    del recorded["unroll_limit"]  # a workdir recorded before the field existed
+    (workdir / run_config.CONFIG_FILE).write_text(json.dumps(recorded))
+    assert run_config.check_rerun(workdir, base_config()) == [
+        ("unroll_limit", run_config.MISSING, 16)
+    ]
+    (workdir / run_config.CONFIG_FILE).write_text(json.dumps(recorded))
+    changed = base_config()
+    changed.unroll_limit = 100  # not what the run did: refused
+    with pytest.raises(run_config.ConfigChangedError, match="unroll_limit: '<missing>' -> 100"):
+        run_config.check_rerun(workdir, changed)
+
+
 def test_the_flag_continues_and_records_the_change(tmp_path):
     workdir = _workdir_with_progress(tmp_path, base_config())
     changed = base_config()

@@ -218,6 +218,9 @@ def base_config() -> ml_collections.ConfigDict:
       data: :class:`jaxdist.data.DataConfig` fields.
       mesh: a preset in ``meshes/`` or a path to a mesh TOML; ``""`` = one axis over all devices.
       allreduce, bucket_bytes: gradient averaging (:class:`jaxdist.training.train_step.TrainStep`).
+      unroll_limit: ring steps an allreduce schedule runs unrolled along one axis; a longer
+        ring runs as a loop, which compiles in the same time at any size but lets no backward
+        compute overlap that axis's steps (docs/planning.md).
       batch_size, batch_ramp: global batch; ``batch_ramp`` holds ``(until_epoch, batch)``
         pairs run before ``batch_size`` (see :func:`batch_stages`).
       max_per_device_batch: larger per-device batches are split into accumulation steps.
@@ -265,6 +268,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh = ""
     c.allreduce = "native"
     c.bucket_bytes = 16 * 2**20
+    c.unroll_limit = 16  # the schedules' own default, jaxdist.comm.collectives.UNROLL_LIMIT
     c.batch_size = 256
     c.batch_ramp = ()
     c.max_per_device_batch = 256

@@ -4,8 +4,9 @@ A run records its resolved config (every field, derived ones included) in
 ``WORKDIR/config.json`` when it starts. A rerun in the same workdir resumes the run's
 checkpoints, so it must be the same run: the rerun's config is compared with the recorded one
 and any difference is refused, naming each differing key ``old -> new``. Only keys that do not
-change what is computed may change freely (:data:`SAFE_TO_CHANGE`), and ``num_epochs`` may
-grow (a longer run, with its learning-rate schedule stretched to the new end).
+change what is computed may change freely (:data:`SAFE_TO_CHANGE`), ``num_epochs`` may
+grow (a longer run, with its learning-rate schedule stretched to the new end), and a field
+added to the toolkit after the run started may appear at its default.
 
 Passing ``allow_change=True`` (``jaxdist train --allow-config-change``) continues anyway; the
 change is appended to ``WORKDIR/config_changes.jsonl`` and the recorded config becomes the new
@@ -21,12 +22,13 @@ from typing import Any
 
 import ml_collections
 
-from jaxdist.training.config import ConfigError
+from jaxdist.training.config import ConfigError, base_config
 
 __all__ = [
     "CHANGES_FILE",
     "CONFIG_FILE",
     "MAY_GROW",
+    "MISSING",
     "SAFE_TO_CHANGE",
     "ConfigChangedError",
     "Difference",
@@ -51,6 +53,7 @@ SAFE_TO_CHANGE = (
     "data.prefetch_batches",
 )
 MAY_GROW = ("num_epochs",)
+MISSING = "<missing>"  # the value of a key that one of two configs does not have
 
 Difference = tuple[str, Any, Any]  # (dotted key, recorded value, new value)
 
@@ -77,22 +80,29 @@ def flatten(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
 
 
 def differences(recorded: dict[str, Any], new: dict[str, Any]) -> list[Difference]:
-    """Every key whose value differs (a key on one side only counts, as missing)."""
-    missing = "<missing>"
+    """Every key whose value differs (a key on one side only counts, as :data:`MISSING`)."""
     keys = sorted(set(recorded) | set(new))
     return [
-        (k, recorded.get(k, missing), new.get(k, missing))
+        (k, recorded.get(k, MISSING), new.get(k, MISSING))
         for k in keys
-        if recorded.get(k, missing) != new.get(k, missing)
+        if recorded.get(k, MISSING) != new.get(k, MISSING)
     ]
 
 
 def _is_safe(difference: Difference) -> bool:
     key, old, new = difference
-    if key in SAFE_TO_CHANGE:
+    if key in SAFE_TO_CHANGE or _added_at_its_default(difference):
         return True
     numbers = isinstance(old, int | float) and isinstance(new, int | float)
     return key in MAY_GROW and numbers and new >= old
+
+
+def _added_at_its_default(difference: Difference) -> bool:
+    """A field the toolkit added after the run started, at its default: the run already did
+    what the default says (its value was built in before it became a field)."""
+    key, old, new = difference
+    defaults = flatten(base_config())
+    return old == MISSING and key in defaults and new == defaults[key]
 
 
 def _describe(diffs: list[Difference]) -> str:

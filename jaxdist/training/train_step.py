@@ -168,6 +168,7 @@ class TrainStep:
         sizes = [self.mesh.shape[a] for a in np.atleast_1d(axes)]
         if not chosen.two_level:
             sizes = [int(np.prod(sizes))]
+        collectives.common_options(self.allreduce_options)
         own = {k: v for k, v in self.allreduce_options.items() if k in chosen.options}
         reason = chosen.unsupported(sizes, **own)
         if reason:

@@ -173,6 +173,7 @@ class Trainer:
                 self.mesh,
                 data_axes=self.data_axes,
                 allreduce=self.config.allreduce,
+                allreduce_options={"unroll_limit": self.config.unroll_limit},
                 bucket_bytes=self.config.bucket_bytes,
                 accumulation_steps=accumulation,
             )

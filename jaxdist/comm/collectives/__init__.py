@@ -44,6 +44,7 @@ from jaxdist.comm.collectives.registry import (
     TWO_LEVEL,
     allreduce,
     check_names,
+    common_options,
     get,
     one_dimensional,
 )
@@ -68,6 +69,7 @@ __all__ = [
     "allreduce",
     "axis_size",
     "check_names",
+    "common_options",
     "default_exchange_piece_bytes",
     "get",
     "one_dimensional",

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxdist.checks import is_integer
 from jaxdist.comm.collectives.algorithm import COMMON_OPTIONS, Algorithm
 from jaxdist.comm.collectives.bidirectional_ring import BIDIRECTIONAL_RING
 from jaxdist.comm.collectives.halving_doubling import HALVING_DOUBLING
@@ -25,7 +26,15 @@ from jaxdist.comm.collectives.ring import RING
 from jaxdist.comm.collectives.torus2d import TORUS2D
 from jaxdist.comm.collectives.wire import AxisName, Run, Wire, axis_size, piece_bytes
 
-__all__ = ["ALGORITHMS", "TWO_LEVEL", "allreduce", "check_names", "get", "one_dimensional"]
+__all__ = [
+    "ALGORITHMS",
+    "TWO_LEVEL",
+    "allreduce",
+    "check_names",
+    "common_options",
+    "get",
+    "one_dimensional",
+]
 
 _REGISTRY: dict[str, Algorithm] = {
     a.name: a
@@ -68,6 +77,18 @@ def check_names(names: Sequence[str]) -> tuple[str, ...]:
 def one_dimensional() -> tuple[str, ...]:
     """The algorithms that run on one axis (or a tuple of axes acting as one)."""
     return tuple(a.name for a in _REGISTRY.values() if not a.two_level)
+
+
+def common_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options every schedule takes (:data:`COMMON_OPTIONS`) among ``options``, defaults
+    filled in and checked: ``exchange_piece_bytes`` (checked even for ``native``, which sends
+    no pieces) and ``unroll_limit``, an integer >= 0."""
+    common = {**COMMON_OPTIONS, **{k: v for k, v in options.items() if k in COMMON_OPTIONS}}
+    piece_bytes(common["exchange_piece_bytes"])
+    limit = common["unroll_limit"]
+    if not is_integer(limit) or limit < 0:
+        raise ValueError(f"unroll_limit must be an integer >= 0, got {limit!r}")
+    return common
 
 
 def _axis_sizes(axis_name: AxisName, algorithm: Algorithm) -> tuple[int, ...]:
@@ -170,8 +191,7 @@ def allreduce(
     if "divisor" in options:
         raise TypeError("allreduce: pass op='mean' instead of a divisor")
     own_options = chosen.resolve(options)
-    common = {**COMMON_OPTIONS, **{k: v for k, v in options.items() if k in COMMON_OPTIONS}}
-    piece_bytes(common["exchange_piece_bytes"])  # checked here: native never sends pieces
+    common = common_options(options)
     sizes = _axis_sizes(axis_name, chosen)
     reason = chosen.unsupported(sizes, **own_options)
     if reason:
