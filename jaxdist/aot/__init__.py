@@ -1,9 +1,11 @@
-"""Ahead-of-time compilation for TPU slices that are not here, and plans built on it.
+"""Ahead-of-time compilation for TPU slices and GPU hosts that are not here, and plans
+built on it.
 
 With the TPU compiler installed (``pip install 'jaxdist[tpu]'``), a train step compiles for a
-named slice (``"v5e:16x16"``) on any machine, CPU-only ones included:
+named slice (``"v5e:16x16"``) on any machine, CPU-only ones included; with JAX's CUDA plugin,
+for GPU hosts (``"h100:4x8"``):
 
-* :mod:`~jaxdist.aot.topology`: slice names and their compile-only devices;
+* :mod:`~jaxdist.aot.topology`: slice and host names and their compile-only devices;
 * :mod:`~jaxdist.aot.chips`: each chip's published peak, memory and links;
 * :mod:`~jaxdist.aot.compile`: a step compiled from shapes alone, with memory per chip,
   FLOPs and the scheduled program;

@@ -98,8 +98,8 @@ def per_chip_bytes(tree: Any) -> int:
 def _cost_analysis(compiled, lowered) -> dict:
     """The compiler's cost analysis of the optimized program. The GPU compiler has none
     without a GPU; XLA's generic analysis of the program as lowered (before the GPU passes
-    hand convolutions to cuDNN, whose calls it could not count) stands in for it: it counts
-    3.7% fewer FLOPs than the TPU compiler for the same small step."""
+    hand convolutions to cuDNN, whose calls it could not count) stands in for it, within a
+    few per cent of the TPU compiler's count of the same step (docs/planning.md)."""
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     if cost:

@@ -7,8 +7,9 @@ scheduler placed between the two runs while the data moves. This module reads th
 * every collective: its kind, bytes, whether it is asynchronous, and its role, from the
   named scope the train step gives it (:data:`GRADIENT_SCOPE`, :data:`PARAMETER_SCOPE`;
   anything else, such as BatchNorm statistics and metrics, is ``"other"``);
-* the compute: matrix products and convolutions, counted inside fusions and loops, and
-  whether each belongs to the backward pass (the metadata of a transposed op says so).
+* the compute: matrix products and convolutions (a GPU program's cuBLAS and cuDNN calls
+  included), counted inside fusions and loops, and whether each belongs to the backward
+  pass (the metadata of a transposed op says so).
 
 The overlap of a gradient collective is the backward compute between its start and its
 done: Poseidon's wait-free backprop, as the compiler arranged it. Counts are of matrix
