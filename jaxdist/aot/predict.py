@@ -72,15 +72,12 @@ def predict_step(
     algorithm: str,
     axis_sizes: Sequence[int],
     network: cost_model.Network,
-    transfer_ratio: float = 1.0,
 ) -> StepTime:
-    """The :class:`StepTime` of a compiled step on ``chip``; ``transfer_ratio`` scales the
-    gradient bytes on the wire (0.5 for bfloat16 transfer of float32 gradients)."""
+    """The :class:`StepTime` of a compiled step on ``chip``."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
     compute = compiled.flops / (chip.peak_flops * efficiency)
-    buckets = [b * transfer_ratio for b in compiled.bucket_bytes]
-    per_bucket = communication_seconds(buckets, algorithm, axis_sizes, network)
+    per_bucket = communication_seconds(compiled.bucket_bytes, algorithm, axis_sizes, network)
     communication = sum(per_bucket)
     backward = compute * BACKWARD_SHARE * compiled.schedule.overlapped_backward_fraction
     hidden = max(0.0, min(communication - per_bucket[-1], backward)) if per_bucket else 0.0
