@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.aot.schedule import Schedule, read_schedule
+from jaxdist.comm import buckets as bucketing
 from jaxdist.training.train_step import TrainStep
 
 __all__ = [
@@ -177,7 +178,7 @@ def compile_train_step(
     )
     cost = _cost_analysis(compiled, lowered)
     flops = _step_flops(float(cost.get("flops", 0.0)), step.accumulation_steps)
-    sizes = [per_chip_bytes(leaf) for leaf in jax.tree.leaves(state.params)]
+    sizes = bucketing.leaf_bytes(state.params)  # what the step's buckets are planned from
     buckets = step.buckets or [list(range(len(sizes)))]
     return CompiledStep(
         compile_seconds=seconds,

@@ -230,9 +230,7 @@ def _compile_at(trainer, stage: int, global_batch: int, variable_shapes: tuple) 
         "image": ((global_batch, *trainer.pipeline.image_shape), dtype),
         "label": ((global_batch,), jnp.int32),
     }
-    compiled = compile_train_step(step, *variable_shapes, batch)
-    step._compiled = None  # another batch shape compiles afresh
-    return compiled
+    return compile_train_step(step, *variable_shapes, batch)
 
 
 def largest_fitting_batch_of(

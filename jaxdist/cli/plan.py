@@ -60,6 +60,7 @@ def run_plan(args: argparse.Namespace) -> int:
     # A plan compiles for the slice and runs nothing: JAX itself needs only the CPU.
     jax.config.update("jax_platforms", "cpu")
     from jaxdist.aot import published
+    from jaxdist.aot.chips import GIB
     from jaxdist.aot.plan import largest_fitting_batch_of, plan_recipe
     from jaxdist.aot.report import plan_json, plan_text
     from jaxdist.aot.topology import parse_topology
@@ -90,7 +91,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if fitting is not None:
             batch, tried = fitting
             sizes = ", ".join(
-                f"{b}: {'refused' if m is None else f'{m / 2**30:.2f} GiB'}"
+                f"{b}: {'refused' if m is None else f'{m / GIB:.2f} GiB'}"
                 for b, m in sorted(tried.items())
             )
             print(f"largest per-chip batch that fits (stage 0): {batch} (tried {sizes})")
@@ -99,6 +100,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _fit_verdict(plan) -> int:
     """0 when every stage fits in HBM; otherwise one line naming the stage and the fix, 2."""
+    from jaxdist.aot.chips import GIB
     from jaxdist.aot.plan import FIT_HINT
 
     capacity = plan.topology.chip.hbm_bytes
@@ -106,11 +108,11 @@ def _fit_verdict(plan) -> int:
     if not over:
         return 0
     worst = max(over, key=lambda s: s.compiled.memory.total)
-    excess = (worst.compiled.memory.total - capacity) / 2**30
+    excess = (worst.compiled.memory.total - capacity) / GIB
     print(
-        f"jaxdist plan: stage {worst.index} needs {worst.compiled.memory.total / 2**30:.2f} GiB "
+        f"jaxdist plan: stage {worst.index} needs {worst.compiled.memory.total / GIB:.2f} GiB "
         f"per chip, {excess:.2f} GiB more than a {plan.topology.chip.name}'s "
-        f"{capacity / 2**30:.2f} GiB: {FIT_HINT}",
+        f"{capacity / GIB:.2f} GiB: {FIT_HINT}",
         file=sys.stderr,
     )
     return 2

@@ -15,6 +15,7 @@ one, so the workdir says which steps ran under which settings.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -101,8 +102,13 @@ def _added_at_its_default(difference: Difference) -> bool:
     """A field the toolkit added after the run started, at its default: the run already did
     what the default says (its value was built in before it became a field)."""
     key, old, new = difference
-    defaults = flatten(base_config())
+    defaults = _defaults()
     return old == MISSING and key in defaults and new == defaults[key]
+
+
+@functools.cache
+def _defaults() -> dict[str, Any]:
+    return flatten(base_config())
 
 
 def _describe(diffs: list[Difference]) -> str:
