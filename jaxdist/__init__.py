@@ -6,6 +6,7 @@ The package is layered; each layer uses only those above it::
     comm/                   collectives (the allreduce family), cost_model, buckets
     training/               train_step, batchnorm, loss_scale, optim, batch_schedule,
                             trainer, config, checkpoint
+    pipeline/               schedules, stages, step: pipeline parallelism over a stage axis
     models/, data/          what the recipes train on
     runtime/                distributed, launch, cluster, dispatch   (beside the layers)
     bench/                  allreduce, train_step, resnet, data, timing (beside the layers)
@@ -40,6 +41,7 @@ _MODULES = {
     "trainer": "jaxdist.training.trainer",
     "config": "jaxdist.training.config",
     "checkpoint": "jaxdist.training.checkpoint",
+    "pipeline": "jaxdist.pipeline",
     "models": "jaxdist.models",
     "data": "jaxdist.data",
     "runtime": "jaxdist.runtime",

@@ -2,7 +2,7 @@
 
 A :class:`MeshSpec` names the mesh axes with their sizes, ordered from the least to the most
 communication-intensive (outer to inner), says which layout it stands for (``ring``,
-``torus2d`` or ``hierarchical``) and, optionally, how many devices share a host. Specs live as
+``torus2d``, ``hierarchical`` or ``pipeline``) and, optionally, how many devices share a host. Specs live as
 TOML files in ``meshes/`` and load by preset name or by path::
 
     spec = jaxdist.meshes.load("torus-4x2")
@@ -37,6 +37,7 @@ from jaxdist.checks import is_integer
 __all__ = [
     "CPU_DEVICES_HINT",
     "LAYOUTS",
+    "STAGE_AXIS",
     "MeshDoesNotFitError",
     "MeshSpec",
     "MeshSpecError",
@@ -56,8 +57,10 @@ __all__ = [
     "torus2d",
 ]
 
-LAYOUTS = ("ring", "torus2d", "hierarchical")
-_AXES_PER_LAYOUT = {"ring": 1, "torus2d": 2, "hierarchical": 2}
+LAYOUTS = ("ring", "torus2d", "hierarchical", "pipeline")
+_AXES_PER_LAYOUT = {"ring": (1,), "torus2d": (2,), "hierarchical": (2,), "pipeline": (2, 3)}
+# The axis a pipeline mesh cuts the model along; its other axes are data axes.
+STAGE_AXIS = "stage"
 CPU_DEVICES_HINT = (
     "For a dry run on CPU, force host devices before JAX starts: "
     "`jaxdist --cpu-devices N ...` or XLA_FLAGS=--xla_force_host_platform_device_count=N"
@@ -82,8 +85,9 @@ class MeshSpec:
 
     Attributes:
       name: preset or user-chosen name.
-      layout: ``ring`` (one axis), ``torus2d`` (two axes) or ``hierarchical`` (two axes:
-        hosts, then devices inside a host).
+      layout: ``ring`` (one axis), ``torus2d`` (two axes), ``hierarchical`` (two axes:
+        hosts, then devices inside a host) or ``pipeline`` (one or two data axes and the
+        axis named ``stage`` the model is cut along).
       axes: ``((axis_name, size), ...)`` ordered outer (least communication) to inner (most).
       devices_per_host: devices that share fast links; ``None`` if unknown or irrelevant.
       description: free text: what hardware this stands for.
@@ -122,12 +126,16 @@ class MeshSpec:
         if self.layout not in LAYOUTS:
             raise MeshSpecError(f"{where}: layout must be one of {LAYOUTS}, got {self.layout!r}")
         want = _AXES_PER_LAYOUT[self.layout]
-        if len(self.axes) != want:
+        if len(self.axes) not in want:
             raise MeshSpecError(
-                f"{where}: layout {self.layout!r} needs {want} axis/axes, got {len(self.axes)}: "
-                f"{list(self.axis_names)}"
+                f"{where}: layout {self.layout!r} needs {' or '.join(map(str, want))} axes, got "
+                f"{len(self.axes)}: {list(self.axis_names)}"
             )
         names = self.axis_names
+        if self.layout == "pipeline" and STAGE_AXIS not in names:
+            raise MeshSpecError(
+                f"{where}: a pipeline mesh needs an axis named {STAGE_AXIS!r}, got {list(names)}"
+            )
         if len(set(names)) != len(names):
             raise MeshSpecError(f"{where}: axis names must be distinct, got {list(names)}")
         for name, size in self.axes:
@@ -384,10 +392,12 @@ def describe(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> str
     lines.append(f"  fits: uses {spec.size} of {present} {grid.reshape(-1)[0].platform} device(s)")
     rows = grid.reshape(-1, spec.shape[-1])
     host_rows = hosts.reshape(-1, spec.shape[-1])
-    outer = spec.axis_names[0] if len(spec.axes) > 1 else None
+    outer = spec.axes[:-1]
     lines.append(f"  device id [host] along inner axis {spec.axis_names[-1]!r}:")
     for r, (devs, hs) in enumerate(zip(rows, host_rows)):
-        label = f"{outer}={r:<3d}" if outer else "ring  "
+        index = np.unravel_index(r, [size for _, size in outer]) if outer else ()
+        label = ",".join(f"{name}={i}" for (name, _), i in zip(outer, index))
+        label = label + " " * (3 - len(str(index[-1]))) if outer else "ring  "
         cells = " ".join(f"{d.id:>3d}[{h}]" for d, h in zip(devs, hs))
         lines.append(f"    {label} {cells}")
     mismatch = host_mismatch(spec, grid)

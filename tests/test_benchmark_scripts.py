@@ -315,3 +315,27 @@ def test_queue_depth_runs_a_bounded_loop(tmp_path):
         ("psum", "4", True),
         ("train_step", "4", True),
     ], rows
+
+
+def test_pipeline_memory_gpipe_grows_with_micro_batches_and_1f1b_does_not(tmp_path):
+    out = tmp_path / "memory.json"
+    _run([sys.executable, str(BENCHMARKS / "pipeline_memory.py"), "--stages", "2",
+          "--microbatches", "2,4,8", "--json", str(out)])  # fmt: skip
+    rows = {(r["schedule"], r["microbatches"]): r for r in json.loads(out.read_text())}
+    assert [rows["gpipe", m]["stash_slots"] for m in (2, 4, 8)] == [2, 4, 8]
+    assert [rows["1f1b", m]["stash_slots"] for m in (2, 4, 8)] == [2, 2, 2]
+    # The compiler's own figures: GPipe's 4 more stashed inputs (4 MiB each) from M = 4 to 8
+    # show in its temporaries; 1F1B's stay as they were.
+    gpipe_growth = rows["gpipe", 8]["temp_mib"] - rows["gpipe", 4]["temp_mib"]
+    assert gpipe_growth >= 4 * 4 and rows["gpipe", 8]["temp_mib"] > rows["1f1b", 8]["temp_mib"]
+    assert rows["1f1b", 8]["temp_mib"] == rows["1f1b", 4]["temp_mib"]
+
+
+def test_pipeline_bytes_against_data_parallelism(tmp_path):
+    out = tmp_path / "bytes.json"
+    text = _run([sys.executable, str(BENCHMARKS / "pipeline_bytes.py"), "--microbatches", "2",
+                 "--schedules", "gpipe,1f1b", "--json", str(out)])  # fmt: skip
+    rows = {r["training"]: r for r in json.loads(out.read_text())["rows"]}
+    assert "| data parallel, ring over 8 |" in text
+    assert rows["pipeline gpipe"]["bytes_sent"] < rows["data parallel"]["bytes_sent"] / 2
+    assert rows["pipeline gpipe"]["messages"] < rows["pipeline 1f1b"]["messages"]

@@ -21,6 +21,13 @@ def test_every_preset_loads_as_a_valid_spec(name):
     assert spec.size == int(np.prod(spec.shape))
 
 
+def test_pipeline_presets_show_their_stage_axis():
+    spec = meshes.load("pipeline-2x2x2")
+    assert spec.layout == "pipeline" and spec.axis_names[-1] == meshes.STAGE_AXIS
+    text = meshes.describe(spec)
+    assert "along inner axis 'stage'" in text and "y=1,x=1" in text
+
+
 def test_presets_list_holds_the_required_ones():
     assert set(REQUIRED_PRESETS + PLANNING_PRESETS) <= set(meshes.presets())
 
@@ -72,8 +79,12 @@ def test_spec_that_does_not_fit_says_what_and_how():
 
 
 def test_spec_validation_errors(tmp_path):
-    with pytest.raises(meshes.MeshSpecError, match="layout 'torus2d' needs 2 axis"):
+    with pytest.raises(meshes.MeshSpecError, match="layout 'torus2d' needs 2 axes, got 1"):
         meshes.MeshSpec("bad", "torus2d", (("x", 8),))
+    with pytest.raises(meshes.MeshSpecError, match="layout 'pipeline' needs 2 or 3 axes"):
+        meshes.MeshSpec("bad", "pipeline", (("stage", 8),))
+    with pytest.raises(meshes.MeshSpecError, match="a pipeline mesh needs an axis named 'stage'"):
+        meshes.MeshSpec("bad", "pipeline", (("data", 2), ("x", 4)))
     with pytest.raises(meshes.MeshSpecError, match="layout must be one of"):
         meshes.MeshSpec("bad", "star", (("x", 8),))
     with pytest.raises(meshes.MeshSpecError, match="axis names must be distinct"):

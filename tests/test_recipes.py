@@ -12,6 +12,7 @@ from jaxdist.training.trainer import Trainer
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))
 IMAGENET = [r for r in RECIPES if r.startswith("resnet50_imagenet")]
+PIPELINE = [r for r in RECIPES if "gpipe" in r]
 MNIST = [r for r in RECIPES if r.startswith("mnist")]
 
 # Tiny ImageNet-like settings: 32x32 images, width-8 ResNet-50, 4 images per device.
@@ -41,7 +42,8 @@ def test_all_recipes_present():
         "resnet50_imagenet_mlperf_lars",
         "resnet50_imagenet_flax",
     }
-    assert set(MNIST) == {"mnist_small_batch", "mnist_large_batch_ramp"}
+    assert set(MNIST) == {"mnist_small_batch", "mnist_large_batch_ramp", "mnist_pipeline"}
+    assert PIPELINE == ["resnet152_imagenet_gpipe"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -58,6 +60,13 @@ def test_mnist_recipes_compare_like_with_like():
     assert small.num_epochs == large.num_epochs
     assert large.batch_size >= 8 * small.batch_size and large.batch_ramp
     assert large.label_smoothing > 0 and small.label_smoothing == 0
+
+
+def test_the_pipeline_recipe_is_the_small_batch_recipe_cut_into_stages():
+    small, pipelined = load_recipe("mnist_small_batch"), load_recipe("mnist_pipeline")
+    for key in ("model", "data", "batch_size", "num_epochs", "lr", "optimizer", "seed"):
+        assert small[key] == pipelined[key], key
+    assert small.pipeline.stages == 0 and pipelined.pipeline.stages == 4
 
 
 def test_derived_lr_follows_batch_override():
@@ -129,6 +138,13 @@ MESH_FOR_CPU = {
 def test_imagenet_recipe_on_synthetic_data(name, tmp_path):
     overrides = [*TINY_IMAGENET, *SYNTHETIC, *MESH_FOR_CPU[name]]
     _smoke(name, overrides, tmp_path)
+
+
+@pytest.mark.slow
+def test_gpipe_recipe_on_synthetic_data(tmp_path):
+    overrides = [*TINY_IMAGENET, *SYNTHETIC, "max_per_device_batch=16",
+                 "pipeline.microbatches=2"]  # fmt: skip
+    _smoke("resnet152_imagenet_gpipe", overrides, tmp_path)
 
 
 def test_plot_writes_a_png(tmp_path):

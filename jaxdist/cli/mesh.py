@@ -99,6 +99,11 @@ def _cost_inputs(args: argparse.Namespace):
     from jaxdist.comm import cost_model
 
     spec = meshes.load(args.spec)
+    if spec.layout == "pipeline":
+        raise ValueError(
+            f"{spec.name} is a pipeline mesh: its allreduces run over the data axes alone; "
+            f"price them on the data-parallel preset of that shape"
+        )
     if len(spec.shape) == 1:
         inner_only = {
             "--inner-link": args.inner_link,

@@ -217,6 +217,10 @@ class ResNet(nn.Module):
       norm: factory of the normalisation layer; see the module docstring.
       pointwise_matmul: compute 1x1 convolutions as matrix products (:class:`PointwiseConv`);
         ``False`` uses ``nn.Conv``. Same parameters and function either way.
+      layers: ``(start, stop)``: run only layers ``start`` to ``stop - 1`` of the network's
+        :attr:`num_layers` (the stem, each residual block, the pooled classifier), taking and
+        returning the activations between them. A pipeline stage is such a span; its
+        parameters are the same subtrees, by the same names, as in the whole network.
     """
 
     stage_sizes: Sequence[int]
@@ -229,6 +233,12 @@ class ResNet(nn.Module):
     param_dtype: Dtype = jnp.float32
     norm: ModuleFactory = default_norm
     pointwise_matmul: bool = True
+    layers: tuple[int, int] | None = None
+
+    @property
+    def num_layers(self) -> int:
+        """The stem, every residual block and the classifier: the units a span counts."""
+        return 2 + sum(int(n) for n in self.stage_sizes)
 
     def __post_init__(self) -> None:
         if self.stem not in STEMS:
@@ -244,11 +254,20 @@ class ResNet(nn.Module):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ResNet {field} must be a positive integer, got {value!r}")
+        if self.layers is not None:
+            start, stop = self.layers
+            if not 0 <= start < stop <= self.num_layers:
+                raise ValueError(
+                    f"ResNet layers must be a span (start, stop) with 0 <= start < stop <= "
+                    f"{self.num_layers}, got {tuple(self.layers)!r}"
+                )
         super().__post_init__()
 
     @nn.compact
     def __call__(self, x_BxHxWxC: jax.Array, *, train: bool) -> jax.Array:
-        if x_BxHxWxC.ndim != 4:
+        start, stop = self.layers or (0, self.num_layers)
+        runs = lambda layer: start <= layer < stop  # noqa: E731
+        if start == 0 and x_BxHxWxC.ndim != 4:
             raise ValueError(
                 f"ResNet expects images shaped (batch, height, width, channels), "
                 f"got shape {x_BxHxWxC.shape}"
@@ -282,18 +301,22 @@ class ResNet(nn.Module):
             nn.initializers.zeros if self.zero_init_last_bn_scale else nn.initializers.ones
         )
 
-        x = x_BxHxWxC.astype(self.dtype)
-        if self.stem == "imagenet":
+        x = x_BxHxWxC.astype(self.dtype) if start == 0 else x_BxHxWxC
+        if runs(0) and self.stem == "imagenet":
             x = conv(self.width, (7, 7), 2, _symmetric_padding(7), name="stem_conv")(x)
             x = nn.relu(norm(name="stem_norm")(x))
             x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=_symmetric_padding(3))
-        else:
+        elif runs(0):
             x = conv(self.width, (3, 3), 1, _symmetric_padding(3), name="stem_conv")(x)
             x = nn.relu(norm(name="stem_norm")(x))
 
         block_cls = _BLOCK_CLASSES[self.block]
+        layer = 0
         for stage, num_blocks in enumerate(self.stage_sizes):
             for index in range(num_blocks):
+                layer += 1
+                if not runs(layer):
+                    continue
                 # The first block of every stage but the first halves the resolution.
                 strides = 2 if stage > 0 and index == 0 else 1
                 x = block_cls(
@@ -306,6 +329,8 @@ class ResNet(nn.Module):
                     name=f"stage{stage + 1}_block{index + 1}",
                 )(x)
 
+        if not runs(layer + 1):
+            return x
         features_BxF = jnp.mean(x, axis=(1, 2))
         return nn.Dense(
             self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype, name="head"

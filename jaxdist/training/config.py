@@ -234,6 +234,11 @@ def base_config() -> ml_collections.ConfigDict:
       seed: parameter init, data order and augmentation.
       target_accuracy: top-1 at which the event log's ``run_stop`` says ``success``.
       max_steps: stop after this many steps in total (0: run all epochs); for smoke runs.
+      pipeline: ``stages`` (0: no pipeline; else the size of the mesh's ``stage`` axis),
+        ``microbatches`` per data-parallel replica and step, ``schedule`` (``gpipe``, ``1f1b``,
+        ``interleaved``), ``chunks`` (model chunks per device, interleaved only) and
+        ``boundaries`` (the first layer of each virtual stage; ``()``: equal stages). See
+        :mod:`jaxdist.pipeline`.
     """
     c = ml_collections.ConfigDict()
     c.model = ml_collections.ConfigDict(
@@ -303,4 +308,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.target_accuracy = 0.759
     c.max_steps = 0
+    c.pipeline = ml_collections.ConfigDict(
+        dict(stages=0, microbatches=1, schedule="1f1b", chunks=1, boundaries=())
+    )
     return c

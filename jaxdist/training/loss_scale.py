@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-__all__ = ["DynamicLossScale", "all_finite", "select_tree"]
+__all__ = ["DynamicLossScale", "all_finite", "finish_scaled_step", "select_tree"]
 
 
 class DynamicLossScale(struct.PyTreeNode):
@@ -64,3 +64,15 @@ def all_finite(tree: Any) -> jax.Array:
 def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     """``on_true`` where ``pred`` else ``on_false``, leaf by leaf (both trees alike)."""
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def finish_scaled_step(state: Any, new_state: Any, finite: jax.Array | None, metrics: dict):
+    """A train step's ``(new_state, metrics)`` under a loss scale: a step whose gradients held
+    inf/NaN (``finite`` false) changes nothing but the step count and the (lowered) scale;
+    the metrics gain the scale and the verdict. Without a loss scale, both pass unchanged.
+    ``state`` and ``new_state`` are train states with ``step`` and ``loss_scale`` fields."""
+    if state.loss_scale is None:
+        return new_state, metrics
+    new_state = select_tree(finite, new_state, state.replace(step=state.step + 1))
+    new_state = new_state.replace(loss_scale=state.loss_scale.update(finite))
+    return new_state, {**metrics, "loss_scale": state.loss_scale.scale, "grads_finite": finite}

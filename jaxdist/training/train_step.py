@@ -47,7 +47,7 @@ from jaxdist.comm.scopes import GRADIENT_SCOPE
 from jaxdist.runtime import dispatch
 from jaxdist.training.batches import check_batch_sizes, data_axes_of, shard_batch
 from jaxdist.training.gradients import local_gradients
-from jaxdist.training.loss_scale import DynamicLossScale, all_finite, select_tree
+from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_scaled_step
 from jaxdist.training.zero1 import zero1_update
 
 __all__ = [
@@ -312,13 +312,7 @@ class TrainStep:
         new_state = state.replace(
             step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
         )
-        metrics = {**metrics, "loss": loss}
-        if state.loss_scale is not None:
-            # A step with inf/NaN gradients changes nothing but the (lowered) loss scale.
-            new_state = select_tree(finite, new_state, state.replace(step=state.step + 1))
-            new_state = new_state.replace(loss_scale=state.loss_scale.update(finite))
-            metrics = {**metrics, "loss_scale": state.loss_scale.scale, "grads_finite": finite}
-        return new_state, metrics
+        return finish_scaled_step(state, new_state, finite, {**metrics, "loss": loss})
 
     def _plan_buckets(self, state, batch, rng) -> list[list[int]]:
         """Gradient buckets in backward order (traced once, abstractly, at the first step)."""

@@ -42,6 +42,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.data import DataConfig, make_pipeline
+from jaxdist.data.transforms import normalize
+from jaxdist.pipeline import from_config as pipeline_config
+from jaxdist.pipeline.step import PipelineStep
 from jaxdist.training import optim, run_config
 from jaxdist.training.batch_schedule import BatchSchedule
 from jaxdist.training.checkpoint import Checkpointer, PreemptionGuard, abstract_like
@@ -125,14 +128,20 @@ class Trainer:
         """Everything the config describes: mesh, data, batch plan, model, loss, optimizer and
         the train step of every stage, so that a bad value fails here, before any training."""
         self.mesh = build_mesh(config.mesh) if mesh is None else mesh
+        self.pipelined = pipeline_config.enabled(config)
         names = tuple(self.mesh.axis_names)
+        if self.pipelined:  # the stage axis cuts the model; the others split the batch
+            names = pipeline_config.data_axes(config, self.mesh)
         self.data_axes = names[0] if len(names) == 1 else names
-        self.num_replicas = self.mesh.devices.size
+        self.num_replicas = math.prod(self.mesh.shape[a] for a in names)
         self.pipeline = make_pipeline(DataConfig.from_dict(config.data.to_dict()))
         self.schedule = BatchSchedule(
             batch_stages(config), dataset_size=self.pipeline.num_train_examples
         )
         self.plans = self.schedule.device_plans(self.num_replicas, config.max_per_device_batch)
+        if self.pipelined:
+            batches = [batch for _, batch in batch_stages(config)]
+            pipeline_config.check_batches(config, batches, self.num_replicas)
         self.total_steps = self.schedule.steps_for_epochs(config.num_epochs)
         if config.max_steps:
             self.total_steps = min(self.total_steps, config.max_steps)
@@ -145,8 +154,11 @@ class Trainer:
         self.model = build_model(config.model, self.pipeline.num_classes, self.data_axes,
                                  self.num_replicas)  # fmt: skip
         applied = self.model
+        self.model_inputs = lambda batch: batch["image"]
         if config.data.dtype == "uint8":
             applied = NormalizeOnDevice(self.model, self.pipeline.mean, self.pipeline.std)
+            mean, std = self.pipeline.mean, self.pipeline.std
+            self.model_inputs = lambda batch: normalize(batch["image"], mean, std)
         self.loss_fn = classifier_loss(
             applied,
             num_classes=self.pipeline.num_classes,
@@ -162,10 +174,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
 
-    def train_step_for(self, stage: int) -> TrainStep:
-        """The TrainStep of a stage: one per accumulation setting; a new batch shape compiles
-        once more."""
+    def train_step_for(self, stage: int) -> TrainStep | PipelineStep:
+        """The TrainStep of a stage (a PipelineStep when the recipe has a pipeline): one per
+        accumulation setting; a new batch shape compiles once more."""
         accumulation = self.plans[stage].accumulation_steps
+        if accumulation not in self._train_steps and self.pipelined:
+            self._train_steps[accumulation] = pipeline_config.build_pipeline_step(
+                self.config, self.model, self.mesh, self.optimizer,
+                self.pipeline.num_classes, self.model_inputs, accumulation,
+            )  # fmt: skip
         if accumulation not in self._train_steps:
             self._train_steps[accumulation] = TrainStep(
                 self.loss_fn,
@@ -182,6 +199,9 @@ class Trainer:
     def initial_state(self) -> TrainState:
         """Parameters and BatchNorm statistics from the seed, placed on the mesh."""
         images = jnp.zeros((1, *self.pipeline.image_shape), jnp.float32)
+        if self.pipelined:
+            return pipeline_config.initial_state(self.config, self.train_step_for(0), self.model,
+                                                 images)  # fmt: skip
         variables = self.model.init(jax.random.key(self.config.seed), images, train=False)
         params = variables.pop("params")
         return self.train_step_for(0).init(params, dict(variables))
@@ -189,6 +209,9 @@ class Trainer:
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Top-1 / top-5 accuracy over the whole held-out split."""
         step = self.train_step_for(0)
+        if self.pipelined:  # the whole model on every device, its stages' parts joined
+            params, model_state = pipeline_config.whole_variables(step, state)
+            state = TrainState(state.step, params, model_state, opt_state=None)
         totals = None
         with self.pipeline.eval_iterator(self.config.eval_batch_size) as batches:
             for batch in batches:
@@ -200,6 +223,8 @@ class Trainer:
 
     def _set_lr(self, state: TrainState, epoch: float) -> tuple[TrainState, float]:
         lr = float(self.lr_fn(epoch))
+        if self.pipelined:
+            return self.train_step_for(0).set_learning_rate(state, lr), lr
         # Placed like the rest of the state, so the jitted step sees the same shardings.
         value = jax.device_put(np.float32(lr), self._replicated)
         return state.replace(opt_state=optim.set_learning_rate(state.opt_state, value)), lr

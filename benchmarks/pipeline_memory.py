@@ -1,0 +1,159 @@
+"""Peak memory per device of a pipeline step as the micro-batch count grows: GPipe against 1F1B.
+
+    python benchmarks/pipeline_memory.py [--stages 4] [--microbatches 1,2,4,8,16,32]
+        [--topology cpu|v5e:2x2|...] [--plot docs/pipeline_memory.png]
+
+The model is an MLP of eight 1024-wide layers cut into ``--stages`` equal stages; each
+micro-batch holds 1,024 examples, so the global batch grows with M while each op's work stays
+the same. Every configuration is compiled (not run) and XLA's own figures are read from
+``compiled.memory_analysis()``: arguments (the stage's parameters, optimizer state and the
+batch), temporaries (the activation and gradient stashes, the recomputed forward, the
+messages) and their sum. ``--topology cpu`` compiles for forced CPU devices; a TPU slice name
+compiles for compile-only TPU devices (:mod:`jaxdist.aot`). Rows go to
+``benchmarks/results/pipeline_memory_<topology>.json`` (or ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+WIDTH, LAYERS, MICRO_BATCH = 1024, 8, 1024
+
+
+def devices_for(topology: str, count: int):
+    if topology == "cpu":
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        import jax
+
+        return jax.devices()[:count]
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    from jaxdist.aot.topology import parse_topology
+
+    return parse_topology(topology).devices()[:count]
+
+
+def measure(topology: str, stages: int, schedules: list[str], micro_batches: list[int]) -> list:
+    devices = devices_for(topology, stages)
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh
+
+    from jaxdist.pipeline import stages as pipeline_stages
+    from jaxdist.pipeline.step import PipelineStep
+
+    class Dense(nn.Module):
+        features: int
+
+        @nn.compact
+        def __call__(self, x, *, train):
+            return nn.relu(nn.Dense(self.features)(x))
+
+    layers = [Dense(WIDTH) for _ in range(LAYERS)]
+    modules = [pipeline_stages.Chain(g) for g in pipeline_stages.cut(layers, stages=stages)]
+    example = jax.ShapeDtypeStruct((1, WIDTH), jnp.float32)
+    params = []
+    for module in modules:
+        params.append(
+            jax.eval_shape(
+                lambda m=module: m.init(jax.random.key(0), jnp.zeros(example.shape), train=False)[
+                    "params"
+                ]
+            )
+        )
+
+    def loss_fn(outputs, micro_batch):
+        return jnp.mean((outputs - micro_batch["y"]) ** 2), {}
+
+    mesh = Mesh(np.array(devices), ("stage",))
+    rows = []
+    for schedule in schedules:
+        for M in micro_batches:
+            step = PipelineStep(pipeline_stages.flax_stages(modules), loss_fn, optax.adam(1e-3),
+                                mesh, microbatches=M, schedule=schedule, inputs=lambda b: b["x"])  # fmt: skip
+            state = step.abstract_init(params)
+            shape = (M * MICRO_BATCH, WIDTH)
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            batch = {name: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=replicated)
+                     for name in ("x", "y")}  # fmt: skip
+            rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
+            memory = step.lower(state, batch, rng).compile().memory_analysis()
+            row = {
+                "topology": topology,
+                "stages": stages,
+                "schedule": schedule,
+                "microbatches": M,
+                "stash_slots": step.program.input_slots,
+                "bubble": step.program.schedule.bubble_fraction,
+                "argument_mib": memory.argument_size_in_bytes / 2**20,
+                "temp_mib": memory.temp_size_in_bytes / 2**20,
+                "peak_mib": (memory.argument_size_in_bytes + memory.temp_size_in_bytes
+                             + memory.output_size_in_bytes - memory.alias_size_in_bytes) / 2**20,
+            }  # fmt: skip
+            rows.append(row)
+            print(f"| {schedule} | {M} | {row['stash_slots']} | {row['bubble']:.3f} | "
+                  f"{row['argument_mib']:.1f} | {row['temp_mib']:.1f} | {row['peak_mib']:.1f} |",
+                  flush=True)  # fmt: skip
+    return rows
+
+
+def plot(rows: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for schedule in dict.fromkeys(r["schedule"] for r in rows):
+        mine = [r for r in rows if r["schedule"] == schedule]
+        ax.plot([r["microbatches"] for r in mine], [r["temp_mib"] for r in mine], "o-",
+                label=schedule)  # fmt: skip
+    first = rows[0]
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches per step (M)")
+    ax.set_ylabel("temporary memory per device (MiB)")
+    ax.set_title(f"{first['stages']} stages, {MICRO_BATCH} examples per micro-batch "
+                 f"({first['topology']})")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", default="1,2,4,8,16,32")
+    parser.add_argument("--schedules", default="gpipe,1f1b")
+    parser.add_argument("--topology", default="cpu")
+    parser.add_argument("--plot", type=Path, default=None, help="write the chart here")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="rows to this file (default benchmarks/results/pipeline_memory_<topology>.json)")  # fmt: skip
+    args = parser.parse_args(argv)
+    print(
+        "| schedule | M | stash slots | bubble | arguments (MiB) | temporaries (MiB) | peak (MiB) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    rows = measure(args.topology, args.stages, args.schedules.split(","),
+                   [int(m) for m in args.microbatches.split(",")])  # fmt: skip
+    out = args.json or RESULTS / f"pipeline_memory_{args.topology.replace(':', '_')}.json"
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"rows in {out}", file=sys.stderr)
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"chart in {args.plot}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The trainer with a pipeline recipe: ``--set pipeline.*`` on a mesh with a stage axis trains,
+evaluates, resumes exactly, sets the learning rate inside the flat optimizer state, and refuses
+a mesh that does not match in one line."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from test_pipeline_step import assert_trees_close, cross_entropy, data, mlp_stages, reference
+from test_trainer import Crash, _assert_trees_equal, _crash_at, tiny_config
+
+from jaxdist import meshes
+from jaxdist.pipeline import stages as pipeline_stages
+from jaxdist.pipeline.step import PipelineStep
+from jaxdist.training import optim
+from jaxdist.training.config import ConfigError
+from jaxdist.training.trainer import Trainer
+
+PIPELINE = {
+    "mesh": "pipeline-2x4",
+    "pipeline.stages": 4,
+    "pipeline.microbatches": 2,
+    "pipeline.boundaries": (0, 3, 5, 7),  # ResNet-18: stem, 8 blocks, classifier
+}
+
+
+def test_pipeline_recipe_trains_and_resumes_exactly(tmp_path):
+    straight = Trainer(tiny_config(**PIPELINE), tmp_path / "straight")
+    summary = straight.run()
+    assert summary["step"] == 7 and 0 <= summary["top1"] <= 1
+    assert isinstance(straight.train_step_for(0), PipelineStep)
+
+    workdir = tmp_path / "crashed"
+    resumed = Trainer(tiny_config(**PIPELINE), workdir)
+    with pytest.raises(Crash):
+        resumed.run(on_step=_crash_at(4))
+    assert resumed.run()["step"] == 7
+    for field in ("params", "model_state", "opt_state"):
+        _assert_trees_equal(getattr(resumed.state, field), getattr(straight.state, field), field)
+    # The learning rate the schedule set last is in every stage's optimizer state.
+    step = straight.train_step_for(0)
+    stage, chunk, offset = step._learning_rate_at
+    stored = np.asarray(straight.state.opt_state)[stage, chunk, offset]
+    want = float(straight.lr_fn(straight.schedule.epoch_at(6)))
+    np.testing.assert_allclose(stored, want, rtol=1e-6)
+
+
+def test_learning_rate_and_lars_reach_every_stage():
+    """LARS needs each layer whole: the optimizer sees each stage's tree, and the learning
+    rate written into the flat state is the one the update uses."""
+    batch = data()
+    modules = mlp_stages(4)
+    params, states = pipeline_stages.init_flax_stages(modules, jax.random.key(0), batch["x"][:2])
+    fns = pipeline_stages.flax_stages(modules)
+
+    def lars():
+        return optim.make_optimizer("lars", 0.1, momentum=0.9, nesterov=False,
+                                    weight_decay=1e-4, trust_coefficient=0.001, eps=0.0)  # fmt: skip
+
+    step = PipelineStep(fns, cross_entropy, lars(), meshes.build("pipeline-2x4"),
+                        microbatches=3, inputs=lambda b: b["x"])  # fmt: skip
+    state = step.set_learning_rate(step.init(params, states), 0.5)
+    for _ in range(2):
+        state, _ = step(state, step.shard_batch(batch), jax.random.key(3))
+
+    reference_optimizer = lars()
+    init = reference_optimizer.init
+    optimizer = optax.GradientTransformation(
+        lambda p: optim.set_learning_rate(init(p), 0.5), reference_optimizer.update
+    )
+    want, _, _ = reference(fns, params, states, batch, optimizer, 6, 2)
+    assert_trees_close(step.unstack(state)[0], want)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"mesh": "torus-2x4"},
+            r"needs a mesh with a 'stage' axis; the mesh has axes \('y', 'x'\)",
+        ),
+        ({"mesh": "pipeline-2x2x2"}, "the mesh's 'stage' axis has 2 devices"),
+        ({"pipeline.boundaries": (0, 5)}, "pipeline.boundaries has 2 entries; it needs one per"),
+        ({"pipeline.schedule": "zero-bubble"}, "schedule must be one of gpipe, 1f1b, interleaved"),
+        ({"pipeline.boundaries": (0, 5, 9, 12)}, "stay below the 10 layers"),
+    ],
+)
+def test_bad_pipeline_config_is_one_line(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message) as caught:
+        Trainer(tiny_config(**{**PIPELINE, **overrides}), tmp_path)
+    assert "\n" not in str(caught.value)
+
+
+def test_micro_batches_that_do_not_divide_the_batch_are_refused_before_training(tmp_path):
+    with pytest.raises(ConfigError, match=r"batch of 16 does not split into pipeline\.microbatch"):
+        Trainer(tiny_config(**{**PIPELINE, "pipeline.microbatches": 3}), tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()
