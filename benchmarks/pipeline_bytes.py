@@ -43,7 +43,6 @@ def main(argv=None) -> int:
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
 
     from jaxdist import meshes
@@ -98,9 +97,9 @@ def main(argv=None) -> int:
                  "y": jax.ShapeDtypeStruct((replicas * M * b, WIDTHS[-1]), jnp.float32, sharding=batch_sharding)}  # fmt: skip
         rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
         step.lower(state, batch, rng)  # traces the step: the activation layout is known after
-        message = step.activations.size * np.dtype(step.activations.dtype).itemsize
-        messages = step.program.messages_per_step
-        gradient = step.chunks * step.layouts["params"].size * 4
+        sent_by = step.bytes_per_step()
+        messages, message = sent_by["messages"], sent_by["message_bytes"]
+        gradient = sent_by["gradient_bytes"]
         sent = messages * message + ring_bytes(gradient, replicas)
         seconds = messages * (link.alpha + message * link.beta) + ring_seconds(gradient, replicas)
         rows.append({"training": f"pipeline {schedule}", "messages": messages,

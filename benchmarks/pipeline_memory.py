@@ -40,17 +40,32 @@ def devices_for(topology: str, count: int):
     return parse_topology(topology).devices()[:count]
 
 
-def measure(topology: str, stages: int, schedules: list[str], micro_batches: list[int]) -> list:
-    devices = devices_for(topology, stages)
+def model_stages(model: str, stages: int, micro_batch: int):
+    """(stage modules, example input, loss_fn, batch shapes for M micro-batches)."""
     import flax.linen as nn
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
-    from jax.sharding import Mesh
 
     from jaxdist.pipeline import stages as pipeline_stages
-    from jaxdist.pipeline.step import PipelineStep
+
+    if model == "resnet152":
+        from jaxdist.models.resnet import resnet152
+
+        network = resnet152(dtype=jnp.bfloat16)
+        bounds = [round(i * network.num_layers / stages) for i in range(stages)]
+        modules = pipeline_stages.split_module(network, boundaries=bounds)
+        example = jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32)
+
+        def loss_fn(logits, micro_batch):
+            labels = micro_batch["y"]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), {}
+
+        def batch(M):
+            n = M * micro_batch
+            return {"x": ((n, 224, 224, 3), jnp.float32), "y": ((n,), jnp.int32)}
+
+        return modules, example, loss_fn, batch
 
     class Dense(nn.Module):
         features: int
@@ -61,35 +76,53 @@ def measure(topology: str, stages: int, schedules: list[str], micro_batches: lis
 
     layers = [Dense(WIDTH) for _ in range(LAYERS)]
     modules = [pipeline_stages.Chain(g) for g in pipeline_stages.cut(layers, stages=stages)]
-    example = jax.ShapeDtypeStruct((1, WIDTH), jnp.float32)
-    params = []
-    for module in modules:
-        params.append(
-            jax.eval_shape(
-                lambda m=module: m.init(jax.random.key(0), jnp.zeros(example.shape), train=False)[
-                    "params"
-                ]
-            )
-        )
 
     def loss_fn(outputs, micro_batch):
         return jnp.mean((outputs - micro_batch["y"]) ** 2), {}
 
+    def batch(M):
+        shape = (M * micro_batch, WIDTH)
+        return {"x": (shape, jnp.float32), "y": (shape, jnp.float32)}
+
+    return modules, jax.ShapeDtypeStruct((1, WIDTH), jnp.float32), loss_fn, batch
+
+
+def measure(
+    topology: str, stages: int, schedules: list[str], micro_batches: list[int],
+    model: str = "mlp", micro_batch: int = MICRO_BATCH,
+) -> list:  # fmt: skip
+    devices = devices_for(topology, stages)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jaxdist.pipeline import stages as pipeline_stages
+    from jaxdist.pipeline.step import PipelineStep
+
+    modules, example, loss_fn, batch_shapes = model_stages(model, stages, micro_batch)
+    params, model_state = jax.eval_shape(
+        lambda x: pipeline_stages.init_flax_stages(modules, jax.random.key(0), x),
+        jnp.zeros(example.shape, example.dtype),
+    )
     mesh = Mesh(np.array(devices), ("stage",))
+    replicated = NamedSharding(mesh, PartitionSpec())
     rows = []
     for schedule in schedules:
         for M in micro_batches:
-            step = PipelineStep(pipeline_stages.flax_stages(modules), loss_fn, optax.adam(1e-3),
-                                mesh, microbatches=M, schedule=schedule, inputs=lambda b: b["x"])  # fmt: skip
-            state = step.abstract_init(params)
-            shape = (M * MICRO_BATCH, WIDTH)
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            batch = {name: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=replicated)
-                     for name in ("x", "y")}  # fmt: skip
+            step = PipelineStep(pipeline_stages.flax_stages(modules), loss_fn, optax.sgd(0.1, 0.9)
+                                if model == "resnet152" else optax.adam(1e-3), mesh,
+                                microbatches=M, schedule=schedule, inputs=lambda b: b["x"])  # fmt: skip
+            state = step.abstract_init(params, model_state)
+            batch = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+                     for name, (shape, dtype) in batch_shapes(M).items()}  # fmt: skip
             rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
             memory = step.lower(state, batch, rng).compile().memory_analysis()
             row = {
                 "topology": topology,
+                "model": model,
+                "micro_batch": micro_batch,
                 "stages": stages,
                 "schedule": schedule,
                 "microbatches": M,
@@ -122,8 +155,8 @@ def plot(rows: list, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches per step (M)")
     ax.set_ylabel("temporary memory per device (MiB)")
-    ax.set_title(f"{first['stages']} stages, {MICRO_BATCH} examples per micro-batch "
-                 f"({first['topology']})")  # fmt: skip
+    ax.set_title(f"{first['model']}, {first['stages']} stages, {first['micro_batch']} examples "
+                 f"per micro-batch ({first['topology']})")  # fmt: skip
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -136,6 +169,15 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatches", default="1,2,4,8,16,32")
     parser.add_argument("--schedules", default="gpipe,1f1b")
     parser.add_argument("--topology", default="cpu")
+    parser.add_argument(
+        "--model",
+        default="mlp",
+        choices=("mlp", "resnet152"),
+        help="mlp (eight 1024-wide layers) or resnet152 (224x224, bf16)",
+    )
+    parser.add_argument(
+        "--micro-batch", type=int, default=MICRO_BATCH, help="examples per micro-batch"
+    )
     parser.add_argument("--plot", type=Path, default=None, help="write the chart here")
     parser.add_argument("--json", type=Path, default=None,
                         help="rows to this file (default benchmarks/results/pipeline_memory_<topology>.json)")  # fmt: skip
@@ -145,8 +187,10 @@ def main(argv=None) -> int:
     )
     print("|---|---|---|---|---|---|---|")
     rows = measure(args.topology, args.stages, args.schedules.split(","),
-                   [int(m) for m in args.microbatches.split(",")])  # fmt: skip
-    out = args.json or RESULTS / f"pipeline_memory_{args.topology.replace(':', '_')}.json"
+                   [int(m) for m in args.microbatches.split(",")], args.model,
+                   args.micro_batch)  # fmt: skip
+    name = f"{args.topology.replace(':', '_')}" + ("" if args.model == "mlp" else f"_{args.model}")
+    out = args.json or RESULTS / f"pipeline_memory_{name}.json"
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"rows in {out}", file=sys.stderr)
     if args.plot:

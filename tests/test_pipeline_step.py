@@ -244,6 +244,9 @@ def test_bad_input_gets_one_line():
         PipelineStep(fns, cross_entropy, sgd, meshes.ring(4), microbatches=2)
     with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b, interleaved"):
         PipelineStep(fns, cross_entropy, sgd, stage_mesh(4), microbatches=2, schedule="zb")
+    with pytest.raises(ValueError, match="allreduce 'torus2d' needs two data axes"):
+        PipelineStep(fns, cross_entropy, sgd, meshes.build("pipeline-2x4"), microbatches=2,
+                     allreduce="torus2d")  # fmt: skip
     with pytest.raises(ValueError, match="3 stage functions for 4 stages"):
         PipelineStep(fns[:3], cross_entropy, sgd, stage_mesh(4), microbatches=2)
     with pytest.raises(ValueError, match="7 layers do not divide into 2 equal stages"):

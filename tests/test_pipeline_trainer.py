@@ -81,6 +81,10 @@ def test_learning_rate_and_lars_reach_every_stage():
         ),
         ({"mesh": "pipeline-2x2x2"}, "the mesh's 'stage' axis has 2 devices"),
         ({"pipeline.boundaries": (0, 5)}, "pipeline.boundaries has 2 entries; it needs one per"),
+        (
+            {"pipeline.schedule": "interleaved", "pipeline.chunks": 2},
+            r"has 4 entries; it needs one per virtual stage \(8\)",
+        ),
         ({"pipeline.schedule": "zero-bubble"}, "schedule must be one of gpipe, 1f1b, interleaved"),
         ({"pipeline.boundaries": (0, 5, 9, 12)}, "stay below the 10 layers"),
     ],

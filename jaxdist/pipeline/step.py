@@ -54,7 +54,7 @@ from jaxdist.pipeline.stages import ActivationLayout, FlatLayout, StageFn
 from jaxdist.runtime import dispatch
 from jaxdist.training.batches import check_batch_sizes, shard_batch
 from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_scaled_step
-from jaxdist.training.train_step import donation_default
+from jaxdist.training.train_step import NO_ALLREDUCE, check_allreduce, donation_default
 
 __all__ = ["PipelineLossFn", "PipelineState", "PipelineStep", "stage_data_axes"]
 
@@ -134,10 +134,13 @@ class PipelineStep:
                 f"{len(stages)} stage functions for {self.num_stages} stages on axis "
                 f"{stage_axis!r} with {chunks} chunk(s) each: expected {virtual}"
             )
-        if allreduce not in collectives.ALGORITHMS:
+        if allreduce != NO_ALLREDUCE and allreduce not in collectives.ALGORITHMS:
             raise ValueError(
                 f"unknown allreduce {allreduce!r}; expected one of {collectives.ALGORITHMS}"
             )
+        if allreduce != NO_ALLREDUCE and self.data_axes:
+            axes = self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
+            check_allreduce(mesh, axes, allreduce, dict(allreduce_options or {}))
         self.stages = list(stages)
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -148,7 +151,6 @@ class PipelineStep:
         self.inputs = inputs
         self.allreduce = allreduce
         self.allreduce_options = dict(allreduce_options or {})
-        collectives.common_options(self.allreduce_options)
         self.bucket_bytes = bucket_bytes
         self.loss_scale = loss_scale
         self.donate = donation_default(mesh) if donate is None else donate
@@ -176,7 +178,11 @@ class PipelineStep:
         replicated = NamedSharding(self.mesh, P())
         return PipelineState(
             step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
-            **{name: jax.device_put(array, sharding) for name, array in stacked.items()},
+            # Each process places only its own devices' stages (no cross-process check).
+            **{
+                name: jax.make_array_from_callback(array.shape, sharding, array.__getitem__)
+                for name, array in stacked.items()
+            },
             loss_scale=jax.device_put(self.loss_scale, replicated),
         )
 
@@ -266,6 +272,21 @@ class PipelineStep:
             for offset in np.flatnonzero(np.asarray(layout.flatten(marked))):
                 positions.append((v % S, v // S, offset))
         return tuple(np.array(column) for column in zip(*positions))
+
+    def bytes_per_step(self) -> dict[str, int]:
+        """What each device sends per step, known once the step was traced: ``messages``
+        between stages of ``message_bytes`` each (the largest boundary's activation for one
+        micro-batch) and ``gradient_bytes``, its stage gradients, which the data axes'
+        allreduce averages (padded to the largest stage)."""
+        if self.activations is None:
+            raise RuntimeError(
+                "bytes_per_step is known once the step was traced (call or lower it)"
+            )
+        return {
+            "messages": self.program.messages_per_step,
+            "message_bytes": self.activations.size * np.dtype(self.activations.dtype).itemsize,
+            "gradient_bytes": self.chunks * self.layouts["params"].size * 4,
+        }
 
     def shard_batch(self, batch: Any) -> Any:
         """Place a batch on the mesh: split over the data axes, the same on every stage."""
@@ -423,6 +444,7 @@ class PipelineStep:
         model_state = carry["model_state"]
         if self.data_axes:
             model_state, loss, metrics = lax.pmean((model_state, loss, metrics), self.data_axes)
+        if self.data_axes and self.allreduce != NO_ALLREDUCE:
             with jax.named_scope(GRADIENT_SCOPE):
                 grads = self._allreduce(grads)
         if state.loss_scale is not None:

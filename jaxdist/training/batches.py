@@ -9,7 +9,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["check_batch_sizes", "data_axes_of", "shard_batch"]
+__all__ = ["check_batch_sizes", "data_axes_of", "local_replica_indices", "shard_batch"]
 
 
 def data_axes_of(mesh: Mesh, data_axes: str | tuple[str, ...] | None) -> str | tuple[str, ...]:
@@ -35,14 +35,26 @@ def check_batch_sizes(batch: Any) -> None:
         raise ValueError(f"batch leaves must share one leading (batch) size, got {found}")
 
 
+def local_replica_indices(mesh: Mesh, data_axes: str | tuple[str, ...]) -> list[int]:
+    """Which data-parallel replicas (positions along the data axes, flattened in mesh order)
+    this process's devices hold. Devices along other axes (a pipeline's stages) hold the same
+    replica's data, so a process holding stages 0-3 of replica 1 holds one replica: [1]."""
+    axes = [mesh.axis_names.index(a) for a in np.atleast_1d(data_axes)]
+    sizes = [mesh.devices.shape[a] for a in axes]
+    held = set()
+    for index in np.ndindex(mesh.devices.shape):
+        if mesh.devices[index].process_index == jax.process_index():
+            held.add(int(np.ravel_multi_index([index[a] for a in axes], sizes)))
+    return sorted(held)
+
+
 def shard_batch(mesh: Mesh, data_axes: str | tuple[str, ...], batch: Any) -> Any:
     """Place a batch on ``mesh``, split along its leading axis over ``data_axes``.
 
     Each process passes its own part of the global batch (all of it on one process)."""
     check_batch_sizes(batch)
     sharding = NamedSharding(mesh, P(data_axes))
-    replicas = int(np.prod([mesh.shape[a] for a in np.atleast_1d(data_axes)]))
-    local_replicas = replicas // jax.process_count()
+    local_replicas = len(local_replica_indices(mesh, data_axes))
 
     def place(x):
         x = np.asarray(x)

@@ -57,6 +57,7 @@ __all__ = [
     "LossFn",
     "TrainState",
     "TrainStep",
+    "check_allreduce",
     "classifier_eval",
     "classifier_loss",
     "donation_default",
@@ -89,6 +90,25 @@ def donation_default(mesh: Mesh) -> bool:
     apart from its input/output aliases (benchmarks/results/NOTES_train_step_resnet.md has the figures).
     """
     return any(d.platform != "cpu" for d in mesh.devices.flat)
+
+
+def check_allreduce(
+    mesh: Mesh, axes: str | tuple[str, ...], allreduce: str, options: Mapping[str, Any]
+) -> None:
+    """Refuse an allreduce that cannot run over ``axes`` of ``mesh`` with ``options``, in one
+    line, before anything is traced."""
+    chosen = collectives.get(allreduce)
+    if chosen.two_level and not (isinstance(axes, tuple) and len(axes) == 2):
+        raise ValueError(f"allreduce {chosen.name!r} needs two data axes (outer, inner), "
+                         f"got {axes!r}")  # fmt: skip
+    sizes = [mesh.shape[a] for a in np.atleast_1d(axes)]
+    if not chosen.two_level:
+        sizes = [int(np.prod(sizes))]
+    collectives.common_options(options)
+    own = {k: v for k, v in options.items() if k in chosen.options}
+    reason = chosen.unsupported(sizes, **own)
+    if reason:
+        raise ValueError(f"allreduce {chosen.name!r} cannot run over {axes!r}: {reason}")
 
 
 class TrainStep:
@@ -146,7 +166,7 @@ class TrainStep:
         self.allreduce = allreduce
         self.allreduce_options = dict(allreduce_options or {})
         if allreduce != NO_ALLREDUCE:
-            self._check_allreduce(collectives.get(allreduce))
+            check_allreduce(mesh, self.data_axes, allreduce, self.allreduce_options)
         self.bucket_bytes = bucket_bytes
         self.accumulation_steps = accumulation_steps
         self.zero1 = zero1
@@ -158,21 +178,6 @@ class TrainStep:
         self._compiled: Callable | None = None
         self._zero_size: int | None = None
         self._in_flight = dispatch.shared_window(mesh, max_in_flight)
-
-    def _check_allreduce(self, chosen: collectives.Algorithm) -> None:
-        """Refuse an algorithm that cannot run on the data axes, before anything is traced."""
-        axes = self.data_axes
-        if chosen.two_level and not (isinstance(axes, tuple) and len(axes) == 2):
-            raise ValueError(f"allreduce {chosen.name!r} needs two data axes (outer, inner), "
-                             f"got {axes!r}")  # fmt: skip
-        sizes = [self.mesh.shape[a] for a in np.atleast_1d(axes)]
-        if not chosen.two_level:
-            sizes = [int(np.prod(sizes))]
-        collectives.common_options(self.allreduce_options)
-        own = {k: v for k, v in self.allreduce_options.items() if k in chosen.options}
-        reason = chosen.unsupported(sizes, **own)
-        if reason:
-            raise ValueError(f"allreduce {chosen.name!r} cannot run over {axes!r}: {reason}")
 
     # ------------------------------------------------------------------ state and batches
 
