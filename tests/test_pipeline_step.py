@@ -144,21 +144,34 @@ def small_resnet(**kwargs):
     return resnet18(num_classes=5, width=4, stem="small", **kwargs)
 
 
-def test_resnet_stages_with_batchnorm_equal_accumulation():
+RESNET_CASES = [
+    # (schedule, stages, chunks, micro-batches, boundaries): ResNet-18 has 10 layers.
+    ("1f1b", 3, 1, 4, [0, 4, 7]),  # uneven: 4, 3, 3 layers
+    pytest.param("gpipe", 2, 1, 2, [0, 6], marks=pytest.mark.slow),
+    pytest.param("interleaved", 2, 2, 2, [0, 3, 5, 8], marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("schedule, stages, chunks, micro_batches, boundaries", RESNET_CASES)
+def test_resnet_stages_with_batchnorm_equal_accumulation(
+    schedule, stages, chunks, micro_batches, boundaries
+):
     """BatchNorm inside a pipeline normalises each micro-batch with its own statistics and
     threads its running statistics through the micro-batches in order, as accumulation does."""
     model = small_resnet()
     images = jax.random.normal(jax.random.key(1), (16, 8, 8, 3))
     batch = {"x": images, "label": jax.random.randint(jax.random.key(2), (16,), 0, 5)}
     variables = model.init(jax.random.key(0), images[:2], train=False)
-    modules = pipeline_stages.split_module(model, boundaries=[0, 4, 7])  # uneven: 4, 3, 3 layers
+    modules = pipeline_stages.split_module(model, boundaries=boundaries)
     params, states = pipeline_stages.split_variables(variables, modules, images[:2])
     fns = pipeline_stages.flax_stages(modules)
     optimizer = optax.sgd(0.05, momentum=0.9)
-    step = PipelineStep(fns, cross_entropy, optimizer, stage_mesh(3), microbatches=4,
-                        schedule="1f1b", inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(fns, cross_entropy, optimizer, stage_mesh(stages),
+                        microbatches=micro_batches, schedule=schedule, chunks=chunks,
+                        inputs=lambda b: b["x"])  # fmt: skip
     state, _ = run_pipeline(step, params, states, batch, steps=2)
-    want_params, want_states, _ = reference(fns, params, states, batch, optimizer, 4, 2)
+    want_params, want_states, _ = reference(fns, params, states, batch, optimizer,
+                                            micro_batches, 2)  # fmt: skip
     got_params, got_states = step.unstack(state)
     assert_trees_close(got_params, want_params, atol=1e-5)
     assert_trees_close(got_states, want_states, atol=1e-5)

@@ -17,8 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Build the table of a pipeline schedule (GPipe, 1F1B or interleaved "
         "1F1B) for STAGES devices and MICROBATCHES micro-batches, print it (F3: forward of "
         "micro-batch 3, B3.1: backward of micro-batch 3 on the device's model chunk 1, '.': "
-        "idle), its bubble fraction against the formula, and the most activations each "
-        "stage keeps at once.",
+        "idle), its bubble fraction against the formula, the most activations each "
+        "stage keeps at once, and what the pipeline step's program makes of it: inputs "
+        "stashed per device and messages between stages per step.",
     )
     show.add_argument("--stages", type=int, required=True, help="pipeline stages (devices)")
     show.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
@@ -42,6 +43,7 @@ class ScheduleArgumentError(ValueError):
 
 def show_schedule(args: argparse.Namespace) -> int:
     from jaxdist.pipeline import schedules
+    from jaxdist.pipeline.program import compile_schedule
 
     try:
         schedule = schedules.build(args.schedule, args.stages, args.microbatches, args.chunks)
@@ -58,6 +60,11 @@ def show_schedule(args: argparse.Namespace) -> int:
           f"(formula (S-1)/(v*M+S-1): {formula:.4f})")  # fmt: skip
     live = ", ".join(map(str, schedule.live_activations()))
     print(f"most live activations per stage (micro-batch chunks): {live}")
+    program = compile_schedule(schedule)
+    print(f"the step's program: {program.input_slots} stashed inputs per device, "
+          f"{program.messages_per_step} permutes per step "
+          f"({int(program.sends_forward.sum())} forward, {int(program.sends_backward.sum())} "
+          f"backward; one activation-sized message from every device in each)")  # fmt: skip
     if args.plot:
         plot_timeline(schedule, args.plot)
         print(f"wrote {args.plot}")

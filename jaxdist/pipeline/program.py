@@ -60,7 +60,8 @@ class Program:
 
     @property
     def messages_per_step(self) -> int:
-        """Messages each device sends per step (one activation-sized vector each)."""
+        """Messages each device sends per step: one activation-sized vector in every permute,
+        zeros where the device itself has nothing to send that tick."""
         return int(self.sends_forward.sum() + self.sends_backward.sum())
 
 
