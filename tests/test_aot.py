@@ -287,6 +287,10 @@ def test_plan_refuses_an_unknown_topology_and_a_mesh_of_another_size(capsys):
         "jaxdist plan: mesh 'torus-4x2' has 8 devices, topology v5e:2x2 has 4 chips: give a "
         "mesh of 4 devices, or no --mesh to lay the recipe's layout over the slice"
     )
+    assert main(["plan", "mnist_pipeline", "--topology", "v5e:2x4", "--efficiency", "0.4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "4-stage pipeline, which the plan's time model does not cover" in err
 
 
 @needs_libtpu

@@ -34,6 +34,7 @@ from jaxdist.training.batch_schedule import DevicePlan
 __all__ = [
     "FIT_HINT",
     "MeshMismatchError",
+    "PipelineNotPlannedError",
     "Plan",
     "StagePlan",
     "check_mesh_matches",
@@ -48,6 +49,12 @@ FIT_HINT = (
     "lower max_per_device_batch (--set max_per_device_batch=N; --max-batch finds the largest "
     "that fits) or plan on more chips"
 )
+
+
+class PipelineNotPlannedError(ValueError):
+    """A plan was asked of a pipeline recipe, which the time model does not cover."""
+
+    exit_code = 2
 
 
 class MeshMismatchError(ValueError):
@@ -169,8 +176,15 @@ def plan_recipe(
     peak FLOP/s a step reaches (:mod:`jaxdist.aot.predict`); ``on_stage`` is called before
     each stage compiles (for progress output).
     """
+    from jaxdist.pipeline import from_config as pipeline_config
     from jaxdist.training.trainer import Trainer
 
+    if pipeline_config.enabled(config):
+        raise PipelineNotPlannedError(
+            f"the recipe trains a {config.pipeline.stages}-stage pipeline, which the plan's "
+            f"time model does not cover; for its memory per chip on a slice, run "
+            f"benchmarks/pipeline_memory.py --topology {topology.name}"
+        )
     config, data_note = _stand_in_data(config)
     if mesh:
         spec, mesh_note = meshes.load(mesh), f"mesh {mesh!r} as given"
