@@ -108,21 +108,16 @@ def stage_mesh(stages: int) -> Mesh:
     return Mesh(np.array(jax.devices()[:stages]), ("stage",))
 
 
-@pytest.mark.parametrize(
-    "schedule, stages, micro_batches, chunks",
-    [
-        ("gpipe", 2, 1, 1),
-        ("gpipe", 3, 9, 1),
-        ("gpipe", 4, 4, 1),
-        ("1f1b", 2, 6, 1),
-        ("1f1b", 3, 3, 1),
-        ("1f1b", 4, 12, 1),
-        ("1f1b", 4, 1, 1),
-        ("interleaved", 2, 2, 3),
-        ("interleaved", 3, 6, 2),
-        ("interleaved", 4, 4, 2),
-    ],
-)
+# Every schedule on S = 2, 3 (uneven stages), 4 with M = 1, S, 3S (interleaved: M = S, 3S
+# with 2 chunks per device, and one case of 3 chunks).
+EQUIVALENCE_CASES = [
+    *((name, S, M, 1) for name in ("gpipe", "1f1b") for S in (2, 3, 4) for M in (1, S, 3 * S)),
+    *(("interleaved", S, M, 2) for S in (2, 3, 4) for M in (S, 3 * S)),
+    ("interleaved", 2, 2, 3),
+]
+
+
+@pytest.mark.parametrize("schedule, stages, micro_batches, chunks", EQUIVALENCE_CASES)
 def test_pipeline_equals_accumulation(schedule, stages, micro_batches, chunks):
     batch = data()
     modules = mlp_stages(stages * chunks)
