@@ -389,3 +389,38 @@ def test_plan_takes_the_recipes_unroll_limit(capsys):
         rows = json.loads(capsys.readouterr().out)["stages"][0]["collectives"]
         in_loops[limit] = sum(r["in_loop"] for r in rows if r["role"] == "gradients")
     assert in_loops[2] > 0 and in_loops[collectives.UNROLL_LIMIT] == 0
+
+
+@needs_libtpu
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipeline_step_compiles_for_a_tpu_slice(schedule):
+    """The pipeline program (a switch per tick, permutes under a per-tick condition, in a
+    loop) compiles for TPU chips; each chip's arguments are its stage's, and the stage
+    gradients' allreduce over the data axis is found by its role."""
+    from test_pipeline_step import Dense, cross_entropy
+
+    from jaxdist.pipeline import stages as pipeline_stages
+    from jaxdist.pipeline.step import PipelineStep
+
+    devices = np.asarray(parse_topology("v5e:2x2").devices()).reshape(2, 2)
+    mesh = Mesh(devices, ("data", "stage"))
+    layers = [Dense(256), Dense(256), Dense(256), Dense(10, last=True)]  # stages of 2 layers
+    modules = [pipeline_stages.Chain(g) for g in pipeline_stages.cut(layers, stages=2)]
+    x = jax.ShapeDtypeStruct((2, 256), jnp.float32)
+    params, states = jax.eval_shape(
+        lambda x: pipeline_stages.init_flax_stages(modules, jax.random.key(0), x), x
+    )
+    step = PipelineStep(pipeline_stages.flax_stages(modules), cross_entropy, optax.adam(1e-3),
+                        mesh, microbatches=4, schedule=schedule, allreduce="ring",
+                        inputs=lambda b: b["x"])  # fmt: skip
+    state = step.abstract_init(params, states)
+    batch = aot_compile.abstract_batch(
+        mesh, step.data_axes, {"x": ((16, 256), jnp.float32), "label": ((16,), jnp.int32)}
+    )
+    rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    compiled = step.lower(state, batch, rng).compile()
+    report = read_schedule(compiled.as_text())
+    assert any(c.role == "gradients" for c in report.collectives)
+    sizes = [sum(leaf.size * 4 for leaf in jax.tree.leaves(p)) for p in params]
+    arguments = compiled.memory_analysis().argument_size_in_bytes
+    assert 3 * max(sizes) <= arguments < 3 * sum(sizes)  # a stage's params and Adam state
