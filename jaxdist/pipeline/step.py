@@ -52,7 +52,12 @@ from jaxdist.pipeline.passes import branches, update
 from jaxdist.pipeline.program import Program, compile_schedule
 from jaxdist.pipeline.stages import ActivationLayout, FlatLayout, StageFn
 from jaxdist.runtime import dispatch
-from jaxdist.training.batches import check_batch_sizes, shard_batch
+from jaxdist.training.batches import (
+    check_batch_sizes,
+    data_axes_of,
+    shard_batch,
+    split_micro_batches,
+)
 from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_scaled_step
 from jaxdist.training.train_step import NO_ALLREDUCE, check_allreduce, donation_default
 
@@ -138,9 +143,10 @@ class PipelineStep:
             raise ValueError(
                 f"unknown allreduce {allreduce!r}; expected one of {collectives.ALGORITHMS}"
             )
+        # The data axes as the collectives take them: one name, or a tuple of two.
+        self._reduce_axes = data_axes_of(mesh, self.data_axes) if self.data_axes else None
         if allreduce != NO_ALLREDUCE and self.data_axes:
-            axes = self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
-            check_allreduce(mesh, axes, allreduce, dict(allreduce_options or {}))
+            check_allreduce(mesh, self._reduce_axes, allreduce, dict(allreduce_options or {}))
         self.stages = list(stages)
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -221,7 +227,10 @@ class PipelineStep:
                 f"init needs one parameter tree and one model-state tree per virtual stage "
                 f"({virtual}); got {len(params)} and {len(model_state)}"
             )
-        self._opt_states = opt_states
+        # Shapes only: where a hyperparameter lands in the flat state (set_learning_rate).
+        self._opt_shapes = [
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), o) for o in opt_states
+        ]
         self.layouts = {
             "params": FlatLayout(params),
             "model_state": FlatLayout(model_state),
@@ -261,7 +270,7 @@ class PipelineStep:
         optimizer state, found by raveling each state with only that leaf set."""
         layout = self.layouts["opt_state"]
         S, positions = self.num_stages, []
-        for v, opt_state in enumerate(self._opt_states):
+        for v, opt_state in enumerate(self._opt_shapes):
             marked = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), opt_state)
             if optax.tree_utils.tree_get(marked, name) is None:
                 raise KeyError(
@@ -343,10 +352,6 @@ class PipelineStep:
                 f"another micro-batch count"
             )
 
-    def _micro_batches(self, batch: Any) -> Any:
-        local, M = jax.tree.leaves(batch)[0].shape[0], self.microbatches
-        return jax.tree.map(lambda x: x.reshape(M, local // M, *x.shape[1:]), batch)
-
     def _activation_layout(self, micro: Any) -> tuple[ActivationLayout, Any]:
         """Shapes sent between stages for one micro-batch, and the loss's metrics' shapes."""
         one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro)
@@ -375,7 +380,7 @@ class PipelineStep:
         stage = lax.axis_index(self.stage_axis)
         if self.data_axes:
             rng = jax.random.fold_in(rng, lax.axis_index(self.data_axes))
-        micro = self._micro_batches(batch)
+        micro = split_micro_batches(batch, self.microbatches)
         self.activations, metric_shapes = self._activation_layout(micro)
         params, opt_state = state.params[0], state.opt_state[0]
         scale = None if state.loss_scale is None else state.loss_scale.scale
@@ -447,10 +452,10 @@ class PipelineStep:
         if self.data_axes and self.allreduce != NO_ALLREDUCE:
             with jax.named_scope(GRADIENT_SCOPE):
                 grads = self._allreduce(grads)
-        if state.loss_scale is not None:
-            grads = state.loss_scale.unscale(grads)
         finite = None
         if state.loss_scale is not None:
+            grads = state.loss_scale.unscale(grads)
+            # A non-finite gradient on any stage skips the step on all of them.
             finite = lax.pmin(all_finite(grads).astype(jnp.int32), self.stage_axis) > 0
         params, opt_state = update(self, params, grads, opt_state, stage)
         new_state = state.replace(
@@ -467,10 +472,9 @@ class PipelineStep:
         per_bucket = max(1, (self.bucket_bytes or flat.nbytes) // flat.dtype.itemsize)
         starts = list(range(0, flat.size, per_bucket))[::-1]
         pieces = {}
-        axes = self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes
         for start in starts:
             (pieces[start],) = collectives.allreduce(
-                [flat[start : start + per_bucket]], axes, self.allreduce, op="mean",
+                [flat[start : start + per_bucket]], self._reduce_axes, self.allreduce, op="mean",
                 **self.allreduce_options,
             )  # fmt: skip
         return jnp.concatenate([pieces[s] for s in sorted(pieces)]).reshape(grads.shape)

@@ -9,7 +9,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["check_batch_sizes", "data_axes_of", "local_replica_indices", "shard_batch"]
+__all__ = [
+    "check_batch_sizes",
+    "data_axes_of",
+    "local_replica_indices",
+    "shard_batch",
+    "split_micro_batches",
+]
 
 
 def data_axes_of(mesh: Mesh, data_axes: str | tuple[str, ...] | None) -> str | tuple[str, ...]:
@@ -33,6 +39,12 @@ def check_batch_sizes(batch: Any) -> None:
     if len(set(sizes.values())) > 1:
         found = ", ".join(f"{name or 'batch'}: {size}" for name, size in sizes.items())
         raise ValueError(f"batch leaves must share one leading (batch) size, got {found}")
+
+
+def split_micro_batches(batch: Any, k: int) -> Any:
+    """``batch`` with a new leading axis of ``k`` micro-batches, consecutive slices of it (the
+    leading size must divide by ``k``)."""
+    return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
 
 def local_replica_indices(mesh: Mesh, data_axes: str | tuple[str, ...]) -> list[int]:

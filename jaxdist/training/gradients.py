@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxdist.training.batches import split_micro_batches
+
 __all__ = ["local_gradients"]
 
 
@@ -48,7 +50,7 @@ def local_gradients(
         raise ValueError(
             f"per-device batch of {local} does not split into accumulation_steps={k} micro-batches"
         )
-    micro_batches = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+    micro_batches = split_micro_batches(batch, k)
 
     def accumulate(carry, xs):
         grads_sum, model_state, loss_sum, metrics_sum = carry
