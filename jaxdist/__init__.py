@@ -3,7 +3,8 @@
 The package is layered; each layer uses only those above it::
 
     meshes                  device meshes as data
-    comm/                   collectives (the allreduce family), cost_model, buckets
+    comm/                   collectives (the allreduce family), cost_model, buckets,
+                            sufficient_factors, hybrid
     training/               train_step, batchnorm, loss_scale, optim, batch_schedule,
                             trainer, config, checkpoint
     pipeline/               schedules, stages, step: pipeline parallelism over a stage axis
@@ -32,6 +33,7 @@ _MODULES = {
     "collectives": "jaxdist.comm.collectives",
     "cost_model": "jaxdist.comm.cost_model",
     "buckets": "jaxdist.comm.buckets",
+    "hybrid": "jaxdist.comm.hybrid",
     "training": "jaxdist.training",
     "train_step": "jaxdist.training.train_step",
     "batchnorm": "jaxdist.training.batchnorm",

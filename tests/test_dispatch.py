@@ -14,6 +14,7 @@ import pytest
 
 from jaxdist import meshes
 from jaxdist.runtime import dispatch
+from jaxdist.training import eval_step
 from jaxdist.training import train_step as ts
 from jaxdist.training.loss_scale import DynamicLossScale
 from tests._procs import REPO, clean_env
@@ -76,7 +77,7 @@ def test_steps_on_the_same_devices_share_one_window():
     mesh = meshes.ring(8)
     first = ts.TrainStep(_tiny_loss, optax.sgd(0.01), mesh, allreduce="ring")
     second = ts.TrainStep(_tiny_loss, optax.sgd(0.02), meshes.ring(8), allreduce="ring")
-    evaluate = ts.EvalStep(lambda p, ms, b: {"n": b["x"].shape[0]}, mesh)
+    evaluate = eval_step.EvalStep(lambda p, ms, b: {"n": b["x"].shape[0]}, mesh)
     assert first._in_flight is second._in_flight is evaluate._in_flight
     other = ts.TrainStep(_tiny_loss, optax.sgd(0.01), mesh, max_in_flight=2)
     assert other._in_flight is not first._in_flight and other._in_flight.limit == 2

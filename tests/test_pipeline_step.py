@@ -80,7 +80,7 @@ def reference(stage_fns, params, states, batch, optimizer, micro_batches, steps,
 
     @jax.jit
     def train_step(params, opt_state, states):
-        grads, states, loss, _ = local_gradients(
+        grads, states, loss, _, _ = local_gradients(
             loss_fn, params, states, batch, jax.random.key(3), None, micro_batches
         )
         updates, opt_state = optimizer.update(grads, opt_state, params)

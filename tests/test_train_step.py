@@ -11,6 +11,7 @@ import pytest
 
 from jaxdist import meshes
 from jaxdist.comm import buckets, collectives
+from jaxdist.training import eval_step
 from jaxdist.training import train_step as ts
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm, replica_mean
 from jaxdist.training.loss_scale import DynamicLossScale
@@ -321,7 +322,7 @@ def test_eval_step_counts_like_a_single_device():
     state, _ = step(state, step.shard_batch(data()), jax.random.key(0))
     batch = data(seed=7)
     batch["mask"] = np.arange(64) < 60  # the last 4 examples are padding
-    totals = ts.EvalStep(ts.classifier_eval(Net(norm_axis=axes)), mesh)(
+    totals = eval_step.EvalStep(eval_step.classifier_eval(Net(norm_axis=axes)), mesh)(
         state, step.shard_batch(batch)
     )
     logits = Net().apply(

@@ -34,6 +34,7 @@ __all__ = [
     "baseline_step",
     "compiled_step_hlo",
     "format_table",
+    "gradient_plan",
     "run",
     "schedule_summary",
     "small_resnet",
@@ -286,3 +287,36 @@ def compiled_step_hlo(
     batch = step.shard_batch({"image": images, "label": np.zeros(len(images), np.int32)})
     lowered = step.lower(state, batch, jax.random.key(0))
     return lowered.compile().as_text(), len(step.buckets)
+
+
+def gradient_plan(
+    mesh: Mesh,
+    algorithm: str,
+    *,
+    links: str | None,
+    sfb_layers: str | tuple[str, ...] | None,
+    bucket_bytes: int,
+    width: int = 16,
+    per_device_batch: int = 16,
+    image_size: int = 32,
+    num_classes: int = 10,
+) -> ts.GradientPlan:
+    """The gradient plan of the benchmark's step (buckets, schedules, dense layers sent as
+    factors), from shapes only: nothing is compiled or run."""
+    names = tuple(mesh.axis_names)
+    axes = names[0] if len(names) == 1 else names
+    model, init_model = (
+        small_resnet(axes, width, num_classes),
+        small_resnet(None, width, num_classes),
+    )
+    images = jax.ShapeDtypeStruct(
+        (per_device_batch * mesh.size, image_size, image_size, 3), np.float32
+    )
+    variables = jax.eval_shape(lambda x: init_model.init(jax.random.key(0), x, train=False), images)
+    step = ts.TrainStep(
+        ts.classifier_loss(model, num_classes=num_classes), optax.sgd(0.1), mesh,
+        allreduce=algorithm, bucket_bytes=bucket_bytes, links=links, sfb_layers=sfb_layers,
+    )  # fmt: skip
+    state = step.abstract_init(variables["params"], {"batch_stats": variables["batch_stats"]})
+    labels = jax.ShapeDtypeStruct((images.shape[0],), np.int32)
+    return step.plan(state, {"image": images, "label": labels})

@@ -137,6 +137,25 @@ def _register_train_step(kinds: argparse._SubParsersAction) -> None:
         help="instead of timing: compile the step with this allreduce and report where XLA "
         "scheduled the gradient collective-permutes among the backward convolutions",
     )
+    t.add_argument(
+        "--show-plan",
+        metavar="ALGORITHM",
+        help="instead of timing: print how the step averages each gradient with this allreduce "
+        "(or auto): buckets, schedules, dense layers sent as sufficient factors, the cost "
+        "model's predictions and the runner-up",
+    )
+    t.add_argument(
+        "--links",
+        help="LATENCY:BANDWIDTH or a `bench allreduce --json` file of this mesh, for --show-plan "
+        "(auto needs it outside `jaxdist cluster`)",
+    )
+    t.add_argument(
+        "--sfb-layers",
+        default="",
+        help="dense layers sent as sufficient factors for --show-plan: all, none or "
+        "comma-separated module paths (default: none; with auto every dense layer is a "
+        "candidate)",
+    )
     t.set_defaults(func=run_train_step)
 
 
@@ -271,6 +290,25 @@ def run_train_step(args: argparse.Namespace) -> int:
         print(f"jaxdist bench: {err}", file=sys.stderr)
         return 2
     leader = jax.process_index() == 0
+    if args.show_plan:
+        from jaxdist.training.from_config import sfb_layers_setting
+
+        try:
+            plan = bench_train.gradient_plan(
+                mesh, args.show_plan, links=args.links,
+                sfb_layers=sfb_layers_setting(args.sfb_layers),
+                bucket_bytes=int(args.bucket_mb * 2**20), width=args.width,
+                per_device_batch=args.per_device_batch, image_size=args.image_size,
+            )  # fmt: skip
+        except (ValueError, FileNotFoundError) as err:
+            print(f"jaxdist bench: {err}", file=sys.stderr)
+            return 2
+        if leader:
+            print(f"# ResNet-18 (width {args.width}), {args.per_device_batch} images of "
+                  f"{args.image_size}x{args.image_size} per device, {mesh.size} devices, "
+                  f"allreduce {args.show_plan}")  # fmt: skip
+            print(plan.table())
+        return 0
     if args.show_schedule:
         text, num_buckets = bench_train.compiled_step_hlo(
             mesh, args.show_schedule, bucket_bytes=int(args.bucket_mb * 2**20), width=args.width,

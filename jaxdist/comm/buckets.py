@@ -93,17 +93,26 @@ def bucketed_allreduce(
     grads: Any,
     axis_name: collectives.AxisName,
     buckets: Sequence[Sequence[int]],
-    algorithm: str,
+    algorithm: str | Sequence[str],
     *,
     op: str = "mean",
+    passthrough: Sequence[int] = (),
     **options: Any,
 ) -> Any:
-    """Allreduce ``grads`` one bucket at a time (one schedule per bucket and dtype)."""
+    """Allreduce ``grads`` one bucket at a time (one schedule per bucket and dtype).
+
+    ``algorithm``: one schedule for every bucket, or one per bucket. ``passthrough``: leaf
+    indices averaged some other way (sufficient factors), left as they are."""
     leaves, treedef = jax.tree.flatten(grads)
+    algorithms = [algorithm] * len(buckets) if isinstance(algorithm, str) else list(algorithm)
+    if len(algorithms) != len(buckets):
+        raise ValueError(f"{len(buckets)} buckets but {len(algorithms)} algorithms")
     reduced: list[Any] = [None] * len(leaves)
-    for bucket in buckets:
+    for k in passthrough:
+        reduced[k] = leaves[k]
+    for bucket, name in zip(buckets, algorithms):
         results = collectives.allreduce(
-            [leaves[k] for k in bucket], axis_name, algorithm, op=op, **options
+            [leaves[k] for k in bucket], axis_name, name, op=op, **options
         )
         for k, leaf in zip(bucket, results):
             reduced[k] = leaf

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from jaxdist.comm import collectives
+
 __all__ = [
     "ActivationLayout",
     "Chain",
@@ -64,8 +66,7 @@ class FlatLayout:
         self.dtype = jnp.result_type(*dtypes) if dtypes else jnp.float32
 
     def flatten(self, tree: Any) -> jax.Array:
-        flat, _ = ravel_pytree(tree)
-        return jnp.pad(flat.astype(self.dtype), (0, self.size - flat.size))
+        return collectives.pack(jax.tree.leaves(tree), self.dtype, self.size)
 
     def unflatten(self, index: int, flat: jax.Array) -> Any:
         return self._unravel[index](flat[: self.sizes[index]])

@@ -13,7 +13,7 @@ calls hung, and every loop of at most 1-32 queued calls finished, at the same sp
 :class:`InFlightWindow` keeps such a loop shallow: before each call :meth:`~InFlightWindow.
 make_room` waits until fewer than ``limit`` earlier calls are pending, and after it
 :meth:`~InFlightWindow.add` records the call's outputs. :class:`~jaxdist.training.train_step.TrainStep`
-and :class:`~jaxdist.training.train_step.EvalStep` share one window per set of devices
+and :class:`~jaxdist.training.eval_step.EvalStep` share one window per set of devices
 (:func:`shared_window`); research code that jits its own collectives can use one too.
 """
 

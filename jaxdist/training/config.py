@@ -217,7 +217,14 @@ def base_config() -> ml_collections.ConfigDict:
         whole data axis, 1 = per-device BN).
       data: :class:`jaxdist.data.DataConfig` fields.
       mesh: a preset in ``meshes/`` or a path to a mesh TOML; ``""`` = one axis over all devices.
-      allreduce, bucket_bytes: gradient averaging (:class:`jaxdist.training.train_step.TrainStep`).
+      allreduce, bucket_bytes: gradient averaging (:class:`jaxdist.training.train_step.TrainStep`);
+        ``allreduce="auto"`` chooses a schedule per bucket and sufficient factors per dense
+        layer by the cost model on ``links``.
+      links: ``LATENCY:BANDWIDTH`` or a ``jaxdist bench allreduce --json`` file of the mesh
+        (``""``: the emulated cluster's link, if any); what ``auto`` prices on.
+      sfb_layers: dense layers whose gradients travel as sufficient factors: ``""`` (none;
+        with ``auto``, every dense layer is a candidate), ``"all"``, ``"none"`` or
+        comma-separated module paths such as ``"head"``.
       unroll_limit: ring steps an allreduce schedule runs unrolled along one axis; a longer
         ring runs as a loop, which compiles in the same time at any size but lets no backward
         compute overlap that axis's steps (docs/planning.md).
@@ -273,6 +280,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.mesh = ""
     c.allreduce = "native"
     c.bucket_bytes = 16 * 2**20
+    c.links = ""
+    c.sfb_layers = ""
     c.unroll_limit = 16  # the schedules' own default, jaxdist.comm.collectives.UNROLL_LIMIT
     c.batch_size = 256
     c.batch_ramp = ()

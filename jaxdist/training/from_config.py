@@ -26,6 +26,7 @@ __all__ = [
     "build_mesh",
     "build_model",
     "build_optimizer",
+    "sfb_layers_setting",
 ]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -112,3 +113,18 @@ class NormalizeOnDevice:
 
     def apply(self, variables, images, **kwargs):
         return self.model.apply(variables, normalize(images, self.mean, self.std), **kwargs)
+
+
+def sfb_layers_setting(text: str) -> str | tuple[str, ...] | None:
+    """``config.sfb_layers`` as :class:`~jaxdist.training.train_step.TrainStep` takes it:
+    ``""`` -> None (none; every dense layer a candidate for ``auto``), ``"none"`` -> ``()``,
+    ``"all"``, or a tuple of comma-separated module paths."""
+    if not isinstance(text, str):
+        raise ValueError(f"sfb_layers must be a string ('', 'all', 'none' or comma-separated "
+                         f"module paths), got {text!r}")  # fmt: skip
+    text = text.strip()
+    if text in ("", "all"):
+        return text or None
+    if text == "none":
+        return ()
+    return tuple(name.strip() for name in text.split(",") if name.strip())

@@ -1,5 +1,7 @@
 """A device's gradients inside the train step: of its shard of the batch, optionally summed
-over micro-batches (gradient accumulation) and of a scaled loss (float16 training)."""
+over micro-batches (gradient accumulation) and of a scaled loss (float16 training), and the
+sufficient factors of the dense layers a :class:`~jaxdist.training.dense_factors.FactorTap`
+taps."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxdist.training.batches import split_micro_batches
+from jaxdist.training.dense_factors import FactorTap
 
 __all__ = ["local_gradients"]
 
@@ -23,24 +26,42 @@ def local_gradients(
     rng: jax.Array,
     scale: jax.Array | None,
     accumulation_steps: int = 1,
-) -> tuple[Any, Any, jax.Array, dict]:
-    """``(grads, new model state, loss, metrics)`` of ``loss_fn`` on this device's ``batch``.
+    tap: FactorTap | None = None,
+) -> tuple[Any, Any, jax.Array, dict, dict]:
+    """``(grads, new model state, loss, metrics, factors)`` of ``loss_fn`` on this device's
+    ``batch``.
 
     With ``accumulation_steps = k > 1`` the batch is cut into ``k`` micro-batches run one
     after the other (the model state threads through them, each gets its own rng), all but
     the last in a ``lax.scan``, and gradients, loss and metrics are their means. With a loss
     ``scale`` (float16 training) the gradients are of the scaled loss; the loss reported is
     unscaled.
+
+    With a ``tap``, its layers' kernel gradients are left at zero and ``factors`` maps each
+    layer's path to its ``(inputs, output gradients)`` over every row of the batch (all
+    micro-batches, the output gradients divided by ``k`` like the mean gradient); without
+    one, ``factors`` is empty.
     """
 
     def grad_of(micro_batch, model_state, rng):
-        def objective(params):
-            loss, (new_model_state, metrics) = loss_fn(params, model_state, micro_batch, rng)
+        def objective(params, probes):
+            if tap is None:
+                loss, (new_model_state, metrics) = loss_fn(params, model_state, micro_batch, rng)
+                inputs = {}
+            else:
+                with tap.tapped(probes) as inputs:
+                    loss, (new_model_state, metrics) = loss_fn(
+                        tap.stop_kernel_gradients(params), model_state, micro_batch, rng
+                    )
             scaled = loss if scale is None else loss * scale.astype(loss.dtype)
-            return scaled, (loss, new_model_state, metrics)
+            return scaled, (loss, new_model_state, metrics, dict(inputs))
 
-        grads, (loss, new_model_state, metrics) = jax.grad(objective, has_aux=True)(params)
-        return grads, new_model_state, loss, metrics
+        probes = {} if tap is None else tap.zero_probes()
+        (grads, output_grads), (loss, new_model_state, metrics, inputs) = jax.grad(
+            objective, argnums=(0, 1), has_aux=True
+        )(params, probes)
+        factors = {} if tap is None else tap.factors(inputs, output_grads)
+        return grads, new_model_state, loss, metrics, factors
 
     k = accumulation_steps
     if k == 1:
@@ -55,7 +76,7 @@ def local_gradients(
     def accumulate(carry, xs):
         grads_sum, model_state, loss_sum, metrics_sum = carry
         micro_batch, index = xs
-        grads, model_state, loss, metrics = grad_of(
+        grads, model_state, loss, metrics, factors = grad_of(
             micro_batch, model_state, jax.random.fold_in(rng, index)
         )
         add = lambda a, b: jax.tree.map(jnp.add, a, b)  # noqa: E731
@@ -64,7 +85,7 @@ def local_gradients(
             model_state,
             loss_sum + loss,
             add(metrics_sum, metrics),
-        ), None
+        ), factors
 
     first = jax.tree.map(lambda x: x[0], micro_batches)
     shapes = jax.eval_shape(grad_of, first, model_state, rng)
@@ -76,8 +97,16 @@ def local_gradients(
     # bucket, and run while the rest of that backward pass does (wait-free backprop). The
     # sums are the same additions in the same order.
     head = jax.tree.map(lambda x: x[:-1], micro_batches)
-    carry, _ = lax.scan(accumulate, carry, (head, jnp.arange(k - 1)))
+    carry, head_factors = lax.scan(accumulate, carry, (head, jnp.arange(k - 1)))
     last = jax.tree.map(lambda x: x[-1], micro_batches)
-    (grads, model_state, loss, metrics), _ = accumulate(carry, (last, k - 1))
+    (grads, model_state, loss, metrics), last_factors = accumulate(carry, (last, k - 1))
     mean = lambda tree: jax.tree.map(lambda x: x / k, tree)  # noqa: E731
-    return mean(grads), model_state, loss / k, mean(metrics)
+    # Factors of every micro-batch, stacked: the rows of the whole per-device batch.
+    factors = {
+        path: (
+            jnp.concatenate([head_factors[path][0].reshape(-1, x.shape[1]), x]),
+            jnp.concatenate([head_factors[path][1].reshape(-1, g.shape[1]), g]) / k,
+        )
+        for path, (x, g) in last_factors.items()
+    }
+    return mean(grads), model_state, loss / k, mean(metrics), factors

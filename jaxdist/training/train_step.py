@@ -13,7 +13,10 @@ device's shard of the batch. Inside one ``jax.jit``-ed ``jax.shard_map`` program
 1. computes gradients on its shard (optionally summed over ``accumulation_steps`` micro-batches,
    and of a scaled loss for float16),
 2. averages them across the data axes with the chosen :mod:`jaxdist.comm.collectives` schedule, one
-   call per gradient bucket (:mod:`jaxdist.comm.buckets`), buckets in backward order,
+   call per gradient bucket (:mod:`jaxdist.comm.buckets`), buckets in backward order -- or with
+   ``allreduce="auto"`` the schedule the cost model prices cheapest for each bucket, and dense
+   layers' gradients as sufficient factors where that is cheaper
+   (:mod:`jaxdist.training.gradient_plan`),
 3. applies the optax update -- or, with ``zero1=True``, reduce-scatters the gradients, updates
    only its own 1/p slice of the parameters and optimizer state, and all-gathers the parameters.
 
@@ -42,23 +45,21 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.comm import buckets as bucketing
-from jaxdist.comm import collectives
-from jaxdist.comm.scopes import GRADIENT_SCOPE
+from jaxdist.comm import collectives, hybrid
 from jaxdist.runtime import dispatch
 from jaxdist.training.batches import check_batch_sizes, data_axes_of, shard_batch
+from jaxdist.training.gradient_plan import GradientPlan, make_gradient_plan
 from jaxdist.training.gradients import local_gradients
 from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_scaled_step
 from jaxdist.training.zero1 import zero1_update
 
 __all__ = [
     "NO_ALLREDUCE",
-    "EvalFn",
-    "EvalStep",
+    "GradientPlan",
     "LossFn",
     "TrainState",
     "TrainStep",
     "check_allreduce",
-    "classifier_eval",
     "classifier_loss",
     "donation_default",
 ]
@@ -68,7 +69,6 @@ __all__ = [
 NO_ALLREDUCE = "none"
 
 LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, dict]]]
-EvalFn = Callable[[Any, Any, Any], dict]
 
 
 class TrainState(struct.PyTreeNode):
@@ -119,9 +119,20 @@ class TrainStep:
         device's shard; ``metrics`` is a dict of scalars.
       optimizer: any optax transformation (with ``zero1``: an element-wise one, see below).
       mesh: the device mesh; ``data_axes`` (default: all its axes) split the batch.
-      allreduce: a name from :data:`jaxdist.comm.collectives.ALGORITHMS` (or :data:`NO_ALLREDUCE`,
-        for measurements only); ``allreduce_options`` go to it (``transfer_dtype=jnp.bfloat16`` sends gradients in bf16, accumulating in float32).
+      allreduce: a name from :data:`jaxdist.comm.collectives.ALGORITHMS`, ``"auto"`` (a schedule
+        per bucket and factors or not per dense layer, by the cost model on ``links``), or
+        :data:`NO_ALLREDUCE` (for measurements only); ``allreduce_options`` go to it
+        (``transfer_dtype=jnp.bfloat16`` sends gradients in bf16, accumulating in float32).
       bucket_bytes: gradient fusion threshold; ``None`` or 0: one bucket for all gradients.
+      sfb_layers: dense layers (flax module paths such as ``"head"``, or ``"all"``) whose
+        gradient travels as sufficient factors (:mod:`jaxdist.training.dense_factors`). With
+        ``"auto"`` these are the candidates (default: every dense layer; ``()``: none), each
+        sent as factors only where the cost model says that is cheaper.
+      links: the links the cost model prices on: ``"LATENCY:BANDWIDTH"``, a
+        ``jaxdist bench allreduce --json`` file of this mesh, or a
+        :class:`~jaxdist.comm.cost_model.Link`/``Network`` (see
+        :func:`jaxdist.comm.hybrid.resolve_links`). Needed by ``"auto"`` (default: the link
+        ``jaxdist cluster`` emulates); otherwise it only adds predictions to :meth:`plan`.
       accumulation_steps: micro-batches per device whose gradients are summed before one
         allreduce; the per-device batch must divide by it.
       zero1: shard optimizer state and the update across the data axes (ZeRO stage 1). The
@@ -147,16 +158,20 @@ class TrainStep:
         allreduce: str = "native",
         allreduce_options: Mapping[str, Any] | None = None,
         bucket_bytes: int | None = bucketing.DEFAULT_BUCKET_BYTES,
+        sfb_layers: str | tuple[str, ...] | list[str] | None = None,
+        links: Any = None,
         accumulation_steps: int = 1,
         zero1: bool = False,
         loss_scale: DynamicLossScale | None = None,
         donate: bool | None = None,
         max_in_flight: dispatch.Limit = "auto",
     ):
-        if allreduce != NO_ALLREDUCE and allreduce not in collectives.ALGORITHMS:
-            raise ValueError(
-                f"unknown allreduce {allreduce!r}; expected one of {collectives.ALGORITHMS}"
-            )
+        if allreduce not in (NO_ALLREDUCE, hybrid.AUTO, *collectives.ALGORITHMS):
+            raise ValueError(f"unknown allreduce {allreduce!r}; expected one of "
+                             f"{(*collectives.ALGORITHMS, hybrid.AUTO)}")  # fmt: skip
+        if zero1 and (allreduce == hybrid.AUTO or sfb_layers):
+            raise ValueError("zero1=True reduce-scatters one flat gradient vector with the ring; "
+                             "it takes neither allreduce='auto' nor sfb_layers")  # fmt: skip
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
         self.loss_fn = loss_fn
@@ -165,16 +180,25 @@ class TrainStep:
         self.data_axes = data_axes_of(mesh, data_axes)
         self.allreduce = allreduce
         self.allreduce_options = dict(allreduce_options or {})
-        if allreduce != NO_ALLREDUCE:
+        if allreduce not in (NO_ALLREDUCE, hybrid.AUTO):
             check_allreduce(mesh, self.data_axes, allreduce, self.allreduce_options)
+        collectives.common_options(self.allreduce_options)
         self.bucket_bytes = bucket_bytes
+        self.sfb_layers = sfb_layers
+        self.axis_sizes = tuple(mesh.shape[a] for a in np.atleast_1d(self.data_axes))
+        # Auto cannot choose without links: refuse now, not at the first step.
+        self.links = (
+            hybrid.resolve_links(links, self.axis_sizes)
+            if links is not None or allreduce == hybrid.AUTO
+            else None
+        )
         self.accumulation_steps = accumulation_steps
         self.zero1 = zero1
         self.loss_scale = loss_scale
         self.donate = donation_default(mesh) if donate is None else donate
         self.num_replicas = int(np.prod([mesh.shape[a] for a in np.atleast_1d(self.data_axes)]))
         self.trace_count = 0  # how many times the step was traced (compiled); tests guard on it
-        self.buckets: list[list[int]] | None = None
+        self.gradient_plan: GradientPlan | None = None
         self._compiled: Callable | None = None
         self._zero_size: int | None = None
         self._in_flight = dispatch.shared_window(mesh, max_in_flight)
@@ -184,10 +208,16 @@ class TrainStep:
     def init(self, params: Any, model_state: Any = None) -> TrainState:
         """The initial state, placed on the mesh (replicated; ZeRO-1 state sharded)."""
         state = self._fresh_state(jax.tree.map(jnp.asarray, params), model_state)
-        shardings = jax.tree.map(
-            lambda spec: NamedSharding(self.mesh, spec), self.state_specs(state)
-        )
-        state = jax.device_put(state, shardings)
+
+        def place(leaf, spec):
+            # Each process places its own devices' part. device_put would also check that
+            # every process holds the same values by all-gathering the whole state, which
+            # for a 0.5 GB model on 8 processes of one machine ran it out of memory.
+            host = np.asarray(leaf)
+            sharding = NamedSharding(self.mesh, spec)
+            return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
+
+        state = jax.tree.map(place, state, self.state_specs(state))
         # device_put may alias the caller's buffers on devices they already live on; a step
         # that donates its state gets buffers of its own, so the caller's stay valid.
         return jax.tree.map(jnp.copy, state) if self.donate else state
@@ -277,7 +307,8 @@ class TrainStep:
         axes = self.data_axes
         rng = jax.random.fold_in(rng, lax.axis_index(axes))
         scale = None if state.loss_scale is None else state.loss_scale.scale
-        grads, model_state, loss, metrics = local_gradients(
+        plan = None if self.zero1 else self._plan_for(state, batch, rng)
+        grads, model_state, loss, metrics, factors = local_gradients(
             self.loss_fn,
             state.params,
             state.model_state,
@@ -285,6 +316,7 @@ class TrainStep:
             rng,
             scale,
             self.accumulation_steps,
+            tap=None if plan is None or self.allreduce == NO_ALLREDUCE else plan.tap,
         )
         # Every device leaves the step with the same model state and metrics.
         model_state, loss, metrics = lax.pmean((model_state, loss, metrics), axes)
@@ -299,14 +331,8 @@ class TrainStep:
                 self.allreduce_options,
             )
         else:
-            if self.buckets is None:
-                self.buckets = self._plan_buckets(state, batch, rng)
             if self.allreduce != NO_ALLREDUCE:
-                with jax.named_scope(GRADIENT_SCOPE):  # how jaxdist.aot finds them
-                    grads = bucketing.bucketed_allreduce(
-                        grads, axes, self.buckets, self.allreduce, op="mean",
-                        **self.allreduce_options,
-                    )  # fmt: skip
+                grads = plan.reduce(grads, factors, axes, self.allreduce_options)
             if state.loss_scale is not None:
                 grads = state.loss_scale.unscale(grads)
             # Same on every device: they all hold the same reduced gradients.
@@ -319,56 +345,59 @@ class TrainStep:
         )
         return finish_scaled_step(state, new_state, finite, {**metrics, "loss": loss})
 
-    def _plan_buckets(self, state, batch, rng) -> list[list[int]]:
-        """Gradient buckets in backward order (traced once, abstractly, at the first step)."""
+    # ------------------------------------------------------------------ the gradient plan
+
+    @property
+    def buckets(self) -> list[list[int]] | None:
+        """Gradient buckets (leaf indices in backward order); None before the first trace."""
+        return None if self.gradient_plan is None else self.gradient_plan.buckets
+
+    def plan(self, state: TrainState | None = None, batch: Any = None) -> GradientPlan:
+        """How each gradient is averaged: buckets with their schedules, and the dense layers
+        sent as sufficient factors; ``.table()`` prints it with the cost model's predictions.
+        Made at the first step; before it, give the state and a (global) batch, as shapes or
+        arrays."""
+        if self.gradient_plan is not None:
+            return self.gradient_plan
+        if state is None or batch is None:
+            raise ValueError("the plan is made at the first step; before it, pass the state "
+                             "and a batch: step.plan(state, batch)")  # fmt: skip
+        if self.zero1:
+            raise ValueError("zero1=True has no gradient plan: one ring reduce-scatter of "
+                             "every gradient")  # fmt: skip
+        local = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.num_replicas, *x.shape[1:]),
+                                           x.dtype), batch)  # fmt: skip
+        return self._plan_for(state, local, jax.random.key(0))
+
+    def _plan_for(self, state: TrainState, batch: Any, rng: jax.Array) -> GradientPlan:
+        """The plan, made once from an abstract trace of the loss on one device's
+        micro-batch (``batch`` is one device's shard)."""
+        if self.gradient_plan is not None:
+            return self.gradient_plan
         axes = (self.data_axes,) if isinstance(self.data_axes, str) else self.data_axes
-        axis_env = [(a, self.mesh.shape[a]) for a in axes]
+        k = self.accumulation_steps
         abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
-        order = bucketing.backward_order(
-            lambda p, ms, b, r: self.loss_fn(p, ms, b, r)[0],
+        micro_batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch
+        )
+        transfer = self.allreduce_options.get("transfer_dtype")
+        self.gradient_plan = make_gradient_plan(
+            self.loss_fn,
             abstract(state.params),
-            *abstract((state.model_state, batch, rng)),
-            axis_env=axis_env,
+            abstract(state.model_state),
+            micro_batch,
+            abstract(rng),
+            axis_env=[(a, self.mesh.shape[a]) for a in axes],
+            axis_sizes=self.axis_sizes,
+            allreduce=self.allreduce,
+            bucket_bytes=self.bucket_bytes,
+            sfb_layers=self.sfb_layers,
+            links=self.links,
+            accumulation_steps=k,
+            transfer_itemsize=None if transfer is None else np.dtype(transfer).itemsize,
         )
-        return bucketing.plan_buckets(bucketing.leaf_bytes(state.params), order, self.bucket_bytes)
-
-
-class EvalStep:
-    """A jitted eval step on the same mesh: ``eval_fn(params, model_state, batch)`` returns a
-    dict of per-device *sums* (e.g. correct predictions, example count); the step returns their
-    totals over the data axes. ``max_in_flight`` as for :class:`TrainStep`."""
-
-    def __init__(
-        self,
-        eval_fn: EvalFn,
-        mesh: Mesh,
-        *,
-        data_axes: str | tuple[str, ...] | None = None,
-        max_in_flight: dispatch.Limit = "auto",
-    ):
-        self.mesh = mesh
-        self.data_axes = data_axes_of(mesh, data_axes)
-        self._in_flight = dispatch.shared_window(mesh, max_in_flight)
-
-        def body(params, model_state, batch):
-            return lax.psum(eval_fn(params, model_state, batch), self.data_axes)
-
-        self._step = jax.jit(
-            jax.shard_map(
-                body,
-                mesh=mesh,
-                in_specs=(P(), P(), P(self.data_axes)),
-                out_specs=P(),
-                check_vma=False,
-            )
-        )
-
-    def __call__(self, state: TrainState, batch: Any) -> dict:
-        check_batch_sizes(batch)
-        self._in_flight.make_room()
-        sums = self._step(state.params, state.model_state, batch)
-        self._in_flight.add(sums)  # an eval_fn with no outputs leaves nothing to wait on
-        return sums
+        return self.gradient_plan
 
 
 # --------------------------------------------------------------------------- flax classifiers
@@ -389,20 +418,3 @@ def classifier_loss(model, *, num_classes: int, label_smoothing: float = 0.0) ->
         return loss, (new_state, {"accuracy": accuracy})
 
     return loss_fn
-
-
-def classifier_eval(model) -> EvalFn:
-    """``eval_fn`` counting top-1 and top-5 hits; a ``mask`` in the batch drops padding."""
-
-    def eval_fn(params, model_state, batch):
-        logits = model.apply({"params": params, **model_state}, batch["image"], train=False)
-        labels = batch["label"]
-        mask = batch.get("mask", jnp.ones(labels.shape, bool)).astype(jnp.float32)
-        top5 = jnp.argsort(logits, -1)[..., -5:]
-        return {
-            "top1": jnp.sum((top5[..., -1] == labels) * mask),
-            "top5": jnp.sum(jnp.any(top5 == labels[..., None], -1) * mask),
-            "count": jnp.sum(mask),
-        }
-
-    return eval_fn

@@ -49,21 +49,17 @@ from jaxdist.training import optim, run_config
 from jaxdist.training.batch_schedule import BatchSchedule
 from jaxdist.training.checkpoint import Checkpointer, PreemptionGuard, abstract_like
 from jaxdist.training.config import ConfigError, batch_stages
+from jaxdist.training.eval_step import EvalStep, classifier_eval
 from jaxdist.training.from_config import (
     NormalizeOnDevice,
     build_lr_schedule,
     build_mesh,
     build_model,
     build_optimizer,
+    sfb_layers_setting,
 )
 from jaxdist.training.run_log import RunLog, describe_error, format_duration, last_eval
-from jaxdist.training.train_step import (
-    EvalStep,
-    TrainState,
-    TrainStep,
-    classifier_eval,
-    classifier_loss,
-)
+from jaxdist.training.train_step import TrainState, TrainStep, classifier_loss
 
 __all__ = ["Trainer"]
 
@@ -168,6 +164,7 @@ class Trainer:
         self.optimizer = build_optimizer(config.optimizer, float(self.lr_fn(0.0)))
         self.eval_step = EvalStep(classifier_eval(applied), self.mesh, data_axes=self.data_axes)
         self._train_steps: dict[int, TrainStep] = {}
+        self._plans_shown: list[TrainStep] = []
         self._replicated = NamedSharding(self.mesh, P())
         for stage in range(len(self.plans)):
             self.train_step_for(stage)
@@ -192,6 +189,8 @@ class Trainer:
                 allreduce=self.config.allreduce,
                 allreduce_options={"unroll_limit": self.config.unroll_limit},
                 bucket_bytes=self.config.bucket_bytes,
+                links=self.config.links or None,
+                sfb_layers=sfb_layers_setting(self.config.sfb_layers),
                 accumulation_steps=accumulation,
             )
         return self._train_steps[accumulation]
@@ -330,12 +329,25 @@ class Trainer:
         loop.state, loop.lr = self._set_lr(loop.state, epoch)
         rng = jax.random.fold_in(loop.base_rng, step)
         loop.state, metrics = train_step(loop.state, batch, rng)
+        self._show_gradient_plan(train_step, log)
         loop.step += 1
         loop.batch_size = self.schedule.batch_size_at(step)
         loop.window_samples += loop.batch_size
         loop.window_steps += 1
         loop.pending.append(metrics)
         loop.epoch = self.schedule.epoch_at(loop.step)
+
+    def _show_gradient_plan(self, train_step: TrainStep | PipelineStep, log: RunLog) -> None:
+        """Once per train step, when it chooses routes (``auto``) or sends factors: the plan,
+        as ``TrainStep.plan().table()`` prints it."""
+        chooses = self.config.allreduce == "auto" or sfb_layers_setting(self.config.sfb_layers)
+        if not chooses or not isinstance(train_step, TrainStep) or train_step in self._plans_shown:
+            return
+        self._plans_shown.append(train_step)
+        log.progress(f"gradient plan, {train_step.accumulation_steps} micro-batch(es) per step:",
+                     final=True)  # fmt: skip
+        for line in train_step.plan().table().splitlines():
+            log.progress(line, final=True)
 
     def _report_progress(self, loop: _Loop, log: RunLog) -> None:
         """Every ``log_every_steps``: the mean metrics since the last report to

@@ -39,8 +39,9 @@ def zero1_update(
     allreduce options; those every schedule takes, and ``transfer_dtype`` for the gradients,
     go to the ring reduce-scatter and all-gather."""
     num_replicas = collectives.axis_size(axes)
-    flat_grads, _ = ravel_pytree(grads)
-    flat_params, unravel = ravel_pytree(state.params)
+    flat_grads = collectives.pack(jax.tree.leaves(grads), jnp.float32)
+    flat_params = collectives.pack(jax.tree.leaves(state.params), jnp.float32)
+    _, unravel = ravel_pytree(state.params)  # its concatenation goes unused: XLA drops it
     # The options every schedule takes go to the ring building blocks; the rest belong to
     # the full schedules.
     ring_options = {k: v for k, v in options.items() if k in collectives.COMMON_OPTIONS}

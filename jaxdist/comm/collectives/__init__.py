@@ -47,6 +47,7 @@ from jaxdist.comm.collectives.registry import (
     common_options,
     get,
     one_dimensional,
+    pack,
 )
 from jaxdist.comm.collectives.ring_steps import all_gather, reduce_scatter
 from jaxdist.comm.collectives.wire import (
@@ -73,6 +74,7 @@ __all__ = [
     "default_exchange_piece_bytes",
     "get",
     "one_dimensional",
+    "pack",
     "permute",
     "reduce_scatter",
 ]

@@ -1,0 +1,77 @@
+"""A jitted evaluation step on the train step's mesh, and the classifier evaluation the
+trainer runs with it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.runtime import dispatch
+from jaxdist.training.batches import check_batch_sizes, data_axes_of
+from jaxdist.training.train_step import TrainState
+
+__all__ = ["EvalFn", "EvalStep", "classifier_eval"]
+
+EvalFn = Callable[[Any, Any, Any], dict]
+
+
+class EvalStep:
+    """A jitted eval step on a train step's mesh: ``eval_fn(params, model_state, batch)``
+    returns a dict of per-device *sums* (e.g. correct predictions, example count); the step
+    returns their totals over the data axes. ``max_in_flight`` as for
+    :class:`~jaxdist.training.train_step.TrainStep`."""
+
+    def __init__(
+        self,
+        eval_fn: EvalFn,
+        mesh: Mesh,
+        *,
+        data_axes: str | tuple[str, ...] | None = None,
+        max_in_flight: dispatch.Limit = "auto",
+    ):
+        self.mesh = mesh
+        self.data_axes = data_axes_of(mesh, data_axes)
+        self._in_flight = dispatch.shared_window(mesh, max_in_flight)
+
+        def body(params, model_state, batch):
+            return lax.psum(eval_fn(params, model_state, batch), self.data_axes)
+
+        self._step = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P(), P(), P(self.data_axes)),
+                out_specs=P(),
+                check_vma=False,
+            )
+        )
+
+    def __call__(self, state: TrainState, batch: Any) -> dict:
+        check_batch_sizes(batch)
+        self._in_flight.make_room()
+        sums = self._step(state.params, state.model_state, batch)
+        self._in_flight.add(sums)  # an eval_fn with no outputs leaves nothing to wait on
+        return sums
+
+
+def classifier_eval(model) -> EvalFn:
+    """``eval_fn`` counting top-1 and top-5 hits; a ``mask`` in the batch drops padding."""
+
+    def eval_fn(params, model_state, batch):
+        logits = model.apply({"params": params, **model_state}, batch["image"], train=False)
+        labels = batch["label"]
+        mask = batch.get("mask", jnp.ones(labels.shape, bool)).astype(jnp.float32)
+        top5 = jnp.argsort(logits, -1)[..., -5:]
+        return {
+            "top1": jnp.sum((top5[..., -1] == labels) * mask),
+            "top5": jnp.sum(jnp.any(top5 == labels[..., None], -1) * mask),
+            "count": jnp.sum(mask),
+        }
+
+    return eval_fn

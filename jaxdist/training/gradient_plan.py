@@ -1,0 +1,198 @@
+"""How a train step averages each gradient: buckets, a schedule per bucket, and the dense
+layers whose gradients travel as sufficient factors.
+
+The plan is made once, from an abstract trace of the loss on one device's (micro-)batch:
+
+* with a fixed ``allreduce``, every bucket uses it, and the layers named in ``sfb_layers``
+  travel as factors (:mod:`jaxdist.comm.sufficient_factors`);
+* with ``allreduce="auto"``, each bucket takes the schedule the cost model prices cheapest, and
+  each candidate dense layer (every ``nn.Dense`` that runs once, or those in ``sfb_layers``)
+  travels as factors only where that is cheaper than its dense gradient
+  (:mod:`jaxdist.comm.hybrid`). Layers that stay dense join the buckets.
+
+:meth:`GradientPlan.table` prints the choice for every bucket and layer with its predicted
+time and the runner-up's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxdist.comm import buckets as bucketing
+from jaxdist.comm import hybrid
+from jaxdist.comm.scopes import GRADIENT_SCOPE
+from jaxdist.comm.sufficient_factors import mean_gradient_from_factors
+from jaxdist.training.dense_factors import (
+    DenseLayer,
+    FactorTap,
+    find_dense_layers,
+    select_dense_layers,
+)
+
+__all__ = ["GradientPlan", "make_gradient_plan"]
+
+
+@dataclass
+class GradientPlan:
+    """Buckets of gradient leaves (backward order) with one schedule each, and the dense
+    layers averaged from their factors (``factored``, by leaf index of their kernel)."""
+
+    buckets: list[list[int]]
+    algorithms: list[str]
+    factored: dict[int, DenseLayer] = field(default_factory=dict)
+    routes: list[hybrid.Route] = field(default_factory=list)
+    links: hybrid.Links | None = None
+
+    @property
+    def tap(self) -> FactorTap | None:
+        """What the backward pass must tap, or None when no layer travels as factors."""
+        return FactorTap(list(self.factored.values())) if self.factored else None
+
+    def table(self) -> str:
+        """One row per bucket and candidate layer: bytes, route, predicted time, runner-up."""
+        return hybrid.format_routes(self.routes, self.links)
+
+    def reduce(
+        self,
+        grads: Any,
+        factors: Mapping[str, tuple[jax.Array, jax.Array]],
+        axes: Any,
+        options: Mapping[str, Any],
+    ) -> Any:
+        """The mean gradients over ``axes``: buckets through their schedules, factored layers
+        rebuilt from the gathered factors; call inside shard_map."""
+        ring_options = {k: v for k, v in options.items() if k != "accumulate_dtype"}
+        leaves, treedef = jax.tree.flatten(grads)
+        with jax.named_scope(GRADIENT_SCOPE):  # how jaxdist.aot finds them
+            for index, layer in self.factored.items():
+                inputs, output_grads = factors[layer.path]
+                mean = mean_gradient_from_factors(inputs, output_grads, axes, **ring_options)
+                leaves[index] = mean.astype(leaves[index].dtype)
+            reduced = bucketing.bucketed_allreduce(
+                jax.tree.unflatten(treedef, leaves), axes, self.buckets, self.algorithms,
+                op="mean", passthrough=tuple(self.factored), **options,
+            )  # fmt: skip
+        return reduced
+
+
+def make_gradient_plan(
+    loss_fn: Callable,
+    params: Any,
+    model_state: Any,
+    micro_batch: Any,
+    rng: Any,
+    *,
+    axis_env: Sequence[tuple[str, int]],
+    axis_sizes: Sequence[int],
+    allreduce: str,
+    bucket_bytes: int | None,
+    sfb_layers: str | Sequence[str] | None,
+    links: hybrid.Links | None,
+    accumulation_steps: int,
+    transfer_itemsize: int | None,
+) -> GradientPlan:
+    """The plan for a step; arguments are abstract shapes of one device's micro-batch.
+
+    ``axis_sizes``: the data axes' sizes (as the schedules see them); ``links``: what the
+    choices are priced on (required for ``"auto"``, optional otherwise: predictions are then
+    left out); ``transfer_itemsize``: bytes per number on the wire (``None``: each leaf's own).
+    """
+    auto = allreduce == hybrid.AUTO
+    layers: list[DenseLayer] = []
+    if (auto and sfb_layers is None) or sfb_layers:
+        seen = find_dense_layers(loss_fn, params, model_state, micro_batch, rng, axis_env)
+        layers = select_dense_layers(seen, sfb_layers)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    index_of = {
+        tuple(str(getattr(k, "key", k)) for k in path): i for i, (path, _) in enumerate(leaves)
+    }
+    # Buckets fill by the leaves' own bytes; routes are priced by the bytes on the wire.
+    own_bytes = bucketing.leaf_bytes(params)
+    wire_bytes = [
+        int(np.prod(leaf.shape)) * (transfer_itemsize or np.dtype(leaf.dtype).itemsize)
+        for _, leaf in leaves
+    ]
+    layer_routes = [
+        _route_layer(layer, wire_bytes[index_of[layer.kernel_path]], accumulation_steps,
+                     transfer_itemsize, axis_sizes, links, auto)
+        for layer in layers
+    ]  # fmt: skip
+    factored = {
+        index_of[layer.kernel_path]: layer
+        for layer, route in zip(layers, layer_routes)
+        if route.choice == hybrid.FACTORS
+    }
+
+    def objective(p, ms, b, r):
+        return loss_fn(p, ms, b, r)[0]
+
+    order = bucketing.backward_order(
+        objective, params, model_state, micro_batch, rng, axis_env=axis_env
+    )
+    buckets = _plan_in_order(own_bytes, [k for k in order if k not in factored], bucket_bytes)
+    bucket_of = {k: number for number, bucket in enumerate(buckets) for k in bucket}
+    for position, (layer, route) in enumerate(zip(layers, layer_routes)):
+        if route.choice == hybrid.DENSE:  # say which bucket a layer that stays dense joins
+            detail = f"{route.detail}, in bucket {bucket_of[index_of[layer.kernel_path]]}"
+            layer_routes[position] = dataclasses.replace(route, detail=detail)
+    bucket_routes = [
+        _route_bucket(f"bucket {number}", f"{len(bucket)} arrays",
+                      sum(wire_bytes[k] for k in bucket), allreduce, axis_sizes, links)
+        for number, bucket in enumerate(buckets)
+    ]  # fmt: skip
+    algorithms = [route.choice for route in bucket_routes]
+    return GradientPlan(buckets, algorithms, factored, layer_routes + bucket_routes, links)
+
+
+def _route_layer(
+    layer: DenseLayer,
+    kernel_bytes: int,
+    accumulation_steps: int,
+    transfer_itemsize: int | None,
+    axis_sizes: Sequence[int],
+    links: hybrid.Links | None,
+    auto: bool,
+) -> hybrid.Route:
+    """Factors or the dense gradient for ``layer`` (always factors unless ``auto``); its
+    rows are every micro-batch's."""
+    rows = layer.rows * accumulation_steps
+    name, detail = f"layer {layer.path}", f"{layer.shape_text}, {rows} rows"
+    factor_bytes = layer.factor_bytes(rows, transfer_itemsize or 4)
+    if links is None:
+        return hybrid.Route(name, detail, factor_bytes, hybrid.FACTORS)
+    rebuild = hybrid.rebuild_seconds(rows, layer.in_features, layer.out_features, axis_sizes, links)
+    return hybrid.route_dense_layer(name, detail, kernel_bytes, factor_bytes, axis_sizes, links,
+                                    allow_dense=auto, rebuild=rebuild)  # fmt: skip
+
+
+def _route_bucket(
+    name: str,
+    detail: str,
+    nbytes: int,
+    allreduce: str,
+    axis_sizes: Sequence[int],
+    links: hybrid.Links | None,
+) -> hybrid.Route:
+    """The cheapest schedule for a bucket (``auto``), or the step's own with its price and the
+    best other one's when links are known."""
+    if allreduce == hybrid.AUTO:
+        return hybrid.route_bucket(name, detail, nbytes, axis_sizes, links)
+    if links is None or allreduce not in hybrid.runnable_schedules(axis_sizes):
+        return hybrid.Route(name, detail, nbytes, allreduce)
+    ranked = hybrid.rank_schedules(nbytes, axis_sizes, links)
+    mine = next(row for row in ranked if row[0] == allreduce)
+    other = next((row for row in ranked if row[0] != allreduce), (None, None))
+    return hybrid.Route(name, detail, nbytes, allreduce, mine[1], mine[2], other[0], other[1])
+
+
+def _plan_in_order(sizes: list[int], order: list[int], bucket_bytes: int | None) -> list[list[int]]:
+    """:func:`jaxdist.comm.buckets.plan_buckets` over the leaves in ``order`` only (the
+    factored kernels are left out of every bucket)."""
+    local = bucketing.plan_buckets([sizes[k] for k in order], range(len(order)), bucket_bytes)
+    return [[order[i] for i in bucket] for bucket in local]
