@@ -339,3 +339,25 @@ def test_pipeline_bytes_against_data_parallelism(tmp_path):
     assert "| data parallel, ring over 8 |" in text
     assert rows["pipeline gpipe"]["bytes_sent"] < rows["data parallel"]["bytes_sent"] / 2
     assert rows["pipeline gpipe"]["messages"] < rows["pipeline 1f1b"]["messages"]
+
+
+@pytest.mark.slow
+def test_hybrid_comm_times_every_route_and_variant(tmp_path):
+    out = tmp_path / "hybrid.json"
+    argv = [sys.executable, str(BENCHMARKS / "hybrid_comm.py"), "--model", "resnet50",
+            "--per-device", "1", "--image-size", "32", "--iters", "1", "--link", "50us:1gbit",
+            "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(argv, env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+                          cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert [r["path"] for r in result["layers"]] == [
+        "ring allreduce", "factors: all-gather", "factors: all-gather + rebuild"
+    ]  # fmt: skip
+    assert [r["variant"] for r in result["steps"]] == [
+        "ring", "factors for head", "auto", "no averaging"
+    ]  # fmt: skip
+    assert all(r["seconds"] > 0 and r["bytes_sent"] > 0 for r in result["layers"])
+    ring, factors = result["steps"][0], result["steps"][1]
+    assert factors["bytes_sent"] < ring["bytes_sent"] and result["flops"] > 0
+    assert "layer head  2048x1000, 1 rows" in proc.stdout, proc.stdout
