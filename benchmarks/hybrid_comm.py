@@ -204,6 +204,7 @@ def _steps(mesh, loss_fn, variables, batch, layers, links, iters, timing):
     import jax
     import optax
 
+    from jaxdist.training.batches import local_rows
     from jaxdist.training.train_step import NO_ALLREDUCE, TrainStep
 
     candidates = [path for path, _, _ in layers]
@@ -219,7 +220,7 @@ def _steps(mesh, loss_fn, variables, batch, layers, links, iters, timing):
         step = TrainStep(loss_fn, optax.sgd(1e-4), mesh, links=links, **options)
         if "state" not in holder:  # one state for all: they share its structure and memory
             holder["state"] = step.init(*variables)
-        sharded = step.shard_batch(_local_rows(batch, mesh))
+        sharded = step.shard_batch(local_rows(batch, mesh, "data"))
 
         def run(step=step, sharded=sharded):
             holder["state"], metrics = step(holder["state"], sharded, jax.random.key(0))
@@ -247,16 +248,6 @@ def _steps(mesh, loss_fn, variables, batch, layers, links, iters, timing):
     if jax.process_index() == 0:
         print("\n# auto's plan\n" + steps["auto"].plan().table())
     return rows
-
-
-def _local_rows(batch, mesh):
-    """The rows of the global ``batch`` this process's devices train on."""
-    from jaxdist.training.batches import local_replica_indices
-
-    held = local_replica_indices(mesh, "data")
-    per = len(batch["label"]) // mesh.size
-    rows = np.concatenate([np.arange(r * per, (r + 1) * per) for r in held])
-    return {name: x[rows] for name, x in batch.items()}
 
 
 if __name__ == "__main__":

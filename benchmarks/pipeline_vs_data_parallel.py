@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
@@ -47,6 +46,7 @@ def main(argv=None) -> int:
     from jaxdist.pipeline import stages as pipeline_stages
     from jaxdist.pipeline.step import PipelineStep
     from jaxdist.runtime import distributed
+    from jaxdist.training.batches import local_rows
     from jaxdist.training.train_step import NO_ALLREDUCE, TrainStep
 
     distributed.initialize()
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     ):
         step = TrainStep(whole_loss, sgd, data_mesh, allreduce=allreduce)
         state = step.init(whole_params)
-        batch = step.shard_batch(_local_part(host_batch, data_mesh, step.data_axes))
+        batch = step.shard_batch(local_rows(host_batch, data_mesh, step.data_axes))
         runners[name] = _runner(step, state, batch, jax)
         steps[name] = step
     pipeline_mesh = meshes.build("pipeline-2x4")
@@ -102,11 +102,11 @@ def main(argv=None) -> int:
                                 pipeline_mesh, microbatches=M, schedule=schedule,
                                 allreduce=allreduce, inputs=lambda batch: batch["x"])  # fmt: skip
             state = step.init(stage_params)
-            batch = step.shard_batch(_local_part(host_batch, pipeline_mesh, step.data_axes))
+            batch = step.shard_batch(local_rows(host_batch, pipeline_mesh, step.data_axes))
             runners[f"pipeline {schedule}{suffix}"] = _runner(step, state, batch, jax)
             steps[f"pipeline {schedule}{suffix}"] = step
 
-    link = _link(args.link, cost_model)  # before timing: a bad link fails at once
+    link = _link(args.link)  # before timing: a bad link fails at once
     timing.warm_up(runners, warmup=1)
     seconds = timing.interleaved_rounds(runners, steps=1, rounds=args.iters)
     if jax.process_index() != 0:
@@ -147,17 +147,6 @@ def main(argv=None) -> int:
     return 0
 
 
-def _local_part(batch, mesh, data_axes):
-    """The rows of the global ``batch`` that this process's replicas train on."""
-    from jaxdist.training.batches import local_replica_indices
-
-    held = local_replica_indices(mesh, data_axes)
-    replicas = int(np.prod([mesh.shape[a] for a in np.atleast_1d(data_axes)]))
-    per = len(batch["label"]) // replicas
-    rows = np.concatenate([np.arange(r * per, (r + 1) * per) for r in held])
-    return {name: x[rows] for name, x in batch.items()}
-
-
 def _runner(step, state, batch, jax):
     holder = {"state": state}
 
@@ -168,18 +157,14 @@ def _runner(step, state, batch, jax):
     return run
 
 
-def _link(text, cost_model):
+def _link(text):
     """``--link``, else the link ``jaxdist cluster`` capped every host at."""
     from jaxdist.bench.allreduce import link_rate_from_environment
-    from jaxdist.runtime.cluster import parse_latency
+    from jaxdist.comm import hybrid
 
-    if text:
-        return cost_model.parse_link(text)
-    rate = link_rate_from_environment()
-    if rate is None:
+    if not text and link_rate_from_environment() is None:
         raise SystemExit("pipeline_vs_data_parallel.py: give --link, or run under jaxdist cluster")
-    latency = parse_latency(os.environ.get("JAXDIST_LINK_LATENCY") or "0")
-    return cost_model.Link(alpha=latency, beta=1 / rate)
+    return hybrid.resolve_links(text or None, (8,)).flat
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ __all__ = [
     "parse_rate",
     "predict",
     "predict_all",
+    "price",
     "terms",
     "unsupported",
 ]
@@ -225,12 +226,25 @@ def predict(
     crossed_exchange: bool | None = None,
 ) -> float:
     """Predicted seconds for an allreduce of ``nbytes`` bytes per device."""
+    return price(
+        terms(
+            algorithm,
+            axis_sizes,
+            inter_algorithm=inter_algorithm,
+            crossed_exchange=crossed_exchange,
+        ),
+        nbytes,
+        network,
+    )
+
+
+def price(cost_terms: Sequence[Term], nbytes: float, network: Network | Link) -> float:
+    """Seconds of ``cost_terms`` (a schedule's, or any collective's) for ``nbytes`` per
+    device on ``network``."""
     if isinstance(network, Link):
         network = Network(network)
     seconds = 0.0
-    for t in terms(
-        algorithm, axis_sizes, inter_algorithm=inter_algorithm, crossed_exchange=crossed_exchange
-    ):
+    for t in cost_terms:
         link = network.link(t.link_class)
         messages, volume = t.cost_factors(link.ports)
         seconds += messages * link.alpha + volume * nbytes * link.beta

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxdist.comm import collectives, cost_model
-from jaxdist.comm.collectives import Term
+from jaxdist.comm.collectives import Term, flat_link_class
 
 __all__ = [
     "AUTO",
@@ -175,8 +175,12 @@ def rank_schedules(
 ) -> list[tuple[str, float, float]]:
     """``(schedule, predicted seconds, bytes each device sends)`` for an allreduce of
     ``nbytes``, cheapest first (ties keep the family's order)."""
+    runnable = runnable_schedules(axis_sizes)
+    if not runnable:
+        raise ValueError(f"no schedule of the family can run over data axes of sizes "
+                         f"{tuple(axis_sizes)}")  # fmt: skip
     ranked = []
-    for name in runnable_schedules(axis_sizes):
+    for name in runnable:
         network = links.for_schedule(name)
         seconds = cost_model.predict(name, nbytes, axis_sizes, network)
         sent = sum(t.volume for t in cost_model.terms(name, axis_sizes)) * nbytes
@@ -190,8 +194,7 @@ def factor_gather_terms(axis_sizes: Sequence[int]) -> list[Term]:
     every step over the slowest link it crosses, like a one-dimensional schedule."""
     sizes = tuple(int(s) for s in axis_sizes)
     devices = math.prod(sizes)
-    link_class = "inter" if len(sizes) == 2 and sizes[0] > 1 else "intra"
-    return [Term(link_class, devices - 1, devices - 1)] if devices > 1 else []
+    return [Term(flat_link_class(sizes), devices - 1, devices - 1)] if devices > 1 else []
 
 
 def rebuild_seconds(rows: int, m: int, n: int, axis_sizes: Sequence[int], links: Links) -> float:
@@ -204,12 +207,7 @@ def rebuild_seconds(rows: int, m: int, n: int, axis_sizes: Sequence[int], links:
 
 def predict_factor_gather(nbytes: float, axis_sizes: Sequence[int], links: Links) -> float:
     """Predicted seconds to all-gather ``nbytes`` of factors from every device."""
-    seconds = 0.0
-    for term in factor_gather_terms(axis_sizes):
-        link = cost_model.Network(links.flat).link(term.link_class)
-        messages, volume = term.cost_factors(link.ports)
-        seconds += messages * link.alpha + volume * nbytes * link.beta
-    return seconds
+    return cost_model.price(factor_gather_terms(axis_sizes), nbytes, links.flat)
 
 
 # --------------------------------------------------------------------------- routes
@@ -238,11 +236,7 @@ def route_bucket(
     name: str, detail: str, nbytes: int, axis_sizes: Sequence[int], links: Links
 ) -> Route:
     """The cheapest schedule for a bucket of ``nbytes``."""
-    ranked = rank_schedules(nbytes, axis_sizes, links)
-    if not ranked:
-        raise ValueError(f"no schedule of the family can run over data axes of sizes "
-                         f"{tuple(axis_sizes)}")  # fmt: skip
-    (best, seconds, sent), *rest = ranked
+    (best, seconds, sent), *rest = rank_schedules(nbytes, axis_sizes, links)
     runner = rest[0] if rest else (None, None, None)
     return Route(name, detail, nbytes, best, seconds, sent, runner[0], runner[1])
 
@@ -264,11 +258,7 @@ def route_dense_layer(
     prices)."""
     gather = predict_factor_gather(factor_bytes, axis_sizes, links) + rebuild
     gather_sent = sum(t.volume for t in factor_gather_terms(axis_sizes)) * factor_bytes
-    ranked = rank_schedules(kernel_bytes, axis_sizes, links)
-    if not ranked:
-        raise ValueError(f"no schedule of the family can run over data axes of sizes "
-                         f"{tuple(axis_sizes)}")  # fmt: skip
-    schedule, dense_seconds, dense_sent = ranked[0]
+    schedule, dense_seconds, dense_sent = rank_schedules(kernel_bytes, axis_sizes, links)[0]
     if gather <= dense_seconds or not allow_dense:
         return Route(name, detail, factor_bytes, FACTORS, gather, gather_sent,
                      schedule, dense_seconds)  # fmt: skip

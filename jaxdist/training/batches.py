@@ -13,6 +13,7 @@ __all__ = [
     "check_batch_sizes",
     "data_axes_of",
     "local_replica_indices",
+    "local_rows",
     "shard_batch",
     "split_micro_batches",
 ]
@@ -58,6 +59,16 @@ def local_replica_indices(mesh: Mesh, data_axes: str | tuple[str, ...]) -> list[
         if mesh.devices[index].process_index == jax.process_index():
             held.add(int(np.ravel_multi_index([index[a] for a in axes], sizes)))
     return sorted(held)
+
+
+def local_rows(batch: Any, mesh: Mesh, data_axes: str | tuple[str, ...]) -> Any:
+    """The rows of a global host ``batch`` that this process's replicas train on, in order:
+    what each process passes to :func:`shard_batch` when every process holds the whole batch."""
+    held = local_replica_indices(mesh, data_axes)
+    replicas = int(np.prod([mesh.shape[a] for a in np.atleast_1d(data_axes)]))
+    per = len(jax.tree.leaves(batch)[0]) // replicas
+    rows = np.concatenate([np.arange(r * per, (r + 1) * per) for r in held])
+    return jax.tree.map(lambda x: np.asarray(x)[rows], batch)
 
 
 def shard_batch(mesh: Mesh, data_axes: str | tuple[str, ...], batch: Any) -> Any:

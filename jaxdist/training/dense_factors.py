@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["DenseLayer", "FactorTap", "find_dense_layers", "select_dense_layers"]
+__all__ = ["DenseLayer", "FactorTap", "find_dense_layers", "key_names", "select_dense_layers"]
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,8 @@ class _Seen:
     dense: dict[str, DenseLayer]
 
 
-def _path_keys(key_path) -> tuple[str, ...]:
+def key_names(key_path) -> tuple[str, ...]:
+    """A pytree key path as plain names: ``("head", "kernel")``, as a layer's kernel is found."""
     return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in key_path)
 
 
@@ -179,7 +180,7 @@ class FactorTap:
         kernels = {layer.kernel_path for layer in self.layers.values()}
         return jax.tree_util.tree_map_with_path(
             lambda key_path, leaf: (
-                lax.stop_gradient(leaf) if _path_keys(key_path) in kernels else leaf
+                lax.stop_gradient(leaf) if key_names(key_path) in kernels else leaf
             ),
             params,
         )

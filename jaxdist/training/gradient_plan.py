@@ -32,6 +32,7 @@ from jaxdist.training.dense_factors import (
     DenseLayer,
     FactorTap,
     find_dense_layers,
+    key_names,
     select_dense_layers,
 )
 
@@ -109,9 +110,7 @@ def make_gradient_plan(
         seen = find_dense_layers(loss_fn, params, model_state, micro_batch, rng, axis_env)
         layers = select_dense_layers(seen, sfb_layers)
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    index_of = {
-        tuple(str(getattr(k, "key", k)) for k in path): i for i, (path, _) in enumerate(leaves)
-    }
+    index_of = {key_names(path): i for i, (path, _) in enumerate(leaves)}
     # Buckets fill by the leaves' own bytes; routes are priced by the bytes on the wire.
     own_bytes = bucketing.leaf_bytes(params)
     wire_bytes = [

@@ -31,6 +31,7 @@ not autodiff's implicit psum, does the averaging.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -180,9 +181,10 @@ class TrainStep:
         self.data_axes = data_axes_of(mesh, data_axes)
         self.allreduce = allreduce
         self.allreduce_options = dict(allreduce_options or {})
-        if allreduce not in (NO_ALLREDUCE, hybrid.AUTO):
+        if allreduce in (NO_ALLREDUCE, hybrid.AUTO):
+            collectives.common_options(self.allreduce_options)
+        else:
             check_allreduce(mesh, self.data_axes, allreduce, self.allreduce_options)
-        collectives.common_options(self.allreduce_options)
         self.bucket_bytes = bucket_bytes
         self.sfb_layers = sfb_layers
         self.axis_sizes = tuple(mesh.shape[a] for a in np.atleast_1d(self.data_axes))
@@ -196,7 +198,7 @@ class TrainStep:
         self.zero1 = zero1
         self.loss_scale = loss_scale
         self.donate = donation_default(mesh) if donate is None else donate
-        self.num_replicas = int(np.prod([mesh.shape[a] for a in np.atleast_1d(self.data_axes)]))
+        self.num_replicas = math.prod(self.axis_sizes)
         self.trace_count = 0  # how many times the step was traced (compiled); tests guard on it
         self.gradient_plan: GradientPlan | None = None
         self._compiled: Callable | None = None

@@ -164,6 +164,9 @@ class Trainer:
         self.optimizer = build_optimizer(config.optimizer, float(self.lr_fn(0.0)))
         self.eval_step = EvalStep(classifier_eval(applied), self.mesh, data_axes=self.data_axes)
         self._train_steps: dict[int, TrainStep] = {}
+        self._sfb_layers = sfb_layers_setting(config.sfb_layers)
+        # Steps that choose routes (auto) or send factors print their plan after a first step.
+        self._shows_plans = config.allreduce == "auto" or bool(self._sfb_layers)
         self._plans_shown: list[TrainStep] = []
         self._replicated = NamedSharding(self.mesh, P())
         for stage in range(len(self.plans)):
@@ -190,7 +193,7 @@ class Trainer:
                 allreduce_options={"unroll_limit": self.config.unroll_limit},
                 bucket_bytes=self.config.bucket_bytes,
                 links=self.config.links or None,
-                sfb_layers=sfb_layers_setting(self.config.sfb_layers),
+                sfb_layers=self._sfb_layers,
                 accumulation_steps=accumulation,
             )
         return self._train_steps[accumulation]
@@ -340,8 +343,11 @@ class Trainer:
     def _show_gradient_plan(self, train_step: TrainStep | PipelineStep, log: RunLog) -> None:
         """Once per train step, when it chooses routes (``auto``) or sends factors: the plan,
         as ``TrainStep.plan().table()`` prints it."""
-        chooses = self.config.allreduce == "auto" or sfb_layers_setting(self.config.sfb_layers)
-        if not chooses or not isinstance(train_step, TrainStep) or train_step in self._plans_shown:
+        if (
+            not self._shows_plans
+            or not isinstance(train_step, TrainStep)
+            or train_step in self._plans_shown
+        ):
             return
         self._plans_shown.append(train_step)
         log.progress(f"gradient plan, {train_step.accumulation_steps} micro-batch(es) per step:",

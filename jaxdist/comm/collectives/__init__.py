@@ -38,7 +38,7 @@ back to invariant. Return the result with an ``out_spec`` that names the axis, o
 shard_map with ``check_vma=False`` when the result should be declared replicated (``P()``).
 """
 
-from jaxdist.comm.collectives.algorithm import COMMON_OPTIONS, Algorithm, Term
+from jaxdist.comm.collectives.algorithm import COMMON_OPTIONS, Algorithm, Term, flat_link_class
 from jaxdist.comm.collectives.registry import (
     ALGORITHMS,
     TWO_LEVEL,
@@ -72,6 +72,7 @@ __all__ = [
     "check_names",
     "common_options",
     "default_exchange_piece_bytes",
+    "flat_link_class",
     "get",
     "one_dimensional",
     "pack",

@@ -16,7 +16,7 @@ from typing import Any
 
 from jaxdist.comm.collectives.wire import UNROLL_LIMIT
 
-__all__ = ["COMMON_OPTIONS", "Algorithm", "Term"]
+__all__ = ["COMMON_OPTIONS", "Algorithm", "Term", "flat_link_class"]
 
 # Options every schedule takes, with their defaults (see allreduce): the largest message a
 # pairwise exchange sends at once, and how many steps are unrolled before they loop.
@@ -42,6 +42,13 @@ class Term:
         sends ``ports`` messages at once: the multipliers of ``alpha`` and ``S * beta``."""
         concurrent = min(self.lanes, ports)
         return self.steps * math.ceil(self.lanes / ports), self.volume / concurrent
+
+
+def flat_link_class(axis_sizes: Sequence[int]) -> str:
+    """The link class a one-dimensional schedule over ``axis_sizes`` is priced on: it runs
+    every step over the slowest link it crosses, ``"inter"`` unless the outer axis has a single
+    device."""
+    return "inter" if len(axis_sizes) == 2 and axis_sizes[0] > 1 else "intra"
 
 
 @dataclass(frozen=True)
@@ -122,5 +129,4 @@ class Algorithm:
             raise ValueError(f"{self.name} cannot run here: {reason}")
         if self.two_level:
             return self.cost(sizes, **self.resolve(options))
-        link_class = "inter" if len(sizes) == 2 and sizes[0] > 1 else "intra"
-        return self.cost(math.prod(sizes), link_class)
+        return self.cost(math.prod(sizes), flat_link_class(sizes))
