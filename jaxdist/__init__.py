@@ -2,7 +2,7 @@
 
 The package is layered; each layer uses only those above it::
 
-    meshes                  device meshes as data
+    meshes, ring_order      device meshes as data, rings laid over a TPU slice
     comm/                   collectives (the allreduce family), cost_model, buckets,
                             sufficient_factors, hybrid
     training/               train_step, batchnorm, loss_scale, optim, batch_schedule,

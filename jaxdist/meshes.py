@@ -11,7 +11,9 @@ TOML files in ``meshes/`` and load by preset name or by path::
 The builders :func:`ring`, :func:`torus2d` and :func:`hierarchical` make the same meshes from
 code. Turning a spec into an ordered grid of devices happens in one place, :func:`build`:
 
-* on TPU, ``jax.experimental.mesh_utils`` picks a physical-topology-aware order;
+* on TPU, ``jax.experimental.mesh_utils`` picks a physical-topology-aware order, and on
+  slices without wraparound links each axis is then folded so that its rings take short
+  hops (:mod:`jaxdist.ring_order`);
 * on GPU and CPU, devices are sorted by (process, id) and laid out row-major, so each host's
   devices sit next to each other along the inner (fast) axis and ring neighbours are adjacent.
 """
@@ -33,6 +35,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh
 
 from jaxdist.checks import is_integer
+from jaxdist.ring_order import short_hop_grid
 
 __all__ = [
     "CPU_DEVICES_HINT",
@@ -265,8 +268,10 @@ def device_grid(spec: MeshSpec, devices: Sequence[jax.Device] | None = None) -> 
                 )
             dcn = (jax.process_count(),) + (1,) * (len(spec.shape) - 1)
             ici = (outer // jax.process_count(), *spec.shape[1:])
-            return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=ordered)
-        return _tpu_device_mesh(spec, ordered)
+            grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=ordered)
+        else:
+            grid = _tpu_device_mesh(spec, ordered)
+        return short_hop_grid(grid)
     # A sub-mesh (fewer devices than present) takes the first devices in (process, id) order.
     return np.array(ordered[: spec.size], dtype=object).reshape(spec.shape)
 

@@ -173,6 +173,75 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert (schedule.matmuls, schedule.backward_matmuls) == (1, 1)
 
 
+def test_schedule_reader_names_every_role_its_group_and_what_is_unexplained():
+    text = """HloModule m, is_scheduled=true
+
+%ar (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %r = f32[8]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%sum, metadata={op_name="jit(f)/shard_map/gradient_sync/psum"}
+}
+
+%step (p: f32[8], q: f32[4,4]) -> f32[4,4] {
+  %p = f32[8]{0} parameter(0)
+  %q = f32[4,4]{1,0} parameter(1)
+  ROOT %c = f32[4,4]{1,0} convolution(%q, %q), dim_labels=bf_io->bf
+}
+
+ENTRY %main (a: f32[8], w: f32[4,4]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %w = f32[4,4]{1,0} parameter(1)
+  %b = f32[8]{0} all-reduce(%a), replica_groups={{0,1},{2,3}}, to_apply=%sum, metadata={op_name="jit(f)/shard_map/batchnorm_statistics/psum"}
+  %m = f32[2]{0} all-reduce(%a), replica_groups=[1,4]<=[4], to_apply=%sum, metadata={op_name="jit(f)/shard_map/metrics_mean/psum"}
+  %x = f32[8]{0} all-gather(%a), replica_groups={{0,1,2,3}}, dimensions={0}, metadata={op_name="jit(f)/shard_map/mystery/all_gather"}
+  %async-collective-start.3 = (f32[8]{0}, u32[]) fusion(%a), kind=kCustom, calls=%ar
+  %f = f32[4,4]{1,0} fusion(%a, %w), kind=kOutput, calls=%step, metadata={op_name="jit(f)/transpose(jvp(m))/dot"}
+  ROOT %async-collective-done.3 = f32[8]{0} fusion(%async-collective-start.3), kind=kCustom, calls=%ar, metadata={op_name="jit(f)/shard_map/gradient_sync/psum"}
+}
+"""
+    schedule = read_schedule(text, num_devices=4)
+    by_role = {c.role: c for c in schedule.collectives}
+    assert set(by_role) == {"batchnorm", "metrics", "other", "gradients"}
+    assert by_role["batchnorm"].group_size == 2 and by_role["metrics"].group_size == 4
+    assert schedule.unexplained_sources() == {"shard_map/mystery/all_gather": 1}
+    # The TPU's async collective fusion: a start and a done fusion with compute between.
+    grads = by_role["gradients"]
+    assert (grads.kind, grads.asynchronous, grads.group_size, grads.backward_between) == (
+        "all-reduce", True, 4, 1,
+    )  # fmt: skip
+    assert schedule.overlapped_backward_fraction == 1.0
+
+
+def test_other_collectives_are_priced_by_kind_group_and_link():
+    from jaxdist.aot.predict import collective_seconds, other_collective_seconds
+    from jaxdist.aot.schedule import Collective, Schedule
+    from jaxdist.comm.cost_model import Link, Network
+
+    link = Link(alpha=1e-6, beta=1e-9)
+    permute = Collective("collective-permute", 1000, False, "batchnorm")
+    assert collective_seconds(permute, link) == pytest.approx(1e-6 + 1e-6)
+    reduce = Collective("all-reduce", 4000, False, "batchnorm", group_size=4)
+    ring = 2 * 3 * (1e-6 + 1000e-9)
+    tree = 2 * 2 * (1e-6 + 4000e-9)
+    assert collective_seconds(reduce, link) == pytest.approx(min(ring, tree))
+    # On a 2-D TPU torus, 4 chips are 2 x 2: rings of 2 along each dimension.
+    torus = Link(alpha=1e-6, beta=1e-9, ports=2)
+    assert collective_seconds(reduce, torus, torus_dims=2) == pytest.approx(
+        2 * 2 * 1 * 1e-6 + 2 * 3 / 4 * 4000e-9 / 2
+    )
+    gather = Collective("all-gather", 4000, False, "metrics", group_size=4, turns=3)
+    slow = Link(alpha=1e-5, beta=1e-8)
+    schedule = Schedule(
+        collectives=[reduce, gather, Collective("all-reduce", 8, True, "gradients")]
+    )
+    seconds = other_collective_seconds(schedule, Network(link, slow), fast_group=2)
+    # Groups of 4 cross the slow network when the fast links join 2 devices; gradients are
+    # priced by the step's own schedule, not here.
+    assert seconds == pytest.approx({
+        "batchnorm": min(2 * 3 * (1e-5 + 1000e-8), 2 * 2 * (1e-5 + 4000e-8)),
+        "metrics": 3 * 3 * (1e-5 + 1000e-8),
+    })  # fmt: skip
+
+
 def test_cpu_runs_never_load_the_tpu_compiler():
     # The test set-up pins JAX to the CPU; with libtpu installed nothing may probe for a TPU.
     code = (
@@ -294,6 +363,24 @@ def test_plan_refuses_an_unknown_topology_and_a_mesh_of_another_size(capsys):
 
 
 @needs_libtpu
+def test_plan_takes_links_given_and_refuses_bad_ones_in_one_line(capsys):
+    from jaxdist.cli import main
+
+    base = ["plan", "mnist_small_batch", "--topology", "v5e:2x2", "--efficiency", "0.4"]
+    assert main([*base, "--fast-link", "1ms:1GB/s", "--json"]) == 0
+    links = json.loads(capsys.readouterr().out)["links"]
+    assert (links["fast"]["latency_s"], links["fast"]["bytes_per_s"]) == pytest.approx((1e-3, 1e9))
+    assert links["sources"]["fast"] == "given: 1ms:1GB/s"
+    for flag, value, says in [
+        ("--fast-link", "fast", "--fast-link: a link is LATENCY:BANDWIDTH"),
+        ("--host-link", "10us:1GB/s", "--host-link: v5e:2x2 has no host network"),
+    ]:
+        assert main([*base, flag, value]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "compiling" not in line]
+        assert len(err) == 1 and says in err[0], err
+
+
+@needs_libtpu
 def test_plan_of_a_recipe_the_compiler_cannot_fit_is_one_line(capsys):
     from jaxdist.cli import main
 
@@ -389,6 +476,12 @@ def test_plan_takes_the_recipes_unroll_limit(capsys):
         rows = json.loads(capsys.readouterr().out)["stages"][0]["collectives"]
         in_loops[limit] = sum(r["in_loop"] for r in rows if r["role"] == "gradients")
     assert in_loops[2] > 0 and in_loops[collectives.UNROLL_LIMIT] == 0
+    # The text says what the loops cost and how to unroll them.
+    assert main(["plan", "mnist_small_batch", "--topology", "v5e:2x2", "--efficiency", "0.4",
+                 "--set", "allreduce=ring", "--set", "unroll_limit=2"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert f"note: {in_loops[2]:,} gradient collectives per step run inside loops" in out
+    assert "--set unroll_limit=4 unrolls them" in out
 
 
 @needs_libtpu
@@ -424,3 +517,99 @@ def test_a_pipeline_step_compiles_for_a_tpu_slice(schedule):
     sizes = [sum(leaf.size * 4 for leaf in jax.tree.leaves(p)) for p in params]
     arguments = compiled.memory_analysis().argument_size_in_bytes
     assert 3 * max(sizes) <= arguments < 3 * sum(sizes)  # a stage's params and Adam state
+
+
+# ------------------------------------------------------------------ slices of 32 chips and more
+
+
+class NormedMLP(nn.Module):
+    """Dense layers each followed by a BatchNorm whose statistics are shared in groups."""
+
+    widths: tuple = (512, 256, 512)
+    group_size: int | None = 2
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        from jaxdist.training.batchnorm import CrossReplicaBatchNorm
+
+        for w in self.widths:
+            x = nn.Dense(w)(x)
+            x = CrossReplicaBatchNorm(
+                use_running_average=not train, axis_name="data", group_size=self.group_size
+            )(x)
+            x = nn.relu(x)
+        return nn.Dense(10)(x)
+
+
+def _normed_step(mesh, group_size):
+    model = NormedMLP(group_size=group_size)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2, 256))))
+    params, model_state = variables["params"], {"batch_stats": variables["batch_stats"]}
+
+    def normed_loss(params, model_state, batch, rng):
+        logits, updates = model.apply(
+            {"params": params, **model_state}, batch["x"], mutable=["batch_stats"]
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, (updates, {})
+
+    step = TrainStep(normed_loss, optax.sgd(0.1, 0.9), mesh, allreduce="ring",
+                     bucket_bytes=1 << 19, allreduce_options={"unroll_limit": 32})  # fmt: skip
+    return aot_compile.compile_train_step(step, params, model_state, batch_of(16 * mesh.size))
+
+
+@needs_libtpu
+def test_batchnorm_statistics_move_bytes_of_the_group_not_of_the_slice():
+    """On 32 chips with groups of 2, every collective that is not the gradients' moves a
+    small multiple of the statistics' bytes: an all-reduce of each norm's statistics over its
+    group and its transpose, the running statistics' and the metrics' mean. An all-gather
+    over the slice would move 32 times the statistics, twice. The gradients' permutes still
+    run beside most of backward."""
+    from jaxdist import meshes
+
+    spec = meshes.MeshSpec("ring-32", "ring", (("data", 32),))
+    report = _normed_step(meshes.build(spec, parse_topology("v5e:4x8").devices()), group_size=2)
+    stats_bytes = sum(2 * w * 4 for w in NormedMLP.widths)  # mean and mean of squares, f32
+    other = [c for c in report.schedule.collectives if c.role != "gradients"]
+    other_bytes = sum(c.nbytes * c.turns for c in other)
+    assert other_bytes <= 4 * stats_bytes, (other_bytes, stats_bytes)
+    roles = {c.role for c in other}
+    # The metrics' mean is combined with the running statistics' into one all-reduce.
+    assert {"batchnorm", "bn running"} <= roles, roles
+    assert report.schedule.unexplained_sources() == {}
+    batchnorm = [c for c in other if c.role == "batchnorm"]
+    assert batchnorm and all(c.kind == "all-reduce" and c.group_size == 2 for c in batchnorm)
+    # The gradients' permutes run beside backward all the same.
+    assert report.schedule.overlapped_backward_fraction > 0.5
+
+
+@needs_libtpu
+@pytest.mark.parametrize("shape", [(4, 8), (32,)])
+def test_rings_on_a_slice_without_wraparound_overlap_backward(shape):
+    """The mesh folds each axis over the slice's chips, so the compiler keeps the rings'
+    permutes asynchronous beside backward (in physical order it made them synchronous)."""
+    from jaxdist import meshes
+
+    names = ("y", "x") if len(shape) == 2 else ("data",)
+    spec = meshes.MeshSpec("t", "torus2d" if len(shape) == 2 else "ring", tuple(zip(names, shape)))
+    mesh = meshes.build(spec, parse_topology("v5e:4x8").devices())
+    algorithm = "torus2d" if len(shape) == 2 else "ring"
+    report = compile_step(mesh, batch=16 * mesh.size, allreduce=algorithm, data_axes=names,
+                          bucket_bytes=1 << 19, allreduce_options={"unroll_limit": 32})  # fmt: skip
+    grads = report.schedule.gradient_collectives
+    assert grads and all(c.asynchronous for c in grads)
+    assert report.schedule.overlapped_backward_fraction > 0
+
+
+@needs_libtpu
+def test_native_buckets_stay_apart_and_some_run_beside_backward(torus_2x2):
+    """With the compiler options for native steps the TPU compiler neither merges the
+    buckets' all-reduces into one after backward nor keeps them all synchronous."""
+    from jaxdist.comm.compiler_options import compiler_options_for
+
+    report = compile_step(torus_2x2, allreduce="native", data_axes=("y", "x"), bucket_bytes=1 << 19)
+    grads = report.schedule.gradient_collectives
+    assert len(grads) > 2 and any(c.asynchronous for c in grads)
+    assert report.schedule.overlapped_backward_fraction > 0
+    assert compiler_options_for(torus_2x2.devices.flat, "ring") is None
+    assert compiler_options_for(jax.devices("cpu"), "native") is None

@@ -263,3 +263,53 @@ def test_tpu_processes_must_hold_whole_rows(monkeypatch):
         r"be a multiple of the process count \(3\)",
     ):
         meshes.device_grid(meshes.load("hierarchical-2x4"), fakes)
+
+
+# ------------------------------------------------------------ ring orders on TPU slices
+
+
+def test_folded_line_and_hamiltonian_cycle_take_short_hops():
+    from jaxdist import ring_order
+
+    for n in range(1, 12):
+        order = ring_order.fold(n)
+        assert sorted(order) == list(range(n))
+        hops = [abs(order[i] - order[(i + 1) % n]) for i in range(n)]
+        assert max(hops) <= 2, (n, order)
+    for rows, cols in [(2, 2), (4, 8), (16, 16), (2, 3)]:
+        cycle = ring_order._hamiltonian_cycle(rows, cols)
+        assert sorted(cycle) == [(r, c) for r in range(rows) for c in range(cols)]
+        for (r, c), (r2, c2) in zip(cycle, cycle[1:] + cycle[:1]):
+            assert abs(r - r2) + abs(c - c2) == 1
+
+
+@pytest.mark.skipif(
+    not __import__("jaxdist.aot.topology", fromlist=["x"]).libtpu_available(),
+    reason="the TPU compiler is not installed",
+)
+@pytest.mark.parametrize(
+    "topology, shape, longest",
+    [
+        ("v5e:4x8", (4, 8), 2),
+        ("v5e:4x8", (32,), 1),
+        ("v5e:8x8", (8, 8), 2),
+        ("v5p:2x2x4", (4, 4), None),
+    ],
+)
+def test_tpu_meshes_fold_rings_on_slices_without_wraparound(topology, shape, longest):
+    """On v5e every axis's ring takes hops of at most two chips; v5p keeps its order."""
+    from jax.experimental import mesh_utils
+
+    from jaxdist import ring_order
+    from jaxdist.aot.topology import parse_topology
+
+    devices = parse_topology(topology).devices()
+    names = tuple(f"a{i}" for i in range(len(shape)))
+    spec = meshes.MeshSpec("t", "torus2d" if len(shape) == 2 else "ring", tuple(zip(names, shape)))
+    grid = meshes.device_grid(spec, devices)
+    if longest is None:
+        plain = mesh_utils.create_device_mesh(shape, devices=devices)
+        assert [d.id for d in grid.reshape(-1)] == [d.id for d in plain.reshape(-1)]
+    else:
+        for axis in range(len(shape)):
+            assert ring_order.longest_hop(grid, axis) <= longest

@@ -13,7 +13,7 @@ from jaxdist import meshes
 from jaxdist.comm import buckets, collectives
 from jaxdist.training import eval_step
 from jaxdist.training import train_step as ts
-from jaxdist.training.batchnorm import CrossReplicaBatchNorm, replica_mean
+from jaxdist.training.batchnorm import CrossReplicaBatchNorm
 from jaxdist.training.loss_scale import DynamicLossScale
 from tests._procs import REPO
 
@@ -291,24 +291,6 @@ def test_batchnorm_groups_and_consistent_running_statistics():
     assert not np.allclose(
         np.asarray(state.params["Dense_0"]["kernel"]), np.asarray(whole.params["Dense_0"]["kernel"])
     ), "group statistics normalise differently, so the weights must differ"
-
-
-@pytest.mark.parametrize("group_size", [None, 1, 2, 4])
-def test_replica_mean_groups(group_size):
-    mesh = meshes.ring(8)
-    values = np.arange(8, dtype=np.float32)[:, None] * np.ones((8, 3), np.float32)
-    sharded = jax.device_put(values, jax.sharding.NamedSharding(mesh, jax.P("x")))
-    out = jax.jit(
-        jax.shard_map(
-            lambda v: replica_mean(v, "x", group_size),
-            mesh=mesh,
-            in_specs=jax.P("x"),
-            out_specs=jax.P("x"),
-        )
-    )(sharded)
-    k = group_size or 8
-    expected = np.repeat(values.reshape(8 // k, k, 3).mean(1), k, axis=0)
-    np.testing.assert_allclose(np.asarray(out), expected)
 
 
 def test_eval_step_counts_like_a_single_device():

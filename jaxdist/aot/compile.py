@@ -184,7 +184,7 @@ def compile_train_step(
         compile_seconds=seconds,
         memory=memory,
         flops=flops,
-        schedule=read_schedule(compiled.as_text()),
+        schedule=read_schedule(compiled.as_text(), step.mesh.size),
         gradient_bytes=sum(sizes),
         bucket_bytes=[sum(sizes[i] for i in bucket) for bucket in buckets],
         compiled=compiled,

@@ -29,10 +29,12 @@ from jaxdist.aot.chips import network_for
 from jaxdist.aot.compile import CompiledStep, DoesNotFitError, compile_train_step
 from jaxdist.aot.predict import StepTime, predict_step, time_to_train
 from jaxdist.aot.topology import Topology
+from jaxdist.comm import cost_model
 from jaxdist.training.batch_schedule import DevicePlan
 
 __all__ = [
     "FIT_HINT",
+    "LinkError",
     "MeshMismatchError",
     "PipelineNotPlannedError",
     "Plan",
@@ -86,6 +88,8 @@ class Plan:
     stages: list[StagePlan]
     epochs: float
     time_rows: list[dict] = field(default_factory=list)
+    # Where each link class's figures come from ("fast", "host"): the chip table or a flag.
+    link_sources: dict[str, str] = field(default_factory=dict)
     # What compiling another batch size needs (see largest_fitting_batch_of).
     trainer: object = field(default=None, repr=False)
     variable_shapes: tuple = field(default=(), repr=False)
@@ -168,13 +172,16 @@ def plan_recipe(
     efficiency: float,
     mesh: str | None = None,
     link_latency: dict[str, float] | None = None,
+    fast_link: str | None = None,
+    host_link: str | None = None,
     on_stage: Callable[[int, DevicePlan], None] | None = None,
 ) -> Plan:
     """Compile every batch-size stage of ``config`` for ``topology`` and predict its time.
 
     ``mesh`` (a preset or TOML path) replaces the recipe's; ``efficiency`` is the share of
-    peak FLOP/s a step reaches (:mod:`jaxdist.aot.predict`); ``on_stage`` is called before
-    each stage compiles (for progress output).
+    peak FLOP/s a step reaches (:mod:`jaxdist.aot.predict`); ``fast_link`` and ``host_link``
+    (``"LATENCY:BANDWIDTH"``, one direction of one link) replace the chip table's links;
+    ``on_stage`` is called before each stage compiles (for progress output).
     """
     from jaxdist.pipeline import from_config as pipeline_config
     from jaxdist.training.trainer import Trainer
@@ -197,6 +204,7 @@ def plan_recipe(
     params, model_state = _variable_shapes(trainer, config)
     host_network = topology.chip.host_network if topology.network_groups > 1 else None
     network = network_for(topology.chip, host_network=host_network, latency=link_latency)
+    network, link_sources = _given_links(network, topology, fast_link, host_link)
     axis_sizes = list(spec.shape)
     stages = []
     for index, device_plan in enumerate(trainer.plans):
@@ -215,14 +223,53 @@ def plan_recipe(
         step_time = predict_step(
             compiled, topology.chip, efficiency=efficiency, algorithm=config.allreduce,
             axis_sizes=axis_sizes, network=network,
+            fast_group=topology.chips_per_group if topology.network_groups > 1 else None,
         )  # fmt: skip
         stages.append(StagePlan(index, device_plan, compiled, step_time))
     plan = Plan(topology, spec, mesh_note, data_note, config.allreduce, network, stages,
-                config.num_epochs, trainer=trainer, variable_shapes=(params, model_state))  # fmt: skip
+                config.num_epochs, link_sources=link_sources, trainer=trainer,
+                variable_shapes=(params, model_state))  # fmt: skip
     plan.time_rows = time_to_train(
         trainer.schedule, config.num_epochs, [s.step_time.total for s in stages]
     )
     return plan
+
+
+class LinkError(ValueError):
+    """A link given for a plan that cannot be read or that the topology does not have."""
+
+    exit_code = 2
+
+
+def _given_links(
+    network: cost_model.Network, topology: Topology, fast: str | None, host: str | None
+) -> tuple[cost_model.Network, dict[str, str]]:
+    """``network`` with the links a user gave in place of the chip table's, and where each
+    link class's figures come from."""
+    table = "published bandwidth (docs/planning.md, the chips), assumed latency"
+    sources = {"fast": table}
+    intra, inter = network.intra, network.inter
+    if fast is not None:
+        try:
+            intra = cost_model.parse_link(fast, topology.chip.link_ports)
+        except ValueError as err:
+            raise LinkError(f"--fast-link: {err}") from err
+        sources["fast"] = f"given: {fast}"
+    if inter is not None:
+        sources["host"] = table
+    if host is not None:
+        if inter is None:
+            raise LinkError(
+                f"--host-link: {topology.name} has no host network between its chips (one TPU "
+                "slice: every chip is on the fast links); plan several slices (GEN:SHAPE/N) "
+                "or GPU hosts to give one"
+            )
+        try:
+            inter = cost_model.parse_link(host, 1)
+        except ValueError as err:
+            raise LinkError(f"--host-link: {err}") from err
+        sources["host"] = f"given: {host}"
+    return cost_model.Network(intra, inter), sources
 
 
 def _variable_shapes(trainer, config) -> tuple[dict, dict]:

@@ -1,11 +1,15 @@
 """Step time and time-to-train from a compiled step, a chip's figures and the cost model.
 
-A step takes its compute plus the gradient communication that backward cannot hide::
+A step takes its compute, the gradient communication that backward cannot hide, and every
+other collective of the compiled program::
 
     compute  = FLOPs per chip / (peak FLOP/s x efficiency)
     comm     = sum over gradient buckets of the cost model's allreduce time on the links
     hidden   = min(comm - last bucket, backward x share of backward run while gradients move)
-    step     = compute + comm - hidden
+    other    = sum over the program's other collectives (BatchNorm statistics, metrics, ...)
+               of the cost model's time for their kind, bytes and group, each run as often
+               as the program runs it
+    step     = compute + comm - hidden + other
 
 * ``efficiency`` is the share of peak a real step reaches. It is not derived: it is
   calibrated on a published run (:mod:`jaxdist.aot.published`) and printed with every
@@ -15,20 +19,32 @@ A step takes its compute plus the gradient communication that backward cannot hi
   the compiled schedule, so a program whose collectives wait for the whole backward pass, or
   run inside a loop, hides nothing. The last bucket always waits for the end of backward.
 
-Input reading, evaluation and start-up are outside the model.
+The other collectives are counted as exposed: a BatchNorm's statistics are needed by the
+very next op, and the rest are small. Input reading, evaluation and start-up are outside the
+model.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxdist.aot.chips import Chip
 from jaxdist.aot.compile import CompiledStep
+from jaxdist.aot.schedule import Collective, Schedule
 from jaxdist.comm import cost_model
 from jaxdist.training.batch_schedule import BatchSchedule
 
-__all__ = ["BACKWARD_SHARE", "StepTime", "communication_seconds", "predict_step", "time_to_train"]
+__all__ = [
+    "BACKWARD_SHARE",
+    "StepTime",
+    "collective_seconds",
+    "communication_seconds",
+    "other_collective_seconds",
+    "predict_step",
+    "time_to_train",
+]
 
 BACKWARD_SHARE = 2 / 3
 
@@ -38,13 +54,20 @@ class StepTime:
     """Seconds of one step and its parts."""
 
     compute: float
-    communication: float
+    communication: float  # the gradients'
     hidden: float
     efficiency: float
+    # Seconds of every other collective of the program, all exposed, by role.
+    other_by_role: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def other(self) -> float:
+        return sum(self.other_by_role.values())
 
     @property
     def exposed(self) -> float:
-        return self.communication - self.hidden
+        """Communication the step waits for: the gradients' unhidden part and the rest."""
+        return self.communication - self.hidden + self.other
 
     @property
     def total(self) -> float:
@@ -64,6 +87,51 @@ def communication_seconds(
     return [cost_model.predict(algorithm, b, axis_sizes, network) for b in bucket_bytes]
 
 
+def collective_seconds(collective: Collective, link: cost_model.Link, torus_dims: int = 0) -> float:
+    """The cost model's seconds for one run of a collective of ``g`` devices over ``link``.
+
+    A permute is one message. XLA's all-reduce runs on a TPU's torus as rings along each of
+    its ``torus_dims`` dimensions (a group of ``g`` chips spans about ``g ** (1/d)`` along
+    each), so ``2 d (g^(1/d) - 1)`` messages and a ring's bytes over the ports; elsewhere
+    (NCCL) as the cheaper of a ring (``2(g - 1)`` messages of ``S/g``) and a tree
+    (``2 log2 g`` messages of ``S``). An all-gather, a reduce-scatter and an all-to-all take
+    ``g - 1`` messages of one device's part."""
+    g, nbytes = max(collective.group_size, 1), collective.nbytes
+    if collective.kind == "collective-permute":
+        return link.alpha + nbytes * link.beta
+    if g == 1:
+        return 0.0
+    if collective.kind == "all-reduce":
+        volume = 2 * (g - 1) / g * nbytes * link.beta
+        if torus_dims:
+            per_dimension = math.ceil(round(g ** (1 / torus_dims), 9))
+            steps = 2 * torus_dims * (per_dimension - 1)
+            return steps * link.alpha + volume / link.ports
+        ring = 2 * (g - 1) * link.alpha + volume
+        tree = 2 * math.log2(g) * (link.alpha + nbytes * link.beta)
+        return min(ring, tree)
+    part = nbytes if collective.kind == "reduce-scatter" else nbytes / g
+    return (g - 1) * (link.alpha + part * link.beta)
+
+
+def other_collective_seconds(
+    schedule: Schedule, network: cost_model.Network, fast_group: float, torus_dims: int = 0
+) -> dict[str, float]:
+    """Seconds per step of each role's collectives other than the gradients', each run as
+    many times as the program runs it. A group larger than ``fast_group`` devices (a TPU
+    slice, a GPU host) crosses the slow network; inside it, ``torus_dims`` says how XLA's
+    all-reduce runs (:func:`collective_seconds`)."""
+    seconds: dict[str, float] = {}
+    for c in schedule.collectives:
+        if c.role == "gradients":
+            continue
+        crosses = c.group_size > fast_group
+        link = network.link("inter" if crosses else "intra")
+        one = collective_seconds(c, link, 0 if crosses else torus_dims)
+        seconds[c.role] = seconds.get(c.role, 0.0) + c.turns * one
+    return seconds
+
+
 def predict_step(
     compiled: CompiledStep,
     chip: Chip,
@@ -72,8 +140,10 @@ def predict_step(
     algorithm: str,
     axis_sizes: Sequence[int],
     network: cost_model.Network,
+    fast_group: int | None = None,
 ) -> StepTime:
-    """The :class:`StepTime` of a compiled step on ``chip``."""
+    """The :class:`StepTime` of a compiled step on ``chip``; ``fast_group`` is how many
+    devices the fast links join (default: all of them)."""
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
     compute = compiled.flops / (chip.peak_flops * efficiency)
@@ -81,7 +151,11 @@ def predict_step(
     communication = sum(per_bucket)
     backward = compute * BACKWARD_SHARE * compiled.schedule.overlapped_backward_fraction
     hidden = max(0.0, min(communication - per_bucket[-1], backward)) if per_bucket else 0.0
-    return StepTime(compute, communication, hidden, efficiency)
+    other = other_collective_seconds(
+        compiled.schedule, network, fast_group if fast_group is not None else math.inf,
+        chip.torus_dims,
+    )  # fmt: skip
+    return StepTime(compute, communication, hidden, efficiency, other)
 
 
 def time_to_train(

@@ -37,22 +37,36 @@ def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
         "  collectives per step (role, kind: count, MiB per chip, async, inside a loop, with "
         "backward inside, most backward matmuls inside one):",
     ]
-    for row in stage.compiled.schedule.by_kind():
+    schedule = stage.compiled.schedule
+    for row in schedule.by_kind():
         lines.append(
             f"    {row['role']:<10} {row['kind']:<19} {row['count']:>5} {row['bytes'] / 2**20:>10.2f}"
             f" {row['async']:>5} {row['in_loop']:>5} {row['with_backward_inside']:>5}"
             f" {row['most_backward_inside']:>5}"
         )
-    schedule = stage.compiled.schedule
+    for source, count in sorted(schedule.unexplained_sources().items(), key=lambda kv: -kv[1]):
+        lines.append(f"    other: {count} per step from {source}")
+    looped = sum(c.turns for c in schedule.gradient_collectives if c.in_loop)
+    if looped and plan.trainer is not None:
+        longest = max(plan.mesh_spec.shape)
+        lines.append(
+            f"  note: {looped:,} gradient collectives per step run inside loops (rings longer "
+            f"than unroll_limit={plan.trainer.config.unroll_limit}) and hide nothing; "
+            f"--set unroll_limit={longest} unrolls them (the program compiles for longer)"
+        )
     lines += [
         f"  overlap: {schedule.backward_during_gradients} of {schedule.backward_matmuls} "
         f"backward matmuls ({schedule.overlapped_backward_fraction:.0%}) run while gradients "
         "are in flight",
         f"  step: compute {t.compute * 1e3:.1f} ms (FLOPs at peak x efficiency "
-        f"{t.efficiency:.2f}) + exposed communication {t.exposed * 1e3:.1f} ms (of "
-        f"{t.communication * 1e3:.1f} ms; {t.hidden * 1e3:.1f} ms hidden behind backward) = "
+        f"{t.efficiency:.2f}) + exposed gradients {(t.communication - t.hidden) * 1e3:.1f} ms (of "
+        f"{t.communication * 1e3:.1f} ms; {t.hidden * 1e3:.1f} ms hidden behind backward) + "
+        f"other collectives {t.other * 1e3:.1f} ms = "
         f"{t.total * 1e3:.1f} ms -> {dp.global_batch_size / t.total:,.0f} images/s",
     ]
+    if t.other_by_role:
+        parts = ", ".join(f"{role} {s * 1e3:.2f}" for role, s in t.other_by_role.items())
+        lines.append(f"  other collectives per step (ms): {parts}")
     return lines
 
 
@@ -61,13 +75,15 @@ def plan_text(plan: Plan, efficiency_note: str) -> str:
     topo, chip = plan.topology, plan.topology.chip
     network = plan.network
     fast = "ICI" if chip.torus_dims else "NVLink"
-    links = f"{fast} {1 / network.intra.beta / 1e9:.0f} GB/s per direction x "
-    links += f"{network.intra.ports} port(s), latency {network.intra.alpha * 1e6:.0f} us (assumed)"
+    sources = plan.link_sources
+    links = f"{fast} {1 / network.intra.beta / 1e9:g} GB/s per direction x "
+    links += f"{network.intra.ports} port(s), latency {network.intra.alpha * 1e6:g} us "
+    links += f"({sources.get('fast', '')}; --fast-link to change)"
     if network.inter is not None:
         slow = "DCN" if chip.torus_dims else "host network"
         links += (
-            f"; {slow} {1 / network.inter.beta / 1e9:.2f} GB/s per chip, latency "
-            f"{network.inter.alpha * 1e6:.0f} us (assumed)"
+            f"; {slow} {1 / network.inter.beta / 1e9:g} GB/s per chip, latency "
+            f"{network.inter.alpha * 1e6:g} us ({sources.get('host', '')}; --host-link to change)"
         )
     lines = [
         f"topology: {topo.name}: {topo.num_chips} x {chip.name} ({_gib(chip.hbm_bytes)} GiB HBM, "
@@ -75,6 +91,8 @@ def plan_text(plan: Plan, efficiency_note: str) -> str:
         f"{meshes.summary(plan.mesh_spec).splitlines()[0]} -- {plan.mesh_note}",
         f"data: {plan.data_note}",
         f"allreduce: {plan.algorithm}; links: {links}",
+        "link model: alpha-beta (jaxdist.comm.cost_model); gradients priced as the step's "
+        "schedule per bucket, every other collective by its kind and group",
         f"efficiency: {efficiency_note}",
         f"compiled {len(plan.stages)} stage(s) in {plan.compile_seconds:.1f} s",
         "",
@@ -114,8 +132,10 @@ def plan_json(plan: Plan, efficiency_note: str) -> dict:
             "collectives": stage.compiled.schedule.by_kind(),
             "overlapped_backward_fraction": stage.compiled.schedule.overlapped_backward_fraction,
             "gradient_bytes": stage.compiled.gradient_bytes,
+            "unexplained_collectives": stage.compiled.schedule.unexplained_sources(),
             "step_seconds": {"compute": t.compute, "communication": t.communication,
-                             "hidden": t.hidden, "total": t.total},
+                             "hidden": t.hidden, "other": t.other,
+                             "other_by_role": t.other_by_role, "total": t.total},
         })  # fmt: skip
     return {
         "topology": plan.topology.name,
@@ -128,6 +148,7 @@ def plan_json(plan: Plan, efficiency_note: str) -> dict:
         "links": {
             "fast": _link_json(plan.network.intra),
             "host": None if plan.network.inter is None else _link_json(plan.network.inter),
+            "sources": plan.link_sources,
         },
         "efficiency": efficiency_note,
         "stages": stages,

@@ -4,9 +4,11 @@ A compiled program's text (``compiled.as_text()``) lists its entry computation i
 the device runs it. An asynchronous collective is a ``*-start`` and a ``*-done``; whatever the
 scheduler placed between the two runs while the data moves. This module reads that order:
 
-* every collective: its kind, bytes, whether it is asynchronous, and its role, from the
-  named scope the train step gives it (:data:`GRADIENT_SCOPE`, :data:`PARAMETER_SCOPE`;
-  anything else, such as BatchNorm statistics and metrics, is ``"other"``);
+* every collective: its kind, bytes, the size of the device group it joins, whether it is
+  asynchronous, and its role, from the named scope the step gives it
+  (:data:`jaxdist.comm.scopes.ROLES`: gradients, parameters, BatchNorm statistics, running
+  statistics, metrics, the loss scale's check); a collective outside them is ``"other"`` and
+  keeps its source op's name, so a plan can say where it comes from;
 * the compute: matrix products and convolutions (a GPU program's cuBLAS and cuDNN calls
   included), counted inside fusions and loops, and whether each belongs to the backward
   pass (the metadata of a transposed op says so).
@@ -21,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from jaxdist.comm.scopes import GRADIENT_SCOPE, PARAMETER_SCOPE
+from jaxdist.comm.scopes import ROLES
 
 __all__ = [
     "Collective",
@@ -50,7 +52,9 @@ class Collective:
     kind: str  # "all-reduce", "collective-permute", ...
     nbytes: int  # bytes of its result on one device
     asynchronous: bool
-    role: str  # "gradients", "parameters" or "other"
+    role: str  # a value of jaxdist.comm.scopes.ROLES, or "other"
+    group_size: int = 2  # devices in its group (a permute: the two ends of one message)
+    source: str = ""  # the op it was traced from (jax's op_name), for the unexplained ones
     turns: int = 1  # how many times it runs per step (inside a loop: the loop's turns)
     in_loop: bool = False  # inside a loop's body: nothing outside the loop overlaps it
     backward_between: int = 0  # backward matrix products between start and done
@@ -83,8 +87,17 @@ class Schedule:
             row["in_loop"] += c.in_loop * c.turns
             row["with_backward_inside"] += (c.backward_between > 0) * c.turns
             row["most_backward_inside"] = max(row["most_backward_inside"], c.backward_between)
-        order = {"gradients": 0, "parameters": 1, "other": 2}
+        order = {role: i for i, role in enumerate([*ROLES.values(), "other"])}
         return sorted(rows.values(), key=lambda r: (order[r["role"]], -r["bytes"]))
+
+    def unexplained_sources(self) -> dict[str, int]:
+        """Per step, how many collectives of role ``"other"`` each source op runs."""
+        counts: dict[str, int] = {}
+        for c in self.collectives:
+            if c.role == "other":
+                source = c.source or "(no metadata, nor any user with some)"
+                counts[source] = counts.get(source, 0) + c.turns
+        return counts
 
     @property
     def gradient_collectives(self) -> list[Collective]:
@@ -155,15 +168,33 @@ def _nbytes(type_text: str) -> int:
 
 
 def _role(op_name: str) -> str:
-    if f"/{GRADIENT_SCOPE}/" in op_name:
-        return "gradients"
-    if f"/{PARAMETER_SCOPE}/" in op_name:
-        return "parameters"
+    for scope, role in ROLES.items():
+        if f"/{scope}/" in op_name:
+            return role
     return "other"
 
 
-def read_schedule(text: str) -> Schedule:
-    """The :class:`Schedule` of a compiled program from its text (``compiled.as_text()``)."""
+_GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+
+
+def _group_size(inst: _Instruction, num_devices: int) -> int:
+    """Devices in the collective's group: from its replica groups (listed, or in the iota
+    form ``[groups,size]<=[...]``); a permute's message joins two; no groups means all."""
+    if inst.opcode.startswith("collective-permute"):
+        return 2
+    listed = _GROUPS.search(inst.rest)
+    if listed:
+        return len([d for d in listed.group(1).split(",") if d])
+    iota = _IOTA_GROUPS.search(inst.rest)
+    if iota:
+        return int(iota.group(2))
+    return num_devices
+
+
+def read_schedule(text: str, num_devices: int = 1) -> Schedule:
+    """The :class:`Schedule` of a compiled program from its text (``compiled.as_text()``);
+    ``num_devices`` is the group of a collective that lists no groups (all of them)."""
     computations, entry = _computations(text)
     inner_matmuls: dict[str, tuple[int, int]] = {}
 
@@ -176,16 +207,17 @@ def read_schedule(text: str) -> Schedule:
         return inner_matmuls[name]
 
     schedule = Schedule()
-    _walk(computations, entry, schedule, matmuls_in, turns=1, in_loop=False, top=True)
+    _walk(computations, entry, schedule, matmuls_in, turns=1, in_loop=False, top=True,
+          num_devices=num_devices)  # fmt: skip
     return schedule
 
 
-def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top) -> None:
+def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_devices) -> None:
     """Read one computation in order: its collectives (those inside a loop's body counted
     once per turn) and the matrix products between each start and done."""
     open_starts: dict[str, Collective] = {}
     instructions = computations.get(name, [])
-    role_of = _roles_by_use(instructions)
+    used_as = _names_by_use(instructions)
     for inst in instructions:
         total, backward = _matmuls_of(inst, matmuls_in)
         if top:
@@ -202,12 +234,18 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top) -> N
             trips = _trip_count(computations.get(condition.group(1), [])) if condition else 1
             if body:
                 _walk(computations, body.group(1), schedule, matmuls_in,
-                      turns=turns * trips, in_loop=True, top=False)  # fmt: skip
+                      turns=turns * trips, in_loop=True, top=False,
+                      num_devices=num_devices)  # fmt: skip
             continue
         if inst.opcode in ("conditional", "call"):
             for called in inst.called:
                 _walk(computations, called, schedule, matmuls_in,
-                      turns=turns, in_loop=in_loop, top=False)  # fmt: skip
+                      turns=turns, in_loop=in_loop, top=False,
+                      num_devices=num_devices)  # fmt: skip
+            continue
+        if _ASYNC_FUSION.match(inst.name) and inst.opcode == "fusion":
+            _read_async_fusion(inst, computations, open_starts, schedule,
+                               turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
             continue
         kind = inst.opcode.removesuffix("-start").removesuffix("-done")
         if kind not in _COLLECTIVES:
@@ -217,26 +255,79 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top) -> N
             if started is not None:
                 started.nbytes = _nbytes(inst.type_text)
             continue
-        role = _role(inst.op_name) if inst.op_name else role_of.get(inst.name, "other")
+        op_name = inst.op_name or used_as.get(inst.name, "")
         collective = Collective(kind, _nbytes(inst.type_text), inst.opcode.endswith("-start"),
-                                role, turns=turns, in_loop=in_loop)  # fmt: skip
+                                _role(op_name), _group_size(inst, num_devices), _source(op_name),
+                                turns=turns, in_loop=in_loop)  # fmt: skip
         schedule.collectives.append(collective)
         if collective.asynchronous:
             open_starts[inst.name] = collective
 
 
-def _roles_by_use(instructions: list[_Instruction]) -> dict[str, str]:
-    """The role of each collective whose own metadata is gone (a collective XLA made by
-    combining several keeps none), read from the first instruction that uses its result
-    (an async one's: its done's)."""
+# The TPU compiler's asynchronous collectives made by its "async collective fusion": a start
+# and a done fusion named alike, with the collective inside the start's computation, and the
+# compute between them fused with the collective's progress.
+_ASYNC_FUSION = re.compile(r"^async-collective-(start|done)(.*)$")
+
+
+def _read_async_fusion(inst, computations, open_starts, schedule, *, turns, in_loop, num_devices):
+    """Open (a start) or close (a done) the asynchronous collective of a TPU async
+    collective fusion."""
+    phase, suffix = _ASYNC_FUSION.match(inst.name).groups()
+    key = f"async-collective{suffix}"
+    if phase == "done":
+        started = open_starts.pop(key, None)
+        if started is not None:
+            started.nbytes = _nbytes(inst.type_text)
+        return
+    inner = next(
+        (i for name in inst.called for i in computations.get(name, [])
+         if i.opcode.removesuffix("-start") in _COLLECTIVES),
+        None,
+    )  # fmt: skip
+    if inner is None:
+        return
+    collective = Collective(
+        inner.opcode.removesuffix("-start"), _nbytes(inner.type_text), True, _role(inner.op_name),
+        _group_size(inner, num_devices), _source(inner.op_name), turns=turns, in_loop=in_loop,
+    )  # fmt: skip
+    schedule.collectives.append(collective)
+    open_starts[key] = collective
+
+
+def _source(op_name: str) -> str:
+    """An op name without its ``jit(...)/`` prefix: the path of scopes to the source op."""
+    return op_name.split("/", 1)[-1] if op_name else ""
+
+
+def _names_by_use(instructions: list[_Instruction]) -> dict[str, str]:
+    """The op name standing for each collective whose own metadata is gone (a collective XLA
+    made by combining several keeps none): that of the first instruction using its result
+    (an async one's: its done's) that has one, looking through users without metadata
+    (tuple elements, bitcasts) breadth first."""
     done_of = {i.first_operand: i.name for i in instructions if i.opcode.endswith("-done")}
-    first_user: dict[str, str] = {}
+    by_name = {i.name: i for i in instructions}
+    users: dict[str, list[str]] = {}
     for inst in instructions:
-        if inst.op_name:
-            for used in _OPERAND.findall(inst.rest):
-                first_user.setdefault(used, inst.op_name)
+        for used in dict.fromkeys(_OPERAND.findall(inst.rest)):
+            users.setdefault(used, []).append(inst.name)
+
+    def first_named_user(start: str) -> str:
+        frontier, seen = [start], {start}
+        while frontier:
+            following = []
+            for name in frontier:
+                for user in users.get(name, []):
+                    if by_name[user].op_name:
+                        return by_name[user].op_name
+                    if user not in seen:
+                        seen.add(user)
+                        following.append(user)
+            frontier = following
+        return ""
+
     return {
-        inst.name: _role(first_user.get(done_of.get(inst.name, inst.name), ""))
+        inst.name: first_named_user(done_of.get(inst.name, inst.name))
         for inst in instructions
         if inst.opcode.removesuffix("-start") in _COLLECTIVES and not inst.op_name
     }

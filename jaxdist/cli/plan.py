@@ -45,6 +45,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "published run, see docs/planning.md)",
     )
     p.add_argument(
+        "--fast-link",
+        metavar="LATENCY:BANDWIDTH",
+        default=None,
+        help="the chips' fast links (ICI, NVLink), one direction of one link, e.g. "
+        "2us:50GB/s (default: the chip table's published bandwidth and an assumed latency)",
+    )
+    p.add_argument(
+        "--host-link",
+        metavar="LATENCY:BANDWIDTH",
+        default=None,
+        help="the host network per chip between TPU slices or GPU hosts, e.g. 10us:3.1GB/s",
+    )
+    p.add_argument(
         "--max-batch",
         action="store_true",
         help="also find the largest per-chip batch of the first stage that fits in HBM "
@@ -79,7 +92,8 @@ def run_plan(args: argparse.Namespace) -> int:
             print(f"compiling stage {index} (global batch {device_plan.global_batch_size:,}) "
                   f"for {topology.name} ...", file=sys.stderr, flush=True)  # fmt: skip
 
-    plan = plan_recipe(config, topology, efficiency=efficiency, mesh=args.mesh, on_stage=progress)
+    plan = plan_recipe(config, topology, efficiency=efficiency, mesh=args.mesh,
+                       fast_link=args.fast_link, host_link=args.host_link, on_stage=progress)  # fmt: skip
     fitting = largest_fitting_batch_of(plan, progress) if args.max_batch else None
     if args.json:
         data = plan_json(plan, note)

@@ -1,10 +1,33 @@
 """Names of the scopes (``jax.named_scope``) the train steps put around their communication.
 
 They reach the compiled program's metadata, so a reader of the scheduled program
-(:mod:`jaxdist.aot.schedule`) can tell gradient traffic from parameter traffic and the rest.
+(:mod:`jaxdist.aot.schedule`) can tell gradient traffic from parameter traffic, BatchNorm
+statistics, metrics and the loss scale's check, and price each.
 """
 
-__all__ = ["GRADIENT_SCOPE", "PARAMETER_SCOPE"]
+__all__ = [
+    "BATCHNORM_SCOPE",
+    "GRADIENT_SCOPE",
+    "LOSS_SCALE_SCOPE",
+    "METRICS_SCOPE",
+    "MODEL_STATE_SCOPE",
+    "PARAMETER_SCOPE",
+    "ROLES",
+]
 
 GRADIENT_SCOPE = "gradient_sync"  # the gradient allreduce, or ZeRO-1's reduce-scatter
 PARAMETER_SCOPE = "parameter_gather"  # ZeRO-1's all-gather of the updated parameters
+BATCHNORM_SCOPE = "batchnorm_statistics"  # a BatchNorm's mean and mean of squares, per step
+MODEL_STATE_SCOPE = "model_state_mean"  # running statistics averaged once per step
+METRICS_SCOPE = "metrics_mean"  # loss and metrics averaged for the log
+LOSS_SCALE_SCOPE = "loss_scale_check"  # whether every device's gradients are finite
+
+# The role a collective inside each scope plays, as a plan names it.
+ROLES = {
+    GRADIENT_SCOPE: "gradients",
+    PARAMETER_SCOPE: "parameters",
+    BATCHNORM_SCOPE: "batchnorm",
+    MODEL_STATE_SCOPE: "bn running",
+    METRICS_SCOPE: "metrics",
+    LOSS_SCALE_SCOPE: "loss scale",
+}

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.comm import buckets as bucketing
 from jaxdist.comm import collectives
+from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.comm.scopes import GRADIENT_SCOPE
 from jaxdist.pipeline import schedules
 from jaxdist.pipeline.passes import branches, update
@@ -338,7 +339,10 @@ class PipelineStep:
             out_specs=(specs, P()),
             check_vma=False,
         )
-        return jax.jit(sharded, donate_argnums=(0,) if self.donate else ())
+        options = compiler_options_for(self.mesh.devices.flat, self.allreduce)
+        return jax.jit(
+            sharded, donate_argnums=(0,) if self.donate else (), compiler_options=options
+        )
 
     def _check_batch(self, batch: Any) -> None:
         """Refuse, before compiling, a batch whose per-device part does not split into the

@@ -47,6 +47,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.comm import buckets as bucketing
 from jaxdist.comm import collectives, hybrid
+from jaxdist.comm.compiler_options import compiler_options_for
+from jaxdist.comm.scopes import METRICS_SCOPE, MODEL_STATE_SCOPE
 from jaxdist.runtime import dispatch
 from jaxdist.training.batches import check_batch_sizes, data_axes_of, shard_batch
 from jaxdist.training.gradient_plan import GradientPlan, make_gradient_plan
@@ -302,7 +304,11 @@ class TrainStep:
             out_specs=(specs, P()),
             check_vma=False,
         )
-        return jax.jit(sharded, donate_argnums=(0,) if self.donate else ())
+        return jax.jit(
+            sharded,
+            donate_argnums=(0,) if self.donate else (),
+            compiler_options=compiler_options_for(self.mesh.devices.flat, self.allreduce),
+        )
 
     def _body(self, state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
         self.trace_count += 1
@@ -321,7 +327,10 @@ class TrainStep:
             tap=None if plan is None or self.allreduce == NO_ALLREDUCE else plan.tap,
         )
         # Every device leaves the step with the same model state and metrics.
-        model_state, loss, metrics = lax.pmean((model_state, loss, metrics), axes)
+        with jax.named_scope(MODEL_STATE_SCOPE):
+            model_state = lax.pmean(model_state, axes)
+        with jax.named_scope(METRICS_SCOPE):
+            loss, metrics = lax.pmean((loss, metrics), axes)
 
         if self.zero1:
             params, opt_state, finite = zero1_update(

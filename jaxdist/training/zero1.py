@@ -19,7 +19,7 @@ from jax import lax
 from jax.flatten_util import ravel_pytree
 
 from jaxdist.comm import collectives
-from jaxdist.comm.scopes import GRADIENT_SCOPE, PARAMETER_SCOPE
+from jaxdist.comm.scopes import GRADIENT_SCOPE, LOSS_SCALE_SCOPE, PARAMETER_SCOPE
 from jaxdist.training.loss_scale import all_finite
 
 __all__ = ["zero1_update"]
@@ -53,7 +53,8 @@ def zero1_update(
     if state.loss_scale is not None:
         grad_slice = grad_slice / state.loss_scale.scale
         # Each device checks only its slice; the step is skipped everywhere if one is bad.
-        finite = lax.pmin(all_finite(grad_slice).astype(jnp.int32), axes) > 0
+        with jax.named_scope(LOSS_SCALE_SCOPE):
+            finite = lax.pmin(all_finite(grad_slice).astype(jnp.int32), axes) > 0
     slice_size = zero_size // num_replicas
     padded = jnp.pad(flat_params, (0, zero_size - flat_params.size))
     param_slice = lax.dynamic_slice_in_dim(padded, lax.axis_index(axes) * slice_size, slice_size)
