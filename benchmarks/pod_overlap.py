@@ -33,6 +33,22 @@ TARGETS = {
     "v5p-12x12x24-mikami": (MIKAMI, "v5p:12x12x24", ["unroll_limit=72"]),
     "v4-8x8x16-torus2d": (MLPERF, "v4:8x8x16", ["unroll_limit=32"]),
     "h100-4x8-torus2d": (MLPERF, "h100:4x8", ["batch_size=4096", "max_per_device_batch=128"]),
+    # The same with smaller gradient buckets: more collectives for the scheduler to spread.
+    "v5p-12x12x24-mikami-8mib": (
+        MIKAMI,
+        "v5p:12x12x24",
+        ["unroll_limit=72", "bucket_bytes=8388608"],
+    ),
+    "h100-4x8-native-4mib": (
+        MLPERF,
+        "h100:4x8",
+        ["batch_size=4096", "max_per_device_batch=128", "bucket_bytes=4194304", "allreduce=native"],
+    ),
+    "h100-4x8-torus2d-4mib": (
+        MLPERF,
+        "h100:4x8",
+        ["batch_size=4096", "max_per_device_batch=128", "bucket_bytes=4194304"],
+    ),
 }
 
 

@@ -613,3 +613,11 @@ def test_native_buckets_stay_apart_and_some_run_beside_backward(torus_2x2):
     assert report.schedule.overlapped_backward_fraction > 0
     assert compiler_options_for(torus_2x2.devices.flat, "ring") is None
     assert compiler_options_for(jax.devices("cpu"), "native") is None
+
+
+@needs_cuda_plugin
+def test_native_buckets_stay_apart_on_gpu_hosts():
+    mesh = Mesh(np.asarray(parse_topology("h100:1x4").devices()), ("data",))
+    report = compile_step(mesh, allreduce="native", bucket_bytes=1 << 19)
+    grads = report.schedule.gradient_collectives
+    assert len(grads) > 2 and report.schedule.overlapped_backward_fraction > 0

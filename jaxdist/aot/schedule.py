@@ -302,9 +302,9 @@ def _source(op_name: str) -> str:
 
 def _names_by_use(instructions: list[_Instruction]) -> dict[str, str]:
     """The op name standing for each collective whose own metadata is gone (a collective XLA
-    made by combining several keeps none): that of the first instruction using its result
-    (an async one's: its done's) that has one, looking through users without metadata
-    (tuple elements, bitcasts) breadth first."""
+    made by combining several keeps none): that of the nearest instructions using its
+    result (an async one's: its done's) that have one, looking through users without
+    metadata (tuple elements, bitcasts) breadth first; a gradient user's if any."""
     done_of = {i.first_operand: i.name for i in instructions if i.opcode.endswith("-done")}
     by_name = {i.name: i for i in instructions}
     users: dict[str, list[str]] = {}
@@ -313,18 +313,21 @@ def _names_by_use(instructions: list[_Instruction]) -> dict[str, str]:
             users.setdefault(used, []).append(inst.name)
 
     def first_named_user(start: str) -> str:
-        frontier, seen = [start], {start}
-        while frontier:
+        # A combined collective may carry several roles; the gradients' wins, as pricing it
+        # with the step's gradients is closer than pricing gradient bytes as metrics.
+        frontier, seen, named = [start], {start}, []
+        while frontier and not named:
             following = []
             for name in frontier:
                 for user in users.get(name, []):
                     if by_name[user].op_name:
-                        return by_name[user].op_name
-                    if user not in seen:
+                        named.append(by_name[user].op_name)
+                    elif user not in seen:
                         seen.add(user)
                         following.append(user)
             frontier = following
-        return ""
+        gradient = [n for n in named if _role(n) == "gradients"]
+        return (gradient or named or [""])[0]
 
     return {
         inst.name: first_named_user(done_of.get(inst.name, inst.name))

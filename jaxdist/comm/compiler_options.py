@@ -19,9 +19,12 @@ such steps keep the compiler's defaults.
 These are the options MaxText passes to the TPU compiler for data-parallel overlap. On TPU v4
 the installed compiler runs out of vector memory (VMEM, 16 MiB) compiling such fusions even
 for a small MLP's step, so v4 keeps the defaults: its buckets' all-reduces are merged and
-synchronous, and the permute schedules are the way to overlap there. Other platforms get no
-options: XLA:CPU and XLA:GPU keep buckets apart and asynchronous by themselves, or not at all
-(a GPU's combiner thresholds are its own flags).
+synchronous, and the permute schedules are the way to overlap there.
+
+XLA's GPU compiler makes all-reduces asynchronous by itself but combines them up to a large
+threshold, so a ``native`` step on GPUs gets only the combiner limited to 1 MiB (ResNet-50 on
+4 hosts of 8 H100s: 4 merged all-reduces and 6% of backward beside them by default, 43 and
+50% with it). XLA:CPU gets no options.
 """
 
 from __future__ import annotations
@@ -30,13 +33,16 @@ from collections.abc import Sequence
 
 import jax
 
-__all__ = ["TPU_OVERLAP_OPTIONS", "compiler_options_for"]
+__all__ = ["GPU_OVERLAP_OPTIONS", "TPU_OVERLAP_OPTIONS", "compiler_options_for"]
 
 TPU_OVERLAP_OPTIONS: dict[str, bool | int] = {
     "xla_enable_async_all_reduce": True,
     "xla_tpu_enable_async_collective_fusion": True,
     "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": True,
     "xla_jf_crs_combiner_threshold_in_bytes": 1 << 20,
+}
+GPU_OVERLAP_OPTIONS: dict[str, bool | int] = {
+    "xla_gpu_all_reduce_combine_threshold_bytes": 1 << 20,
 }
 
 # Device kinds whose compiler fails on the options above (see the module docstring).
@@ -47,8 +53,10 @@ def compiler_options_for(devices: Sequence[jax.Device], allreduce: str) -> dict 
     """The compiler options a step over ``devices`` whose gradients travel by ``allreduce``
     is compiled with (None: the compiler's defaults)."""
     first = next(iter(devices), None)
-    if allreduce != "native" or first is None or first.platform != "tpu":
+    if allreduce != "native" or first is None:
         return None
-    if first.device_kind in _KEEP_DEFAULTS:
-        return None
-    return dict(TPU_OVERLAP_OPTIONS)
+    if first.platform in ("gpu", "cuda"):
+        return dict(GPU_OVERLAP_OPTIONS)
+    if first.platform == "tpu" and first.device_kind not in _KEEP_DEFAULTS:
+        return dict(TPU_OVERLAP_OPTIONS)
+    return None
