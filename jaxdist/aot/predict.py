@@ -102,12 +102,11 @@ def collective_seconds(collective: Collective, link: cost_model.Link, torus_dims
     if g == 1:
         return 0.0
     if collective.kind == "all-reduce":
-        volume = 2 * (g - 1) / g * nbytes * link.beta
         if torus_dims:
             per_dimension = math.ceil(round(g ** (1 / torus_dims), 9))
             steps = 2 * torus_dims * (per_dimension - 1)
-            return steps * link.alpha + volume / link.ports
-        ring = 2 * (g - 1) * link.alpha + volume
+            return steps * link.alpha + 2 * (g - 1) / g * nbytes * link.beta / link.ports
+        ring = cost_model.predict("ring", nbytes, [g], link)
         tree = 2 * math.log2(g) * (link.alpha + nbytes * link.beta)
         return min(ring, tree)
     part = nbytes if collective.kind == "reduce-scatter" else nbytes / g
