@@ -38,7 +38,7 @@ def main() -> None:
 
     from jaxdist import meshes
     from jaxdist.bench import allreduce as bench
-    from jaxdist.bench import timing
+    from jaxdist.bench import sizes, timing
     from jaxdist.comm import collectives
     from jaxdist.runtime import distributed
 
@@ -49,7 +49,7 @@ def main() -> None:
     mesh = meshes.ring(p)
     perm = [(j, j ^ 1) for j in range(p)]
     pieces = {
-        text: None if text == "none" else bench.parse_size(text) for text in args.pieces.split(",")
+        text: None if text == "none" else sizes.parse_size(text) for text in args.pieces.split(",")
     }
     x = bench.make_input(mesh, (args.mib << 20) // 4, np.float32, seed=0)
     fns = {

@@ -14,6 +14,10 @@ rings, the inner pair and the crossed exchange of the two-level schedules, every
 schedule of ``hierarchical``, messages in pieces, bf16 transfer, the mean), on 1-D and 2-D
 meshes, at three sizes (one that divides, a prime, and one smaller than the windows), plus
 the public ``reduce_scatter``, ``all_gather`` and ``permute``.
+
+``--steps`` adds the train steps the trainer builds from recipes (data parallel with each
+gradient route, accumulation, a batch ramp, and the pipeline schedules), lowered from their
+abstract state: a refactor of the steps or the trainer must not change them either.
 """
 
 from __future__ import annotations
@@ -171,6 +175,72 @@ def write(folder: Path) -> int:
     return written
 
 
+# (name, recipe, overrides) of every train step --steps lowers: each changes the program.
+STEP_RECIPES = (
+    ("dp_native", "mnist_small_batch", ()),
+    ("dp_torus2d", "mnist_small_batch", ("mesh=torus-4x2", "allreduce=torus2d")),
+    ("dp_auto_sfb", "mnist_small_batch", ("allreduce=auto", "sfb_layers=all", "links=10us:1GB/s")),
+    ("dp_ramp", "mnist_large_batch_ramp", ()),
+    ("dp_accumulation", "mnist_small_batch", ("max_per_device_batch=2",)),
+    (
+        "dp_auto_sfb_accumulation",
+        "mnist_small_batch",
+        ("allreduce=auto", "sfb_layers=all", "links=10us:1GB/s", "max_per_device_batch=2"),
+    ),
+    ("pipeline_1f1b", "mnist_pipeline", ()),
+    ("pipeline_gpipe_ring", "mnist_pipeline", ("pipeline.schedule=gpipe", "allreduce=ring")),
+    (
+        "pipeline_interleaved",
+        "mnist_pipeline",
+        (
+            "pipeline.schedule=interleaved",
+            "pipeline.chunks=2",
+            "pipeline.boundaries=(0, 2, 3, 4, 5, 6, 7, 8)",
+        ),
+    ),
+)
+
+
+def _trainer_api():
+    """The recipe loader and trainer, wherever this checkout keeps them."""
+    try:
+        from jaxdist.run.config import apply_overrides, load_recipe
+        from jaxdist.run.trainer import Trainer
+    except ImportError:
+        from jaxdist.training.config import apply_overrides, load_recipe
+        from jaxdist.training.trainer import Trainer
+    return load_recipe, apply_overrides, Trainer
+
+
+def write_steps(folder: Path) -> int:
+    """Lower the train step of every batch stage of every :data:`STEP_RECIPES` entry."""
+    import tempfile
+
+    import jax
+    import numpy as np
+
+    load_recipe, apply_overrides, trainer_class = _trainer_api()
+    folder.mkdir(parents=True, exist_ok=True)
+    written = 0
+    for name, recipe, overrides in STEP_RECIPES:
+        config = apply_overrides(load_recipe(recipe), overrides)
+        with tempfile.TemporaryDirectory() as workdir:
+            trainer = trainer_class(config, workdir)
+            state = trainer.initial_state()
+            for stage, plan in enumerate(trainer.plans):
+                step = trainer.train_step_for(stage)
+                shape = trainer.pipeline.image_shape
+                dtype = np.uint8 if config.data.dtype == "uint8" else np.float32
+                batch = {
+                    "image": np.zeros((plan.global_batch_size, *shape), dtype),
+                    "label": np.zeros((plan.global_batch_size,), np.int32),
+                }
+                lowered = step.lower(state, step.shard_batch(batch), jax.random.PRNGKey(0))
+                (folder / f"step_{name}_stage{stage}.mlir").write_text(lowered.as_text())
+                written += 1
+    return written
+
+
 def compare(before: Path, after: Path) -> int:
     """Print every program that differs or is missing; return the number of differences."""
     names = sorted({p.name for p in before.glob("*.mlir")} | {p.name for p in after.glob("*.mlir")})
@@ -191,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", type=Path, help="output folder, or two to compare")
     parser.add_argument("--compare", action="store_true", help="compare two folders written before")
+    parser.add_argument(
+        "--steps", action="store_true", help="also the train steps the trainer builds"
+    )
     args = parser.parse_args(argv)
     if args.compare:
         if len(args.folders) != 2:
@@ -201,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     )
-    print(f"{write(args.folders[0])} programs written to {args.folders[0]}")
+    written = write(args.folders[0])
+    if args.steps:
+        written += write_steps(args.folders[0])
+    print(f"{written} programs written to {args.folders[0]}")
     return 0
 
 

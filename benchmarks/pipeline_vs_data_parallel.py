@@ -159,8 +159,8 @@ def _runner(step, state, batch, jax):
 
 def _link(text):
     """``--link``, else the link ``jaxdist cluster`` capped every host at."""
-    from jaxdist.bench.allreduce import link_rate_from_environment
     from jaxdist.comm import hybrid
+    from jaxdist.comm.emulated_link import link_rate_from_environment
 
     if not text and link_rate_from_environment() is None:
         raise SystemExit("pipeline_vs_data_parallel.py: give --link, or run under jaxdist cluster")

@@ -28,7 +28,7 @@ def model_facts(topology_name: str, per_chip_batch: int):
     from jaxdist.aot.plan import plan_recipe
     from jaxdist.aot.published import ModelFacts
     from jaxdist.aot.topology import parse_topology
-    from jaxdist.training import config as config_lib
+    from jaxdist.run import config as config_lib
 
     topology = parse_topology(topology_name)
     config = config_lib.load_recipe(config_lib.resolve_recipe_path("resnet50_imagenet_mlperf_lars"))

@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import meshes
 from jaxdist.bench import allreduce as bench
+from jaxdist.bench import sizes
 from jaxdist.comm import collectives
 from jaxdist.runtime import distributed
 
@@ -140,7 +141,7 @@ def main() -> None:
     mesh = meshes.ring(p)
     leader = jax.process_index() == 0
     rows = []
-    for nbytes in bench.parse_sizes(args.sizes):
+    for nbytes in sizes.parse_sizes(args.sizes):
         x = bench.make_input(mesh, nbytes // 4, np.float32, seed=0)
         for name, (body, sent) in patterns(p, jax.process_count()).items():
             if name.startswith("in_host_"):
@@ -158,7 +159,7 @@ def main() -> None:
             rows.append({"pattern": name, "nbytes": nbytes, "seconds": seconds, "MB_per_s": rate})
             if leader:
                 print(
-                    f"{bench.format_size(nbytes):>6s} {name:<14s} {seconds * 1e3:9.2f} ms "
+                    f"{sizes.format_size(nbytes):>6s} {name:<14s} {seconds * 1e3:9.2f} ms "
                     f"{rate:8.1f} MB/s per link",
                     flush=True,
                 )

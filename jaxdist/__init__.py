@@ -1,27 +1,31 @@
 """jaxdist: a JAX/XLA-native sharded training toolkit.
 
-The package is layered; each layer uses only those above it::
+The package is layered; a module imports only its own package and the layers listed below
+it (docs/README.md draws them; tests/test_import_graph.py checks it)::
 
-    meshes, ring_order      device meshes as data, rings laid over a TPU slice
-    comm/                   collectives (the allreduce family), cost_model, buckets,
-                            sufficient_factors, hybrid
-    training/               train_step, batchnorm, loss_scale, optim, batch_schedule,
-                            trainer, config, checkpoint
-    pipeline/               schedules, stages, step: pipeline parallelism over a stage axis
-    models/, data/          what the recipes train on
-    runtime/                distributed, launch, cluster, dispatch   (beside the layers)
-    bench/                  allreduce, train_step, resnet, data, timing (beside the layers)
     cli/                    the ``jaxdist`` command
+    aot/, bench/            plans for pods that are not here; benchmarks
+    run/                    trainer, recipe config, checkpoints, run log: a recipe, run
+    pipeline/               schedules, stages, step: pipeline parallelism over a stage axis
+    training/               the Step protocol, train_step, batchnorm, loss_scale, optim, ...
+    models/, data/          what the recipes train on
+    runtime/                distributed, launch, cluster, dispatch
+    comm/                   collectives (the allreduce family), cost_model, buckets, hybrid
+    meshes, ring_order      device meshes as data, rings laid over a TPU slice
 
-The library's modules can be reached by their short names: ``import jaxdist;
-jaxdist.collectives.allreduce`` or ``from jaxdist import collectives, meshes, train_step``.
-They are imported lazily, on first access, so that ``import jaxdist`` never initialises a
-JAX backend before a caller had the chance to set ``XLA_FLAGS``.
+The library's modules can be reached by their short names, in every form Python offers:
+``jaxdist.collectives.allreduce``, ``from jaxdist import collectives``, ``import
+jaxdist.distributed`` and ``from jaxdist.config import load_recipe`` all reach the module the
+short name stands for. They are imported lazily, on first access, so that ``import jaxdist``
+never initialises a JAX backend before a caller had the chance to set ``XLA_FLAGS``.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 from types import ModuleType
 
 __version__ = "0.1.0"
@@ -40,9 +44,10 @@ _MODULES = {
     "loss_scale": "jaxdist.training.loss_scale",
     "optim": "jaxdist.training.optim",
     "batch_schedule": "jaxdist.training.batch_schedule",
-    "trainer": "jaxdist.training.trainer",
-    "config": "jaxdist.training.config",
-    "checkpoint": "jaxdist.training.checkpoint",
+    "run": "jaxdist.run",
+    "trainer": "jaxdist.run.trainer",
+    "config": "jaxdist.run.config",
+    "checkpoint": "jaxdist.run.checkpoint",
     "pipeline": "jaxdist.pipeline",
     "models": "jaxdist.models",
     "data": "jaxdist.data",
@@ -67,3 +72,26 @@ def __getattr__(name: str) -> ModuleType:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_MODULES})
+
+
+class _ShortNameFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import jaxdist.<short name>`` (and ``from jaxdist.<short name> import ...``): the
+    module the short name stands for, the same object under both names. Consulted after the
+    real modules, so a short name never hides one."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        package, _, short = fullname.partition(".")
+        real = _MODULES.get(short) if package == __name__ else None
+        if real is None or real == fullname:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        return importlib.import_module(_MODULES[spec.name.partition(".")[2]])
+
+    def exec_module(self, module):
+        """Nothing to run: the real module ran when it was imported."""
+
+
+if not any(isinstance(f, _ShortNameFinder) for f in sys.meta_path):
+    sys.meta_path.append(_ShortNameFinder())

@@ -38,23 +38,15 @@ from jaxdist.checks import is_integer
 from jaxdist.ring_order import short_hop_grid
 
 __all__ = [
-    "CPU_DEVICES_HINT",
-    "LAYOUTS",
     "STAGE_AXIS",
     "MeshDoesNotFitError",
     "MeshSpec",
     "MeshSpecError",
     "build",
-    "check_fits",
     "describe",
-    "device_grid",
-    "from_dict",
     "hierarchical",
-    "host_mismatch",
-    "host_of",
     "load",
     "presets",
-    "presets_dir",
     "ring",
     "summary",
     "torus2d",
@@ -303,12 +295,10 @@ def host_mismatch(spec: MeshSpec, grid: np.ndarray) -> str | None:
     found = sorted(set(per_process.values()))
     if len(per_process) < 2 or found == [spec.devices_per_host]:
         return None
-    hint = (
-        f"; for hosts of {found[0]}, use a spec with devices_per_host = {found[0]} (in code: "
-        f"jaxdist.meshes.hierarchical({len(per_process)}, {found[0]}))"
-        if len(found) == 1
-        else ""
-    )
+    hint = ""
+    if len(found) == 1:
+        hint = (f"; for hosts of {found[0]}, use a spec with devices_per_host = {found[0]} (in "
+                f"code: jaxdist.meshes.hierarchical({len(per_process)}, {found[0]}))")  # fmt: skip
     head = (
         f"mesh {spec.name!r} expects {spec.devices_per_host} devices per host, but its devices "
         f"come from {len(per_process)} processes with {'/'.join(map(str, found))} each"
@@ -380,9 +370,8 @@ def host_of(spec: MeshSpec, grid: np.ndarray) -> np.ndarray:
 
 def summary(spec: MeshSpec) -> str:
     """One line (plus the description) saying what the spec is, without touching devices."""
-    hosts = (
-        f", {spec.num_hosts} host(s) of {spec.devices_per_host}" if spec.devices_per_host else ""
-    )
+    per_host = spec.devices_per_host
+    hosts = f", {spec.num_hosts} host(s) of {per_host}" if per_host else ""
     axes = " x ".join(f"{n}={s}" for n, s in spec.axes)
     text = f"mesh {spec.name}: layout={spec.layout} {axes} ({spec.size} devices{hosts})"
     return text + (f"\n  {spec.description}" if spec.description else "")

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["NO_WRAPAROUND_KINDS", "fold", "longest_hop", "short_hop_grid"]
+__all__ = [
+    "short_hop_grid",
+]
 
 # Device kinds whose compiler makes a permute synchronous when a hop crosses the slice
 # (checked with the TPU compiler on v4, v5e, v5p and v6e slices of 16 to 256 chips).

@@ -15,7 +15,7 @@ Expected: see docs/training.md for the measured top-1 and time.
 
 from pathlib import Path
 
-from jaxdist.training.config import load_recipe
+from jaxdist.run.config import load_recipe
 
 
 def get_config():

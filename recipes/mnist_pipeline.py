@@ -18,7 +18,7 @@ measured result and time.
 
 from pathlib import Path
 
-from jaxdist.training.config import load_recipe
+from jaxdist.run.config import load_recipe
 
 
 def get_config():

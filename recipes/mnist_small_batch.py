@@ -11,7 +11,7 @@ Hardware: any CPU; measured on 2 shared cores.
 Expected: see docs/training.md for the measured top-1 and time.
 """
 
-from jaxdist.training.config import base_config
+from jaxdist.run.config import base_config
 
 
 def get_config():

@@ -26,15 +26,11 @@ Expected: the published ResNet-152 top-1 of about 78% after 90 epochs; docs/pipe
 says what was measured here.
 """
 
-from jaxdist.training.config import base_config
+from jaxdist.run.imagenet import imagenet
 
 
 def get_config():
-    c = base_config()
-    c.model.name = "resnet152"
-    c.model.dtype = "bfloat16"
-    c.data.source = "folder"
-    c.data.root = "/data/imagenet"
+    c = imagenet("resnet152")
     c.mesh = "pipeline-2x4"
     c.pipeline.stages = 4
     c.pipeline.microbatches = 8
@@ -42,11 +38,7 @@ def get_config():
     c.pipeline.boundaries = (0, 13, 26, 39)
     c.batch_size = 256
     c.lr_base = 0.1  # per 256 images
-    c.lr.kind = "cosine"
     c.lr.peak = c.get_ref("lr_base") * c.get_ref("batch_size") / 256
-    c.lr.warmup_epochs = 5.0
-    c.optimizer.name = "sgd"
-    c.num_epochs = 90.0
     c.eval_batch_size = 256
     c.target_accuracy = 0.78
     return c

@@ -16,30 +16,15 @@ CPU smoke run:
 Hardware: TPU v3-32 or 8 GPUs. Expected: 76.5% top-1 after 100 epochs; not measured here.
 """
 
-from jaxdist.training.config import base_config
+from jaxdist.run.imagenet import imagenet
 
 
 def get_config():
-    c = base_config()
-    c.model.name = "resnet50"
-    c.model.dtype = "bfloat16"
-    c.model.bn_group_size = None  # statistics over the whole data axis, as flax's BatchNorm
-    c.mesh = ""
-    c.data.source = "folder"
-    c.data.root = "/data/imagenet"
+    c = imagenet()
     c.batch_size = 1024
-    c.max_per_device_batch = 256
     c.num_epochs = 100.0
-    c.optimizer.name = "sgd"
-    c.optimizer.nesterov = True
-    c.optimizer.momentum = 0.9
-    c.optimizer.weight_decay = 1e-4
     c.lr_base = 0.1
-    c.lr.kind = "cosine"
     c.lr.peak = c.get_ref("lr_base") * c.get_ref("batch_size") / 256
-    c.lr.warmup_epochs = 5.0
-    c.eval_every_epochs = 1.0
     c.eval_batch_size = 1024
-    c.checkpoint.every_steps = 1000
     c.target_accuracy = 0.765
     return c

@@ -17,33 +17,22 @@ Hardware: 256 GPUs (the paper: P100; any 256 devices with 32 images each). Expec
 top-1 after 90 epochs; about 1 hour on 256 P100 per the paper, not measured here.
 """
 
-from jaxdist.training.config import base_config
+from jaxdist.run.imagenet import imagenet
 
 
 def get_config():
-    c = base_config()
-    c.model.name = "resnet50"
+    c = imagenet()
+    c.model.dtype = "float32"  # the paper trained in float32
     c.model.bn_group_size = 1  # per-worker BN: statistics over each device's 32 images
-    c.model.zero_init_last_bn_scale = True
-    c.mesh = ""  # one data axis over all (256) devices
-    c.data.source = "folder"
-    c.data.root = "/data/imagenet"
     c.batch_size = 8192
     c.max_per_device_batch = 32
-    c.num_epochs = 90.0
-    c.optimizer.name = "sgd"
     c.optimizer.nesterov = False
-    c.optimizer.momentum = 0.9
-    c.optimizer.weight_decay = 1e-4
     c.lr_base = 0.1
     c.lr.kind = "step"
     c.lr.peak = c.get_ref("lr_base") * c.get_ref("batch_size") / 256  # linear scaling
     c.lr.init_lr = 0.1  # gradual warm-up from the small-batch LR
-    c.lr.warmup_epochs = 5.0
     c.lr.step_epochs = (30.0, 60.0, 80.0)
     c.lr.step_factor = 0.1
-    c.eval_every_epochs = 1.0
     c.eval_batch_size = 256 * 32
-    c.checkpoint.every_steps = 1000
     c.target_accuracy = 0.763
     return c

@@ -27,35 +27,20 @@ Hardware: 3,456 V100 (ABCI). Expected: 75% top-1 in about 2 minutes per the pape
 configuration itself has not been run at scale.
 """
 
-from jaxdist.training.config import base_config
+from jaxdist.run.imagenet import imagenet_pod
 
 WARMUP_BATCH = 34_560  # 10 images on each of 3,456 GPUs
 
 
 def get_config():
-    c = base_config()
-    c.model.name = "resnet50"
-    c.model.dtype = "bfloat16"
+    c = imagenet_pod()
     c.mesh = "abci-torus-3456"
     c.allreduce = "torus2d"
-    c.data.source = "arrayrecord"
-    c.data.root = "/data/imagenet-arrayrecord"
-    c.data.dtype = "uint8"  # normalised on the device: 4x less host-to-device traffic
     c.batch_size = 69_120
     c.batch_ramp = ((5.0, WARMUP_BATCH),)  # batch-size control: half the batch for 5 epochs
-    c.max_per_device_batch = 32
-    c.num_epochs = 90.0
-    c.label_smoothing = 0.1
-    c.optimizer.name = "sgd"
-    c.optimizer.nesterov = True
     c.optimizer.weight_decay = 5e-5
-    c.lr.kind = "poly"
     c.lr.peak = 0.1 * WARMUP_BATCH / 256  # linear scaling on the first stage
-    c.lr.warmup_epochs = 5.0
-    c.lr.end_lr = 1e-4
-    c.eval_every_epochs = 4.0
     c.eval_batch_size = 3456 * 8
     c.checkpoint.every_steps = 500
-    c.log_every_steps = 10
     c.target_accuracy = 0.75
     return c

@@ -20,37 +20,25 @@ Hardware: TPU v3-1024 (the MLPerf v0.6 result: 1.28 min at this batch). Expected
 top-1 within 55-57 epochs; not measured here.
 """
 
-from jaxdist.training.config import base_config
+from jaxdist.run.imagenet import imagenet_pod
 
 
 def get_config():
-    c = base_config()
-    c.model.name = "resnet50"
-    c.model.dtype = "bfloat16"
+    c = imagenet_pod()
     c.model.bn_group_size = 4  # BN span 128 = 4 chips x 32 images
     c.mesh = "tpu-v3-pod-1024"
     c.allreduce = "torus2d"
-    c.data.source = "arrayrecord"
-    c.data.root = "/data/imagenet-arrayrecord"
-    c.data.dtype = "uint8"
     c.batch_size = 32_768
-    c.max_per_device_batch = 32
     c.num_epochs = 57.0
-    c.label_smoothing = 0.1
     c.optimizer.name = "lars"
     c.optimizer.momentum = 0.94
     c.optimizer.nesterov = False
     c.optimizer.weight_decay = 2.5e-5
     c.optimizer.trust_coefficient = 0.001
-    c.optimizer.eps = 0.0
-    c.lr.kind = "poly"
     c.lr.peak = 21.2
     c.lr.warmup_epochs = 16.0
     c.lr.power = 2.0
-    c.lr.end_lr = 1e-4
-    c.eval_every_epochs = 4.0
     c.eval_batch_size = 1024 * 50
     c.checkpoint.every_steps = 200
-    c.log_every_steps = 10
     c.target_accuracy = 0.759
     return c

@@ -193,11 +193,13 @@ def check_host() -> None:
         f"expected host 0 coordinating, found {coordinator}"
     )
     # The link rate the bench reports busbw against: the cluster's --bandwidth.
-    from jaxdist.bench import allreduce as bench
+    from jaxdist.comm import emulated_link
 
     bits = os.environ["JAXDIST_LINK_BITS_PER_S"]  # empty for an uncapped cluster
     expected = int(bits) / 8 if bits else None
-    assert bench.link_rate_from_environment() == expected, f"JAXDIST_LINK_BITS_PER_S={bits!r}"
+    assert emulated_link.link_rate_from_environment() == expected, (
+        f"JAXDIST_LINK_BITS_PER_S={bits!r}"
+    )
     print(f"CHECK host OK {found} {address}")
 
 

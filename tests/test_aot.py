@@ -464,7 +464,7 @@ def test_plan_over_two_slices_runs_the_outer_axis_over_the_data_centre_network(c
 @needs_libtpu
 def test_plan_takes_the_recipes_unroll_limit(capsys):
     from jaxdist.cli import main
-    from jaxdist.training.config import base_config
+    from jaxdist.run.config import base_config
 
     assert base_config().unroll_limit == collectives.UNROLL_LIMIT
     in_loops = {}

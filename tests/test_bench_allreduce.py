@@ -8,6 +8,7 @@ import pytest
 
 from jaxdist import meshes
 from jaxdist.bench import allreduce as bench
+from jaxdist.bench.sizes import parse_size, parse_sizes
 from jaxdist.cli import main
 from jaxdist.comm import cost_model
 
@@ -21,12 +22,12 @@ from jaxdist.comm import cost_model
     ],
 )
 def test_parse_sizes(text, sizes):
-    assert bench.parse_sizes(text) == sizes
+    assert parse_sizes(text) == sizes
 
 
 def test_parse_size_rejects_garbage():
     with pytest.raises(ValueError, match="bad size '4Q'"):
-        bench.parse_size("4Q")
+        parse_size("4Q")
 
 
 def test_bench_cli_checks_every_algorithm_against_psum(tmp_path, capsys):

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.training.checkpoint import (
+from jaxdist.run.checkpoint import (
     Checkpointer,
     CheckpointWarning,
     NoCheckpointError,
@@ -120,7 +120,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, str(Path(sys.argv[2])))
 warnings.formatwarning = lambda message, category, *_: f"{category.__name__}: {message}\\n"
 from test_checkpoint import _corrupt, _mesh
-from jaxdist.training.checkpoint import Checkpointer, NoCheckpointError, abstract_like
+from jaxdist.run.checkpoint import Checkpointer, NoCheckpointError, abstract_like
 
 # Many arrays: enough reads in flight that TensorStore and asyncio report the failed reads,
 # during the restore and when the process exits, unless the Checkpointer hides them.

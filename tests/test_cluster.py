@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 
+from jaxdist.comm import emulated_link
 from jaxdist.comm.collectives import ALGORITHMS
 from jaxdist.runtime import cluster
 from tests._procs import JAXDIST, REPO, WORKER, clean_env, processes_with_env
@@ -54,18 +55,18 @@ def _assert_gone(run: str) -> None:
 
 
 def test_rate_bits_and_latency():
-    assert cluster.rate_bits("1gbit") == 10**9
-    assert cluster.rate_bits("100mbit") == 10**8
-    assert cluster.rate_bits("2.5Gbit") == 2_500_000_000
+    assert emulated_link.rate_bits("1gbit") == 10**9
+    assert emulated_link.rate_bits("100mbit") == 10**8
+    assert emulated_link.rate_bits("2.5Gbit") == 2_500_000_000
     # One reading of rates for the cluster and the cost model: bytes work too.
-    assert cluster.rate_bits("12.5GB/s") == 10**11
-    assert cluster.parse_latency("100us") == pytest.approx(1e-4)
-    assert cluster.parse_latency("2ms") == pytest.approx(2e-3)
-    assert cluster.parse_latency("0") == 0
+    assert emulated_link.rate_bits("12.5GB/s") == 10**11
+    assert emulated_link.parse_latency("100us") == pytest.approx(1e-4)
+    assert emulated_link.parse_latency("2ms") == pytest.approx(2e-3)
+    assert emulated_link.parse_latency("0") == 0
     with pytest.raises(ValueError, match=r"a rate is a number and a unit, e\.g\. 1gbit"):
-        cluster.rate_bits("fast")
+        emulated_link.rate_bits("fast")
     with pytest.raises(ValueError, match="latency must look like"):
-        cluster.parse_latency("100")
+        emulated_link.parse_latency("100")
 
 
 def test_without_root_it_says_so(monkeypatch):

@@ -32,6 +32,12 @@ def per_device(mesh, fn, *xs):
     return jax.tree.map(np.asarray, jax.jit(body)(*args))
 
 
+def per_device_each(mesh, fns, *xs):
+    """Every function of ``fns`` (name -> fn) on each device's rows, all in one program (one
+    compile per mesh instead of one per function); name -> ``(p, ...)`` outputs."""
+    return per_device(mesh, lambda *vs: {name: fn(*vs) for name, fn in fns.items()}, *xs)
+
+
 def axes_of(mesh):
     names = tuple(mesh.axis_names)
     return names[0] if len(names) == 1 else names
@@ -55,7 +61,7 @@ def compiled_text(mesh, algorithm, count, op="sum", donate=True):
     return jax.jit(body, donate_argnums=0 if donate else ()).lower(x).compile().as_text()
 
 
-def assert_allreduced(out, x, op="sum", rtol=1e-6, atol=1e-5):
+def assert_allreduced(out, x, op="sum", rtol=1e-6, atol=1e-5, what=""):
     """Every device's output equals the float64 sum (or mean) over devices."""
     expected = x.astype(np.float64).sum(0)
     if op == "mean":
@@ -66,59 +72,70 @@ def assert_allreduced(out, x, op="sum", rtol=1e-6, atol=1e-5):
             expected,
             rtol=rtol,
             atol=atol,
-            err_msg=f"device {device} holds a wrong result",
+            err_msg=f"{what}: device {device} holds a wrong result",
         )
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
-@pytest.mark.parametrize("algorithm", ONE_D)
-def test_one_dimensional_against_psum(algorithm, p):
+def test_one_dimensional_against_psum(p):
     mesh = meshes.ring(p)
     x = random_rows(p, (10007,))  # a prime: never divides the axis, so padding is exercised
-    if algorithm == "halving_doubling" and p & (p - 1):
+    runnable = [a for a in ONE_D if not (a == "halving_doubling" and p & (p - 1))]
+    if len(runnable) < len(ONE_D):
         with pytest.raises(ValueError, match="power-of-two"):
-            per_device(mesh, lambda v: collectives.allreduce(v, "x", algorithm), x)
-        return
-    out = per_device(mesh, lambda v: collectives.allreduce(v, "x", algorithm), x)
-    psum = per_device(mesh, lambda v: jax.lax.psum(v, "x"), x)
-    assert_allreduced(out, x)
-    np.testing.assert_allclose(out, psum, rtol=1e-6, atol=1e-5)
+            per_device(mesh, lambda v: collectives.allreduce(v, "x", "halving_doubling"), x)
+    fns = {a: lambda v, a=a: collectives.allreduce(v, "x", a) for a in runnable}
+    out = per_device_each(mesh, {**fns, "psum": lambda v: jax.lax.psum(v, "x")}, x)
+    for algorithm in runnable:
+        assert_allreduced(out[algorithm], x, what=algorithm)
+        np.testing.assert_allclose(out[algorithm], out["psum"], rtol=1e-6, atol=1e-5,
+                                   err_msg=algorithm)  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (2, 4), (4, 2), (3, 2), (2, 3)])
-@pytest.mark.parametrize("algorithm", collectives.ALGORITHMS)
-def test_two_dimensional_meshes(algorithm, shape):
+def test_two_dimensional_meshes(shape):
     mesh = meshes.torus2d(*shape)
     p = mesh.size
-    if algorithm == "halving_doubling" and p & (p - 1):
-        pytest.skip("halving_doubling needs a power-of-two device count")
+    # halving_doubling needs a power-of-two device count
+    runnable = [a for a in collectives.ALGORITHMS if not (a == "halving_doubling" and p & (p - 1))]
     x = random_rows(p, (3, 5, 7))  # a multi-dimensional leaf, 105 elements
-    out = per_device(mesh, lambda v: collectives.allreduce(v, ("y", "x"), algorithm), x)
-    assert out.shape == x.shape
-    assert_allreduced(out, x)
+    fns = {a: lambda v, a=a: collectives.allreduce(v, ("y", "x"), a) for a in runnable}
+    out = per_device_each(mesh, fns, x)
+    for algorithm in runnable:
+        assert out[algorithm].shape == x.shape, algorithm
+        assert_allreduced(out[algorithm], x, what=algorithm)
 
 
-@pytest.mark.parametrize("size", [0, 1, 7])
-@pytest.mark.parametrize("algorithm", ONE_D)
-def test_tiny_sizes(algorithm, size):
+def test_tiny_sizes():
     mesh = meshes.ring(8)
-    x = random_rows(8, (size,))
-    out = per_device(mesh, lambda v: collectives.allreduce(v, "x", algorithm), x)
-    assert_allreduced(out, x)
+    xs = {size: random_rows(8, (size,)) for size in (0, 1, 7)}
+    fns = {
+        (algorithm, size): lambda v, a=algorithm, s=size: collectives.allreduce(v[s], "x", a)
+        for algorithm in ONE_D
+        for size in xs
+    }
+    out = per_device(mesh, lambda v: [fn(v) for fn in fns.values()], xs)
+    for (algorithm, size), result in zip(fns, out):
+        assert_allreduced(result, xs[size], what=f"{algorithm} on {size} elements")
 
 
-@pytest.mark.parametrize("algorithm", ["torus2d", "hierarchical"])
-@pytest.mark.parametrize("size", [0, 1, 7, 10007])  # 10007: a prime, divides no axis
 @pytest.mark.parametrize("shape", [(2, 4), (3, 2)])
-def test_sizes_two_level(algorithm, size, shape):
+def test_sizes_two_level(shape):
     mesh = meshes.hierarchical(*shape)
-    x = random_rows(mesh.size, (size,))
-    out = per_device(mesh, lambda v: collectives.allreduce(v, ("host", "local"), algorithm), x)
-    assert_allreduced(out, x)
+    xs = {size: random_rows(mesh.size, (size,)) for size in (0, 1, 7, 10007)}  # 10007: a prime
+    fns = {
+        (algorithm, size): lambda v, a=algorithm, s=size: collectives.allreduce(
+            v[s], ("host", "local"), a
+        )
+        for algorithm in ("torus2d", "hierarchical")
+        for size in xs
+    }
+    out = per_device(mesh, lambda v: [fn(v) for fn in fns.values()], xs)
+    for (algorithm, size), result in zip(fns, out):
+        assert_allreduced(result, xs[size], what=f"{algorithm} on {size} elements")
 
 
-@pytest.mark.parametrize("algorithm", collectives.ALGORITHMS)
-def test_pytree_mixed_dtypes_and_mean(algorithm):
+def test_pytree_mixed_dtypes_and_mean():
     mesh = meshes.torus2d(4, 2)
     tree = {
         "w": random_rows(8, (4, 3), seed=1),
@@ -126,31 +143,41 @@ def test_pytree_mixed_dtypes_and_mean(algorithm):
         "scalar": random_rows(8, (), seed=3),
         "half": random_rows(8, (17,), jnp.bfloat16, seed=4),
     }
-    out = per_device(
-        mesh, lambda t: collectives.allreduce(t, ("y", "x"), algorithm, op="mean"), tree
-    )
-    assert jax.tree.structure(out) == jax.tree.structure(tree)
-    for key in ("w", "b", "scalar"):
-        assert out[key].dtype == np.float32 and out[key].shape == tree[key].shape
-        assert_allreduced(out[key], tree[key], op="mean")
-    assert out["half"].dtype == jnp.bfloat16
-    # bf16 carries 8 mantissa bits: each of the 7 additions may round once (2^-8 relative).
-    assert_allreduced(out["half"], tree["half"].astype(np.float32), op="mean", rtol=2e-2, atol=2e-2)
+    fns = {
+        a: lambda t, a=a: collectives.allreduce(t, ("y", "x"), a, op="mean")
+        for a in collectives.ALGORITHMS
+    }
+    for algorithm, out in per_device_each(mesh, fns, tree).items():
+        assert jax.tree.structure(out) == jax.tree.structure(tree), algorithm
+        for key in ("w", "b", "scalar"):
+            assert out[key].dtype == np.float32 and out[key].shape == tree[key].shape, algorithm
+            assert_allreduced(out[key], tree[key], op="mean", what=f"{algorithm} {key}")
+        assert out["half"].dtype == jnp.bfloat16, algorithm
+        # bf16 carries 8 mantissa bits: each of the 7 additions may round once (2^-8 relative).
+        assert_allreduced(out["half"], tree["half"].astype(np.float32), op="mean", rtol=2e-2,
+                          atol=2e-2, what=f"{algorithm} half")  # fmt: skip
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "bidirectional_ring", "torus2d", "halving_doubling"])
-def test_bfloat16_transfer_with_float32_accumulation(algorithm):
+def test_bfloat16_transfer_with_float32_accumulation():
     mesh = meshes.torus2d(2, 4)
     x = random_rows(8, (1000,))
-    reduce = lambda v: collectives.allreduce(  # noqa: E731
-        v, ("y", "x"), algorithm, transfer_dtype=jnp.bfloat16, accumulate_dtype=jnp.float32
-    )
-    out = per_device(mesh, reduce, x)
-    assert out.dtype == np.float32
-    # Every partial sum is rounded to bf16 once per hop: error ~ hops * 2^-9 * |partial sum|.
-    assert_allreduced(out, x, rtol=0, atol=0.2)
-    exact = per_device(mesh, lambda v: collectives.allreduce(v, ("y", "x"), algorithm), x)
-    assert np.abs(out - exact).max() > 0, "bf16 transfer left no trace: messages were not narrowed"
+    fns = {}
+    for algorithm in ("ring", "bidirectional_ring", "torus2d", "halving_doubling"):
+        fns[algorithm, "bf16"] = lambda v, a=algorithm: collectives.allreduce(
+            v, ("y", "x"), a, transfer_dtype=jnp.bfloat16, accumulate_dtype=jnp.float32
+        )
+        fns[algorithm, "exact"] = lambda v, a=algorithm: collectives.allreduce(v, ("y", "x"), a)
+    out = per_device_each(mesh, fns, x)
+    for (algorithm, form), narrowed in out.items():
+        if form != "bf16":
+            continue
+        assert narrowed.dtype == np.float32, algorithm
+        # Every partial sum is rounded to bf16 once per hop: error ~ hops * 2^-9 * |partial sum|.
+        assert_allreduced(narrowed, x, rtol=0, atol=0.2, what=algorithm)
+        exact = out[algorithm, "exact"]
+        assert np.abs(narrowed - exact).max() > 0, (
+            f"{algorithm}: bf16 transfer left no trace: messages were not narrowed"
+        )
 
 
 def test_bfloat16_accumulated_in_float32_is_exact_to_bf16_rounding():
@@ -172,16 +199,22 @@ def test_integers_sum_exactly():
 
 
 @pytest.mark.parametrize("op", ["sum", "mean"])
-@pytest.mark.parametrize("algorithm", ["ring", "bidirectional_ring", "torus2d"])
-def test_loop_form_matches_unrolled_form(algorithm, op):
+def test_loop_form_matches_unrolled_form(op):
     mesh = meshes.torus2d(2, 4)
     x = random_rows(8, (999,))
-    looped = per_device(
-        mesh, lambda v: collectives.allreduce(v, ("y", "x"), algorithm, op=op, unroll_limit=0), x
-    )
-    unrolled = per_device(mesh, lambda v: collectives.allreduce(v, ("y", "x"), algorithm, op=op), x)
-    np.testing.assert_allclose(looped, unrolled, rtol=1e-6, atol=1e-6)
-    assert_allreduced(looped, x, op=op)
+    fns = {}
+    for algorithm in ("ring", "bidirectional_ring", "torus2d"):
+        fns[algorithm, "looped"] = lambda v, a=algorithm: collectives.allreduce(
+            v, ("y", "x"), a, op=op, unroll_limit=0
+        )
+        fns[algorithm, "unrolled"] = lambda v, a=algorithm: collectives.allreduce(
+            v, ("y", "x"), a, op=op
+        )
+    out = per_device_each(mesh, fns, x)
+    for algorithm in ("ring", "bidirectional_ring", "torus2d"):
+        looped, unrolled = out[algorithm, "looped"], out[algorithm, "unrolled"]
+        np.testing.assert_allclose(looped, unrolled, rtol=1e-6, atol=1e-6, err_msg=algorithm)
+        assert_allreduced(looped, x, op=op, what=algorithm)
 
 
 def count_permutes(p, unroll_limit):
@@ -293,20 +326,20 @@ def test_hierarchical_inter_algorithm_option():
         assert_allreduced(out, x)
 
 
-@pytest.mark.parametrize("crossed", [True, False])
-@pytest.mark.parametrize("inter", ["ring", "bidirectional_ring", "halving_doubling"])
 @pytest.mark.parametrize("local", [2, 3, 4])
-def test_two_hosts_crossed_exchange_and_swap_agree(inter, crossed, local):
+def test_two_hosts_crossed_exchange_and_swap_agree(local):
     mesh = meshes.hierarchical(2, local)
     x = random_rows(2 * local, (1001,))
-    out = per_device(
-        mesh,
-        lambda v: collectives.allreduce(
-            v, ("host", "local"), "hierarchical", inter_algorithm=inter, crossed_exchange=crossed
-        ),
-        x,
-    )
-    assert_allreduced(out, x)
+    fns = {
+        (inter, crossed): lambda v, i=inter, c=crossed: collectives.allreduce(
+            v, ("host", "local"), "hierarchical", inter_algorithm=i, crossed_exchange=c
+        )
+        for inter in ("ring", "bidirectional_ring", "halving_doubling")
+        for crossed in (True, False)
+    }
+    out = per_device(mesh, lambda v: [fn(v) for fn in fns.values()], x)
+    for (inter, crossed), result in zip(fns, out):
+        assert_allreduced(result, x, what=f"across hosts by {inter}, crossed={crossed}")
 
 
 def _permute_pairs(fn, mesh, x):
@@ -339,26 +372,27 @@ def test_crossed_exchange_sends_no_pair_both_ways():
 
 
 @pytest.mark.parametrize("op", ["sum", "mean"])
-@pytest.mark.parametrize("algorithm", collectives.ALGORITHMS)
-def test_low_precision_transfer_leaves_every_device_the_same_bits(algorithm, op):
+def test_low_precision_transfer_leaves_every_device_the_same_bits(op):
     # A device that reduced a chunk must keep it rounded as it sent it, or replicas drift apart;
     # the mean's division, done where each schedule writes its result, must not break that.
-    meshes_to_try = [meshes.torus2d(2, 4), meshes.torus2d(4, 2)]
-    if algorithm != "halving_doubling":
-        meshes_to_try.append(meshes.torus2d(3, 2))  # divides by 6: not exact in binary
-    for mesh in meshes_to_try:
+    for shape in ((2, 4), (4, 2), (3, 2)):  # 3 x 2 divides by 6: not exact in binary
+        mesh = meshes.torus2d(*shape)
+        runnable = [a for a in collectives.ALGORITHMS if shape != (3, 2) or a != "halving_doubling"]
         x = random_rows(mesh.size, (999,))
-        out = per_device(
-            mesh,
-            lambda v: collectives.allreduce(
-                v, ("y", "x"), algorithm, op=op, transfer_dtype=jnp.bfloat16
-            ),
-            x,
-        )
-        for device, row in enumerate(out[1:], start=1):
-            np.testing.assert_array_equal(row, out[0], err_msg=f"device {device} differs")
-        # As in the bf16 transfer test above: about hops * 2^-9 of each partial sum.
-        assert_allreduced(out, x, op=op, rtol=0, atol=0.2 / (mesh.size if op == "mean" else 1))
+        fns = {
+            a: lambda v, a=a: collectives.allreduce(
+                v, ("y", "x"), a, op=op, transfer_dtype=jnp.bfloat16
+            )
+            for a in runnable
+        }
+        for algorithm, out in per_device_each(mesh, fns, x).items():
+            for device, row in enumerate(out[1:], start=1):
+                np.testing.assert_array_equal(
+                    row, out[0], err_msg=f"{algorithm} on {shape}: device {device} differs"
+                )
+            # As in the bf16 transfer test above: about hops * 2^-9 of each partial sum.
+            assert_allreduced(out, x, op=op, rtol=0, atol=0.2 / (mesh.size if op == "mean" else 1),
+                              what=f"{algorithm} on {shape}")  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -570,19 +604,18 @@ def test_bad_op_and_options():
         assert "divisor" not in collectives.get(algorithm).option_names
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "torus2d", "halving_doubling", "parameter_server"])
-def test_float16_with_float32_accumulation(algorithm):
+def test_float16_with_float32_accumulation():
     mesh = meshes.torus2d(2, 4)
     x = random_rows(8, (257,), np.float16)
-    out = per_device(
-        mesh,
-        lambda v: collectives.allreduce(v, ("y", "x"), algorithm, accumulate_dtype=jnp.float32),
-        x,
-    )
-    assert out.dtype == np.float16
+    fns = {
+        a: lambda v, a=a: collectives.allreduce(v, ("y", "x"), a, accumulate_dtype=jnp.float32)
+        for a in ("ring", "torus2d", "halving_doubling", "parameter_server")
+    }
     expected = x.astype(np.float32).sum(0).astype(np.float16)
-    for row in out:  # float32 partial sums, one rounding to float16 at the end
-        np.testing.assert_array_equal(row, expected)
+    for algorithm, out in per_device_each(mesh, fns, x).items():
+        assert out.dtype == np.float16, algorithm
+        for row in out:  # float32 partial sums, one rounding to float16 at the end
+            np.testing.assert_array_equal(row, expected, err_msg=algorithm)
 
 
 def test_all_gather_into_a_buffer_of_the_wrong_size_is_an_error():
@@ -596,25 +629,22 @@ def test_all_gather_into_a_buffer_of_the_wrong_size_is_an_error():
 
 # A few pieces (unrolled), more (the bidirectional ring's 2,560-byte steps in 3), many (fori_loop).
 @pytest.mark.parametrize("piece", [8000, 1024, 256])
-@pytest.mark.parametrize(
-    "algorithm", ["ring", "bidirectional_ring", "halving_doubling", "torus2d", "hierarchical"]
-)
-def test_exchanges_in_pieces_against_psum(algorithm, piece):
+def test_exchanges_in_pieces_against_psum(piece):
     # 2-device axes make every ring step, and every halving-doubling step, a pairwise exchange;
     # the bidirectional ring cuts every step.
+    algorithms = ("ring", "bidirectional_ring", "halving_doubling", "torus2d", "hierarchical")
     for mesh in (meshes.ring(2), meshes.torus2d(2, 2), meshes.torus2d(4, 2)):
-        if algorithm in collectives.TWO_LEVEL and len(mesh.axis_names) == 1:
-            continue
-        axes = axes_of(mesh) if algorithm in collectives.TWO_LEVEL else tuple(mesh.axis_names)
-        x = random_rows(mesh.size, (10007,))
-        out = per_device(
-            mesh,
-            lambda v, a=algorithm, ax=axes: collectives.allreduce(
+        fns = {}
+        for algorithm in algorithms:
+            if algorithm in collectives.TWO_LEVEL and len(mesh.axis_names) == 1:
+                continue
+            axes = axes_of(mesh) if algorithm in collectives.TWO_LEVEL else tuple(mesh.axis_names)
+            fns[algorithm] = lambda v, a=algorithm, ax=axes: collectives.allreduce(
                 v, ax, a, exchange_piece_bytes=piece
-            ),
-            x,
-        )
-        assert_allreduced(out, x)
+            )
+        x = random_rows(mesh.size, (10007,))
+        for algorithm, out in per_device_each(mesh, fns, x).items():
+            assert_allreduced(out, x, what=f"{algorithm} on {mesh.devices.shape}")
 
 
 def test_exchanges_and_bidirectional_steps_are_cut_into_pieces_and_ring_steps_are_not():
@@ -652,8 +682,7 @@ def test_exchanges_and_bidirectional_steps_are_cut_into_pieces_and_ring_steps_ar
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.int32, jnp.bfloat16])
-@pytest.mark.parametrize("piece", [10, 64, 1 << 20])  # not a multiple of 4; loop; one piece
-def test_permute_matches_ppermute(dtype, piece):
+def test_permute_matches_ppermute(dtype):
     mesh = meshes.ring(4)
     x = (np.arange(4 * 3 * 37) % 251).reshape(4, 3, 37).astype(dtype)  # a multi-dim block
     perms = {
@@ -661,16 +690,21 @@ def test_permute_matches_ppermute(dtype, piece):
         "partial exchange": [(0, 1), (1, 0)],
         "shift": [(j, (j + 1) % 4) for j in range(4)],
     }
+    fns = {}
     for name, perm in perms.items():
-        expected = per_device(mesh, lambda v, p=perm: jax.lax.ppermute(v, "x", p), x)
-        for reverse_traffic in (False, True):  # True: a shift goes in pieces as well
-
-            def body(v, p=perm, r=reverse_traffic):
-                return collectives.permute(v, "x", p, exchange_piece_bytes=piece, reverse_traffic=r)
-
-            found = per_device(mesh, body, x)
+        fns[name] = lambda v, p=perm: jax.lax.ppermute(v, "x", p)
+        for piece in (10, 64, 1 << 20):  # not a multiple of 4; loop; one piece
+            for reverse_traffic in (False, True):  # True: a shift goes in pieces as well
+                fns[name, piece, reverse_traffic] = lambda v, p=perm, b=piece, r=reverse_traffic: (
+                    collectives.permute(v, "x", p, exchange_piece_bytes=b, reverse_traffic=r)
+                )
+    out = per_device(mesh, lambda v: [fn(v) for fn in fns.values()], x)
+    found = dict(zip(fns, out))
+    for key, result in found.items():
+        if isinstance(key, tuple):
+            name, piece, reverse_traffic = key
             message = f"{name}, pieces of {piece}, reverse_traffic={reverse_traffic}"
-            np.testing.assert_array_equal(found, expected, err_msg=message)
+            np.testing.assert_array_equal(result, found[name], err_msg=message)
 
 
 def test_permute_in_pieces_of_a_replicated_input_under_vma_checks():

@@ -12,9 +12,10 @@ from test_trainer import Crash, _assert_trees_equal, _crash_at, tiny_config
 from jaxdist import meshes
 from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.pipeline.step import PipelineStep
+from jaxdist.run.config import ConfigError
+from jaxdist.run.trainer import Trainer
 from jaxdist.training import optim
-from jaxdist.training.config import ConfigError
-from jaxdist.training.trainer import Trainer
+from jaxdist.training.protocol import Step
 
 PIPELINE = {
     "mesh": "pipeline-2x4",
@@ -29,6 +30,7 @@ def test_pipeline_recipe_trains_and_resumes_exactly(tmp_path):
     summary = straight.run()
     assert summary["step"] == 7 and 0 <= summary["top1"] <= 1
     assert isinstance(straight.train_step_for(0), PipelineStep)
+    assert isinstance(straight.train_step_for(0), Step)
 
     workdir = tmp_path / "crashed"
     resumed = Trainer(tiny_config(**PIPELINE), workdir)
@@ -87,6 +89,12 @@ def test_learning_rate_and_lars_reach_every_stage():
         ),
         ({"pipeline.schedule": "zero-bubble"}, "schedule must be one of gpipe, 1f1b, interleaved"),
         ({"pipeline.boundaries": (0, 5, 9, 12)}, "stay below the 10 layers"),
+        # Every recipe field the step takes reaches it; what a pipeline cannot honour is
+        # refused, never ignored.
+        ({"sfb_layers": "all"}, "sfb_layers='all': a pipeline stage's gradients are one flat"),
+        ({"allreduce": "auto"}, "allreduce='auto' chooses routes per gradient bucket"),
+        ({"links": "10us:1GB/s"}, "links='10us:1GB/s' price a data-parallel gradient plan"),
+        ({"max_per_device_batch": 8}, "accumulation_steps=2: a pipeline's micro-batches take"),
     ],
 )
 def test_bad_pipeline_config_is_one_line(tmp_path, overrides, message):

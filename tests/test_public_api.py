@@ -35,17 +35,23 @@ def api_reference() -> str:
     lines = [
         "# API reference",
         "",
-        "Every module of `jaxdist` and the names it exports (its `__all__`): what research code",
-        "should use. Everything else is internal and may change. The short names",
+        "Every module of `jaxdist` that exports names (its `__all__`): what research code",
+        "should use. Everything else, including the modules not listed (the command line and",
+        "building blocks of the package's own modules), is internal and may change. The short names",
         "`jaxdist.collectives`, `jaxdist.meshes`, `jaxdist.train_step`, ... resolve to the modules",
         "below (`import jaxdist; jaxdist.collectives.allreduce`). This page is generated from the",
         "code by `python tests/test_public_api.py`, and a test keeps the two in step.",
         "",
     ]
-    for name in library_modules():
-        if name == "jaxdist":
+    modules = {name: importlib.import_module(name) for name in library_modules()}
+    exporting = [name for name, module in modules.items() if module.__all__]
+    for name, module in modules.items():
+        # A package is listed for the modules under it that export names; a module that
+        # exports nothing is internal.
+        if name == "jaxdist" or not (
+            name in exporting or any(e.startswith(name + ".") for e in exporting)
+        ):
             continue
-        module = importlib.import_module(name)
         summary = _markdown((module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " "))
         exported = ", ".join(f"`{n}`" for n in module.__all__) or "(none: see its submodules)"
         lines += [f"## `{name}`", "", summary, "", exported, ""]
@@ -84,6 +90,35 @@ def test_short_names_resolve_lazily_to_the_modules():
         "assert jaxdist.collectives is canonical\n"
         "assert jaxdist.collectives.allreduce is canonical.allreduce\n"
         "assert ts.TrainStep.__module__ == 'jaxdist.training.train_step'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_every_short_name_imports_in_every_form():
+    """``import jaxdist.X`` and ``from jaxdist.X import name`` reach the same module as
+    ``jaxdist.X``, for every short name the package documents."""
+    code = (
+        "import importlib, sys, jaxdist\n"
+        "for short, real in jaxdist._MODULES.items():\n"
+        "    module = importlib.import_module('jaxdist.' + short)\n"
+        "    assert module is importlib.import_module(real), short\n"
+        "    assert getattr(jaxdist, short) is module, short\n"
+        "import jaxdist.distributed\n"
+        "from jaxdist.config import load_recipe\n"
+        "from jaxdist.trainer import Trainer\n"
+        "assert Trainer.__module__ == 'jaxdist.run.trainer'\n"
+        "assert load_recipe.__module__ == 'jaxdist.run.config'\n"
+        "assert jaxdist.distributed.initialize.__module__ == 'jaxdist.runtime.distributed'\n"
+        "try:\n"
+        "    import jaxdist.colectives\n"
+        "except ModuleNotFoundError as err:\n"
+        "    assert err.name == 'jaxdist.colectives'\n"
+        "else:\n"
+        "    raise AssertionError('a misspelt short name imported')\n"
         "print('ok')\n"
     )
     out = subprocess.run(

@@ -6,8 +6,8 @@ import pytest
 
 from jaxdist.cli import main
 from jaxdist.data.fake import write_image_folder
-from jaxdist.training.config import ConfigError, apply_overrides, batch_stages, load_recipe
-from jaxdist.training.trainer import Trainer
+from jaxdist.run.config import ConfigError, apply_overrides, batch_stages, load_recipe
+from jaxdist.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted(p.stem for p in (ROOT / "recipes").glob("*.py"))

@@ -344,13 +344,13 @@ def test_show_plan_command_without_links(capsys, monkeypatch):
     [("", None), ("all", "all"), ("none", ()), ("head", ("head",)), (" fc1, fc2 ", ("fc1", "fc2"))],
 )
 def test_sfb_layers_setting(text, setting):
-    from jaxdist.training.from_config import sfb_layers_setting
+    from jaxdist.run.from_config import sfb_layers_setting
 
     assert sfb_layers_setting(text) == setting
 
 
 def test_a_recipe_trains_with_auto_and_shows_its_plan(tmp_path, capsys):
-    from jaxdist.training.trainer import Trainer
+    from jaxdist.run.trainer import Trainer
     from tests.test_trainer import tiny_config
 
     config = tiny_config(allreduce="auto", links="50us:1gbit", sfb_layers="head", max_steps=3)

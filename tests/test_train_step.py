@@ -11,7 +11,7 @@ import pytest
 
 from jaxdist import meshes
 from jaxdist.comm import buckets, collectives
-from jaxdist.training import eval_step
+from jaxdist.training import eval_step, step_options
 from jaxdist.training import train_step as ts
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm
 from jaxdist.training.loss_scale import DynamicLossScale
@@ -198,7 +198,9 @@ def test_donation_default_and_explicit_donation():
     params, model_state = init_variables()
     loss_fn = ts.classifier_loss(Net(norm_axis=axes), num_classes=NUM_CLASSES)
     mesh = make_mesh()
-    assert not ts.donation_default(mesh), "CPU devices: donation costs time and saves nothing"
+    assert not step_options.donation_default(mesh), (
+        "CPU devices: donation costs time and saves nothing"
+    )
     results = {}
     for donate in (None, True):
         step = ts.TrainStep(loss_fn, optax.sgd(0.1, momentum=0.9), mesh, donate=donate)

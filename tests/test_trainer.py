@@ -13,8 +13,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxdist.training.config import base_config
-from jaxdist.training.trainer import Trainer
+from jaxdist.run.config import base_config
+from jaxdist.run.trainer import Trainer
+from jaxdist.training.protocol import Step
+from jaxdist.training.train_step import TrainStep
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,6 +78,8 @@ def test_resume_is_bitwise_exact_across_a_ramp(tmp_path):
     summary = straight.run()
     assert summary["step"] == 7 and not summary["preempted"]
     assert straight.schedule.stage_index_at(4) == 0 and straight.schedule.stage_index_at(5) == 1
+    assert isinstance(straight.train_step_for(0), TrainStep)
+    assert isinstance(straight.train_step_for(0), Step)
 
     # Crash after step 4: the newest checkpoint is step 3, inside the first (16-image) stage;
     # the resumed run redoes step 4 and crosses into the 32-image stage at step 5.
@@ -116,7 +120,7 @@ def test_resume_after_the_ramp_continues_data_position(tmp_path):
 
 
 SIGTERM_RECIPE = """
-from jaxdist.training.config import base_config
+from jaxdist.run.config import base_config
 
 def get_config():
     c = base_config()

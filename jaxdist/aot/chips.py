@@ -22,7 +22,10 @@ from dataclasses import dataclass
 
 from jaxdist.comm.cost_model import Link, Network
 
-__all__ = ["ASSUMED_LINK_LATENCY", "CHIPS", "GIB", "Chip", "network_for"]
+__all__ = [
+    "CHIPS",
+    "Chip",
+]
 
 GIB = 2**30
 GB = 1e9

@@ -34,9 +34,7 @@ __all__ = [
     "CompiledStep",
     "DoesNotFitError",
     "MemoryPerChip",
-    "abstract_batch",
     "compile_train_step",
-    "per_chip_bytes",
 ]
 
 

@@ -33,16 +33,11 @@ from jaxdist.comm import cost_model
 from jaxdist.training.batch_schedule import DevicePlan
 
 __all__ = [
-    "FIT_HINT",
     "LinkError",
     "MeshMismatchError",
     "PipelineNotPlannedError",
     "Plan",
     "StagePlan",
-    "check_mesh_matches",
-    "largest_fitting_batch",
-    "largest_fitting_batch_of",
-    "mesh_spec_for",
     "plan_recipe",
 ]
 
@@ -183,8 +178,8 @@ def plan_recipe(
     (``"LATENCY:BANDWIDTH"``, one direction of one link) replace the chip table's links;
     ``on_stage`` is called before each stage compiles (for progress output).
     """
-    from jaxdist.pipeline import from_config as pipeline_config
-    from jaxdist.training.trainer import Trainer
+    from jaxdist.run import pipeline_config
+    from jaxdist.run.trainer import Trainer
 
     if pipeline_config.enabled(config):
         raise PipelineNotPlannedError(
@@ -210,22 +205,9 @@ def plan_recipe(
     for index, device_plan in enumerate(trainer.plans):
         if on_stage is not None:
             on_stage(index, device_plan)
-        try:
-            compiled = _compile_at(
-                trainer, index, device_plan.global_batch_size, (params, model_state)
-            )
-        except DoesNotFitError as err:
-            raise DoesNotFitError(
-                f"stage {index} (global batch {device_plan.global_batch_size:,}, "
-                f"{device_plan.per_device_batch} per chip) does not fit on a "
-                f"{topology.chip.name}: {err}; {FIT_HINT}"
-            ) from err
-        step_time = predict_step(
-            compiled, topology.chip, efficiency=efficiency, algorithm=config.allreduce,
-            axis_sizes=axis_sizes, network=network,
-            fast_group=topology.chips_per_group if topology.network_groups > 1 else None,
-        )  # fmt: skip
-        stages.append(StagePlan(index, device_plan, compiled, step_time))
+        variables = (params, model_state)
+        stages.append(_plan_stage(trainer, index, device_plan, variables, topology, network,
+                                  efficiency=efficiency, axis_sizes=axis_sizes))  # fmt: skip
     plan = Plan(topology, spec, mesh_note, data_note, config.allreduce, network, stages,
                 config.num_epochs, link_sources=link_sources, trainer=trainer,
                 variable_shapes=(params, model_state))  # fmt: skip
@@ -233,6 +215,27 @@ def plan_recipe(
         trainer.schedule, config.num_epochs, [s.step_time.total for s in stages]
     )
     return plan
+
+
+def _plan_stage(
+    trainer, index: int, device_plan: DevicePlan, variables: tuple, topology: Topology,
+    network, *, efficiency: float, axis_sizes: list[int],
+) -> StagePlan:  # fmt: skip
+    """Batch stage ``index`` compiled for ``topology`` and its step time predicted."""
+    try:
+        compiled = _compile_at(trainer, index, device_plan.global_batch_size, variables)
+    except DoesNotFitError as err:
+        raise DoesNotFitError(
+            f"stage {index} (global batch {device_plan.global_batch_size:,}, "
+            f"{device_plan.per_device_batch} per chip) does not fit on a "
+            f"{topology.chip.name}: {err}; {FIT_HINT}"
+        ) from err
+    step_time = predict_step(
+        compiled, topology.chip, efficiency=efficiency, algorithm=trainer.config.allreduce,
+        axis_sizes=axis_sizes, network=network,
+        fast_group=topology.chips_per_group if topology.network_groups > 1 else None,
+    )  # fmt: skip
+    return StagePlan(index, device_plan, compiled, step_time)
 
 
 class LinkError(ValueError):

@@ -37,11 +37,7 @@ from jaxdist.comm import cost_model
 from jaxdist.training.batch_schedule import BatchSchedule
 
 __all__ = [
-    "BACKWARD_SHARE",
     "StepTime",
-    "collective_seconds",
-    "communication_seconds",
-    "other_collective_seconds",
     "predict_step",
     "time_to_train",
 ]

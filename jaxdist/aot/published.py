@@ -26,17 +26,10 @@ from jaxdist.aot.predict import BACKWARD_SHARE
 from jaxdist.comm import cost_model
 
 __all__ = [
-    "CALIBRATION_FILE",
-    "CALIBRATION_RUN",
-    "IMAGENET_TRAIN_IMAGES",
     "PUBLISHED_RUNS",
-    "CalibrationMissing",
-    "ModelFacts",
     "PublishedRun",
     "calibrate",
-    "calibrated_efficiency",
     "predict_run",
-    "write_calibration",
 ]
 
 IMAGENET_TRAIN_IMAGES = 1_281_167

@@ -5,7 +5,7 @@ from __future__ import annotations
 from jaxdist import meshes
 from jaxdist.aot.chips import GIB
 from jaxdist.aot.plan import Plan, StagePlan
-from jaxdist.training.run_log import format_duration
+from jaxdist.run.log import format_duration
 
 __all__ = ["plan_json", "plan_text"]
 

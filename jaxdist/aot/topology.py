@@ -27,15 +27,9 @@ import jax
 from jaxdist.aot.chips import CHIPS, Chip
 
 __all__ = [
-    "CUDA_HINT",
-    "GENERATIONS",
-    "GPU_TARGETS",
-    "LIBTPU_HINT",
     "CompilerMissing",
     "Topology",
     "TopologyError",
-    "cuda_plugin_available",
-    "libtpu_available",
     "parse_topology",
 ]
 

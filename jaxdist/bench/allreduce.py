@@ -12,8 +12,6 @@ process 0 prints).
 
 from __future__ import annotations
 
-import os
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -26,54 +24,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxdist.bench.sizes import format_size
 from jaxdist.comm import collectives, cost_model
 
 __all__ = [
     "Result",
     "Row",
-    "default_ports",
-    "format_size",
-    "link_rate_from_environment",
     "make_input",
-    "parse_size",
-    "parse_sizes",
     "per_device",
-    "priced_on",
     "run",
-    "skip_reason",
 ]
-
-_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """``"4K" -> 4096``, ``"64M" -> 67108864``, ``"100" -> 100`` (binary units)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?B?)\s*", text.upper())
-    if not match:
-        raise ValueError(f"bad size {text!r}: expected a number with an optional K, M or G suffix")
-    return int(match.group(1)) * _UNITS[match.group(2)]
-
-
-def parse_sizes(text: str, factor: int = 4) -> list[int]:
-    """``"4K:64M"`` (geometric, times ``factor``) or ``"4K,1M,16M"`` (a list)."""
-    if ":" in text:
-        lo, hi = (parse_size(part) for part in text.split(":", 1))
-        if lo < 1 or hi < lo or factor < 2:
-            raise ValueError(
-                f"bad size range {text!r} with factor {factor}: need 1 <= lo <= hi, factor >= 2"
-            )
-        sizes = [lo]
-        while sizes[-1] * factor <= hi:
-            sizes.append(sizes[-1] * factor)
-        return sizes
-    return [parse_size(part) for part in text.split(",")]
-
-
-def format_size(nbytes: float) -> str:
-    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{int(nbytes // scale)}{unit}"
-    return f"{int(nbytes)}"
 
 
 @dataclass
@@ -122,20 +82,6 @@ class Result:
 
 def _link_json(link: cost_model.Link) -> dict:
     return {"alpha_s": link.alpha, "beta_s_per_byte": link.beta, "ports": link.ports}
-
-
-def link_rate_from_environment() -> float | None:
-    """The link rate ``jaxdist cluster`` capped every host's link at (its
-    ``JAXDIST_LINK_BITS_PER_S``), in bytes per second; None outside an emulated cluster."""
-    bits = os.environ.get("JAXDIST_LINK_BITS_PER_S", "")
-    if not bits:
-        return None
-    if not bits.isdigit() or int(bits) == 0:
-        raise ValueError(
-            f"JAXDIST_LINK_BITS_PER_S must be a positive whole number of bits per second, "
-            f"got {bits!r}"
-        )
-    return int(bits) / 8
 
 
 def priced_on(
@@ -264,21 +210,15 @@ def run(
         mesh, jnp.dtype(dtype), warmup, iters, options, op, in_place, progress or (lambda _: None)
     )
     platform = mesh.devices.flat[0].platform
-    inter_algorithm = options.get("inter_algorithm", "ring")
-    skipped = {a: r for a in algorithms if (r := skip_reason(a, mesh, inter_algorithm))}
-    runnable = [a for a in algorithms if a not in skipped]
-    if "native" not in runnable:  # psum is always timed: every row is a ratio to it
-        runnable = ["native", *runnable]
+    runnable, skipped = _runnable(algorithms, mesh, options.get("inter_algorithm", "ring"))
     ports = default_ports(platform) if ports is None else ports
     link, axis_links = _fit_links(settings, sizes, runnable, ports)
     measured = _measure(settings, sizes, runnable)
     rows = [
-        _row(
-            settings, nbytes, algorithm, measured, priced_on(algorithm, link, axis_links), link_rate
-        )
-        for (nbytes, algorithm) in measured
-        if algorithm in algorithms
-    ]
+        _row(settings, nbytes, algorithm, measured, priced_on(algorithm, link, axis_links),
+             link_rate)
+        for (nbytes, algorithm) in measured if algorithm in algorithms
+    ]  # fmt: skip
     return Result(
         mesh=mesh_name,
         axis_sizes=tuple(mesh.devices.shape),
@@ -297,6 +237,18 @@ def run(
             k: v if isinstance(v, int | float | str | None) else str(v) for k, v in options.items()
         },
     )
+
+
+def _runnable(
+    algorithms: Sequence[str], mesh: Mesh, inter_algorithm: str
+) -> tuple[list[str], dict[str, str]]:
+    """The algorithms that can run on ``mesh`` (psum first if it was not asked for: every row
+    is a ratio to it), and why each of the others cannot."""
+    skipped = {a: r for a in algorithms if (r := skip_reason(a, mesh, inter_algorithm))}
+    runnable = [a for a in algorithms if a not in skipped]
+    if "native" not in runnable:
+        runnable = ["native", *runnable]
+    return runnable, skipped
 
 
 def _fit_links(

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
-from jaxdist.bench.allreduce import Result, format_size
+from jaxdist.bench.allreduce import Result
+from jaxdist.bench.sizes import format_size
 from jaxdist.comm import collectives
 
-__all__ = ["format_table", "plot", "save_json"]
+__all__ = [
+    "format_table",
+]
 
 
 def format_table(result: Result) -> str:

@@ -44,12 +44,7 @@ from jaxdist.training.batchnorm import CrossReplicaBatchNorm
 from jaxdist.training.train_step import TrainStep, classifier_loss
 
 __all__ = [
-    "FLAX_EXAMPLE",
-    "JAXDIST",
-    "JAXDIST_CONV_1X1",
-    "FlaxExampleResNet50",
     "StepRate",
-    "flax_example_step",
     "measure",
 ]
 

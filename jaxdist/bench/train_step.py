@@ -27,18 +27,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import models
 from jaxdist.bench import timing
+from jaxdist.training import step_options
 from jaxdist.training import train_step as ts
 
 __all__ = [
     "Measurement",
-    "baseline_step",
-    "compiled_step_hlo",
-    "format_table",
-    "gradient_plan",
     "run",
-    "schedule_summary",
-    "small_resnet",
-    "to_json",
 ]
 
 
@@ -97,7 +91,7 @@ def baseline_step(model: nn.Module, optimizer, mesh: Mesh, axes, communicate: bo
         check_vma=False,
     )
     # Donated exactly when TrainStep donates, so the comparison is like for like.
-    return jax.jit(sharded, donate_argnums=(0, 1, 2) if ts.donation_default(mesh) else ())
+    return jax.jit(sharded, donate_argnums=(0, 1, 2) if step_options.donation_default(mesh) else ())
 
 
 def run(

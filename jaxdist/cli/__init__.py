@@ -12,14 +12,8 @@ import os
 import sys
 import warnings
 
-__all__ = [
-    "SUBCOMMANDS",
-    "TRACEBACK_ENV",
-    "build_parser",
-    "force_cpu_devices",
-    "main",
-    "run_subcommand",
-]
+# The command line is the interface; nothing here is for import.
+__all__: list[str] = []
 
 # Set to 1 to see the stack of an error that is otherwise reported in one line.
 TRACEBACK_ENV = "JAXDIST_TRACEBACK"
@@ -103,6 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    failed = _join_run(args, known.cpu_devices)
+    return failed if failed is not None else run_subcommand(args)
+
+
+def _join_run(args: argparse.Namespace, cpu_devices: int | None) -> int | None:
+    """Join the multi-process run this process belongs to before the subcommand starts JAX
+    (the flags, JAXDIST_* variables from ``jaxdist launch`` / ``cluster``, or SLURM, Open MPI,
+    ...; a no-op for one process). An exit code when that cannot be done, else None."""
     by_hand = {
         "--coordinator": args.coordinator,
         "--num-processes": args.num_processes,
@@ -124,9 +126,6 @@ def main(argv: list[str] | None = None) -> int:
         if overridden:
             print(f"jaxdist: the flags override {', '.join(overridden)}", file=sys.stderr)
     if getattr(args, "joins_process_group", True):
-        # One process of many (the flags above, JAXDIST_* variables from `jaxdist launch` /
-        # `cluster`, or SLURM, Open MPI, ...): join the run before the subcommand starts JAX.
-        # No-op otherwise.
         from jaxdist.runtime import distributed
 
         try:
@@ -134,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.coordinator,
                 args.num_processes,
                 args.process_id,
-                local_device_count=known.cpu_devices,
+                local_device_count=cpu_devices,
             )
         except distributed.DistributedInitError as err:
             print(f"jaxdist: {err}", file=sys.stderr)
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_subcommand(args)
+    return None
 
 
 def run_subcommand(args: argparse.Namespace) -> int:

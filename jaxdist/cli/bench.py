@@ -6,13 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-__all__ = [
-    "check_inter_algorithm",
-    "parse_algorithms",
-    "register",
-    "run_allreduce",
-    "run_train_step",
-]
+# The command line is the interface; nothing here is for import.
+__all__: list[str] = []
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -189,14 +184,14 @@ def _leader_printer(enabled: bool):
 
 def _exchange_piece(text: str) -> int | str | None:
     """``--exchange-piece``: ``auto``, ``none`` or a size such as ``256K``."""
-    from jaxdist.bench import allreduce as bench
+    from jaxdist.bench.sizes import parse_size
 
     if text == "auto":
         return "auto"
     if text == "none":
         return None
     try:
-        size = bench.parse_size(text)
+        size = parse_size(text)
     except ValueError as err:
         raise ValueError(f"--exchange-piece: {err}, or 'auto' or 'none'") from None
     if size < 1:
@@ -218,11 +213,12 @@ def run_allreduce(args: argparse.Namespace) -> int:
 
     from jaxdist.bench import allreduce as bench
     from jaxdist.bench import allreduce_report
-    from jaxdist.comm import cost_model
+    from jaxdist.bench.sizes import parse_sizes
+    from jaxdist.comm import cost_model, emulated_link
 
     try:
         algorithms, spec, mesh = _algorithms_and_mesh(args.algorithms, args.mesh)
-        sizes = bench.parse_sizes(args.sizes, args.factor)
+        sizes = parse_sizes(args.sizes, args.factor)
         exchange_piece = _exchange_piece(args.exchange_piece)
         if args.link_ports is not None and args.link_ports < 1:
             raise ValueError(f"--link-ports must be at least 1, got {args.link_ports}")
@@ -230,7 +226,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
         link_rate = (
             cost_model.parse_rate(args.link_rate)
             if args.link_rate
-            else bench.link_rate_from_environment()
+            else emulated_link.link_rate_from_environment()
         )
     except ValueError as err:
         print(f"jaxdist bench: {err}", file=sys.stderr)
@@ -243,11 +239,7 @@ def run_allreduce(args: argparse.Namespace) -> int:
             f"share its link (give --link-rate to compare anyway)"
         )
         link_rate = None
-    options = {"inter_algorithm": args.inter_algorithm, "exchange_piece_bytes": exchange_piece}
-    if args.crossed_exchange is not None:
-        options["crossed_exchange"] = args.crossed_exchange == "on"
-    if args.transfer_dtype:
-        options["transfer_dtype"] = args.transfer_dtype
+    options = _schedule_options(args, exchange_piece)
     _leader_printer(True)(
         f"# measuring {len(algorithms)} algorithm(s) x {len(sizes)} size(s) on {spec.name}"
     )
@@ -277,6 +269,16 @@ def run_allreduce(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schedule_options(args: argparse.Namespace, exchange_piece: int | None) -> dict:
+    """The schedules' options from the command line."""
+    options = {"inter_algorithm": args.inter_algorithm, "exchange_piece_bytes": exchange_piece}
+    if args.crossed_exchange is not None:
+        options["crossed_exchange"] = args.crossed_exchange == "on"
+    if args.transfer_dtype:
+        options["transfer_dtype"] = args.transfer_dtype
+    return options
+
+
 def run_train_step(args: argparse.Namespace) -> int:
     import json
 
@@ -291,7 +293,7 @@ def run_train_step(args: argparse.Namespace) -> int:
         return 2
     leader = jax.process_index() == 0
     if args.show_plan:
-        from jaxdist.training.from_config import sfb_layers_setting
+        from jaxdist.run.from_config import sfb_layers_setting
 
         try:
             plan = bench_train.gradient_plan(

@@ -8,7 +8,8 @@ import sys
 from jaxdist.cli.launch import add_supervision_arguments, command_after_dashes
 from jaxdist.runtime import cluster
 
-__all__ = ["register", "run"]
+# The command line is the interface; nothing here is for import.
+__all__: list[str] = []
 
 
 def register(subparsers) -> None:

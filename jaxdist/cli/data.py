@@ -7,14 +7,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-__all__ = [
-    "bench_pipeline",
-    "convert_dataset",
-    "fake_dataset",
-    "inspect_dataset",
-    "register",
-    "undecodable_images",
-]
+# The command line is the interface; nothing here is for import.
+__all__: list[str] = []
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -54,6 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     inspect.set_defaults(func=inspect_dataset)
 
+    _add_bench_and_fake(actions)
+
+
+def _add_bench_and_fake(actions: argparse._SubParsersAction) -> None:
     bench = actions.add_parser("bench", help="images/s of the training input pipeline")
     bench.add_argument(
         "--source",

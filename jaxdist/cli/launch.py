@@ -6,7 +6,8 @@ import argparse
 
 from jaxdist.runtime import launch
 
-__all__ = ["add_supervision_arguments", "command_after_dashes", "register", "run"]
+# The command line is the interface; nothing here is for import.
+__all__: list[str] = []
 
 
 def command_after_dashes(rest: list[str]) -> list[str]:

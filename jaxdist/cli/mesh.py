@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["cost_on_mesh", "list_meshes", "register", "show_mesh"]
+# The command line is the interface; nothing here is for import.
+__all__: list[str] = []
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -94,7 +95,7 @@ def _cost_inputs(args: argparse.Namespace):
     """(spec, sizes, network, algorithms, inter_algorithm) of ``mesh cost``; ValueError (or
     MeshSpecError) naming the bad argument."""
     from jaxdist import meshes
-    from jaxdist.bench import allreduce as bench
+    from jaxdist.bench.sizes import parse_sizes
     from jaxdist.cli.bench import check_inter_algorithm, parse_algorithms
     from jaxdist.comm import cost_model
 
@@ -118,7 +119,7 @@ def _cost_inputs(args: argparse.Namespace):
             )
     if spec.size < 2:
         raise ValueError(f"{spec.name} has one device: there is nothing to allreduce")
-    sizes = bench.parse_sizes(args.bytes)
+    sizes = parse_sizes(args.bytes)
     if min(sizes) < 1:
         raise ValueError(f"--bytes must be at least 1 byte per device, got {args.bytes!r}")
     inter_algorithm = args.inter_algorithm or "ring"
@@ -132,7 +133,7 @@ def _cost_inputs(args: argparse.Namespace):
 
 def cost_on_mesh(args: argparse.Namespace) -> int:
     from jaxdist import meshes
-    from jaxdist.bench import allreduce as bench
+    from jaxdist.bench.sizes import format_size
     from jaxdist.comm import cost_model
 
     try:
@@ -164,7 +165,7 @@ def cost_on_mesh(args: argparse.Namespace) -> int:
         for algorithm, seconds in times.items():
             algbw, busbw = cost_model.bus_bandwidth(nbytes, seconds, spec.size)
             print(
-                f"{bench.format_size(nbytes):>8s} {algorithm:<20s} {seconds * 1e6:13.1f} "
+                f"{format_size(nbytes):>8s} {algorithm:<20s} {seconds * 1e6:13.1f} "
                 f"{algbw / 1e9:11.3f} {busbw / 1e9:11.3f} {seconds / best:7.2f}"
             )
     for algorithm, reason in skipped.items():

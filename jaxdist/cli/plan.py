@@ -9,7 +9,8 @@ import sys
 
 from jaxdist.cli.train import add_set_argument
 
-__all__ = ["register", "run_plan"]
+# The command line is the interface; nothing here is for import.
+__all__: list[str] = []
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -77,7 +78,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from jaxdist.aot.plan import largest_fitting_batch_of, plan_recipe
     from jaxdist.aot.report import plan_json, plan_text
     from jaxdist.aot.topology import parse_topology
-    from jaxdist.training import config as config_lib
+    from jaxdist.run import config as config_lib
 
     topology = parse_topology(args.topology)
     path = config_lib.resolve_recipe_path(args.recipe)

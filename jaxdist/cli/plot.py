@@ -6,9 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from jaxdist.training.run_log import read_metrics
+from jaxdist.run.log import read_metrics
 
-__all__ = ["plot_runs", "register", "run_plot"]
+# The command line is the interface; nothing here is for import.
+__all__: list[str] = []
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

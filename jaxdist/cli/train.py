@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-__all__ = ["PREEMPTED_EXIT_CODE", "add_set_argument", "register", "run_train", "where_results_are"]
+# The command line is the interface; nothing here is for import.
+__all__: list[str] = []
 
 # Exit status of a run stopped by SIGTERM after saving its checkpoint (128 + 15, the shell's
 # convention), so a job scheduler sees that it did not finish.
@@ -53,11 +54,11 @@ def add_set_argument(p: argparse.ArgumentParser, example: str) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from jaxdist.training import config as config_lib
+    from jaxdist.run import config as config_lib
 
     path = config_lib.resolve_recipe_path(args.recipe)
     config = config_lib.apply_overrides(config_lib.load_recipe(path), args.overrides)
-    from jaxdist.training.trainer import Trainer
+    from jaxdist.run.trainer import Trainer
 
     workdir = Path(args.workdir or Path("runs") / path.stem)
     trainer = Trainer(config, workdir, allow_config_change=args.allow_config_change)

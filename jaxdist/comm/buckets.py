@@ -32,9 +32,7 @@ from jaxdist.comm import collectives
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
-    "backward_order",
     "bucketed_allreduce",
-    "leaf_bytes",
     "plan_buckets",
 ]
 

@@ -33,7 +33,9 @@ from collections.abc import Sequence
 
 import jax
 
-__all__ = ["GPU_OVERLAP_OPTIONS", "TPU_OVERLAP_OPTIONS", "compiler_options_for"]
+__all__ = [
+    "compiler_options_for",
+]
 
 TPU_OVERLAP_OPTIONS: dict[str, bool | int] = {
     "xla_enable_async_all_reduce": True,

@@ -69,16 +69,11 @@ from jaxdist.comm.collectives import ALGORITHMS, Term
 __all__ = [
     "Link",
     "Network",
-    "Term",
     "bus_bandwidth",
     "fit",
     "parse_link",
-    "parse_rate",
     "predict",
     "predict_all",
-    "price",
-    "terms",
-    "unsupported",
 ]
 
 

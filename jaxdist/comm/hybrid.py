@@ -39,24 +39,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from jaxdist.comm import collectives, cost_model
+from jaxdist.comm import collectives, cost_model, emulated_link
 from jaxdist.comm.collectives import Term, flat_link_class
 
 __all__ = [
     "AUTO",
-    "DENSE",
-    "FACTORS",
     "Links",
     "Route",
-    "factor_gather_terms",
-    "format_routes",
-    "predict_factor_gather",
     "rank_schedules",
-    "rebuild_seconds",
     "resolve_links",
-    "route_bucket",
-    "route_dense_layer",
-    "runnable_schedules",
 ]
 
 AUTO = "auto"  # the train step's allreduce name for "choose per bucket"
@@ -124,15 +115,11 @@ def resolve_links(spec, axis_sizes: Sequence[int]) -> Links:
 
 
 def _links_from_environment() -> Links:
-    from jaxdist.bench.allreduce import link_rate_from_environment
-    from jaxdist.runtime.cluster import parse_latency
-
-    rate = link_rate_from_environment()
-    if rate is None:
+    link = emulated_link.link_from_environment()
+    if link is None:
         raise ValueError(f"allreduce='auto' needs link figures to price the schedules: "
                          f"{_HOW_TO_GET_LINKS}")  # fmt: skip
-    latency = parse_latency(os.environ.get("JAXDIST_LINK_LATENCY") or "0")
-    return Links(cost_model.Link(latency, 1 / rate), None, "the emulated cluster's link")
+    return Links(link, None, "the emulated cluster's link")
 
 
 def _links_from_file(path: Path, sizes: tuple[int, ...]) -> Links:

@@ -6,12 +6,7 @@ statistics, metrics and the loss scale's check, and price each.
 """
 
 __all__ = [
-    "BATCHNORM_SCOPE",
     "GRADIENT_SCOPE",
-    "LOSS_SCALE_SCOPE",
-    "METRICS_SCOPE",
-    "MODEL_STATE_SCOPE",
-    "PARAMETER_SCOPE",
     "ROLES",
 ]
 

@@ -38,15 +38,8 @@ from jaxdist.data.sources import (
 from jaxdist.data.transforms import decode
 
 __all__ = [
-    "FORMAT",
-    "METADATA",
     "ArrayRecordSource",
-    "ProgressFn",
     "convert_folder",
-    "decode_record",
-    "encode_record",
-    "read_metadata",
-    "shard_names",
 ]
 
 FORMAT = "jaxdist-arrayrecord-v1"
@@ -137,27 +130,41 @@ def convert_folder(
             count = max(1, round(shards * len(files) / len(train_files)))
         count = max(1, min(count, len(files)))
         names = shard_names(split, count)
-        per_shard = math.ceil(len(files) / count)
-        start = time.perf_counter()
-        for shard, name in enumerate(names):
-            # Write under a temporary name: a crash never leaves a valid-looking shard.
-            tmp = dst / f".{name}.tmp"
-            writer = ArrayRecordWriter(str(tmp), "group_size:1")
-            try:
-                for i in range(shard * per_shard, min(len(files), (shard + 1) * per_shard)):
-                    path = src / files[i]
-                    data = _check_jpeg(path.read_bytes(), path, verify)
-                    writer.write(encode_record(data, labels[i], files[i]))
-                    if progress and (i + 1) % 500 == 0:
-                        progress(split, i + 1, len(files), time.perf_counter() - start)
-            finally:
-                writer.close()
-            tmp.rename(dst / name)
-        if progress:
-            progress(split, len(files), len(files), time.perf_counter() - start)
+        _write_shards(src, dst, split, names, files, labels, progress, verify)
         meta["splits"][split] = {"num_records": len(files), "shards": names}
     (dst / METADATA).write_text(json.dumps(meta, indent=1))
     return meta
+
+
+def _write_shards(
+    src: Path,
+    dst: Path,
+    split: str,
+    names: list[str],
+    files: Sequence[str],
+    labels: Sequence[int],
+    progress: ProgressFn | None,
+    verify: bool,
+) -> None:
+    """``files`` of one split, in order, into the shards ``names`` (equal parts)."""
+    per_shard = math.ceil(len(files) / len(names))
+    start = time.perf_counter()
+    for shard, name in enumerate(names):
+        # Write under a temporary name: a crash never leaves a valid-looking shard.
+        tmp = dst / f".{name}.tmp"
+        writer = ArrayRecordWriter(str(tmp), "group_size:1")
+        try:
+            for i in range(shard * per_shard, min(len(files), (shard + 1) * per_shard)):
+                path = src / files[i]
+                data = _check_jpeg(path.read_bytes(), path, verify)
+                writer.write(encode_record(data, labels[i], files[i]))
+                if progress and (i + 1) % 500 == 0:
+                    progress(split, i + 1, len(files), time.perf_counter() - start)
+        finally:
+            writer.close()
+        tmp.rename(dst / name)
+    if progress:
+        progress(split, len(files), len(files), time.perf_counter() - start)
 
 
 def read_metadata(root: str | os.PathLike) -> dict[str, Any]:

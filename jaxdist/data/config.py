@@ -26,7 +26,12 @@ from jaxdist.data.pipeline import (
 from jaxdist.data.small_datasets import load_digits, load_mnist5k
 from jaxdist.data.sources import ImageFolderSource, ImageSource, SyntheticSource
 
-__all__ = ["SOURCES", "DataConfig", "Pipeline", "make_pipeline", "open_source"]
+__all__ = [
+    "SOURCES",
+    "DataConfig",
+    "Pipeline",
+    "make_pipeline",
+]
 
 SOURCES = ("folder", "arrayrecord", "synthetic", "digits", "mnist5k")
 

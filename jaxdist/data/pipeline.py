@@ -35,7 +35,11 @@ import numpy as np
 from jaxdist.data.sources import DatasetError, ImageSource
 from jaxdist.data.transforms import DecodeEval, DecodeTrain, Padding, ToOutput
 
-__all__ = ["Batch", "BatchIterator", "build_eval_iterator", "build_train_iterator", "image_shape"]
+__all__ = [
+    "BatchIterator",
+    "build_eval_iterator",
+    "build_train_iterator",
+]
 
 Batch = dict[str, np.ndarray]
 
@@ -272,17 +276,7 @@ def build_train_iterator(
     """
     process_index, process_count = _process(process_index, process_count)
     _check_batch(source, global_batch_size, process_count)
-    shuffle_seed, augment_seed = _seeds(seed)
-    stream = grain.MapDataset.source(source)
-    if shuffle:
-        stream = stream.shuffle(seed=shuffle_seed)
-    stream = stream.repeat(num_epochs)
-    if source.encoded:
-        if augment:
-            stream = stream.random_map(DecodeTrain(image_size), seed=augment_seed)
-        else:
-            stream = stream.map(DecodeEval(image_size))
-    stream = stream.map(ToOutput(dtype, source.mean, source.std))
+    stream = _train_stream(source, seed, image_size, dtype, num_epochs, shuffle, augment)
     plan = _Plan(
         stream=stream,
         stream_length=None if num_epochs is None else len(stream),
@@ -297,6 +291,29 @@ def build_train_iterator(
         prefetch_batches=prefetch_batches,
     )
     return BatchIterator(plan, start_sample)
+
+
+def _train_stream(
+    source: ImageSource,
+    seed: int,
+    image_size: int,
+    dtype: str,
+    num_epochs: int | None,
+    shuffle: bool,
+    augment: bool,
+) -> grain.MapDataset:
+    """The records shuffled, repeated, decoded (augmented) and converted to outputs."""
+    shuffle_seed, augment_seed = _seeds(seed)
+    stream = grain.MapDataset.source(source)
+    if shuffle:
+        stream = stream.shuffle(seed=shuffle_seed)
+    stream = stream.repeat(num_epochs)
+    if source.encoded:
+        if augment:
+            stream = stream.random_map(DecodeTrain(image_size), seed=augment_seed)
+        else:
+            stream = stream.map(DecodeEval(image_size))
+    return stream.map(ToOutput(dtype, source.mean, source.std))
 
 
 def build_eval_iterator(

@@ -23,7 +23,10 @@ import numpy as np
 
 from jaxdist.data.sources import ArraySource
 
-__all__ = ["SPLIT_SEED", "VAL_FRACTION", "load_digits", "load_mnist5k", "stratified_split"]
+__all__ = [
+    "load_digits",
+    "load_mnist5k",
+]
 
 SPLIT_SEED = 0
 VAL_FRACTION = 0.2

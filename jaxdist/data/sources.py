@@ -23,15 +23,11 @@ import numpy as np
 __all__ = [
     "IMAGENET_MEAN",
     "IMAGENET_STD",
-    "JPEG_SUFFIXES",
-    "SPLITS",
     "ArraySource",
     "DatasetError",
     "ImageFolderSource",
     "ImageSource",
     "SyntheticSource",
-    "folder_layout",
-    "list_image_folder",
 ]
 
 # ImageNet channel statistics in 0-255 units (the usual torchvision / flax values).

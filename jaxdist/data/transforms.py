@@ -24,20 +24,10 @@ from PIL import Image
 from jaxdist.data.sources import DatasetError
 
 __all__ = [
-    "AREA_RANGE",
-    "ASPECT_RANGE",
-    "EVAL_CROP_FRACTION",
-    "Box",
     "DecodeEval",
     "DecodeTrain",
-    "Padding",
-    "ToOutput",
-    "center_crop_box",
     "decode",
-    "decode_crop_resize",
-    "jpeg_size",
     "normalize",
-    "random_resized_crop_box",
 ]
 
 AREA_RANGE = (0.08, 1.0)

@@ -45,22 +45,10 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = [
-    "ARCHITECTURES",
-    "BLOCKS",
-    "STEMS",
     "BasicBlock",
     "BottleneckBlock",
-    "Dtype",
-    "ModuleFactory",
     "PointwiseConv",
     "ResNet",
-    "conv_kernel_init",
-    "default_norm",
-    "resnet18",
-    "resnet34",
-    "resnet50",
-    "resnet101",
-    "resnet152",
 ]
 
 Dtype = Any
@@ -263,15 +251,9 @@ class ResNet(nn.Module):
                 )
         super().__post_init__()
 
-    @nn.compact
-    def __call__(self, x_BxHxWxC: jax.Array, *, train: bool) -> jax.Array:
-        start, stop = self.layers or (0, self.num_layers)
-        runs = lambda layer: start <= layer < stop  # noqa: E731
-        if start == 0 and x_BxHxWxC.ndim != 4:
-            raise ValueError(
-                f"ResNet expects images shaped (batch, height, width, channels), "
-                f"got shape {x_BxHxWxC.shape}"
-            )
+    def _layer_factories(self, train: bool) -> tuple[Callable, Callable, Callable, Callable]:
+        """``(conv, pointwise, norm, last_norm_scale_init)``: how each layer of the network
+        is made, in the model's dtypes (the blocks call them)."""
         conv = functools.partial(
             nn.Conv,
             use_bias=False,
@@ -301,6 +283,18 @@ class ResNet(nn.Module):
             nn.initializers.zeros if self.zero_init_last_bn_scale else nn.initializers.ones
         )
 
+        return conv, pointwise, norm, last_norm_scale_init
+
+    @nn.compact
+    def __call__(self, x_BxHxWxC: jax.Array, *, train: bool) -> jax.Array:
+        start, stop = self.layers or (0, self.num_layers)
+        runs = lambda layer: start <= layer < stop  # noqa: E731
+        if start == 0 and x_BxHxWxC.ndim != 4:
+            raise ValueError(
+                f"ResNet expects images shaped (batch, height, width, channels), "
+                f"got shape {x_BxHxWxC.shape}"
+            )
+        conv, pointwise, norm, last_norm_scale_init = self._layer_factories(train)
         x = x_BxHxWxC.astype(self.dtype) if start == 0 else x_BxHxWxC
         if runs(0) and self.stem == "imagenet":
             x = conv(self.width, (7, 7), 2, _symmetric_padding(7), name="stem_conv")(x)

@@ -4,10 +4,11 @@ through them by a schedule, each stage's gradients averaged over the other axes.
 :mod:`~jaxdist.pipeline.schedules` (GPipe, 1F1B and interleaved 1F1B as tables),
 :mod:`~jaxdist.pipeline.program` (a table as the integer tables a program steps through),
 :mod:`~jaxdist.pipeline.stages` (a model as stages, and the flat buffers they share),
-:mod:`~jaxdist.pipeline.passes` (one tick's forward or backward pass, one stage's update),
-:mod:`~jaxdist.pipeline.step` (:class:`~jaxdist.pipeline.step.PipelineStep`, the train step)
-and :mod:`~jaxdist.pipeline.from_config` (what the trainer builds from a recipe's
-``pipeline`` fields).
+:mod:`~jaxdist.pipeline.state` (each stage's trees as flat rows of the step's state),
+:mod:`~jaxdist.pipeline.passes` (one tick's forward or backward pass, the loop over ticks,
+one stage's update), :mod:`~jaxdist.pipeline.options` (what a pipeline step refuses) and
+:mod:`~jaxdist.pipeline.step` (:class:`~jaxdist.pipeline.step.PipelineStep`, the train step).
+A recipe's ``pipeline`` fields are built by :mod:`jaxdist.run.pipeline_config`.
 """
 
 __all__: list[str] = []

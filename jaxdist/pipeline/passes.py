@@ -1,15 +1,20 @@
-"""What one device does in one pipeline tick, as the branches of a ``lax.switch``, and its
-stage's optimizer update.
+"""What one device does in one pipeline tick, as the branches of a ``lax.switch``; the loop
+over a schedule's ticks; and each stage's optimizer update.
 
 Every device runs the same program, so every virtual stage's forward and backward pass is a
 branch of it; the table picks the branch (0 idle, ``1 + v`` forward of virtual stage v,
 ``1 + V + v`` its backward). A branch reads and returns the tick's carry: the activation and
 gradient stashes, the summed gradients, the model state, the loss and metric sums, and the two
 messages the tick sends.
+
+:func:`branches` is longer than 60 lines because the forward, backward and idle branches
+share their closures (this device's parameters, micro-batches, rng and layouts); apart, each
+would need them all passed in again.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +23,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-__all__ = ["branches", "update"]
+from jaxdist.pipeline.stages import ActivationLayout
+
+__all__: list[str] = []  # building blocks of the package's own modules
 
 
 def branches(step: Any, params: jax.Array, micro: Any, rng: jax.Array, scale) -> list[Callable]:
@@ -122,3 +129,87 @@ def update(
         new_params.append(p)
         new_opt.append(o)
     return jnp.stack(new_params), jnp.stack(new_opt)
+
+
+def run_schedule(
+    step: Any, state: Any, params, micro: Any, rng: jax.Array, scale, metric_shapes, stage
+) -> dict:
+    """Every tick of the step's schedule table on this device, one loop turn each: the tick's
+    branch, then the activation sent to the next stage and the gradient to the previous one
+    by collective permutes along the stage axis. ``state`` is this device's block of the
+    :class:`~jaxdist.pipeline.state.PipelineState`, ``params`` its ``(chunks, size)``
+    parameters. Returns the final carry."""
+    S = step.num_stages
+    acts = step.activations
+    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
+    carry = {
+        "stash": jnp.zeros((step.program.input_slots + 1, acts.size), acts.dtype),
+        "grad_stash": jnp.zeros((step.program.grad_slots + 1, acts.size), acts.dtype),
+        "grads": jnp.zeros(params.shape, jnp.float32),
+        "model_state": state.model_state[0],
+        "loss": jnp.zeros((), jnp.float32),
+        "metrics": zeros(metric_shapes),
+        "send_forward": jnp.zeros((acts.size,), acts.dtype),
+        "send_backward": jnp.zeros((acts.size,), acts.dtype),
+    }
+    ops = branches(step, params, micro, rng, scale)
+    tables = {
+        name: jnp.asarray(getattr(step.program, name))
+        for name in ("branch", "microbatch", "input_slot", "grad_slot",
+                     "receive_input", "receive_grad")
+    }  # fmt: skip
+    forward_perm = [(i, i + 1) for i in range(S - 1)] + ([(S - 1, 0)] if step.chunks > 1 else [])
+    backward_perm = [(i + 1, i) for i in range(S - 1)] + ([(0, S - 1)] if step.chunks > 1 else [])
+
+    sends_forward = jnp.asarray(step.program.sends_forward)
+    sends_backward = jnp.asarray(step.program.sends_backward)
+
+    def send(active, message, perm):
+        # Every device takes the same branch (the flag depends on the tick alone), so a
+        # tick in which no stage sends that way sends nothing at all.
+        return lax.cond(
+            active,
+            lambda m: lax.ppermute(m, step.stage_axis, perm),
+            jnp.zeros_like,
+            message,
+        )
+
+    def tick(t, carry):
+        at = {name: table[t, stage] for name, table in tables.items()}
+        carry = lax.switch(at["branch"], ops, carry, at["microbatch"], at["input_slot"],
+                           at["grad_slot"])  # fmt: skip
+        if S > 1:
+            arrived = send(sends_forward[t], carry["send_forward"], forward_perm)
+            returned = send(sends_backward[t], carry["send_backward"], backward_perm)
+            carry = {
+                **carry,
+                "stash": carry["stash"].at[at["receive_input"]].set(arrived),
+                "grad_stash": carry["grad_stash"].at[at["receive_grad"]].set(returned),
+            }
+        return carry
+
+    return lax.fori_loop(0, step.program.schedule.ticks, tick, carry)
+
+
+def activation_layout(step: Any, micro: Any) -> tuple[ActivationLayout, Any]:
+    """Shapes sent between stages for one micro-batch, and the loss's metrics' shapes."""
+    one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro)
+    x = jax.eval_shape(step.inputs, one)
+    shapes = []
+    for v, apply in enumerate(step.stages):
+        p = jax.eval_shape(
+            functools.partial(step.layouts["params"].unflatten, v), _flat(step, "params")
+        )
+        ms = jax.eval_shape(
+            functools.partial(step.layouts["model_state"].unflatten, v),
+            _flat(step, "model_state"),
+        )
+        x, _ = jax.eval_shape(apply, p, ms, x, jax.random.key(0))
+        shapes.append(x)
+    _, metrics = jax.eval_shape(step.loss_fn, shapes[-1], one)
+    return ActivationLayout(tuple(shapes[:-1])), metrics
+
+
+def _flat(step: Any, name: str) -> jax.ShapeDtypeStruct:
+    layout = step.layouts[name]
+    return jax.ShapeDtypeStruct((layout.size,), layout.dtype)

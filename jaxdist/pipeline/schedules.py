@@ -26,7 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "Op", "Schedule", "bubble_formula", "build", "orders"]
+__all__ = [
+    "SCHEDULES",
+    "Op",
+    "Schedule",
+    "build",
+]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 

@@ -9,7 +9,7 @@ state, and the activations sent between stages.
 For flax: :func:`cut` splits a list of layers into stages (equal counts, or at given
 boundaries) to wrap in :class:`Chain`; :func:`split_module` cuts a network that can run spans
 of its layers (ResNet) and :func:`split_variables` hands each stage its part of the whole
-network's variables; :func:`flax_stages` turns stage modules into stage functions and
+network's variables (:func:`variable_splitter` lets a pipeline step do it at init); :func:`flax_stages` turns stage modules into stage functions and
 :func:`init_flax_stages` initialises them one after the other on an example input.
 """
 
@@ -29,9 +29,7 @@ from jax.flatten_util import ravel_pytree
 from jaxdist.comm import collectives
 
 __all__ = [
-    "ActivationLayout",
     "Chain",
-    "FlatLayout",
     "StageFn",
     "cut",
     "flax_stages",
@@ -39,6 +37,7 @@ __all__ = [
     "spans",
     "split_module",
     "split_variables",
+    "variable_splitter",
 ]
 
 StageFn = Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
@@ -176,6 +175,18 @@ def split_variables(
         states.append(own)
         x = jax.eval_shape(lambda v, x, m=module: m.apply(v, x, train=False), shapes, x)
     return params, states
+
+
+def variable_splitter(
+    modules: Sequence[nn.Module], example_input: jax.Array
+) -> Callable[[Any, Any], tuple[list[Any], list[Any]]]:
+    """``split`` for :class:`~jaxdist.pipeline.step.PipelineStep`: the whole network's
+    ``(params, model_state)`` to each stage's part, as :func:`split_variables` hands them."""
+
+    def split(params: Any, model_state: Any) -> tuple[list[Any], list[Any]]:
+        return split_variables({"params": params, **model_state}, modules, example_input)
+
+    return split
 
 
 def flax_stages(modules: Sequence[nn.Module]) -> list[StageFn]:

@@ -31,7 +31,6 @@ normalises each micro-batch with that micro-batch's statistics, as in GPipe.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,7 +38,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -49,9 +47,12 @@ from jaxdist.comm import collectives
 from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.comm.scopes import GRADIENT_SCOPE
 from jaxdist.pipeline import schedules
-from jaxdist.pipeline.passes import branches, update
+from jaxdist.pipeline import state as pipeline_state
+from jaxdist.pipeline.options import check_stage_count, refuse_unsupported, stage_data_axes
+from jaxdist.pipeline.passes import activation_layout, run_schedule, update
 from jaxdist.pipeline.program import Program, compile_schedule
 from jaxdist.pipeline.stages import ActivationLayout, FlatLayout, StageFn
+from jaxdist.pipeline.state import PipelineState
 from jaxdist.runtime import dispatch
 from jaxdist.training.batches import (
     check_batch_sizes,
@@ -60,34 +61,13 @@ from jaxdist.training.batches import (
     split_micro_batches,
 )
 from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_scaled_step
-from jaxdist.training.train_step import NO_ALLREDUCE, check_allreduce, donation_default
+from jaxdist.training.step_options import check_allreduce, donation_default
+from jaxdist.training.train_step import NO_ALLREDUCE
 
-__all__ = ["PipelineLossFn", "PipelineState", "PipelineStep", "stage_data_axes"]
+__all__ = ["PipelineLossFn", "PipelineState", "PipelineStep"]
+
 
 PipelineLossFn = Callable[[jax.Array, Any], tuple[jax.Array, dict]]
-
-
-class PipelineState(struct.PyTreeNode):
-    """A pipeline's state. ``params``, ``model_state`` and ``opt_state`` are arrays of shape
-    ``(stages, chunks, size)``, split over the stage axis: one flat padded vector per virtual
-    stage (:meth:`PipelineStep.unstack` gives the trees back)."""
-
-    step: jax.Array
-    params: jax.Array
-    model_state: jax.Array
-    opt_state: jax.Array
-    loss_scale: DynamicLossScale | None = None
-
-
-def stage_data_axes(mesh: Mesh, stage_axis: str) -> tuple[str, ...]:
-    """The data axes of a pipeline mesh: every axis but the stage axis, in mesh order."""
-    if stage_axis not in mesh.axis_names:
-        raise ValueError(
-            f"the mesh has axes {tuple(mesh.axis_names)} and no stage axis {stage_axis!r}; "
-            f"build one with a stage axis (e.g. the mesh preset 'pipeline-2x4') or pass "
-            f"stage_axis= naming one of its axes"
-        )
-    return tuple(a for a in mesh.axis_names if a != stage_axis)
 
 
 class PipelineStep:
@@ -107,6 +87,12 @@ class PipelineStep:
         the data axes, as for :class:`jaxdist.training.train_step.TrainStep`.
       loss_scale: a :class:`DynamicLossScale` for float16 training, or ``None``.
       donate, max_in_flight: as for :class:`~jaxdist.training.train_step.TrainStep`.
+      split: ``(params, model_state) -> (params per virtual stage, model state per virtual
+        stage)``; with it :meth:`init` and :meth:`abstract_init` take the whole model's trees
+        (:func:`~jaxdist.pipeline.stages.variable_splitter` makes one for flax stages),
+        without it one tree per virtual stage.
+      sfb_layers, links, accumulation_steps, zero1: the data-parallel step's options that a
+        pipeline cannot honour; anything but their defaults is refused in one line.
     """
 
     def __init__(
@@ -127,23 +113,20 @@ class PipelineStep:
         loss_scale: DynamicLossScale | None = None,
         donate: bool | None = None,
         max_in_flight: dispatch.Limit = "auto",
+        split: Callable[[Any, Any], tuple[list, list]] | None = None,
+        sfb_layers: Any = None,
+        links: Any = None,
+        accumulation_steps: int = 1,
+        zero1: bool = False,
     ):
+        refuse_unsupported(allreduce, sfb_layers, links, accumulation_steps, zero1)
         self.data_axes = stage_data_axes(mesh, stage_axis)
         self.num_stages = mesh.shape[stage_axis]
         chunks = chunks if schedule == "interleaved" else 1
         self.program: Program = compile_schedule(
             schedules.build(schedule, self.num_stages, microbatches, chunks)
         )
-        virtual = self.num_stages * chunks
-        if len(stages) != virtual:
-            raise ValueError(
-                f"{len(stages)} stage functions for {self.num_stages} stages on axis "
-                f"{stage_axis!r} with {chunks} chunk(s) each: expected {virtual}"
-            )
-        if allreduce != NO_ALLREDUCE and allreduce not in collectives.ALGORITHMS:
-            raise ValueError(
-                f"unknown allreduce {allreduce!r}; expected one of {collectives.ALGORITHMS}"
-            )
+        check_stage_count(len(stages), self.num_stages, chunks, stage_axis)
         # The data axes as the collectives take them: one name, or a tuple of two.
         self._reduce_axes = data_axes_of(mesh, self.data_axes) if self.data_axes else None
         if allreduce != NO_ALLREDUCE and self.data_axes:
@@ -161,6 +144,8 @@ class PipelineStep:
         self.bucket_bytes = bucket_bytes
         self.loss_scale = loss_scale
         self.donate = donation_default(mesh) if donate is None else donate
+        self.split = split
+        self.accumulation_steps = 1
         self.num_replicas = int(np.prod([mesh.shape[a] for a in self.data_axes]))
         self.trace_count = 0  # how many times the step was traced (compiled)
         self.layouts: dict[str, FlatLayout] | None = None
@@ -171,18 +156,22 @@ class PipelineStep:
 
     # ------------------------------------------------------------------ state and batches
 
-    def init(
-        self, params: Sequence[Any], model_state: Sequence[Any] | None = None
-    ) -> PipelineState:
-        """The initial state from per-virtual-stage trees, each stage's part on its devices."""
-        model_state = [{}] * len(self.stages) if model_state is None else list(model_state)
+    def init(self, params: Any, model_state: Any = None) -> PipelineState:
+        """The initial state, each stage's part on its devices: from the whole model's trees
+        when the step was given ``split``, else from one tree per virtual stage."""
+        params, model_state = self._per_stage(params, model_state)
         params = [jax.tree.map(jnp.asarray, p) for p in params]
         opt_states = [self.optimizer.init(p) for p in params]
         self._set_layouts(params, model_state, opt_states)
         trees = {"params": params, "model_state": model_state, "opt_state": opt_states}
-        stacked = {name: self._stack(name, trees[name]) for name in trees}
         sharding = NamedSharding(self.mesh, P(self.stage_axis))
         replicated = NamedSharding(self.mesh, P())
+        stacked = {
+            name: pipeline_state.stack(
+                self.layouts[name], trees[name], self.num_stages, self.chunks
+            )
+            for name in trees
+        }
         return PipelineState(
             step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
             # Each process places only its own devices' stages (no cross-process check).
@@ -193,13 +182,11 @@ class PipelineStep:
             loss_scale=jax.device_put(self.loss_scale, replicated),
         )
 
-    def abstract_init(
-        self, params: Sequence[Any], model_state: Sequence[Any] | None = None
-    ) -> PipelineState:
+    def abstract_init(self, params: Any, model_state: Any = None) -> PipelineState:
         """What :meth:`init` would return, as ``jax.ShapeDtypeStruct`` leaves with their
         shardings; the trees may be shapes. Nothing is placed on devices, so the step can be
         compiled for devices that are not here (:mod:`jaxdist.aot`)."""
-        model_state = [{}] * len(self.stages) if model_state is None else list(model_state)
+        params, model_state = self._per_stage(params, model_state)
         opt_states = [jax.eval_shape(self.optimizer.init, p) for p in params]
         self._set_layouts(params, model_state, opt_states)
         sharded = NamedSharding(self.mesh, P(self.stage_axis))
@@ -221,6 +208,14 @@ class PipelineStep:
             ),
         )
 
+    def _per_stage(self, params: Any, model_state: Any) -> tuple[list, list]:
+        """One parameter tree and one model-state tree per virtual stage."""
+        if self.split is not None:
+            return self.split(params, {} if model_state is None else model_state)
+        virtual = len(self.stages)
+        model_state = [{}] * virtual if model_state is None else list(model_state)
+        return list(params), model_state
+
     def _set_layouts(self, params: list, model_state: list, opt_states: list) -> None:
         virtual = len(self.stages)
         if len(params) != virtual or len(model_state) != virtual:
@@ -238,50 +233,33 @@ class PipelineStep:
             "opt_state": FlatLayout(opt_states),
         }
 
-    def _stack(self, name: str, trees: list[Any]) -> np.ndarray:
-        layout = self.layouts[name]
-        S = self.num_stages
-        out = np.zeros((S, self.chunks, layout.size), layout.dtype)
-        for v, tree in enumerate(trees):
-            out[v % S, v // S] = np.asarray(layout.flatten(tree))
-        return out
-
     def unstack(self, state: PipelineState) -> tuple[list[Any], list[Any]]:
         """``(params, model_state)`` per virtual stage, as trees on the host (one process)."""
         if self.layouts is None:
             raise RuntimeError("unstack needs the layouts that init() records; call init first")
-        S = self.num_stages
-        params, model_state = np.asarray(state.params), np.asarray(state.model_state)
+        S, count = self.num_stages, len(self.stages)
         return (
-            [self.layouts["params"].unflatten(v, params[v % S, v // S]) for v in range(len(self.stages))],
-            [self.layouts["model_state"].unflatten(v, model_state[v % S, v // S]) for v in range(len(self.stages))],
-        )  # fmt: skip
+            pipeline_state.unstack(self.layouts["params"], state.params, S, count),
+            pipeline_state.unstack(self.layouts["model_state"], state.model_state, S, count),
+        )
+
+    def whole_variables(self, state: PipelineState) -> tuple[dict, dict]:
+        """``(params, model_state)`` of the whole model on the host, the stages' parts joined
+        by name (for evaluation and export)."""
+        return pipeline_state.join_stages(*self.unstack(state))
 
     def set_learning_rate(self, state: PipelineState, learning_rate: float) -> PipelineState:
         """Write ``learning_rate`` into every stage's ``inject_hyperparams`` state (see
         :func:`jaxdist.training.optim.set_learning_rate`) inside the flat optimizer state."""
         if self._learning_rate_at is None:
-            self._learning_rate_at = self._hyperparameter_positions("learning_rate")
+            self._learning_rate_at = pipeline_state.hyperparameter_positions(
+                self.layouts["opt_state"], self._opt_shapes, self.num_stages, "learning_rate"
+            )
         stage, chunk, offset = self._learning_rate_at
         value = jnp.asarray(learning_rate, state.opt_state.dtype)
-        return state.replace(opt_state=_write_at(state.opt_state, stage, chunk, offset, value))
-
-    def _hyperparameter_positions(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(stage, chunk, offset) of hyperparameter ``name`` in every virtual stage's flat
-        optimizer state, found by raveling each state with only that leaf set."""
-        layout = self.layouts["opt_state"]
-        S, positions = self.num_stages, []
-        for v, opt_state in enumerate(self._opt_shapes):
-            marked = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), opt_state)
-            if optax.tree_utils.tree_get(marked, name) is None:
-                raise KeyError(
-                    f"optimizer state has no {name!r} hyperparameter; build the optimizer with "
-                    f"jaxdist.training.optim.make_optimizer (or optax.inject_hyperparams)"
-                )
-            marked = optax.tree_utils.tree_set(marked, **{name: jnp.ones(())})
-            for offset in np.flatnonzero(np.asarray(layout.flatten(marked))):
-                positions.append((v % S, v // S, offset))
-        return tuple(np.array(column) for column in zip(*positions))
+        return state.replace(
+            opt_state=pipeline_state.write_at(state.opt_state, stage, chunk, offset, value)
+        )
 
     def bytes_per_step(self) -> dict[str, int]:
         """What each device sends per step, known once the step was traced: ``messages``
@@ -356,91 +334,16 @@ class PipelineStep:
                 f"another micro-batch count"
             )
 
-    def _activation_layout(self, micro: Any) -> tuple[ActivationLayout, Any]:
-        """Shapes sent between stages for one micro-batch, and the loss's metrics' shapes."""
-        one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro)
-        x = jax.eval_shape(self.inputs, one)
-        shapes = []
-        for v, apply in enumerate(self.stages):
-            p = jax.eval_shape(
-                functools.partial(self.layouts["params"].unflatten, v), self._flat("params")
-            )
-            ms = jax.eval_shape(
-                functools.partial(self.layouts["model_state"].unflatten, v),
-                self._flat("model_state"),
-            )
-            x, _ = jax.eval_shape(apply, p, ms, x, jax.random.key(0))
-            shapes.append(x)
-        _, metrics = jax.eval_shape(self.loss_fn, shapes[-1], one)
-        return ActivationLayout(tuple(shapes[:-1])), metrics
-
-    def _flat(self, name: str) -> jax.ShapeDtypeStruct:
-        layout = self.layouts[name]
-        return jax.ShapeDtypeStruct((layout.size,), layout.dtype)
-
     def _body(self, state: PipelineState, batch: Any, rng: jax.Array):
         self.trace_count += 1
-        S = self.num_stages
         stage = lax.axis_index(self.stage_axis)
         if self.data_axes:
             rng = jax.random.fold_in(rng, lax.axis_index(self.data_axes))
         micro = split_micro_batches(batch, self.microbatches)
-        self.activations, metric_shapes = self._activation_layout(micro)
+        self.activations, metric_shapes = activation_layout(self, micro)
         params, opt_state = state.params[0], state.opt_state[0]
         scale = None if state.loss_scale is None else state.loss_scale.scale
-        acts = self.activations
-        zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
-        carry = {
-            "stash": jnp.zeros((self.program.input_slots + 1, acts.size), acts.dtype),
-            "grad_stash": jnp.zeros((self.program.grad_slots + 1, acts.size), acts.dtype),
-            "grads": jnp.zeros(params.shape, jnp.float32),
-            "model_state": state.model_state[0],
-            "loss": jnp.zeros((), jnp.float32),
-            "metrics": zeros(metric_shapes),
-            "send_forward": jnp.zeros((acts.size,), acts.dtype),
-            "send_backward": jnp.zeros((acts.size,), acts.dtype),
-        }
-        ops = branches(self, params, micro, rng, scale)
-        tables = {
-            name: jnp.asarray(getattr(self.program, name))
-            for name in ("branch", "microbatch", "input_slot", "grad_slot",
-                         "receive_input", "receive_grad")
-        }  # fmt: skip
-        forward_perm = [(i, i + 1) for i in range(S - 1)] + (
-            [(S - 1, 0)] if self.chunks > 1 else []
-        )
-        backward_perm = [(i + 1, i) for i in range(S - 1)] + (
-            [(0, S - 1)] if self.chunks > 1 else []
-        )
-
-        sends_forward = jnp.asarray(self.program.sends_forward)
-        sends_backward = jnp.asarray(self.program.sends_backward)
-
-        def send(active, message, perm):
-            # Every device takes the same branch (the flag depends on the tick alone), so a
-            # tick in which no stage sends that way sends nothing at all.
-            return lax.cond(
-                active,
-                lambda m: lax.ppermute(m, self.stage_axis, perm),
-                jnp.zeros_like,
-                message,
-            )
-
-        def tick(t, carry):
-            at = {name: table[t, stage] for name, table in tables.items()}
-            carry = lax.switch(at["branch"], ops, carry, at["microbatch"], at["input_slot"],
-                               at["grad_slot"])  # fmt: skip
-            if S > 1:
-                arrived = send(sends_forward[t], carry["send_forward"], forward_perm)
-                returned = send(sends_backward[t], carry["send_backward"], backward_perm)
-                carry = {
-                    **carry,
-                    "stash": carry["stash"].at[at["receive_input"]].set(arrived),
-                    "grad_stash": carry["grad_stash"].at[at["receive_grad"]].set(returned),
-                }
-            return carry
-
-        carry = lax.fori_loop(0, self.program.schedule.ticks, tick, carry)
+        carry = run_schedule(self, state, params, micro, rng, scale, metric_shapes, stage)
         return self._finish(state, carry, params, opt_state, stage)
 
     def _finish(self, state, carry, params, opt_state, stage):
@@ -482,8 +385,3 @@ class PipelineStep:
                 **self.allreduce_options,
             )  # fmt: skip
         return jnp.concatenate([pieces[s] for s in sorted(pieces)]).reshape(grads.shape)
-
-
-@jax.jit
-def _write_at(array: jax.Array, stage, chunk, offset, value) -> jax.Array:
-    return array.at[stage, chunk, offset].set(value)

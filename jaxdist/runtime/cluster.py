@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -37,23 +36,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxdist.comm import cost_model
+from jaxdist.comm.emulated_link import LATENCY_VARIABLE, RATE_VARIABLE, parse_latency, rate_bits
 from jaxdist.runtime import launch
 
 __all__ = [
-    "COORDINATOR_PORT",
-    "MAX_HOSTS",
-    "NETNS_ETC",
-    "PREFIX",
-    "SUBNET",
     "ClusterError",
     "EmulatedCluster",
     "PrivilegeError",
-    "check_tools",
     "cleanup",
-    "leftovers",
-    "parse_latency",
-    "rate_bits",
     "run_cluster",
 ]
 
@@ -63,8 +53,6 @@ COORDINATOR_PORT = 8476  # free by construction: each host namespace starts empt
 NETNS_ETC = Path("/etc/netns")
 MAX_HOSTS = 250
 
-_TIME_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
-
 
 class ClusterError(RuntimeError):
     """The emulated cluster could not be built or torn down."""
@@ -72,20 +60,6 @@ class ClusterError(RuntimeError):
 
 class PrivilegeError(ClusterError):
     """Not allowed to create network namespaces here."""
-
-
-def rate_bits(text: str) -> int:
-    """A link rate for tc, in whole bits per second, read as the cost model reads rates
-    (:func:`jaxdist.comm.cost_model.parse_rate`: ``1gbit``, ``100mbit``, ``12.5GB/s``, ...)."""
-    return round(8 * cost_model.parse_rate(text))
-
-
-def parse_latency(text: str) -> float:
-    """tc-style delay (``"100us"``, ``"2ms"``, ``"0"``) in seconds."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(us|ms|s)?\s*", text.lower())
-    if not m or (m.group(2) is None and float(m.group(1)) != 0):
-        raise ValueError(f"latency must look like 100us or 2ms (or 0), got {text!r}")
-    return float(m.group(1)) * _TIME_UNITS[m.group(2) or "s"]
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -292,8 +266,8 @@ class EmulatedCluster:
             extra = {
                 "JAXDIST_HOST": name,
                 "JAXDIST_LINK_BANDWIDTH": self.bandwidth or "",
-                "JAXDIST_LINK_BITS_PER_S": str(self.rate_bits or ""),
-                "JAXDIST_LINK_LATENCY": self.latency,
+                RATE_VARIABLE: str(self.rate_bits or ""),
+                LATENCY_VARIABLE: self.latency,
             }
             env = launch.worker_env(coordinator, self.hosts, i, self.devices_per_host, base, extra)
             argv = [

@@ -28,11 +28,8 @@ from jax.sharding import Mesh
 from jaxdist.checks import positive_int
 
 __all__ = [
-    "CPU_IN_FLIGHT_LIMIT",
     "InFlightWindow",
     "Limit",
-    "default_limit",
-    "resolve_limit",
     "shared_window",
 ]
 

@@ -30,14 +30,6 @@ import threading
 from dataclasses import dataclass
 
 __all__ = [
-    "DEFAULT_HEARTBEAT_TIMEOUT_S",
-    "DEFAULT_TIMEOUT_S",
-    "ENV_COORDINATOR",
-    "ENV_LOCAL_DEVICES",
-    "ENV_NUM_PROCESSES",
-    "ENV_PROCESS_ID",
-    "ENV_TIMEOUT",
-    "JAXDIST_ENV",
     "DistributedInitError",
     "ProcessGroup",
     "detect",
@@ -256,7 +248,6 @@ def initialize(
         that did not show up within the timeout.
     """
     import jax
-    from jax._src import distributed as jax_distributed
     from jax._src import xla_bridge
 
     group = detect(coordinator_address, num_processes, process_id, local_device_count)
@@ -277,6 +268,15 @@ def initialize(
         return group
 
     _configure_cpu_collectives(cpu_collectives, timeout_s)
+    return _join(group, timeout_s, heartbeat_timeout_s)
+
+
+def _join(group: ProcessGroup, timeout_s: int, heartbeat_timeout_s: int) -> ProcessGroup:
+    """``jax.distributed.initialize`` for ``group``, watched: a join that stalls is reported
+    while it waits, one that fails is one :class:`DistributedInitError`."""
+    import jax
+    from jax._src import distributed as jax_distributed
+
     who = (
         f"process {group.process_id if group.process_id is not None else '?'} of "
         f"{group.num_processes if group.num_processes is not None else '?'} "

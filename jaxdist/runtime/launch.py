@@ -35,16 +35,9 @@ from typing import TextIO
 from jaxdist.runtime import distributed
 
 __all__ = [
-    "DEFAULT_GRACE_S",
-    "EXIT_TIMEOUT",
     "Stop",
-    "Worker",
-    "free_port",
     "launch",
-    "local_workers",
-    "signals_raise_stop",
     "supervise",
-    "worker_env",
 ]
 
 DEFAULT_GRACE_S = 5.0

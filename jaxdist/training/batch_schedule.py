@@ -31,7 +31,11 @@ from fractions import Fraction
 
 from jaxdist.checks import positive_int
 
-__all__ = ["BatchSchedule", "DevicePlan", "Stage", "per_device_plan"]
+__all__ = [
+    "BatchSchedule",
+    "DevicePlan",
+    "per_device_plan",
+]
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
-    "check_batch_sizes",
-    "data_axes_of",
-    "local_replica_indices",
-    "local_rows",
     "shard_batch",
     "split_micro_batches",
 ]

@@ -27,7 +27,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["DenseLayer", "FactorTap", "find_dense_layers", "key_names", "select_dense_layers"]
+__all__ = [
+    "DenseLayer",
+    "find_dense_layers",
+]
 
 
 @dataclass(frozen=True)

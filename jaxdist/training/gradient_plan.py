@@ -36,7 +36,9 @@ from jaxdist.training.dense_factors import (
     select_dense_layers,
 )
 
-__all__ = ["GradientPlan", "make_gradient_plan"]
+__all__ = [
+    "GradientPlan",
+]
 
 
 @dataclass
@@ -127,19 +129,12 @@ def make_gradient_plan(
         for layer, route in zip(layers, layer_routes)
         if route.choice == hybrid.FACTORS
     }
-
-    def objective(p, ms, b, r):
-        return loss_fn(p, ms, b, r)[0]
-
+    objective = lambda *args: loss_fn(*args)[0]  # noqa: E731
     order = bucketing.backward_order(
         objective, params, model_state, micro_batch, rng, axis_env=axis_env
     )
     buckets = _plan_in_order(own_bytes, [k for k in order if k not in factored], bucket_bytes)
-    bucket_of = {k: number for number, bucket in enumerate(buckets) for k in bucket}
-    for position, (layer, route) in enumerate(zip(layers, layer_routes)):
-        if route.choice == hybrid.DENSE:  # say which bucket a layer that stays dense joins
-            detail = f"{route.detail}, in bucket {bucket_of[index_of[layer.kernel_path]]}"
-            layer_routes[position] = dataclasses.replace(route, detail=detail)
+    layer_routes = _name_buckets(layers, layer_routes, buckets, index_of)
     bucket_routes = [
         _route_bucket(f"bucket {number}", f"{len(bucket)} arrays",
                       sum(wire_bytes[k] for k in bucket), allreduce, axis_sizes, links)
@@ -147,6 +142,49 @@ def make_gradient_plan(
     ]  # fmt: skip
     algorithms = [route.choice for route in bucket_routes]
     return GradientPlan(buckets, algorithms, factored, layer_routes + bucket_routes, links)
+
+
+def plan_for_step(step: Any, state: Any, batch: Any, rng: Any) -> GradientPlan:
+    """The plan of a :class:`~jaxdist.training.train_step.TrainStep`, from an abstract trace
+    of its loss on one micro-batch of ``batch`` (one device's shard)."""
+    axes = (step.data_axes,) if isinstance(step.data_axes, str) else step.data_axes
+    k = step.accumulation_steps
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
+    micro_batch = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch
+    )
+    transfer = step.allreduce_options.get("transfer_dtype")
+    return make_gradient_plan(
+        step.loss_fn,
+        abstract(state.params),
+        abstract(state.model_state),
+        micro_batch,
+        abstract(rng),
+        axis_env=[(a, step.mesh.shape[a]) for a in axes],
+        axis_sizes=step.axis_sizes,
+        allreduce=step.allreduce,
+        bucket_bytes=step.bucket_bytes,
+        sfb_layers=step.sfb_layers,
+        links=step.links,
+        accumulation_steps=k,
+        transfer_itemsize=None if transfer is None else np.dtype(transfer).itemsize,
+    )
+
+
+def _name_buckets(
+    layers: Sequence[DenseLayer],
+    routes: Sequence[hybrid.Route],
+    buckets: Sequence[Sequence[int]],
+    index_of: dict,
+) -> list[hybrid.Route]:
+    """``routes`` with the bucket each layer that stays dense joins named in its detail."""
+    bucket_of = {k: number for number, bucket in enumerate(buckets) for k in bucket}
+    named = list(routes)
+    for position, (layer, route) in enumerate(zip(layers, routes)):
+        if route.choice == hybrid.DENSE:
+            detail = f"{route.detail}, in bucket {bucket_of[index_of[layer.kernel_path]]}"
+            named[position] = dataclasses.replace(route, detail=detail)
+    return named
 
 
 def _route_layer(

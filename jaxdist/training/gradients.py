@@ -5,6 +5,7 @@ taps."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ from jax import lax
 from jaxdist.training.batches import split_micro_batches
 from jaxdist.training.dense_factors import FactorTap
 
-__all__ = ["local_gradients"]
+__all__: list[str] = []  # building blocks of the package's own modules
 
 
 def local_gradients(
@@ -43,26 +44,7 @@ def local_gradients(
     one, ``factors`` is empty.
     """
 
-    def grad_of(micro_batch, model_state, rng):
-        def objective(params, probes):
-            if tap is None:
-                loss, (new_model_state, metrics) = loss_fn(params, model_state, micro_batch, rng)
-                inputs = {}
-            else:
-                with tap.tapped(probes) as inputs:
-                    loss, (new_model_state, metrics) = loss_fn(
-                        tap.stop_kernel_gradients(params), model_state, micro_batch, rng
-                    )
-            scaled = loss if scale is None else loss * scale.astype(loss.dtype)
-            return scaled, (loss, new_model_state, metrics, dict(inputs))
-
-        probes = {} if tap is None else tap.zero_probes()
-        (grads, output_grads), (loss, new_model_state, metrics, inputs) = jax.grad(
-            objective, argnums=(0, 1), has_aux=True
-        )(params, probes)
-        factors = {} if tap is None else tap.factors(inputs, output_grads)
-        return grads, new_model_state, loss, metrics, factors
-
+    grad_of = functools.partial(_gradients_of_one, loss_fn, params, scale, tap)
     k = accumulation_steps
     if k == 1:
         return grad_of(batch, model_state, rng)
@@ -71,7 +53,35 @@ def local_gradients(
         raise ValueError(
             f"per-device batch of {local} does not split into accumulation_steps={k} micro-batches"
         )
-    micro_batches = split_micro_batches(batch, k)
+    return _accumulated(grad_of, split_micro_batches(batch, k), model_state, rng, k)
+
+
+def _gradients_of_one(loss_fn, params, scale, tap, micro_batch, model_state, rng):
+    """``(grads, new model state, loss, metrics, factors)`` of one micro-batch."""
+
+    def objective(params, probes):
+        if tap is None:
+            loss, (new_model_state, metrics) = loss_fn(params, model_state, micro_batch, rng)
+            inputs = {}
+        else:
+            with tap.tapped(probes) as inputs:
+                loss, (new_model_state, metrics) = loss_fn(
+                    tap.stop_kernel_gradients(params), model_state, micro_batch, rng
+                )
+        scaled = loss if scale is None else loss * scale.astype(loss.dtype)
+        return scaled, (loss, new_model_state, metrics, dict(inputs))
+
+    probes = {} if tap is None else tap.zero_probes()
+    (grads, output_grads), (loss, new_model_state, metrics, inputs) = jax.grad(
+        objective, argnums=(0, 1), has_aux=True
+    )(params, probes)
+    factors = {} if tap is None else tap.factors(inputs, output_grads)
+    return grads, new_model_state, loss, metrics, factors
+
+
+def _accumulated(grad_of: Callable, micro_batches: Any, model_state: Any, rng, k: int):
+    """:func:`local_gradients` over ``k`` micro-batches: their means, the model state threaded
+    through them, the factors of every row."""
 
     def accumulate(carry, xs):
         grads_sum, model_state, loss_sum, metrics_sum = carry

@@ -15,7 +15,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-__all__ = ["DynamicLossScale", "all_finite", "finish_scaled_step", "select_tree"]
+__all__ = [
+    "DynamicLossScale",
+]
 
 
 class DynamicLossScale(struct.PyTreeNode):

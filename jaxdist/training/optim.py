@@ -48,10 +48,6 @@ import jax.numpy as jnp
 import optax
 
 __all__ = [
-    "OPTIMIZERS",
-    "SCHEDULE_KINDS",
-    "EpochSchedule",
-    "decay_mask",
     "get_learning_rate",
     "lars",
     "lr_schedule",
@@ -149,31 +145,9 @@ def lr_schedule(
     stays at its end. The returned function accepts a Python
     float or a (traced) float array, so the train step can evaluate it under ``jit``.
     """
-    if kind not in SCHEDULE_KINDS:
-        raise ValueError(f"lr_schedule kind must be one of {SCHEDULE_KINDS}, got {kind!r}")
-    for name, value in (("peak_lr", peak_lr), ("end_lr", end_lr), ("init_lr", init_lr)):
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be a finite non-negative number, got {value}")
-    if not 0 <= warmup_epochs < total_epochs:
-        raise ValueError(
-            f"need 0 <= warmup_epochs < total_epochs, got warmup_epochs={warmup_epochs}, "
-            f"total_epochs={total_epochs}"
-        )
-    if kind == "poly" and power <= 0:
-        raise ValueError(f"poly schedule needs a positive power, got {power}")
-    if kind == "step":
-        step_epochs = tuple(step_epochs)
-        inside = all(warmup_epochs < e <= total_epochs for e in step_epochs)
-        if not step_epochs or not inside or list(step_epochs) != sorted(set(step_epochs)):
-            raise ValueError(
-                f"step schedule needs increasing step_epochs in (warmup_epochs, total_epochs] = "
-                f"({warmup_epochs}, {total_epochs}], got {step_epochs}"
-            )
-        if not 0 <= step_factor <= 1:
-            raise ValueError(f"step_factor must be in [0, 1], got {step_factor}")
-    elif step_epochs:
-        raise ValueError(f"step_epochs only applies to kind='step', got kind={kind!r}")
-
+    step_epochs = tuple(step_epochs)
+    _check_schedule(kind, peak_lr, warmup_epochs, total_epochs, end_lr, power, init_lr,
+                    step_epochs, step_factor)  # fmt: skip
     # optax schedules do arithmetic on their count without casting it to an int, so the
     # "steps" below are epochs and the boundaries may be fractional.
     warmup = optax.linear_schedule(init_lr, peak_lr, transition_steps=warmup_epochs)
@@ -199,6 +173,35 @@ def lr_schedule(
         return jnp.asarray(joined(jnp.asarray(epoch, jnp.float32)), jnp.float32)
 
     return schedule
+
+
+def _check_schedule(
+    kind, peak_lr, warmup_epochs, total_epochs, end_lr, power, init_lr, step_epochs, step_factor
+) -> None:
+    """One ValueError naming the first argument of :func:`lr_schedule` that cannot work."""
+    if kind not in SCHEDULE_KINDS:
+        raise ValueError(f"lr_schedule kind must be one of {SCHEDULE_KINDS}, got {kind!r}")
+    for name, value in (("peak_lr", peak_lr), ("end_lr", end_lr), ("init_lr", init_lr)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite non-negative number, got {value}")
+    if not 0 <= warmup_epochs < total_epochs:
+        raise ValueError(
+            f"need 0 <= warmup_epochs < total_epochs, got warmup_epochs={warmup_epochs}, "
+            f"total_epochs={total_epochs}"
+        )
+    if kind == "poly" and power <= 0:
+        raise ValueError(f"poly schedule needs a positive power, got {power}")
+    if kind == "step":
+        inside = all(warmup_epochs < e <= total_epochs for e in step_epochs)
+        if not step_epochs or not inside or list(step_epochs) != sorted(set(step_epochs)):
+            raise ValueError(
+                f"step schedule needs increasing step_epochs in (warmup_epochs, total_epochs] = "
+                f"({warmup_epochs}, {total_epochs}], got {step_epochs}"
+            )
+        if not 0 <= step_factor <= 1:
+            raise ValueError(f"step_factor must be in [0, 1], got {step_factor}")
+    elif step_epochs:
+        raise ValueError(f"step_epochs only applies to kind='step', got kind={kind!r}")
 
 
 def set_learning_rate(opt_state: Any, learning_rate: jax.typing.ArrayLike) -> Any:

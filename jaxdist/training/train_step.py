@@ -22,7 +22,7 @@ device's shard of the batch. Inside one ``jax.jit``-ed ``jax.shard_map`` program
 
 Model state (BatchNorm running statistics) and metrics are averaged over the data axes, so every
 device holds the same state after each step. The state argument is donated on accelerators
-(see :func:`donation_default`).
+(see :func:`~jaxdist.training.step_options.donation_default`).
 
 The shard_map runs with ``check_vma=False``: the parameters are replicated (``P()``) on the way
 in and out, and in between each device must see *its own* gradient so that the chosen schedule,
@@ -50,21 +50,20 @@ from jaxdist.comm import collectives, hybrid
 from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.comm.scopes import METRICS_SCOPE, MODEL_STATE_SCOPE
 from jaxdist.runtime import dispatch
+from jaxdist.training import optim
 from jaxdist.training.batches import check_batch_sizes, data_axes_of, shard_batch
-from jaxdist.training.gradient_plan import GradientPlan, make_gradient_plan
+from jaxdist.training.gradient_plan import GradientPlan, plan_for_step
 from jaxdist.training.gradients import local_gradients
 from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_scaled_step
+from jaxdist.training.step_options import check_allreduce, donation_default
 from jaxdist.training.zero1 import zero1_update
 
 __all__ = [
     "NO_ALLREDUCE",
-    "GradientPlan",
     "LossFn",
     "TrainState",
     "TrainStep",
-    "check_allreduce",
     "classifier_loss",
-    "donation_default",
 ]
 
 # Measurement only: skip the gradient allreduce, so each device trains on its own shard. The
@@ -82,36 +81,6 @@ class TrainState(struct.PyTreeNode):
     model_state: Any
     opt_state: Any
     loss_scale: DynamicLossScale | None = None
-
-
-def donation_default(mesh: Mesh) -> bool:
-    """Whether a step on ``mesh`` should donate its state: yes on accelerators, no on CPU.
-
-    Donation lets XLA write the new state over the old one, which halves the state's device
-    memory -- what matters on a GPU or TPU. On the CPU runtime it buys nothing (host memory)
-    and costs time: the same step runs measurably slower donated, with the same compiled HLO
-    apart from its input/output aliases (benchmarks/results/NOTES_train_step_resnet.md has the figures).
-    """
-    return any(d.platform != "cpu" for d in mesh.devices.flat)
-
-
-def check_allreduce(
-    mesh: Mesh, axes: str | tuple[str, ...], allreduce: str, options: Mapping[str, Any]
-) -> None:
-    """Refuse an allreduce that cannot run over ``axes`` of ``mesh`` with ``options``, in one
-    line, before anything is traced."""
-    chosen = collectives.get(allreduce)
-    if chosen.two_level and not (isinstance(axes, tuple) and len(axes) == 2):
-        raise ValueError(f"allreduce {chosen.name!r} needs two data axes (outer, inner), "
-                         f"got {axes!r}")  # fmt: skip
-    sizes = [mesh.shape[a] for a in np.atleast_1d(axes)]
-    if not chosen.two_level:
-        sizes = [int(np.prod(sizes))]
-    collectives.common_options(options)
-    own = {k: v for k, v in options.items() if k in chosen.options}
-    reason = chosen.unsupported(sizes, **own)
-    if reason:
-        raise ValueError(f"allreduce {chosen.name!r} cannot run over {axes!r}: {reason}")
 
 
 class TrainStep:
@@ -144,7 +113,7 @@ class TrainStep:
         whole layer and are not supported with it.
       loss_scale: a :class:`DynamicLossScale` for float16 training, or ``None``.
       donate: donate the state buffers to the step; ``None`` (default): on accelerators only,
-        see :func:`donation_default`.
+        see :func:`~jaxdist.training.step_options.donation_default`.
       max_in_flight: how many calls may be queued at once; a call waits for the oldest to
         finish first. ``"auto"`` (default): 4 on CPU meshes, where deeper queues of collective
         programs can hang XLA:CPU, no limit elsewhere; ``None``: no limit. Steps on the same
@@ -278,6 +247,17 @@ class TrainStep:
         """Place a batch on this step's mesh; see :func:`shard_batch`."""
         return shard_batch(self.mesh, self.data_axes, batch)
 
+    def set_learning_rate(self, state: TrainState, learning_rate: float) -> TrainState:
+        """The state with ``learning_rate`` in its ``inject_hyperparams`` optimizer state (see
+        :func:`jaxdist.training.optim.set_learning_rate`)."""
+        # Placed like the rest of the state, so the jitted step sees the same shardings.
+        value = jax.device_put(np.float32(learning_rate), NamedSharding(self.mesh, P()))
+        return state.replace(opt_state=optim.set_learning_rate(state.opt_state, value))
+
+    def whole_variables(self, state: TrainState) -> tuple[Any, Any]:
+        """``(params, model_state)``: every device holds the whole model."""
+        return state.params, state.model_state
+
     # ------------------------------------------------------------------ the step
 
     def __call__(self, state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
@@ -384,30 +364,8 @@ class TrainStep:
     def _plan_for(self, state: TrainState, batch: Any, rng: jax.Array) -> GradientPlan:
         """The plan, made once from an abstract trace of the loss on one device's
         micro-batch (``batch`` is one device's shard)."""
-        if self.gradient_plan is not None:
-            return self.gradient_plan
-        axes = (self.data_axes,) if isinstance(self.data_axes, str) else self.data_axes
-        k = self.accumulation_steps
-        abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
-        micro_batch = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch
-        )
-        transfer = self.allreduce_options.get("transfer_dtype")
-        self.gradient_plan = make_gradient_plan(
-            self.loss_fn,
-            abstract(state.params),
-            abstract(state.model_state),
-            micro_batch,
-            abstract(rng),
-            axis_env=[(a, self.mesh.shape[a]) for a in axes],
-            axis_sizes=self.axis_sizes,
-            allreduce=self.allreduce,
-            bucket_bytes=self.bucket_bytes,
-            sfb_layers=self.sfb_layers,
-            links=self.links,
-            accumulation_steps=k,
-            transfer_itemsize=None if transfer is None else np.dtype(transfer).itemsize,
-        )
+        if self.gradient_plan is None:
+            self.gradient_plan = plan_for_step(self, state, batch, rng)
         return self.gradient_plan
 
 
@@ -417,14 +375,15 @@ class TrainStep:
 def classifier_loss(model, *, num_classes: int, label_smoothing: float = 0.0) -> LossFn:
     """``loss_fn`` for a flax linen classifier taking ``(images, train=...)`` with BatchNorm
     state in the ``batch_stats`` collection; batches are ``{"image", "label"}`` dicts."""
-    from jaxdist.training.optim import smoothed_cross_entropy
 
     def loss_fn(params, model_state, batch, rng):
         variables = {"params": params, **model_state}
         logits, new_state = model.apply(
             variables, batch["image"], train=True, mutable=list(model_state), rngs={"dropout": rng}
         )
-        loss = smoothed_cross_entropy(logits, batch["label"], num_classes, label_smoothing).mean()
+        loss = optim.smoothed_cross_entropy(
+            logits, batch["label"], num_classes, label_smoothing
+        ).mean()
         accuracy = (jnp.argmax(logits, -1) == batch["label"]).mean()
         return loss, (new_state, {"accuracy": accuracy})
 

@@ -21,7 +21,8 @@ module                 schedule
 Beside them: ``wire`` (how messages travel: pieces, transfer dtype), ``windows`` (cutting a
 buffer of any size into equal windows without padding), ``ring_steps`` (the ring
 reduce-scatter and all-gather every ring schedule is built from), ``algorithm`` (the
-record) and ``registry`` (the one place names are looked up, and :func:`allreduce`).
+record), ``one_dimensional`` (the one-axis schedules by name, which ``hierarchical`` runs
+across hosts) and ``registry`` (the one place names are looked up, and :func:`allreduce`).
 
 Axis names: the one-dimensional schedules take one mesh axis or a tuple of axes, which then
 act as one flattened axis. The two-level schedules (``torus2d``, ``hierarchical``) take a

@@ -16,7 +16,10 @@ from typing import Any
 
 from jaxdist.comm.collectives.wire import UNROLL_LIMIT
 
-__all__ = ["COMMON_OPTIONS", "Algorithm", "Term", "flat_link_class"]
+__all__ = [
+    "Algorithm",
+    "Term",
+]
 
 # Options every schedule takes, with their defaults (see allreduce): the largest message a
 # pairwise exchange sends at once, and how many steps are unrolled before they loop.

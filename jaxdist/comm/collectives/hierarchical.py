@@ -21,9 +21,9 @@ from typing import Any
 
 import jax
 
-from jaxdist.comm.collectives import registry
 from jaxdist.comm.collectives.algorithm import Algorithm, Term
 from jaxdist.comm.collectives.crossed_exchange import crossed_pair_sum, uses_crossed_exchange
+from jaxdist.comm.collectives.one_dimensional import ONE_DIMENSIONAL
 from jaxdist.comm.collectives.ring import RING
 from jaxdist.comm.collectives.torus2d import (
     three_phase_allreduce,
@@ -64,22 +64,22 @@ def hierarchical_allreduce(
 
 def _outer_algorithm(name: str) -> Algorithm:
     """The one-dimensional algorithm ``name``, or a ValueError naming those there are."""
-    one_dimensional = registry.one_dimensional()
+    one_dimensional = tuple(ONE_DIMENSIONAL)
     if name not in one_dimensional:
         raise ValueError(
             f"hierarchical: inter_algorithm must be a one-dimensional schedule "
             f"{one_dimensional}, got {name!r}"
         )
-    return registry.get(name)
+    return ONE_DIMENSIONAL[name]
 
 
 def _check_outer(axis_sizes: tuple[int, ...], options: Mapping[str, Any]) -> str | None:
     """The outer schedule must be one-dimensional and able to run across the outer axis."""
-    name, one_dimensional = options["inter_algorithm"], registry.one_dimensional()
+    name, one_dimensional = options["inter_algorithm"], tuple(ONE_DIMENSIONAL)
     if name not in one_dimensional:
         return f"inter_algorithm must be one of {one_dimensional}, got {name!r}"
     outer = axis_sizes[0]
-    if registry.get(name).power_of_two and outer & (outer - 1):
+    if ONE_DIMENSIONAL[name].power_of_two and outer & (outer - 1):
         return f"{name} across the outer axis needs a power of two, got {outer}"
     return None
 

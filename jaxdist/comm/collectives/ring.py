@@ -22,7 +22,10 @@ from jaxdist.comm.collectives.ring_steps import gather_windows, ring_reduce_scat
 from jaxdist.comm.collectives.windows import cut, windowed
 from jaxdist.comm.collectives.wire import AxisName, Run, axis_size
 
-__all__ = ["RING", "ring_allreduce", "ring_terms"]
+__all__ = [
+    "RING",
+    "ring_allreduce",
+]
 
 
 def ring_allreduce(flat: jax.Array, axis_name: AxisName, run: Run) -> jax.Array:

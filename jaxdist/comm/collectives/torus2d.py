@@ -20,6 +20,10 @@ concatenate: two passes over the data fewer.
 With an outer axis of two, ``crossed_exchange=True`` runs step 2 as the crossed exchange
 (:mod:`~jaxdist.comm.collectives.crossed_exchange`). It is off by default: on a torus both
 axes are network links, so its extra hop along the inner axis crosses the network too.
+
+The pair's interleaved all-gather (``_ring_all_gather_across_pair``) is kept as one function
+of more than 60 lines: each step's receive, pair exchange and two writes only read as the
+algorithm together.
 """
 
 from __future__ import annotations

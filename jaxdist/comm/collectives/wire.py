@@ -13,15 +13,7 @@ from jax import lax
 
 from jaxdist.checks import positive_int
 
-__all__ = [
-    "UNROLL_LIMIT",
-    "AxisName",
-    "Run",
-    "Wire",
-    "axis_size",
-    "default_exchange_piece_bytes",
-    "permute",
-]
+__all__: list[str] = []  # building blocks of the package's own modules
 
 AxisName = str | tuple[str, ...]
 

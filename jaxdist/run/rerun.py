@@ -23,19 +23,11 @@ from typing import Any
 
 import ml_collections
 
-from jaxdist.training.config import ConfigError, base_config
+from jaxdist.run.config import ConfigError, base_config
 
 __all__ = [
-    "CHANGES_FILE",
-    "CONFIG_FILE",
-    "MAY_GROW",
-    "MISSING",
-    "SAFE_TO_CHANGE",
     "ConfigChangedError",
-    "Difference",
     "check_rerun",
-    "differences",
-    "flatten",
 ]
 
 CONFIG_FILE = "config.json"

@@ -6,25 +6,25 @@ import json
 import pytest
 
 from jaxdist.cli import main
-from jaxdist.training import run_config
-from jaxdist.training.config import base_config
-from jaxdist.training.trainer import Trainer
+from jaxdist.run import rerun
+from jaxdist.run.config import base_config
+from jaxdist.run.trainer import Trainer
 from tests.test_trainer import tiny_config
 
 
 def _workdir_with_progress(tmp_path, config):
     """A workdir as a run leaves it once it has a checkpoint."""
     workdir = tmp_path / "run"
-    run_config.check_rerun(workdir, config)
+    rerun.check_rerun(workdir, config)
     (workdir / "checkpoints" / "3").mkdir(parents=True)
     return workdir
 
 
 def test_first_start_records_the_resolved_config(tmp_path):
     config = base_config()
-    assert run_config.check_rerun(tmp_path / "run", config) == []
-    recorded = json.loads((tmp_path / "run" / run_config.CONFIG_FILE).read_text())
-    assert run_config.flatten(recorded) == run_config.flatten(config)
+    assert rerun.check_rerun(tmp_path / "run", config) == []
+    recorded = json.loads((tmp_path / "run" / rerun.CONFIG_FILE).read_text())
+    assert rerun.flatten(recorded) == rerun.flatten(config)
 
 
 def test_a_changed_setting_is_refused_with_every_differing_key(tmp_path):
@@ -33,19 +33,19 @@ def test_a_changed_setting_is_refused_with_every_differing_key(tmp_path):
     changed.lr.peak = 0.4
     changed.optimizer.name = "lars"
     changed.max_steps = 10  # safe, so not named among the refused
-    with pytest.raises(run_config.ConfigChangedError) as raised:
-        run_config.check_rerun(workdir, changed)
+    with pytest.raises(rerun.ConfigChangedError) as raised:
+        rerun.check_rerun(workdir, changed)
     message = str(raised.value)
     assert "lr.peak: 0.1 -> 0.4; optimizer.name: 'sgd' -> 'lars')" in message, message
     assert "max_steps" not in message and "--allow-config-change" in message
-    assert not (workdir / run_config.CHANGES_FILE).exists()
+    assert not (workdir / rerun.CHANGES_FILE).exists()
 
 
 def test_safe_changes_and_a_longer_schedule_continue(tmp_path):
     workdir = _workdir_with_progress(tmp_path, base_config())
     longer = base_config()
     longer.max_steps, longer.num_epochs, longer.log_every_steps = 500, 120.0, 10
-    accepted = run_config.check_rerun(workdir, longer)
+    accepted = rerun.check_rerun(workdir, longer)
     assert accepted == [
         ("log_every_steps", 50, 10),
         ("max_steps", 0, 500),
@@ -53,43 +53,41 @@ def test_safe_changes_and_a_longer_schedule_continue(tmp_path):
     ]
     shorter = base_config()
     shorter.max_steps, shorter.num_epochs, shorter.log_every_steps = 500, 60.0, 10
-    with pytest.raises(run_config.ConfigChangedError, match=r"num_epochs: 120.0 -> 60.0"):
-        run_config.check_rerun(workdir, shorter)
+    with pytest.raises(rerun.ConfigChangedError, match=r"num_epochs: 120.0 -> 60.0"):
+        rerun.check_rerun(workdir, shorter)
 
 
 def test_a_field_added_after_the_run_started_continues_at_its_default(tmp_path):
     workdir = _workdir_with_progress(tmp_path, base_config())
-    recorded = json.loads((workdir / run_config.CONFIG_FILE).read_text())
+    recorded = json.loads((workdir / rerun.CONFIG_FILE).read_text())
     del recorded["unroll_limit"]  # a workdir recorded before the field existed
-    (workdir / run_config.CONFIG_FILE).write_text(json.dumps(recorded))
-    assert run_config.check_rerun(workdir, base_config()) == [
-        ("unroll_limit", run_config.MISSING, 16)
-    ]
-    (workdir / run_config.CONFIG_FILE).write_text(json.dumps(recorded))
+    (workdir / rerun.CONFIG_FILE).write_text(json.dumps(recorded))
+    assert rerun.check_rerun(workdir, base_config()) == [("unroll_limit", rerun.MISSING, 16)]
+    (workdir / rerun.CONFIG_FILE).write_text(json.dumps(recorded))
     changed = base_config()
     changed.unroll_limit = 100  # not what the run did: refused
-    with pytest.raises(run_config.ConfigChangedError, match="unroll_limit: '<missing>' -> 100"):
-        run_config.check_rerun(workdir, changed)
+    with pytest.raises(rerun.ConfigChangedError, match="unroll_limit: '<missing>' -> 100"):
+        rerun.check_rerun(workdir, changed)
 
 
 def test_the_flag_continues_and_records_the_change(tmp_path):
     workdir = _workdir_with_progress(tmp_path, base_config())
     changed = base_config()
     changed.label_smoothing = 0.1
-    accepted = run_config.check_rerun(workdir, changed, allow_change=True)
+    accepted = rerun.check_rerun(workdir, changed, allow_change=True)
     assert accepted == [("label_smoothing", 0.0, 0.1)]
-    record = json.loads((workdir / run_config.CHANGES_FILE).read_text().splitlines()[-1])
+    record = json.loads((workdir / rerun.CHANGES_FILE).read_text().splitlines()[-1])
     assert record["changes"] == [{"key": "label_smoothing", "old": 0.0, "new": 0.1}]
     # The recorded config is now the changed one: rerunning with it is no change.
-    assert run_config.check_rerun(workdir, changed) == []
+    assert rerun.check_rerun(workdir, changed) == []
 
 
 def test_a_workdir_without_progress_takes_the_new_config(tmp_path):
-    run_config.check_rerun(tmp_path / "run", base_config())
+    rerun.check_rerun(tmp_path / "run", base_config())
     changed = base_config()
     changed.lr.peak = 0.4
-    assert run_config.check_rerun(tmp_path / "run", changed) == []
-    recorded = json.loads((tmp_path / "run" / run_config.CONFIG_FILE).read_text())
+    assert rerun.check_rerun(tmp_path / "run", changed) == []
+    recorded = json.loads((tmp_path / "run" / rerun.CONFIG_FILE).read_text())
     assert recorded["lr"]["peak"] == 0.4
 
 
@@ -97,7 +95,7 @@ def test_trainer_refuses_a_changed_learning_rate_and_appends_nothing(tmp_path):
     workdir = tmp_path / "run"
     Trainer(tiny_config(), workdir).run()
     written = {name: (workdir / name).read_text() for name in ("metrics.jsonl", "events.log")}
-    with pytest.raises(run_config.ConfigChangedError, match=r"lr.peak: 0.2 -> 0.3"):
+    with pytest.raises(rerun.ConfigChangedError, match=r"lr.peak: 0.2 -> 0.3"):
         Trainer(tiny_config(**{"lr.peak": 0.3, "max_steps": 9}), workdir).run()
     for name, text in written.items():
         assert (workdir / name).read_text() == text, f"the refused rerun wrote to {name}"

@@ -9,7 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunLog", "describe_error", "format_duration", "last_eval", "read_metrics"]
+__all__ = [
+    "RunLog",
+    "read_metrics",
+]
 
 
 def format_duration(seconds: float) -> str:

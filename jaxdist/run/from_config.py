@@ -1,10 +1,12 @@
 """The pieces a recipe's config names, built: the mesh, the model with cross-replica
-BatchNorm, the learning-rate schedule and the optimizer. Each raises ``ValueError`` naming the
+BatchNorm, the learning-rate schedule, the optimizer, and what a train step is built from. Each raises ``ValueError`` naming the
 config field when a value cannot work."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,14 +21,12 @@ from jaxdist.training import optim
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm
 
 __all__ = [
-    "DTYPES",
-    "OPTIMIZER_FIELDS",
-    "NormalizeOnDevice",
+    "StepParts",
     "build_lr_schedule",
     "build_mesh",
     "build_model",
     "build_optimizer",
-    "sfb_layers_setting",
+    "step_options",
 ]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -128,3 +128,38 @@ def sfb_layers_setting(text: str) -> str | tuple[str, ...] | None:
     if text == "none":
         return ()
     return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+    """What a recipe's step is built from.
+
+    Attributes:
+      model: the flax classifier, its BatchNorm over the data axes.
+      applied: ``model`` as applied to a batch's images (normalising uint8 images first).
+      model_inputs: ``batch -> images`` as the model takes them.
+      num_classes, label_smoothing: the classifier loss.
+      optimizer: the recipe's optimizer.
+      example: one input image batch ``(1, *image_shape)``, to trace shapes with.
+      options: the recipe's gradient options, as both steps take them (:func:`step_options`).
+    """
+
+    model: Any
+    applied: Any
+    model_inputs: Callable[[Any], Any]
+    num_classes: int
+    label_smoothing: float
+    optimizer: optax.GradientTransformation
+    example: Any
+    options: dict
+
+
+def step_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The recipe's fields every step takes: how gradients are averaged and priced."""
+    return {
+        "allreduce": config.allreduce,
+        "allreduce_options": {"unroll_limit": config.unroll_limit},
+        "bucket_bytes": config.bucket_bytes,
+        "links": config.links or None,
+        "sfb_layers": sfb_layers_setting(config.sfb_layers),
+    }

@@ -38,14 +38,12 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from jaxdist.training.run_log import describe_error
+from jaxdist.run.log import describe_error
 
 __all__ = [
-    "CheckpointWarning",
     "Checkpointer",
     "NoCheckpointError",
     "PreemptionGuard",
-    "abstract_like",
 ]
 
 log = logging.getLogger(__name__)

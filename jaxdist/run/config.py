@@ -14,6 +14,45 @@ unknown key is an error that names the nearest known keys.
 
 The fields the trainer reads are listed in :data:`REQUIRED_KEYS`; :func:`base_config`
 provides them all with defaults, and a recipe starts from it and changes what it needs.
+
+Fields:
+
+  model: ``name`` (``jaxdist.models`` registry), ``width``, ``stem``, ``dtype``
+    (``float32``/``bfloat16``), ``zero_init_last_bn_scale``, ``pointwise_matmul`` (1x1
+    convolutions as matrix products, see :class:`jaxdist.models.ResNet`), BatchNorm
+    ``bn_momentum``, ``bn_epsilon`` and ``bn_group_size`` (devices per statistics group:
+    ``None`` = the whole data axis, 1 = per-device BN).
+  data: :class:`jaxdist.data.DataConfig` fields.
+  mesh: a preset in ``meshes/`` or a path to a mesh TOML; ``""`` = one axis over all devices.
+  allreduce, bucket_bytes: gradient averaging (:class:`jaxdist.training.train_step.TrainStep`);
+    ``allreduce="auto"`` chooses a schedule per bucket and sufficient factors per dense
+    layer by the cost model on ``links``.
+  links: ``LATENCY:BANDWIDTH`` or a ``jaxdist bench allreduce --json`` file of the mesh
+    (``""``: the emulated cluster's link, if any); what ``auto`` prices on.
+  sfb_layers: dense layers whose gradients travel as sufficient factors: ``""`` (none;
+    with ``auto``, every dense layer is a candidate), ``"all"``, ``"none"`` or
+    comma-separated module paths such as ``"head"``.
+  unroll_limit: ring steps an allreduce schedule runs unrolled along one axis; a longer
+    ring runs as a loop, which compiles in the same time at any size but lets no backward
+    compute overlap that axis's steps (docs/planning.md).
+  batch_size, batch_ramp: global batch; ``batch_ramp`` holds ``(until_epoch, batch)``
+    pairs run before ``batch_size`` (see :func:`batch_stages`).
+  max_per_device_batch: larger per-device batches are split into accumulation steps.
+  num_epochs: training length; the LR schedule ends there.
+  optimizer: ``name`` (``sgd``/``lars``) and its hyperparameters.
+  lr: ``kind`` and arguments of :func:`jaxdist.training.optim.lr_schedule` (in epochs).
+  label_smoothing: for the cross-entropy.
+  eval_every_epochs, eval_batch_size: periodic top-1/top-5 on the held-out split.
+  checkpoint: ``every_steps`` (0: only at the end), ``keep`` (last k), ``async_save``.
+  log_every_steps: progress line and metrics record interval.
+  seed: parameter init, data order and augmentation.
+  target_accuracy: top-1 at which the event log's ``run_stop`` says ``success``.
+  max_steps: stop after this many steps in total (0: run all epochs); for smoke runs.
+  pipeline: ``stages`` (0: no pipeline; else the size of the mesh's ``stage`` axis),
+    ``microbatches`` per data-parallel replica and step, ``schedule`` (``gpipe``, ``1f1b``,
+    ``interleaved``), ``chunks`` (model chunks per device, interleaved only) and
+    ``boundaries`` (the first layer of each virtual stage; ``()``: equal stages). See
+    :mod:`jaxdist.pipeline`.
 """
 
 from __future__ import annotations
@@ -28,15 +67,11 @@ from typing import Any
 import ml_collections
 
 __all__ = [
-    "RECIPES_DIR",
-    "REQUIRED_KEYS",
     "ConfigError",
     "apply_overrides",
     "base_config",
     "batch_stages",
-    "flat_keys",
     "load_recipe",
-    "resolve_recipe_path",
 ]
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -206,77 +241,11 @@ def batch_stages(config: ml_collections.ConfigDict) -> tuple[tuple[float, int], 
 
 
 def base_config() -> ml_collections.ConfigDict:
-    """Every field the trainer reads, with defaults; recipes start here.
-
-    Fields:
-      model: ``name`` (``jaxdist.models`` registry), ``width``, ``stem``, ``dtype``
-        (``float32``/``bfloat16``), ``zero_init_last_bn_scale``, ``pointwise_matmul`` (1x1
-        convolutions as matrix products, see :class:`jaxdist.models.ResNet`), BatchNorm
-        ``bn_momentum``,
-        ``bn_epsilon`` and ``bn_group_size`` (devices per statistics group: ``None`` = the
-        whole data axis, 1 = per-device BN).
-      data: :class:`jaxdist.data.DataConfig` fields.
-      mesh: a preset in ``meshes/`` or a path to a mesh TOML; ``""`` = one axis over all devices.
-      allreduce, bucket_bytes: gradient averaging (:class:`jaxdist.training.train_step.TrainStep`);
-        ``allreduce="auto"`` chooses a schedule per bucket and sufficient factors per dense
-        layer by the cost model on ``links``.
-      links: ``LATENCY:BANDWIDTH`` or a ``jaxdist bench allreduce --json`` file of the mesh
-        (``""``: the emulated cluster's link, if any); what ``auto`` prices on.
-      sfb_layers: dense layers whose gradients travel as sufficient factors: ``""`` (none;
-        with ``auto``, every dense layer is a candidate), ``"all"``, ``"none"`` or
-        comma-separated module paths such as ``"head"``.
-      unroll_limit: ring steps an allreduce schedule runs unrolled along one axis; a longer
-        ring runs as a loop, which compiles in the same time at any size but lets no backward
-        compute overlap that axis's steps (docs/planning.md).
-      batch_size, batch_ramp: global batch; ``batch_ramp`` holds ``(until_epoch, batch)``
-        pairs run before ``batch_size`` (see :func:`batch_stages`).
-      max_per_device_batch: larger per-device batches are split into accumulation steps.
-      num_epochs: training length; the LR schedule ends there.
-      optimizer: ``name`` (``sgd``/``lars``) and its hyperparameters.
-      lr: ``kind`` and arguments of :func:`jaxdist.training.optim.lr_schedule` (in epochs).
-      label_smoothing: for the cross-entropy.
-      eval_every_epochs, eval_batch_size: periodic top-1/top-5 on the held-out split.
-      checkpoint: ``every_steps`` (0: only at the end), ``keep`` (last k), ``async_save``.
-      log_every_steps: progress line and metrics record interval.
-      seed: parameter init, data order and augmentation.
-      target_accuracy: top-1 at which the event log's ``run_stop`` says ``success``.
-      max_steps: stop after this many steps in total (0: run all epochs); for smoke runs.
-      pipeline: ``stages`` (0: no pipeline; else the size of the mesh's ``stage`` axis),
-        ``microbatches`` per data-parallel replica and step, ``schedule`` (``gpipe``, ``1f1b``,
-        ``interleaved``), ``chunks`` (model chunks per device, interleaved only) and
-        ``boundaries`` (the first layer of each virtual stage; ``()``: equal stages). See
-        :mod:`jaxdist.pipeline`.
-    """
+    """Every field the trainer reads, with defaults (the module docstring says what each
+    means); recipes start here."""
     c = ml_collections.ConfigDict()
-    c.model = ml_collections.ConfigDict(
-        dict(
-            name="resnet50",
-            width=64,
-            stem="imagenet",
-            dtype="float32",
-            zero_init_last_bn_scale=True,
-            pointwise_matmul=True,
-            bn_momentum=0.9,
-            bn_epsilon=1e-5,
-            bn_group_size=None,
-        )
-    )
-    c.data = ml_collections.ConfigDict(
-        dict(
-            source="synthetic",
-            root="",
-            image_size=224,
-            dtype="float32",
-            seed=0,
-            worker_count=0,
-            read_threads=2,
-            prefetch_batches=2,
-            synthetic_train_examples=1_281_167,
-            synthetic_eval_examples=50_000,
-            num_classes=1000,
-            val_fraction=0.2,
-        )
-    )
+    c.model = _model_fields()
+    c.data = _data_fields()
     c.mesh = ""
     c.allreduce = "native"
     c.bucket_bytes = 16 * 2**20
@@ -297,18 +266,7 @@ def base_config() -> ml_collections.ConfigDict:
             eps=0.0,
         )
     )
-    c.lr = ml_collections.ConfigDict(
-        dict(
-            kind="cosine",
-            peak=0.1,
-            warmup_epochs=5.0,
-            end_lr=0.0,
-            power=2.0,
-            init_lr=0.0,
-            step_epochs=(),
-            step_factor=0.1,
-        )
-    )
+    c.lr = _lr_fields()
     c.label_smoothing = 0.0
     c.eval_every_epochs = 1.0
     c.eval_batch_size = 256
@@ -321,3 +279,53 @@ def base_config() -> ml_collections.ConfigDict:
         dict(stages=0, microbatches=1, schedule="1f1b", chunks=1, boundaries=())
     )
     return c
+
+
+def _model_fields() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            name="resnet50",
+            width=64,
+            stem="imagenet",
+            dtype="float32",
+            zero_init_last_bn_scale=True,
+            pointwise_matmul=True,
+            bn_momentum=0.9,
+            bn_epsilon=1e-5,
+            bn_group_size=None,
+        )
+    )
+
+
+def _data_fields() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            source="synthetic",
+            root="",
+            image_size=224,
+            dtype="float32",
+            seed=0,
+            worker_count=0,
+            read_threads=2,
+            prefetch_batches=2,
+            synthetic_train_examples=1_281_167,
+            synthetic_eval_examples=50_000,
+            num_classes=1000,
+            val_fraction=0.2,
+        )
+    )
+
+
+def _lr_fields() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            kind="cosine",
+            peak=0.1,
+            warmup_epochs=5.0,
+            end_lr=0.0,
+            power=2.0,
+            init_lr=0.0,
+            step_epochs=(),
+            step_factor=0.1,
+        )
+    )

@@ -2,15 +2,17 @@
 
 ::
 
-    config = jaxdist.training.config.load_recipe("recipes/mnist_small_batch.py")
+    config = jaxdist.run.config.load_recipe("recipes/mnist_small_batch.py")
     summary = Trainer(config, workdir="runs/mnist").run()
 
 Each step:
 
 1. the batch-size schedule names the step's stage; at a stage boundary the data iterator is
    rebuilt at the stream position reached (nothing dropped or repeated) and the stage's
-   :class:`~jaxdist.training.train_step.TrainStep` (one per accumulation setting) compiles once for the
-   new batch shape;
+   train step (one per accumulation setting: a data-parallel
+   :class:`~jaxdist.training.train_step.TrainStep`, or a
+   :class:`~jaxdist.pipeline.step.PipelineStep` when the recipe has pipeline stages) compiles
+   once for the new batch shape;
 2. the learning rate is the epoch schedule at the *fractional epoch* (samples seen / dataset
    size), written into the optimizer state before the call, so it follows the samples and not
    the step count, and a changing value never recompiles;
@@ -20,7 +22,7 @@ Each step:
 Around the steps: periodic evaluation (top-1/top-5 on the held-out split), progress lines,
 ``metrics.jsonl``, an MLPerf-style event log (``events.log``: ``run_start``, ``epoch_start``,
 ``eval_accuracy``, ``run_stop``; time-to-accuracy is ``run_stop - run_start`` when its
-status is ``success``) and checkpoints (:mod:`jaxdist.training.checkpoint`) every N steps, at the end
+status is ``success``) and checkpoints (:mod:`jaxdist.run.checkpoint`) every N steps, at the end
 and on SIGTERM. Only process 0 writes logs; every process takes part in checkpoints.
 """
 
@@ -38,28 +40,27 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
 from jaxdist.data import DataConfig, make_pipeline
 from jaxdist.data.transforms import normalize
-from jaxdist.pipeline import from_config as pipeline_config
-from jaxdist.pipeline.step import PipelineStep
-from jaxdist.training import optim, run_config
-from jaxdist.training.batch_schedule import BatchSchedule
-from jaxdist.training.checkpoint import Checkpointer, PreemptionGuard, abstract_like
-from jaxdist.training.config import ConfigError, batch_stages
-from jaxdist.training.eval_step import EvalStep, classifier_eval
-from jaxdist.training.from_config import (
+from jaxdist.run import rerun, steps
+from jaxdist.run.checkpoint import Checkpointer, PreemptionGuard, abstract_like
+from jaxdist.run.config import ConfigError, batch_stages
+from jaxdist.run.from_config import (
     NormalizeOnDevice,
+    StepParts,
     build_lr_schedule,
     build_mesh,
     build_model,
     build_optimizer,
-    sfb_layers_setting,
+    step_options,
 )
-from jaxdist.training.run_log import RunLog, describe_error, format_duration, last_eval
-from jaxdist.training.train_step import TrainState, TrainStep, classifier_loss
+from jaxdist.run.log import RunLog, describe_error, format_duration, last_eval
+from jaxdist.training.batch_schedule import BatchSchedule
+from jaxdist.training.eval_step import EvalStep, classifier_eval
+from jaxdist.training.protocol import Step
+from jaxdist.training.train_step import TrainState
 
 __all__ = ["Trainer"]
 
@@ -101,7 +102,7 @@ class _Loop:
 
 
 class Trainer:
-    """Train ``config`` (a recipe's ConfigDict, see :func:`jaxdist.training.config.base_config`),
+    """Train ``config`` (a recipe's ConfigDict, see :func:`jaxdist.run.config.base_config`),
     writing logs and checkpoints under ``workdir``; :meth:`run` resumes from the newest
     checkpoint there, if any. ``mesh`` replaces the recipe's (a mesh of compile-only devices,
     :mod:`jaxdist.aot`, lets its steps be compiled but not run)."""
@@ -124,10 +125,8 @@ class Trainer:
         """Everything the config describes: mesh, data, batch plan, model, loss, optimizer and
         the train step of every stage, so that a bad value fails here, before any training."""
         self.mesh = build_mesh(config.mesh) if mesh is None else mesh
-        self.pipelined = pipeline_config.enabled(config)
-        names = tuple(self.mesh.axis_names)
-        if self.pipelined:  # the stage axis cuts the model; the others split the batch
-            names = pipeline_config.data_axes(config, self.mesh)
+        self.step_kind = steps.for_recipe(config, self.mesh)  # the one choice of step
+        names = self.step_kind.data_axes
         self.data_axes = names[0] if len(names) == 1 else names
         self.num_replicas = math.prod(self.mesh.shape[a] for a in names)
         self.pipeline = make_pipeline(DataConfig.from_dict(config.data.to_dict()))
@@ -135,9 +134,7 @@ class Trainer:
             batch_stages(config), dataset_size=self.pipeline.num_train_examples
         )
         self.plans = self.schedule.device_plans(self.num_replicas, config.max_per_device_batch)
-        if self.pipelined:
-            batches = [batch for _, batch in batch_stages(config)]
-            pipeline_config.check_batches(config, batches, self.num_replicas)
+        self.step_kind.check_batches([b for _, b in batch_stages(config)], self.num_replicas)
         self.total_steps = self.schedule.steps_for_epochs(config.num_epochs)
         if config.max_steps:
             self.total_steps = min(self.total_steps, config.max_steps)
@@ -149,87 +146,61 @@ class Trainer:
 
         self.model = build_model(config.model, self.pipeline.num_classes, self.data_axes,
                                  self.num_replicas)  # fmt: skip
-        applied = self.model
-        self.model_inputs = lambda batch: batch["image"]
+        applied, model_inputs = self.model, lambda batch: batch["image"]
         if config.data.dtype == "uint8":
             applied = NormalizeOnDevice(self.model, self.pipeline.mean, self.pipeline.std)
             mean, std = self.pipeline.mean, self.pipeline.std
-            self.model_inputs = lambda batch: normalize(batch["image"], mean, std)
-        self.loss_fn = classifier_loss(
-            applied,
+            model_inputs = lambda batch: normalize(batch["image"], mean, std)  # noqa: E731
+        self.lr_fn = jax.jit(build_lr_schedule(config))
+        self._parts = StepParts(
+            model=self.model,
+            applied=applied,
+            model_inputs=model_inputs,
             num_classes=self.pipeline.num_classes,
             label_smoothing=config.label_smoothing,
+            optimizer=build_optimizer(config.optimizer, float(self.lr_fn(0.0))),
+            example=jnp.zeros((1, *self.pipeline.image_shape), jnp.float32),
+            options=step_options(config),
         )
-        self.lr_fn = jax.jit(build_lr_schedule(config))
-        self.optimizer = build_optimizer(config.optimizer, float(self.lr_fn(0.0)))
         self.eval_step = EvalStep(classifier_eval(applied), self.mesh, data_axes=self.data_axes)
-        self._train_steps: dict[int, TrainStep] = {}
-        self._sfb_layers = sfb_layers_setting(config.sfb_layers)
+        self._train_steps: dict[int, Step] = {}
         # Steps that choose routes (auto) or send factors print their plan after a first step.
-        self._shows_plans = config.allreduce == "auto" or bool(self._sfb_layers)
-        self._plans_shown: list[TrainStep] = []
-        self._replicated = NamedSharding(self.mesh, P())
+        self._shows_plans = config.allreduce == "auto" or bool(self._parts.options["sfb_layers"])
+        self._plans_shown: list[Step] = []
         for stage in range(len(self.plans)):
             self.train_step_for(stage)
 
     # ------------------------------------------------------------------ pieces
 
-    def train_step_for(self, stage: int) -> TrainStep | PipelineStep:
-        """The TrainStep of a stage (a PipelineStep when the recipe has a pipeline): one per
-        accumulation setting; a new batch shape compiles once more."""
+    def train_step_for(self, stage: int) -> Step:
+        """The train step of a batch-schedule stage: one per accumulation setting; a new
+        batch shape compiles once more."""
         accumulation = self.plans[stage].accumulation_steps
-        if accumulation not in self._train_steps and self.pipelined:
-            self._train_steps[accumulation] = pipeline_config.build_pipeline_step(
-                self.config, self.model, self.mesh, self.optimizer,
-                self.pipeline.num_classes, self.model_inputs, accumulation,
-            )  # fmt: skip
         if accumulation not in self._train_steps:
-            self._train_steps[accumulation] = TrainStep(
-                self.loss_fn,
-                self.optimizer,
-                self.mesh,
-                data_axes=self.data_axes,
-                allreduce=self.config.allreduce,
-                allreduce_options={"unroll_limit": self.config.unroll_limit},
-                bucket_bytes=self.config.bucket_bytes,
-                links=self.config.links or None,
-                sfb_layers=self._sfb_layers,
-                accumulation_steps=accumulation,
-            )
+            self._train_steps[accumulation] = self.step_kind.build(self._parts, accumulation)
         return self._train_steps[accumulation]
 
-    def initial_state(self) -> TrainState:
+    def initial_state(self) -> Any:
         """Parameters and BatchNorm statistics from the seed, placed on the mesh."""
-        images = jnp.zeros((1, *self.pipeline.image_shape), jnp.float32)
-        if self.pipelined:
-            return pipeline_config.initial_state(self.config, self.train_step_for(0), self.model,
-                                                 images)  # fmt: skip
-        variables = self.model.init(jax.random.key(self.config.seed), images, train=False)
+        variables = self.model.init(
+            jax.random.key(self.config.seed), self._parts.example, train=False
+        )
         params = variables.pop("params")
         return self.train_step_for(0).init(params, dict(variables))
 
-    def evaluate(self, state: TrainState) -> dict[str, float]:
+    def evaluate(self, state: Any) -> dict[str, float]:
         """Top-1 / top-5 accuracy over the whole held-out split."""
         step = self.train_step_for(0)
-        if self.pipelined:  # the whole model on every device, its stages' parts joined
-            params, model_state = pipeline_config.whole_variables(step, state)
-            state = TrainState(state.step, params, model_state, opt_state=None)
+        params, model_state = step.whole_variables(state)
+        whole = TrainState(state.step, params, model_state, opt_state=None)
         totals = None
         with self.pipeline.eval_iterator(self.config.eval_batch_size) as batches:
             for batch in batches:
-                sums = self.eval_step(state, step.shard_batch(batch))
+                sums = self.eval_step(whole, step.shard_batch(batch))
                 totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
         totals = jax.device_get(totals)
         count = float(totals["count"])
         return {"top1": float(totals["top1"]) / count, "top5": float(totals["top5"]) / count}
-
-    def _set_lr(self, state: TrainState, epoch: float) -> tuple[TrainState, float]:
-        lr = float(self.lr_fn(epoch))
-        if self.pipelined:
-            return self.train_step_for(0).set_learning_rate(state, lr), lr
-        # Placed like the rest of the state, so the jitted step sees the same shardings.
-        value = jax.device_put(np.float32(lr), self._replicated)
-        return state.replace(opt_state=optim.set_learning_rate(state.opt_state, value)), lr
 
     # ------------------------------------------------------------------ the loop
 
@@ -243,7 +214,7 @@ class Trainer:
         """
         cfg = self.config
         writer = jax.process_index() == 0
-        changes = run_config.check_rerun(
+        changes = rerun.check_rerun(
             self.workdir, cfg, allow_change=self.allow_config_change, write=writer
         )
         log = RunLog(self.workdir, enabled=writer)
@@ -329,7 +300,8 @@ class Trainer:
             log.event("epoch_start", epoch_num=math.floor(epoch) + 1, step=step)
         train_step = self.train_step_for(loop.stage)
         batch = train_step.shard_batch(next(loop.iterator))
-        loop.state, loop.lr = self._set_lr(loop.state, epoch)
+        loop.lr = float(self.lr_fn(epoch))
+        loop.state = train_step.set_learning_rate(loop.state, loop.lr)
         rng = jax.random.fold_in(loop.base_rng, step)
         loop.state, metrics = train_step(loop.state, batch, rng)
         self._show_gradient_plan(train_step, log)
@@ -340,14 +312,10 @@ class Trainer:
         loop.pending.append(metrics)
         loop.epoch = self.schedule.epoch_at(loop.step)
 
-    def _show_gradient_plan(self, train_step: TrainStep | PipelineStep, log: RunLog) -> None:
+    def _show_gradient_plan(self, train_step: Step, log: RunLog) -> None:
         """Once per train step, when it chooses routes (``auto``) or sends factors: the plan,
-        as ``TrainStep.plan().table()`` prints it."""
-        if (
-            not self._shows_plans
-            or not isinstance(train_step, TrainStep)
-            or train_step in self._plans_shown
-        ):
+        as ``TrainStep.plan().table()`` prints it (a pipeline step refuses both options)."""
+        if not self._shows_plans or train_step in self._plans_shown:
             return
         self._plans_shown.append(train_step)
         log.progress(f"gradient plan, {train_step.accumulation_steps} micro-batch(es) per step:",

@@ -1,0 +1,53 @@
+"""The train step a recipe describes: data parallel, or a pipeline when the recipe has
+pipeline stages.
+
+The trainer asks :func:`for_recipe` once; from then on it sees only the
+:class:`~jaxdist.training.protocol.Step` interface. Every recipe field that shapes the step
+(``allreduce``, ``bucket_bytes``, ``unroll_limit``, ``links``, ``sfb_layers``) reaches either
+kind of step, which honours it or refuses it in one line.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from jax.sharding import Mesh
+
+from jaxdist.run import pipeline_config
+from jaxdist.run.from_config import StepParts
+from jaxdist.training.train_step import TrainStep, classifier_loss
+
+__all__ = ["DataParallel", "for_recipe"]
+
+
+class DataParallel:
+    """The whole model on every device; every mesh axis splits the batch."""
+
+    def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.data_axes: tuple[str, ...] = tuple(mesh.axis_names)
+
+    def check_batches(self, batches: list[int], replicas: int) -> None:
+        """Any global batch works: the batch plan splits it into accumulation steps."""
+
+    def build(self, parts: StepParts, accumulation_steps: int) -> TrainStep:
+        """The recipe's :class:`TrainStep`: the classifier loss on the whole model."""
+        loss_fn = classifier_loss(
+            parts.applied, num_classes=parts.num_classes, label_smoothing=parts.label_smoothing
+        )
+        return TrainStep(
+            loss_fn,
+            parts.optimizer,
+            self.mesh,
+            data_axes=self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes,
+            accumulation_steps=accumulation_steps,
+            **parts.options,
+        )
+
+
+def for_recipe(
+    config: ml_collections.ConfigDict, mesh: Mesh
+) -> DataParallel | pipeline_config.Pipeline:
+    """The kind of step ``config`` trains with: a pipeline when ``pipeline.stages > 0``."""
+    if pipeline_config.enabled(config):
+        return pipeline_config.Pipeline(config, mesh)
+    return DataParallel(config, mesh)

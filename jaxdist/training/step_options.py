@@ -1,0 +1,44 @@
+"""What both train steps check and default alike: whether an allreduce can run over the data
+axes with its options, and whether a step donates its state."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxdist.comm import collectives
+
+__all__ = ["check_allreduce", "donation_default"]
+
+
+def donation_default(mesh: Mesh) -> bool:
+    """Whether a step on ``mesh`` should donate its state: yes on accelerators, no on CPU.
+
+    Donation lets XLA write the new state over the old one, which halves the state's device
+    memory -- what matters on a GPU or TPU. On the CPU runtime it buys nothing (host memory)
+    and costs time: the same step runs measurably slower donated, with the same compiled HLO
+    apart from its input/output aliases (benchmarks/results/NOTES_train_step_resnet.md has the figures).
+    """
+    return any(d.platform != "cpu" for d in mesh.devices.flat)
+
+
+def check_allreduce(
+    mesh: Mesh, axes: str | tuple[str, ...], allreduce: str, options: Mapping[str, Any]
+) -> None:
+    """Refuse an allreduce that cannot run over ``axes`` of ``mesh`` with ``options``, in one
+    line, before anything is traced."""
+    chosen = collectives.get(allreduce)
+    if chosen.two_level and not (isinstance(axes, tuple) and len(axes) == 2):
+        raise ValueError(f"allreduce {chosen.name!r} needs two data axes (outer, inner), "
+                         f"got {axes!r}")  # fmt: skip
+    sizes = [mesh.shape[a] for a in np.atleast_1d(axes)]
+    if not chosen.two_level:
+        sizes = [int(np.prod(sizes))]
+    collectives.common_options(options)
+    own = {k: v for k, v in options.items() if k in chosen.options}
+    reason = chosen.unsupported(sizes, **own)
+    if reason:
+        raise ValueError(f"allreduce {chosen.name!r} cannot run over {axes!r}: {reason}")
