@@ -91,12 +91,18 @@ def _global_input(mesh, axes, n: int) -> tuple[jax.Array, np.ndarray]:
     return x, host.sum(axis=0)
 
 
-def _run(mesh, axes, algorithm: str, axis_name, x: jax.Array, **options) -> jax.Array:
+def _run_each(mesh, axes, runs: dict, axis_name, x: jax.Array) -> dict:
+    """``{name: (algorithm, options)}`` all run on ``x`` in one program (one compile instead
+    of one per run); each run's local rows."""
+
     def body(block):
-        return collectives.allreduce(block, axis_name, algorithm, **options)
+        return {
+            name: collectives.allreduce(block, axis_name, algorithm, **options)
+            for name, (algorithm, options) in runs.items()
+        }
 
     f = jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes))
-    return jax.jit(f)(x)
+    return {a: _local_rows(y) for a, y in jax.jit(f)(x).items()}
 
 
 def _local_rows(y: jax.Array) -> list[np.ndarray]:
@@ -123,17 +129,20 @@ def _check_exchanges_in_pieces(mesh, outer: int, inner: int) -> None:
     if pair_axis is not None:  # a ring of two, and torus2d's 2-device axis, are exchanges
         cases += [("ring", pair_axis, sizes), ("torus2d", axes, sizes)]
     for algorithm, axis_name, sizes in cases:
-        for n, piece in sizes:
+        for n in dict.fromkeys(n for n, _ in sizes):  # one program per buffer size
             x, _ = _global_input(mesh, axes, n)
-            reference = _local_rows(_run(mesh, axes, "native", axis_name, x))
-            found = _local_rows(
-                _run(mesh, axes, algorithm, axis_name, x, exchange_piece_bytes=piece)
-            )
-            err = _max_difference(found, reference)
-            assert err <= 1e-5, (
-                f"{algorithm} over {axis_name} with exchanges in pieces of {piece} on "
-                f"{outer}x{inner}: expected psum's result, found max abs difference {err:.3g}"
-            )
+            pieces = [piece for size, piece in sizes if size == n]
+            runs = {"psum": ("native", {})}
+            for piece in pieces:
+                runs[f"pieces of {piece}"] = (algorithm, {"exchange_piece_bytes": piece})
+            results = _run_each(mesh, axes, runs, axis_name, x)
+            for piece in pieces:
+                err = _max_difference(results[f"pieces of {piece}"], results["psum"])
+                assert err <= 1e-5, (
+                    f"{algorithm} over {axis_name} with exchanges in pieces of {piece} on "
+                    f"{outer}x{inner}: expected psum's result, found max abs difference "
+                    f"{err:.3g}"
+                )
         print(f"CHECK pieces {algorithm} {outer}x{inner} OK")
 
 
@@ -150,7 +159,11 @@ def check_allreduce(n: int = 1003) -> None:
         mesh = meshes.hierarchical(outer, inner, axis_names=("outer", "inner"))
         axes = ("outer", "inner")
         x, expected = _global_input(mesh, axes, n)
-        reference = _local_rows(_run(mesh, axes, "native", axes, x))
+        # Every algorithm in one program (one compile per layout); two-level schedules read
+        # the axes as (outer, inner), the rest as one axis.
+        runs = {a: (a, {}) for a in collectives.ALGORITHMS}
+        results = _run_each(mesh, axes, runs, axes, x)
+        reference = results["native"]
         for row in reference:
             np.testing.assert_allclose(
                 row,
@@ -160,8 +173,7 @@ def check_allreduce(n: int = 1003) -> None:
                 err_msg=(f"psum on {outer}x{inner}: expected the numpy row sum"),
             )
         for algorithm in collectives.ALGORITHMS:
-            axis_name = axes  # two-level schedules read it as (outer, inner), the rest as one axis
-            found = _local_rows(_run(mesh, axes, algorithm, axis_name, x))
+            found = results[algorithm]
             err = _max_difference(found, reference)
             assert err <= 1e-5, (
                 f"{algorithm} on {outer}x{inner} ({nproc} processes x {local} devices): expected "

@@ -127,6 +127,16 @@ def test_every_short_name_imports_in_every_form():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+def test_a_short_name_imports_as_the_module_it_stands_for():
+    from jaxdist.checkpoint import Checkpointer
+
+    short = importlib.import_module("jaxdist.checkpoint")
+    assert short is importlib.import_module("jaxdist.run.checkpoint") is jaxdist.checkpoint
+    assert Checkpointer is short.Checkpointer
+    with pytest.raises(ModuleNotFoundError, match=r"jaxdist\.colectives"):
+        importlib.import_module("jaxdist.colectives")
+
+
 def test_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'colectives'"):
         jaxdist.colectives  # noqa: B018
