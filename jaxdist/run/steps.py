@@ -38,7 +38,7 @@ class DataParallel:
             loss_fn,
             parts.optimizer,
             self.mesh,
-            data_axes=self.data_axes[0] if len(self.data_axes) == 1 else self.data_axes,
+            data_axes=self.data_axes,
             accumulation_steps=accumulation_steps,
             **parts.options,
         )

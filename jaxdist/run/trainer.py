@@ -58,6 +58,7 @@ from jaxdist.run.from_config import (
 )
 from jaxdist.run.log import RunLog, describe_error, format_duration, last_eval
 from jaxdist.training.batch_schedule import BatchSchedule
+from jaxdist.training.batches import data_axes_of
 from jaxdist.training.eval_step import EvalStep, classifier_eval
 from jaxdist.training.protocol import Step
 from jaxdist.training.train_step import TrainState
@@ -127,7 +128,7 @@ class Trainer:
         self.mesh = build_mesh(config.mesh) if mesh is None else mesh
         self.step_kind = steps.for_recipe(config, self.mesh)  # the one choice of step
         names = self.step_kind.data_axes
-        self.data_axes = names[0] if len(names) == 1 else names
+        self.data_axes = data_axes_of(self.mesh, names)  # one name, or a tuple of several
         self.num_replicas = math.prod(self.mesh.shape[a] for a in names)
         self.pipeline = make_pipeline(DataConfig.from_dict(config.data.to_dict()))
         self.schedule = BatchSchedule(
