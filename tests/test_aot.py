@@ -462,29 +462,36 @@ def test_plan_over_two_slices_runs_the_outer_axis_over_the_data_centre_network(c
 
 
 @needs_libtpu
-def test_plan_takes_the_recipes_unroll_limit(capsys):
+def test_plan_takes_the_recipes_unroll_limit(capsys, monkeypatch):
+    from jaxdist.aot import report
     from jaxdist.aot.plan import plan_recipe
-    from jaxdist.aot.report import plan_json, plan_text
     from jaxdist.aot.topology import parse_topology
     from jaxdist.cli import main
     from jaxdist.run.config import apply_overrides, base_config, load_recipe
 
-    def gradients_in_loops(plan_data):
-        rows = plan_data["stages"][0]["collectives"]
+    def gradients_in_loops(plan):
+        rows = report.plan_json(plan, "")["stages"][0]["collectives"]
         return sum(r["in_loop"] for r in rows if r["role"] == "gradients")
 
     assert base_config().unroll_limit == collectives.UNROLL_LIMIT
-    # The recipe's own limit, through the command line: a ring over 4 chips has 3 steps each
-    # way, all unrolled.
+    # The recipe's own limit: a ring over 4 chips has 3 steps each way, all unrolled.
+    config = apply_overrides(load_recipe("mnist_small_batch"), ["allreduce=ring"])
+    assert gradients_in_loops(plan_recipe(config, parse_topology("v5e:2x2"), efficiency=0.4)) == 0
+    # A limit of 2 through the command line: the rings run as loops, and the text says what
+    # that costs and how to unroll them (the plan it printed is kept to count them).
+    printed = []
+
+    def keep_plan(plan, note, text=report.plan_text):
+        printed.append(plan)
+        return text(plan, note)
+
+    monkeypatch.setattr(report, "plan_text", keep_plan)
     assert main(["plan", "mnist_small_batch", "--topology", "v5e:2x2", "--efficiency", "0.4",
-                 "--set", "allreduce=ring", "--json"]) == 0  # fmt: skip
-    assert gradients_in_loops(json.loads(capsys.readouterr().out)) == 0
-    # A limit of 2 runs them as loops, and the text says what that costs and how to unroll.
-    config = apply_overrides(load_recipe("mnist_small_batch"), ["allreduce=ring", "unroll_limit=2"])
-    plan = plan_recipe(config, parse_topology("v5e:2x2"), efficiency=0.4)
-    in_loops = gradients_in_loops(plan_json(plan, ""))
+                 "--set", "allreduce=ring", "--set", "unroll_limit=2"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    (plan,) = printed
+    in_loops = gradients_in_loops(plan)
     assert in_loops > 0
-    out = plan_text(plan, "")
     assert f"note: {in_loops:,} gradient collectives per step run inside loops" in out
     assert "--set unroll_limit=4 unrolls them" in out
 
