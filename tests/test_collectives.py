@@ -35,7 +35,8 @@ def per_device(mesh, fn, *xs):
 def per_device_each(mesh, fns, *xs):
     """Every function of ``fns`` (name -> fn) on each device's rows, all in one program (one
     compile per mesh instead of one per function); name -> ``(p, ...)`` outputs."""
-    return per_device(mesh, lambda *vs: {name: fn(*vs) for name, fn in fns.items()}, *xs)
+    outputs = per_device(mesh, lambda *vs: [fn(*vs) for fn in fns.values()], *xs)
+    return dict(zip(fns, outputs))
 
 
 def axes_of(mesh):
@@ -114,8 +115,7 @@ def test_tiny_sizes():
         for algorithm in ONE_D
         for size in xs
     }
-    out = per_device(mesh, lambda v: [fn(v) for fn in fns.values()], xs)
-    for (algorithm, size), result in zip(fns, out):
+    for (algorithm, size), result in per_device_each(mesh, fns, xs).items():
         assert_allreduced(result, xs[size], what=f"{algorithm} on {size} elements")
 
 
@@ -130,8 +130,7 @@ def test_sizes_two_level(shape):
         for algorithm in ("torus2d", "hierarchical")
         for size in xs
     }
-    out = per_device(mesh, lambda v: [fn(v) for fn in fns.values()], xs)
-    for (algorithm, size), result in zip(fns, out):
+    for (algorithm, size), result in per_device_each(mesh, fns, xs).items():
         assert_allreduced(result, xs[size], what=f"{algorithm} on {size} elements")
 
 
@@ -337,8 +336,7 @@ def test_two_hosts_crossed_exchange_and_swap_agree(local):
         for inter in ("ring", "bidirectional_ring", "halving_doubling")
         for crossed in (True, False)
     }
-    out = per_device(mesh, lambda v: [fn(v) for fn in fns.values()], x)
-    for (inter, crossed), result in zip(fns, out):
+    for (inter, crossed), result in per_device_each(mesh, fns, x).items():
         assert_allreduced(result, x, what=f"across hosts by {inter}, crossed={crossed}")
 
 
@@ -698,8 +696,7 @@ def test_permute_matches_ppermute(dtype):
                 fns[name, piece, reverse_traffic] = lambda v, p=perm, b=piece, r=reverse_traffic: (
                     collectives.permute(v, "x", p, exchange_piece_bytes=b, reverse_traffic=r)
                 )
-    out = per_device(mesh, lambda v: [fn(v) for fn in fns.values()], x)
-    found = dict(zip(fns, out))
+    found = per_device_each(mesh, fns, x)
     for key, result in found.items():
         if isinstance(key, tuple):
             name, piece, reverse_traffic = key

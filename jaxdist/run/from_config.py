@@ -1,6 +1,6 @@
 """The pieces a recipe's config names, built: the mesh, the model with cross-replica
-BatchNorm, the learning-rate schedule, the optimizer, and what a train step is built from. Each raises ``ValueError`` naming the
-config field when a value cannot work."""
+BatchNorm, the learning-rate schedule, the optimizer, and what a train step is built from.
+Each raises ``ValueError`` naming the config field when a value cannot work."""
 
 from __future__ import annotations
 
