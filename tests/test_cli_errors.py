@@ -46,6 +46,16 @@ def _one_line(capsys, code, expected_code, *parts):
         (["allreduce=torus2d"], "allreduce 'torus2d' needs two data axes"),
         (["model.bn_group_size=3"], "model.bn_group_size=3 must divide the 2 data-parallel"),
         (["optimizer.name=adam"], "optimizer.name must be one of ['lars', 'sgd'], got 'adam'"),
+        # A field the rest of the config leaves unread is refused, never ignored.
+        (["pipeline.microbatches=4"], "pipeline.microbatches=4 is for a pipeline, and pipeline"),
+        (["lr.power=3.0"], "lr.power=3.0 does nothing with lr.kind='cosine'; leave it at its"),
+        (
+            ["optimizer.trust_coefficient=0.01"],
+            "optimizer.trust_coefficient=0.01 does nothing with optimizer.name='sgd'",
+        ),
+        (["unroll_limit=4"], "unroll_limit=4 shapes the ppermute schedules, and allreduce='na"),
+        (["skip_nonfinite_steps=-1"], "skip_nonfinite_steps must be >= 0, got -1"),
+        (["watchdog_s=-1.0"], "watchdog_s must be >= 0 (0 disables it), got -1.0"),
     ],
 )
 def test_a_bad_config_value_is_one_line_exit_2(recipe, tmp_path, capsys, overrides, expected):

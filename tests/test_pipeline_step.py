@@ -221,6 +221,27 @@ def test_loss_scaling_changes_nothing_but_the_scale():
     assert bool(metrics["grads_finite"]) and float(metrics["loss_scale"]) == 2.0**10
 
 
+def test_skip_nonfinite_leaves_every_stage_as_it_was():
+    """A NaN input poisons the loss and every stage's gradients: the step is skipped on all
+    stages and reported; the good batch after it trains as the unpoisoned reference does."""
+    batch = data()
+    modules = mlp_stages(2)
+    params, states = pipeline_stages.init_flax_stages(modules, jax.random.key(0), batch["x"][:2])
+    fns = pipeline_stages.flax_stages(modules)
+    optimizer = optax.sgd(0.1)
+    step = PipelineStep(fns, cross_entropy, optimizer, stage_mesh(2), microbatches=2,
+                        skip_nonfinite=True, inputs=lambda b: b["x"])  # fmt: skip
+    state = step.init(params, states)
+    poisoned = {**batch, "x": batch["x"].at[0, 0].set(jnp.nan)}
+    state, metrics = step(state, step.shard_batch(poisoned), jax.random.key(3))
+    assert bool(metrics["skipped"]) and int(state.step) == 1
+    assert_trees_close(step.unstack(state)[0], params, atol=0)
+    state, metrics = step(state, step.shard_batch(batch), jax.random.key(3))
+    assert not bool(metrics["skipped"])
+    want, _, _ = reference(fns, params, states, batch, optimizer, 2, 1)
+    assert_trees_close(step.unstack(state)[0], want)
+
+
 def test_each_device_holds_only_its_stage():
     """Parameters and optimizer state are split by stage: the compiled program's arguments
     per device are about the largest stage's, not the whole model's."""

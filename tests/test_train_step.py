@@ -253,6 +253,38 @@ def test_float16_loss_scaling_skips_inf_steps_and_converges():
     assert losses[-1] < 0.8 * losses[0], f"float16 training did not converge: {losses}"
 
 
+@pytest.mark.parametrize("zero1", [False, True])
+def test_skip_nonfinite_leaves_the_state_and_reports_the_step(zero1):
+    """A poisoned batch (NaN loss and gradients) changes nothing but the step count and is
+    reported as skipped; the next good batch trains as if it had never come."""
+    mesh = MESHES["ring-8"][0]()
+    params, model_state = init_variables(use_norm=False)
+    inner = ts.classifier_loss(Net(use_norm=False), num_classes=NUM_CLASSES)
+
+    def loss_fn(params, model_state, batch, rng):
+        loss, aux = inner(params, model_state, batch, rng)
+        return loss * jnp.where(batch["poison"][0], jnp.nan, 1.0), aux
+
+    step = ts.TrainStep(loss_fn, optax.sgd(0.3, momentum=0.9), mesh, allreduce="ring",
+                        zero1=zero1, skip_nonfinite=True)  # fmt: skip
+    batch = data()
+
+    def run(state, poison):
+        flagged = {**batch, "poison": np.full((64,), poison)}
+        return step(state, step.shard_batch(flagged), jax.random.key(0))
+
+    state = step.init(params, model_state)
+    before = jax.device_get((state.params, state.opt_state))
+    state, metrics = run(state, poison=True)
+    assert bool(metrics["skipped"]) and int(state.step) == 1
+    assert_trees_close(jax.device_get((state.params, state.opt_state)), before, atol=0)
+    state, metrics = run(state, poison=False)
+    assert not bool(metrics["skipped"])
+    unpoisoned = step.init(params, model_state)
+    unpoisoned, _ = run(unpoisoned, poison=False)
+    assert_trees_close(state.params, unpoisoned.params, atol=0)
+
+
 def test_bf16_transfer_stays_close_to_float32(reference):
     batches, (params, _) = reference
     make_mesh, axes = MESHES["torus-4x2"]

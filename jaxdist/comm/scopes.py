@@ -15,7 +15,9 @@ PARAMETER_SCOPE = "parameter_gather"  # ZeRO-1's all-gather of the updated param
 BATCHNORM_SCOPE = "batchnorm_statistics"  # a BatchNorm's mean and mean of squares, per step
 MODEL_STATE_SCOPE = "model_state_mean"  # running statistics averaged once per step
 METRICS_SCOPE = "metrics_mean"  # loss and metrics averaged for the log
-LOSS_SCALE_SCOPE = "loss_scale_check"  # whether every device's gradients are finite
+LOSS_SCALE_SCOPE = (
+    "loss_scale_check"  # whether every device's gradients are finite (loss scale, skipped steps)
+)
 
 # The role a collective inside each scope plays, as a plan names it.
 ROLES = {

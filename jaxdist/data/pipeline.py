@@ -161,6 +161,12 @@ class BatchIterator(Iterator[Batch]):
     # ------------------------------------------------------------------ checkpointing
     def get_state(self) -> dict[str, Any]:
         """JSON-serialisable position: ``next_sample`` plus grain's own iterator state."""
+        grain_state = self._it.get_state() if self._it is not None else None
+        return {**self.position_state(), "grain": grain_state}
+
+    def position_state(self) -> dict[str, Any]:
+        """:meth:`get_state` without grain's iterator state, which a failed read leaves
+        unreliable: restoring it reopens the stream at ``next_sample``."""
         plan = self._plan
         return {
             "next_sample": self._next_sample,
@@ -169,7 +175,7 @@ class BatchIterator(Iterator[Batch]):
             "process_count": plan.process_count,
             "seed": plan.seed,
             "num_records": plan.num_records,
-            "grain": self._it.get_state() if self._it is not None else None,
+            "grain": None,
         }
 
     def set_state(self, state: Mapping[str, Any]) -> None:

@@ -86,7 +86,7 @@ class PipelineStep:
       allreduce, allreduce_options, bucket_bytes: how each stage's gradients are averaged over
         the data axes, as for :class:`jaxdist.training.train_step.TrainStep`.
       loss_scale: a :class:`DynamicLossScale` for float16 training, or ``None``.
-      donate, max_in_flight: as for :class:`~jaxdist.training.train_step.TrainStep`.
+      skip_nonfinite, donate, max_in_flight: as for :class:`~jaxdist.training.train_step.TrainStep`.
       split: ``(params, model_state) -> (params per virtual stage, model state per virtual
         stage)``; with it :meth:`init` and :meth:`abstract_init` take the whole model's trees
         (:func:`~jaxdist.pipeline.stages.variable_splitter` makes one for flax stages),
@@ -111,6 +111,7 @@ class PipelineStep:
         allreduce_options: Mapping[str, Any] | None = None,
         bucket_bytes: int | None = bucketing.DEFAULT_BUCKET_BYTES,
         loss_scale: DynamicLossScale | None = None,
+        skip_nonfinite: bool = False,
         donate: bool | None = None,
         max_in_flight: dispatch.Limit = "auto",
         split: Callable[[Any, Any], tuple[list, list]] | None = None,
@@ -143,6 +144,7 @@ class PipelineStep:
         self.allreduce_options = dict(allreduce_options or {})
         self.bucket_bytes = bucket_bytes
         self.loss_scale = loss_scale
+        self.skip_nonfinite = skip_nonfinite
         self.donate = donation_default(mesh) if donate is None else donate
         self.split = split
         self.accumulation_steps = 1
@@ -362,16 +364,22 @@ class PipelineStep:
         finite = None
         if state.loss_scale is not None:
             grads = state.loss_scale.unscale(grads)
+        if state.loss_scale is not None:
             # A non-finite gradient on any stage skips the step on all of them.
             finite = lax.pmin(all_finite(grads).astype(jnp.int32), self.stage_axis) > 0
         params, opt_state = update(self, params, grads, opt_state, stage)
+        if self.skip_nonfinite:  # also a finite step whose update leaves inf parameters
+            ok = all_finite((grads, params)) & jnp.isfinite(loss)
+            ok = lax.pmin(ok.astype(jnp.int32), self.stage_axis) > 0
+            finite = ok if finite is None else finite & ok
         new_state = state.replace(
             step=state.step + 1,
             params=params[None],
             model_state=model_state[None],
             opt_state=opt_state[None],
         )
-        return finish_scaled_step(state, new_state, finite, {**metrics, "loss": loss})
+        return finish_scaled_step(state, new_state, finite, {**metrics, "loss": loss},
+                                  report_skipped=self.skip_nonfinite)  # fmt: skip
 
     def _allreduce(self, grads: jax.Array) -> jax.Array:
         """Mean over the data axes, in buckets of ``bucket_bytes``, the last chunk first."""

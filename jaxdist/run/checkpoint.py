@@ -15,21 +15,21 @@ every ``every_steps`` steps and at the end, and the last ``keep`` are kept.
 
 Restoring tries the newest step first; if it cannot be read (a truncated or corrupted file, a
 missing item) it warns in one line and falls back to the one before, and so on; the unreadable
-steps are then moved aside (``checkpoints.unreadable/``) so that they are saved anew. A preemption is a SIGTERM:
-:class:`PreemptionGuard` turns it into a flag that the training loop checks after each step, so
-the checkpoint is written from a consistent state and not from inside a signal handler.
+steps are then moved aside (``checkpoints.unreadable/``) so that they are saved anew. A save cut
+short (the run killed while writing) leaves orbax's temporary folder, which is moved there too
+when the directory is opened. A checkpoint whose arrays have other names or shapes than the run
+(another model or recipe) is an error naming the first difference, not a fallback: every step
+would differ alike. A preemption is a SIGTERM: :class:`PreemptionGuard` turns it into a flag
+that the training loop checks after each step, so the checkpoint is written from a consistent
+state and not from inside a signal handler.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import io
 import logging
+import re
 import shutil
 import signal
-import sys
-import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -37,10 +37,18 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
+from jaxdist.run.checkpoint_noise import (
+    aborted_save_warnings_hidden,
+    failed_reads_hidden,
+    failed_writes_reported,
+)
 from jaxdist.run.log import describe_error
 
 __all__ = [
+    "CheckpointMismatchError",
+    "CheckpointWriteError",
     "Checkpointer",
     "NoCheckpointError",
     "PreemptionGuard",
@@ -57,6 +65,22 @@ class NoCheckpointError(RuntimeError):
     """No step in the directory could be restored."""
 
     exit_code = 1
+
+
+class CheckpointMismatchError(RuntimeError):
+    """The checkpoint holds another model: its arrays' names or shapes differ from the run's."""
+
+    exit_code = 1
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a file-size limit, lost storage)."""
+
+    exit_code = 1
+
+
+# Orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it when complete.
+INCOMPLETE_SUFFIX = ".orbax-checkpoint-tmp"
 
 
 class Checkpointer:
@@ -85,6 +109,9 @@ class Checkpointer:
             )
         self.directory = Path(directory).absolute()
         self.every_steps = every_steps
+        self._move_incomplete_aside()
+        self._writing: int | None = None  # the step a background save is writing
+        self._failed = False  # a failed write was reported (raised) already
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             # The manager's own interval is not used: save() decides, so that forced saves
@@ -94,6 +121,7 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=self.ITEMS)
+        failed_writes_reported(self.directory)  # by _write_error, in one line
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is on the ``every_steps`` grid."""
@@ -113,12 +141,17 @@ class Checkpointer:
             return False
         if step in self.manager.all_steps():
             return False  # already saved (e.g. the grid step was also the last one)
+        self.wait()  # the previous save's failure is reported as its own
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(dict(data_state)),
             meta=ocp.args.JsonSave({**meta, "step": int(step)}),
         )
-        return bool(self.manager.save(step, args=args, force=True))
+        self._writing = step
+        try:
+            return bool(self.manager.save(step, args=args, force=True))
+        except Exception as err:
+            raise self._write_error(err) from err
 
     def steps(self) -> list[int]:
         """Saved steps, oldest first."""
@@ -141,11 +174,13 @@ class Checkpointer:
             raise NoCheckpointError(f"no checkpoint under {self.directory}")
         failures: list[tuple[int, str]] = []
         found = None
-        with _library_noise_hidden(self.directory, failures):
+        with failed_reads_hidden(self.directory, failures):
             for step in steps:
                 try:
                     found = step, self._restore_step(step, abstract_state)
                     break
+                except CheckpointMismatchError:
+                    raise
                 except Exception as err:  # any unreadable checkpoint: try the previous one
                     failures.append((step, describe_error(err, limit=160)))
         for step, reason in failures:
@@ -173,6 +208,7 @@ class Checkpointer:
         return self.directory.with_name(self.directory.name + ".unreadable")
 
     def _restore_step(self, step: int, abstract_state: Any) -> Any:
+        self._check_same_arrays(step, abstract_state)
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
@@ -185,18 +221,45 @@ class Checkpointer:
             raise ValueError(f"meta says step {restored.meta.get('step')}, folder says {step}")
         return restored
 
+    def _check_same_arrays(self, step: int, abstract_state: Any) -> None:
+        """Raise :class:`CheckpointMismatchError` at the first array whose name or shape in
+        step ``step`` differs from ``abstract_state``'s. Metadata that cannot be read says
+        nothing here: the restore then fails and counts the step as unreadable."""
+        try:
+            saved = ocp.StandardCheckpointHandler().metadata(
+                epath.Path(self.directory / str(step) / "state")
+            )
+        except Exception:  # unreadable: left to the restore's own fallback
+            return
+        difference = first_difference(_array_shapes(saved), _array_shapes(abstract_state))
+        if difference is not None:
+            raise CheckpointMismatchError(
+                f"the checkpoint at step {step} in {self.directory} holds another model or "
+                f"recipe: {difference}; train this one in another --workdir"
+            )
+
+    def _move_incomplete_aside(self) -> None:
+        """Move saves cut short (orbax's temporary folders) to :attr:`unreadable_directory`,
+        so that they are kept for inspection and the step is saved anew."""
+        if jax.process_index() != 0 or not self.directory.is_dir():
+            return
+        for partial in sorted(self.directory.glob(f"*{INCOMPLETE_SUFFIX}*")):
+            target = _free_name(self.unreadable_directory / partial.name)
+            target.parent.mkdir(exist_ok=True)
+            shutil.move(partial, target)
+            warnings.warn(
+                f"moved an incomplete checkpoint (a save cut short) from {partial} to {target}",
+                CheckpointWarning,
+                stacklevel=3,
+            )
+
     def _move_aside(self, steps: list[int], restored_step: int) -> None:
         """Move unreadable ``steps`` (process 0 moves; every process then sees them gone)."""
         if jax.process_index() == 0:
             self.unreadable_directory.mkdir(exist_ok=True)
             for step in steps:
-                source = self.directory / str(step)
-                target = self.unreadable_directory / str(step)
-                suffix = 1
-                while target.exists():  # a step found unreadable once before
-                    target = self.unreadable_directory / f"{step}-{suffix}"
-                    suffix += 1
-                shutil.move(source, target)
+                target = _free_name(self.unreadable_directory / str(step))
+                shutil.move(self.directory / str(step), target)
                 warnings.warn(
                     f"moved the unreadable step {step} to {target}; resuming from step "
                     f"{restored_step}, and step {step} will be saved anew",
@@ -209,59 +272,82 @@ class Checkpointer:
             multihost_utils.sync_global_devices("jaxdist_checkpoint_moved_aside")
         self.manager.reload()
 
+    def check(self) -> None:
+        """:class:`CheckpointWriteError` if a background save has failed by now (does not
+        wait for one still running): a full disk stops the run at the next step."""
+        try:
+            self.manager.check_for_errors()
+        except Exception as err:
+            raise self._write_error(err) from err
+
     def wait(self) -> None:
-        """Block until background saves are on disk."""
-        self.manager.wait_until_finished()
+        """Block until background saves are on disk; :class:`CheckpointWriteError` if one
+        failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as err:
+            raise self._write_error(err) from err
+        self._writing = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            if not self._failed:
+                self.wait()
+        finally:
+            self.manager.close()
+
+    def _write_error(self, err: Exception) -> CheckpointWriteError:
+        """One line: which step could not be written where, why, and what is kept."""
+        step, self._writing, self._failed = self._writing, None, True
+        aborted_save_warnings_hidden()
+        complete = [s for s in self.steps() if s != step]
+        kept = f"step {complete[-1]} is the newest complete one" if complete else "none is kept"
+        return CheckpointWriteError(
+            f"cannot write the checkpoint of step {step} to {self.directory} "
+            f"({_os_error(err)}); {kept}"
+        )
 
 
-class _UnreadCheckpointFutures(logging.Filter):
-    """Drops asyncio's "Future exception was never retrieved" reports about reads under one
-    checkpoint directory: a failed restore leaves such futures behind, and they report when
-    collected, possibly at exit, long after the one-line warning said what failed."""
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__()
-        self.directory = str(directory)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        if record.exc_info and record.exc_info[1] is not None:
-            text += str(record.exc_info[1])
-        return not ("never retrieved" in text and self.directory in text)
+def _os_error(err: Exception) -> str:
+    """The operating system's reason inside a TensorStore error ("File too large (errno
+    27)"), or the error's first line."""
+    found = re.search(r"([^:]+) \[os_error_code='(\d+)'\]", str(err))
+    if found:
+        return f"{found.group(1).strip()} (errno {found.group(2)})"
+    return describe_error(err, limit=200)
 
 
-@contextlib.contextmanager
-def _library_noise_hidden(directory: Path, failures: list, settle_s: float = 0.2, most_s=3.0):
-    """Hide what TensorStore and asyncio print about failed reads of checkpoints under
-    ``directory``. A failed read leaves TensorStore threads calling back into orbax's closed
-    event loop, and each prints an "Event loop is closed" traceback to ``sys.stderr``: if
-    ``failures`` is not empty at the end, this waits until they have gone quiet for
-    ``settle_s`` (at most ``most_s``) before stderr comes back. The read's futures are
-    filtered out of the asyncio log for good."""
-    asyncio_log = logging.getLogger("asyncio")
-    if not any(
-        isinstance(f, _UnreadCheckpointFutures) and f.directory == str(directory)
-        for f in asyncio_log.filters
-    ):
-        asyncio_log.addFilter(_UnreadCheckpointFutures(directory))
-    captured = io.StringIO()
-    real = sys.stderr
-    sys.stderr = captured
-    try:
-        yield
-    finally:
-        if failures:
-            deadline = time.monotonic() + most_s
-            size = -1
-            while size != len(captured.getvalue()) and time.monotonic() < deadline:
-                size = len(captured.getvalue())
-                time.sleep(settle_s)
-            gc.collect()
-        sys.stderr = real
+def _free_name(path: Path) -> Path:
+    """``path``, or ``path-1``, ``path-2``, ... if taken (a step moved aside once before)."""
+    target, suffix = path, 1
+    while target.exists():
+        target = path.with_name(f"{path.name}-{suffix}")
+        suffix += 1
+    return target
+
+
+def _array_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """Dotted path -> shape of every array leaf (live, abstract or orbax metadata)."""
+    shapes = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if hasattr(leaf, "shape"):
+            parts = (getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path)
+            shapes[".".join(map(str, parts))] = tuple(leaf.shape)
+    return shapes
+
+
+def first_difference(saved: dict[str, tuple], expected: dict[str, tuple]) -> str | None:
+    """The first array (in the run's order) that is missing from ``saved`` or has another
+    shape there, or the first one ``saved`` has beyond ``expected``; None if they agree."""
+    for name, shape in expected.items():
+        if name not in saved:
+            return f"{name} {shape} is not in it"
+        if saved[name] != shape:
+            return f"{name} is {saved[name]} there and {shape} in this run"
+    extra = [name for name in saved if name not in expected]
+    if extra:
+        return f"it has {extra[0]} {saved[extra[0]]}, which this run has not"
+    return None
 
 
 def abstract_like(state: Any) -> Any:

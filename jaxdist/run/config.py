@@ -48,6 +48,13 @@ Fields:
   seed: parameter init, data order and augmentation.
   target_accuracy: top-1 at which the event log's ``run_stop`` says ``success``.
   max_steps: stop after this many steps in total (0: run all epochs); for smoke runs.
+  skip_nonfinite_steps: 0 stops the run at the first step whose loss is not finite, keeping
+    the last checkpoint saved before it; N > 0 skips such steps instead (the model stays as it
+    was, as loss scaling does) and stops only after N of them in a row.
+  watchdog_s: a process that finishes no step (and reads no batch) for this long reports
+    which step it is stuck in and what it waits for, writes every thread's stack to
+    ``WORKDIR/stuck-p<process>.txt`` and exits; compiling and evaluating are exempt.
+    0 disables it.
   pipeline: ``stages`` (0: no pipeline; else the size of the mesh's ``stage`` axis),
     ``microbatches`` per data-parallel replica and step, ``schedule`` (``gpipe``, ``1f1b``,
     ``interleaved``), ``chunks`` (model chunks per device, interleaved only) and
@@ -58,6 +65,7 @@ Fields:
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import importlib.util
 from collections.abc import Iterable
@@ -103,6 +111,19 @@ class ConfigError(ValueError):
     """A recipe, an override or a config value is malformed."""
 
     exit_code = 2  # the command line's usage error
+
+
+@contextlib.contextmanager
+def config_problems():
+    """A ValueError or TypeError while building from the config is a bad config value: one
+    :class:`ConfigError` (the original chained). Errors that carry their own ``exit_code``,
+    such as a missing dataset, pass unchanged."""
+    try:
+        yield
+    except (ValueError, TypeError) as err:
+        if hasattr(err, "exit_code"):
+            raise
+        raise ConfigError(f"the config cannot run here: {err}") from err
 
 
 def resolve_recipe_path(recipe: str | Path) -> Path:
@@ -275,6 +296,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.target_accuracy = 0.759
     c.max_steps = 0
+    c.skip_nonfinite_steps = 0
+    c.watchdog_s = 1800.0
     c.pipeline = ml_collections.ConfigDict(
         dict(stages=0, microbatches=1, schedule="1f1b", chunks=1, boundaries=())
     )

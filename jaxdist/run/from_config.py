@@ -1,6 +1,10 @@
 """The pieces a recipe's config names, built: the mesh, the model with cross-replica
 BatchNorm, the learning-rate schedule, the optimizer, and what a train step is built from.
-Each raises ``ValueError`` naming the config field when a value cannot work."""
+Each raises ``ValueError`` naming the config field when a value cannot work.
+
+A field set away from its default that does nothing with the rest of the config (``lr.power``
+with a cosine schedule, ``optimizer.trust_coefficient`` with SGD, ``unroll_limit`` with XLA's
+own all-reduce) is refused too: the run would silently ignore it."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from jax.sharding import Mesh
 
 from jaxdist import meshes, models
 from jaxdist.data.transforms import normalize
+from jaxdist.run.config import base_config
 from jaxdist.training import optim
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm
 
@@ -76,9 +81,35 @@ def build_model(
     )
 
 
+# Schedule fields each lr.kind reads beyond kind, peak, warmup_epochs and init_lr.
+LR_KIND_FIELDS = {
+    "cosine": ("end_lr",),
+    "poly": ("end_lr", "power"),
+    "constant": (),
+    "step": ("step_epochs", "step_factor"),
+}
+
+
+def refuse_unused(
+    section: str, values: ml_collections.ConfigDict, used: tuple[str, ...], chosen: str
+) -> None:
+    """Refuse a field of ``config.<section>`` outside ``used`` that differs from its default:
+    ``chosen`` (e.g. ``"lr.kind='cosine'"``) does not read it."""
+    defaults = base_config()[section]
+    for field, value in values.items():
+        default = defaults[field]
+        same = tuple(value) == tuple(default) if isinstance(default, tuple) else value == default
+        if field not in used and not same:
+            raise ValueError(f"{section}.{field}={value!r} does nothing with {chosen}; leave "
+                             f"it at its default ({default!r}) or choose what reads it")  # fmt: skip
+
+
 def build_lr_schedule(config: ml_collections.ConfigDict):
     """``epoch -> learning rate`` from ``config.lr``, ending at ``config.num_epochs``."""
     lr = config.lr
+    if lr.kind in LR_KIND_FIELDS:  # an unknown kind is optim.lr_schedule's to name
+        used = ("kind", "peak", "warmup_epochs", "init_lr", *LR_KIND_FIELDS[lr.kind])
+        refuse_unused("lr", lr, used, f"lr.kind={lr.kind!r}")
     return optim.lr_schedule(
         lr.kind,
         lr.peak,
@@ -100,6 +131,8 @@ def build_optimizer(
         raise ValueError(
             f"optimizer.name must be one of {sorted(OPTIMIZER_FIELDS)}, got {opt.name!r}"
         )
+    refuse_unused("optimizer", opt, ("name", *OPTIMIZER_FIELDS[opt.name]),
+                  f"optimizer.name={opt.name!r}")  # fmt: skip
     return optim.make_optimizer(
         opt.name, initial_lr, **{k: opt[k] for k in OPTIMIZER_FIELDS[opt.name]}
     )
@@ -156,10 +189,15 @@ class StepParts:
 
 def step_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The recipe's fields every step takes: how gradients are averaged and priced."""
+    if config.allreduce == "native" and config.unroll_limit != base_config().unroll_limit:
+        raise ValueError(f"unroll_limit={config.unroll_limit} shapes the ppermute schedules, "
+                         "and allreduce='native' is XLA's own all-reduce: choose a schedule "
+                         "(ring, torus2d, ...) or leave unroll_limit out")  # fmt: skip
     return {
         "allreduce": config.allreduce,
         "allreduce_options": {"unroll_limit": config.unroll_limit},
         "bucket_bytes": config.bucket_bytes,
         "links": config.links or None,
         "sfb_layers": sfb_layers_setting(config.sfb_layers),
+        "skip_nonfinite": config.skip_nonfinite_steps > 0,
     }

@@ -55,6 +55,13 @@ class Pipeline:
                 f"pipeline.stages={stages} but the mesh's {STAGE_AXIS!r} axis has "
                 f"{mesh.shape[STAGE_AXIS]} devices; make them equal"
             )
+        p = config.pipeline
+        if p.chunks != 1 and p.schedule != "interleaved":
+            raise ValueError(
+                f"pipeline.chunks={p.chunks} is for the interleaved schedule, and "
+                f"pipeline.schedule={p.schedule!r} keeps one chunk per device: set "
+                "pipeline.schedule=interleaved, or leave chunks out"
+            )
         self.config = config
         self.mesh = mesh
         self.data_axes: tuple[str, ...] = stage_data_axes(mesh, STAGE_AXIS)

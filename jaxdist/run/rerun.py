@@ -8,6 +8,10 @@ change what is computed may change freely (:data:`SAFE_TO_CHANGE`), ``num_epochs
 grow (a longer run, with its learning-rate schedule stretched to the new end), and a field
 added to the toolkit after the run started may appear at its default.
 
+What the config leaves to the machine is recorded beside it, under ``devices``: the mesh
+the run resolved (``mesh = ""`` takes every device there is), so a rerun on another device
+count is refused like any other change of what a step computes.
+
 Passing ``allow_change=True`` (``jaxdist train --allow-config-change``) continues anyway; the
 change is appended to ``WORKDIR/config_changes.jsonl`` and the recorded config becomes the new
 one, so the workdir says which steps ran under which settings.
@@ -32,10 +36,13 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 CHANGES_FILE = "config_changes.jsonl"
-# How long to train, how often to log, evaluate and checkpoint, and how the input is read: none
-# of them changes the numbers a step computes.
+# How long to train, how often to log, evaluate and checkpoint, how the input is read, how long
+# a stuck process is waited for and whether non-finite steps are skipped (a finite step computes
+# the same either way): none of them changes the numbers a step computes.
 SAFE_TO_CHANGE = (
     "max_steps",
+    "skip_nonfinite_steps",
+    "watchdog_s",
     "log_every_steps",
     "eval_every_epochs",
     "checkpoint.every_steps",
@@ -46,6 +53,7 @@ SAFE_TO_CHANGE = (
     "data.prefetch_batches",
 )
 MAY_GROW = ("num_epochs",)
+RESOLVED = "devices"  # config.json's section for what the run resolved on its machine
 MISSING = "<missing>"  # the value of a key that one of two configs does not have
 
 Difference = tuple[str, Any, Any]  # (dotted key, recorded value, new value)
@@ -94,6 +102,8 @@ def _added_at_its_default(difference: Difference) -> bool:
     """A field the toolkit added after the run started, at its default: the run already did
     what the default says (its value was built in before it became a field)."""
     key, old, new = difference
+    if old == MISSING and key.startswith(RESOLVED + "."):
+        return True  # recorded by a toolkit that did not record it yet: nothing to compare
     defaults = _defaults()
     return old == MISSING and key in defaults and new == defaults[key]
 
@@ -121,6 +131,7 @@ def check_rerun(
     *,
     allow_change: bool = False,
     write: bool = True,
+    devices: dict[str, Any] | None = None,
 ) -> list[Difference]:
     """Record ``config`` in a new workdir, or check it against the recorded one.
 
@@ -128,11 +139,14 @@ def check_rerun(
     rerun). Raises :class:`ConfigChangedError` for a difference outside
     :data:`SAFE_TO_CHANGE` and :data:`MAY_GROW` unless ``allow_change``. A workdir without
     checkpoints or metrics holds no run yet, so its recorded config is simply replaced.
-    ``write=False`` checks without writing (the processes other than 0).
+    ``write=False`` checks without writing (the processes other than 0). ``devices`` is what
+    the run resolved on this machine (``{"mesh": "data=8"}``), recorded and compared as the
+    ``devices`` section.
     """
     workdir = Path(workdir)
     path = workdir / CONFIG_FILE
-    new = flatten(config)
+    record = {**config.to_dict(), **({RESOLVED: dict(devices)} if devices else {})}
+    new = flatten(record)
     accepted: list[Difference] = []
     compared = path.exists() and _has_progress(workdir)
     if compared:
@@ -154,13 +168,13 @@ def check_rerun(
     if write and (accepted or not compared):  # an unchanged rerun leaves the record as it is
         workdir.mkdir(parents=True, exist_ok=True)
         if accepted:
-            record = {
+            change = {
                 "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "changes": [{"key": k, "old": old, "new": v} for k, old, v in accepted],
             }
             with open(workdir / CHANGES_FILE, "a") as changes:
-                changes.write(json.dumps(record) + "\n")
+                changes.write(json.dumps(change) + "\n")
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
+        tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         tmp.replace(path)
     return accepted

@@ -4,7 +4,8 @@ pipeline stages.
 The trainer asks :func:`for_recipe` once; from then on it sees only the
 :class:`~jaxdist.training.protocol.Step` interface. Every recipe field that shapes the step
 (``allreduce``, ``bucket_bytes``, ``unroll_limit``, ``links``, ``sfb_layers``) reaches either
-kind of step, which honours it or refuses it in one line.
+kind of step, which honours it or refuses it in one line; so does every ``pipeline`` field
+given to a recipe without pipeline stages.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import ml_collections
 from jax.sharding import Mesh
 
 from jaxdist.run import pipeline_config
+from jaxdist.run.config import base_config
 from jaxdist.run.from_config import StepParts
 from jaxdist.training.train_step import TrainStep, classifier_loss
 
@@ -23,6 +25,13 @@ class DataParallel:
     """The whole model on every device; every mesh axis splits the batch."""
 
     def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh) -> None:
+        defaults = base_config().pipeline
+        for field, value in config.pipeline.items():
+            if field != "stages" and value != defaults[field]:
+                raise ValueError(
+                    f"pipeline.{field}={value!r} is for a pipeline, and pipeline.stages=0 "
+                    "trains data-parallel: set pipeline.stages too, or leave it out"
+                )
         self.mesh = mesh
         self.data_axes: tuple[str, ...] = tuple(mesh.axis_names)
 

@@ -24,14 +24,17 @@ Around the steps: periodic evaluation (top-1/top-5 on the held-out split), progr
 ``eval_accuracy``, ``run_stop``; time-to-accuracy is ``run_stop - run_start`` when its
 status is ``success``) and checkpoints (:mod:`jaxdist.run.checkpoint`) every N steps, at the end
 and on SIGTERM. Only process 0 writes logs; every process takes part in checkpoints.
+
+What stops a run early keeps what it did: the workdir is locked against a second run
+(:mod:`~jaxdist.run.workdir_lock`); a non-finite loss stops it before anything non-finite is saved
+(:mod:`~jaxdist.run.nonfinite`); an unreadable data file stops it with a checkpoint of the
+steps before; a process stuck on one activity is reported and ended
+(:mod:`~jaxdist.run.watchdog`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import math
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,14 +42,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from jax.sharding import Mesh
 
-from jaxdist.data import DataConfig, make_pipeline
+from jaxdist.data import DataConfig, DatasetError, make_pipeline
 from jaxdist.data.transforms import normalize
 from jaxdist.run import rerun, steps
 from jaxdist.run.checkpoint import Checkpointer, PreemptionGuard, abstract_like
-from jaxdist.run.config import ConfigError, batch_stages
+from jaxdist.run.config import batch_stages, config_problems
 from jaxdist.run.from_config import (
     NormalizeOnDevice,
     StepParts,
@@ -56,7 +58,11 @@ from jaxdist.run.from_config import (
     build_optimizer,
     step_options,
 )
-from jaxdist.run.log import RunLog, describe_error, format_duration, last_eval
+from jaxdist.run.log import RunLog, describe_error, last_eval
+from jaxdist.run.loop import Loop, report
+from jaxdist.run.nonfinite import NonFiniteGuard
+from jaxdist.run.watchdog import Watchdog
+from jaxdist.run.workdir_lock import WorkdirLock
 from jaxdist.training.batch_schedule import BatchSchedule
 from jaxdist.training.batches import data_axes_of
 from jaxdist.training.eval_step import EvalStep, classifier_eval
@@ -64,42 +70,6 @@ from jaxdist.training.protocol import Step
 from jaxdist.training.train_step import TrainState
 
 __all__ = ["Trainer"]
-
-
-@contextlib.contextmanager
-def _config_problems():
-    """A ValueError or TypeError while building from the config is a bad config value: one
-    :class:`ConfigError` (the original chained). Errors that carry their own ``exit_code``,
-    such as a missing dataset, pass unchanged."""
-    try:
-        yield
-    except (ValueError, TypeError) as err:
-        if hasattr(err, "exit_code"):
-            raise
-        raise ConfigError(f"the config cannot run here: {err}") from err
-
-
-@dataclasses.dataclass
-class _Loop:
-    """What the training loop carries from one step to the next."""
-
-    state: TrainState
-    step: int
-    base_rng: jax.Array
-    data_state: dict | None = None
-    stage: int = -1
-    iterator: Any = None
-    epoch: float = 0.0
-    lr: float = 0.0
-    batch_size: int = 0
-    pending: list = dataclasses.field(default_factory=list)  # metrics since the last report
-    started: float = dataclasses.field(default_factory=time.perf_counter)
-    window_start: float = dataclasses.field(default_factory=time.perf_counter)
-    window_samples: int = 0
-    window_steps: int = 0
-    last_eval: dict = dataclasses.field(default_factory=dict)
-    reached_target: bool = False
-    preempted: bool = False
 
 
 class Trainer:
@@ -119,7 +89,7 @@ class Trainer:
         self.config = config
         self.workdir = Path(workdir)
         self.allow_config_change = allow_config_change
-        with _config_problems():
+        with config_problems():
             self._build(config, mesh)
 
     def _build(self, config: ml_collections.ConfigDict, mesh: Mesh | None) -> None:
@@ -139,6 +109,8 @@ class Trainer:
         self.total_steps = self.schedule.steps_for_epochs(config.num_epochs)
         if config.max_steps:
             self.total_steps = min(self.total_steps, config.max_steps)
+        self.nonfinite = NonFiniteGuard(config.skip_nonfinite_steps)
+        self.watchdog = Watchdog(config.watchdog_s, self.workdir)
         if config.eval_batch_size % self.num_replicas:
             raise ValueError(
                 f"eval_batch_size={config.eval_batch_size} must be a multiple of the "
@@ -165,6 +137,7 @@ class Trainer:
         )
         self.eval_step = EvalStep(classifier_eval(applied), self.mesh, data_axes=self.data_axes)
         self._train_steps: dict[int, Step] = {}
+        self._compiled_steps: list[Step] = []  # steps that ran once (compiling is not watched)
         # Steps that choose routes (auto) or send factors print their plan after a first step.
         self._shows_plans = config.allreduce == "auto" or bool(self._parts.options["sfb_layers"])
         self._plans_shown: list[Step] = []
@@ -213,11 +186,13 @@ class Trainer:
         ``already_finished`` when the workdir held a finished run (then nothing is trained or
         written, and the eval is the one recorded in its ``metrics.jsonl``).
         """
+        with WorkdirLock(self.workdir), self.watchdog:
+            return self._run(on_step)
+
+    def _run(self, on_step: Callable[[int, TrainState], None] | None) -> dict[str, Any]:
         cfg = self.config
         writer = jax.process_index() == 0
-        changes = rerun.check_rerun(
-            self.workdir, cfg, allow_change=self.allow_config_change, write=writer
-        )
+        changes = self._check_config(write=False)  # recorded once the checkpoint is read
         log = RunLog(self.workdir, enabled=writer)
         ckpt = Checkpointer(
             self.workdir / "checkpoints",
@@ -232,12 +207,10 @@ class Trainer:
                 return self._already_finished(loop, log)
             with PreemptionGuard(ckpt.manager) as guard:
                 while loop.step < self.total_steps and not loop.preempted:
-                    self._train_one_step(loop, log)
-                    self._report_progress(loop, log)
+                    self._train_one_step(loop, log, ckpt)
+                    self._report_progress(loop, log, ckpt)
                     self._evaluate_when_due(loop, log)
-                    meta = {"epoch": loop.epoch, "samples_seen": loop.iterator.next_sample}
-                    ckpt.save(loop.step, loop.state, loop.iterator.get_state(),
-                              {**meta, "stage": loop.stage})  # fmt: skip
+                    self._save(loop, ckpt)
                     if on_step is not None:
                         on_step(loop.step, loop.state)
                     loop.preempted = guard.preempted(loop.step)
@@ -246,6 +219,7 @@ class Trainer:
             failure = describe_error(err)
             raise
         finally:
+            self.watchdog.pause()
             ckpt.close()
             if loop is not None and loop.iterator is not None:
                 loop.iterator.close()
@@ -254,17 +228,18 @@ class Trainer:
         return {"step": loop.step, "epoch": loop.epoch, "preempted": loop.preempted,
                 **loop.last_eval}  # fmt: skip
 
-    def _resume(self, ckpt: Checkpointer, log: RunLog, changes: list) -> _Loop:
+    def _resume(self, ckpt: Checkpointer, log: RunLog, changes: list) -> Loop:
         """The loop's state: from the newest checkpoint, or fresh from the seed; the event log
         records the start and any accepted config change."""
         state = self.initial_state()
         step, data_state = 0, None
         if ckpt.steps():
             step, state, data_state, meta = ckpt.restore(abstract_like(state))
-            if step < self.total_steps:
-                log.progress(f"resumed from step {step} (epoch {meta['epoch']:.3f})", final=True)
+        self._check_config(write=jax.process_index() == 0)
+        if 0 < step < self.total_steps:
+            log.progress(f"resumed from step {step} (epoch {meta['epoch']:.3f})", final=True)
         base_rng = jax.random.PRNGKey(self.config.seed)
-        loop = _Loop(state=state, step=step, base_rng=base_rng, data_state=data_state)
+        loop = Loop(state=state, step=step, base_rng=base_rng, data_state=data_state)
         loop.epoch = self.schedule.epoch_at(step)
         if step < self.total_steps:
             cfg = self.config
@@ -277,7 +252,13 @@ class Trainer:
                 log.progress(f"config changed: {key} {old!r} -> {new!r}", final=True)
         return loop
 
-    def _already_finished(self, loop: _Loop, log: RunLog) -> dict[str, Any]:
+    def _check_config(self, write: bool) -> list:
+        """The accepted differences from the workdir's recorded config (and devices)."""
+        mesh = ",".join(f"{axis}={size}" for axis, size in self.mesh.shape.items())
+        return rerun.check_rerun(self.workdir, self.config, allow_change=self.allow_config_change,
+                                 write=write, devices={"mesh": mesh})  # fmt: skip
+
+    def _already_finished(self, loop: Loop, log: RunLog) -> dict[str, Any]:
         """A rerun of a finished run: say so, train nothing, append nothing."""
         log.progress(
             f"already finished: step {loop.step} of {self.total_steps} (epoch {loop.epoch:.2f}); "
@@ -288,23 +269,34 @@ class Trainer:
         return {"step": loop.step, "epoch": loop.epoch, "preempted": False,
                 "already_finished": True, **last_eval(self.workdir)}  # fmt: skip
 
-    def _train_one_step(self, loop: _Loop, log: RunLog) -> None:
+    def _train_one_step(self, loop: Loop, log: RunLog, ckpt: Checkpointer) -> None:
         """One step: a new stage's iterator and step if the step starts one, the epoch's LR,
         the step's RNG."""
         step = loop.step
-        if self.schedule.stage_index_at(step) != loop.stage:
-            loop.stage = self.schedule.stage_index_at(step)
-            loop.iterator = self._open_iterator(step, loop.iterator, loop.data_state)
-            loop.data_state = None
         epoch = self.schedule.epoch_at(step)
         if step == 0 or math.floor(epoch) > math.floor(self.schedule.epoch_at(step - 1)):
             log.event("epoch_start", epoch_num=math.floor(epoch) + 1, step=step)
+        self.watchdog.watch(step, "reading the input batch of")
+        try:
+            if self.schedule.stage_index_at(step) != loop.stage:
+                loop.stage = self.schedule.stage_index_at(step)
+                loop.iterator = self._open_iterator(step, loop.iterator, loop.data_state)
+                loop.data_state = None
+            batch = next(loop.iterator)
+        except DatasetError as err:
+            raise self._stopped_by_data(err, loop, ckpt) from err
         train_step = self.train_step_for(loop.stage)
-        batch = train_step.shard_batch(next(loop.iterator))
+        batch = train_step.shard_batch(batch)
         loop.lr = float(self.lr_fn(epoch))
         loop.state = train_step.set_learning_rate(loop.state, loop.lr)
         rng = jax.random.fold_in(loop.base_rng, step)
+        if train_step in self._compiled_steps:
+            self.watchdog.watch(step, "running")
+        else:  # the first call compiles: its time grows with the model, not with a hang
+            self.watchdog.pause()
         loop.state, metrics = train_step(loop.state, batch, rng)
+        if train_step not in self._compiled_steps:
+            self._compiled_steps.append(train_step)
         self._show_gradient_plan(train_step, log)
         loop.step += 1
         loop.batch_size = self.schedule.batch_size_at(step)
@@ -324,31 +316,39 @@ class Trainer:
         for line in train_step.plan().table().splitlines():
             log.progress(line, final=True)
 
-    def _report_progress(self, loop: _Loop, log: RunLog) -> None:
-        """Every ``log_every_steps``: the mean metrics since the last report to
-        ``metrics.jsonl`` and a progress line with the elapsed time and an ETA from the recent
-        step rate."""
-        if not (loop.step % self.config.log_every_steps == 0 or loop.step == self.total_steps):
-            return
-        fetched = jax.device_get(loop.pending)
-        means = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
-        now = time.perf_counter()
-        window = now - loop.window_start
-        record = {"kind": "train", "step": loop.step, "epoch": loop.epoch, "lr": loop.lr,
-                  "batch_size": loop.batch_size,
-                  "images_per_sec": loop.window_samples / window, **means}  # fmt: skip
-        log.metrics(record)
-        eta = (self.total_steps - loop.step) * window / loop.window_steps
-        log.progress(
-            f"step {loop.step}/{self.total_steps} | epoch {loop.epoch:.2f} | "
-            f"{record['images_per_sec']:.0f} img/s | loss {means['loss']:.4f} | "
-            f"lr {loop.lr:.4g} | batch {loop.batch_size} | "
-            f"{format_duration(now - loop.started)} elapsed, eta {format_duration(eta)}"
-        )
-        loop.pending, loop.window_start = [], now
-        loop.window_samples = loop.window_steps = 0
+    def _report_progress(self, loop: Loop, log: RunLog, ckpt: Checkpointer) -> None:
+        """Every ``log_every_steps``: :func:`~jaxdist.run.loop.report`; a non-finite loss stops
+        the run here (after its record is written)."""
+        if loop.step % self.config.log_every_steps == 0 or loop.step == self.total_steps:
+            fetched = report(loop, log, self.total_steps)
+            self.nonfinite.check_steps(loop.step, fetched, _kept(ckpt))
 
-    def _evaluate_when_due(self, loop: _Loop, log: RunLog) -> None:
+    def _save(self, loop: Loop, ckpt: Checkpointer, force: bool = False) -> None:
+        """A checkpoint when one is due (or ``force``), of finite steps and parameters only;
+        a failed background save stops the run at the step after it."""
+        ckpt.check()
+        if not (force or ckpt.should_save(loop.step)):
+            return
+        self.watchdog.watch(loop.step, "saving the checkpoint of")
+        self.nonfinite.check_steps(loop.step, jax.device_get(loop.pending), _kept(ckpt))
+        self.nonfinite.check_params(loop.step, loop.state.params, _kept(ckpt))
+        meta = {"epoch": loop.epoch, "stage": loop.stage,
+                "samples_seen": loop.iterator.next_sample}  # fmt: skip
+        ckpt.save(loop.step, loop.state, loop.iterator.get_state(), meta, force=force)
+
+    def _stopped_by_data(self, err: DatasetError, loop: Loop, ckpt: Checkpointer):
+        """The error to stop with when the input cannot be read: with one process, after a
+        checkpoint of the steps done, so that a rerun resumes there once the data is fixed
+        (with several, the others cannot join this save: the newest saved step is kept)."""
+        if jax.process_count() == 1 and loop.step > 0 and loop.iterator is not None:
+            self.nonfinite.check_params(loop.step, loop.state.params, _kept(ckpt))
+            meta = {"epoch": loop.epoch, "stage": loop.stage,
+                    "samples_seen": loop.iterator.next_sample}  # fmt: skip
+            ckpt.save(loop.step, loop.state, loop.iterator.position_state(), meta, force=True)
+            ckpt.wait()
+        return DatasetError(f"{err}; the run stopped at step {loop.step} ({_kept(ckpt)})")
+
+    def _evaluate_when_due(self, loop: Loop, log: RunLog) -> None:
         """Top-1/top-5 every ``eval_every_epochs`` and at the end; the first eval at or above
         ``target_accuracy`` is logged as reached."""
         every = self.config.eval_every_epochs
@@ -356,6 +356,7 @@ class Trainer:
         due = every > 0 and math.floor(loop.epoch / every) > math.floor(previous / every)
         if not (loop.step == self.total_steps or due):
             return
+        self.watchdog.pause()
         loop.last_eval = self.evaluate(loop.state)
         top1, epoch = loop.last_eval["top1"], loop.epoch
         log.metrics({"kind": "eval", "step": loop.step, "epoch": epoch, **loop.last_eval})
@@ -366,12 +367,11 @@ class Trainer:
             loop.reached_target = True
             log.event("target_reached", top1, epoch_num=epoch)
 
-    def _finish(self, loop: _Loop, ckpt: Checkpointer, log: RunLog) -> None:
+    def _finish(self, loop: Loop, ckpt: Checkpointer, log: RunLog) -> None:
         """The final checkpoint and the ``run_stop`` event."""
         if loop.step > 0 and loop.iterator is not None:
-            meta = {"epoch": loop.epoch, "stage": loop.stage,
-                    "samples_seen": loop.iterator.next_sample}  # fmt: skip
-            ckpt.save(loop.step, loop.state, loop.iterator.get_state(), meta, force=True)
+            self._save(loop, ckpt, force=True)
+            ckpt.wait()
         if loop.preempted:
             log.event("run_stop", status="aborted", reason="preempted (SIGTERM)",
                       step=loop.step, epoch=loop.epoch)  # fmt: skip
@@ -395,3 +395,9 @@ class Trainer:
                 f"{start} samples at step {step}; the checkpoint belongs to another schedule"
             )
         return iterator
+
+
+def _kept(ckpt: Checkpointer) -> str:
+    """Which checkpoint a run that stops now leaves to resume from."""
+    steps = ckpt.steps()
+    return f"the newest checkpoint, step {steps[-1]}, is kept" if steps else "no checkpoint yet"

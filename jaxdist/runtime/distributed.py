@@ -327,20 +327,22 @@ def _configure_cpu_collectives(implementation: str, timeout_s: int) -> None:
 
 
 def _join_watchdog(who: str, group: ProcessGroup, timeout_s: int) -> threading.Timer:
-    """A started timer that says, just before the join times out, who waited on what: when
-    peers never show up, JAX's runtime aborts the process from C++ (a fatal
-    DEADLINE_EXCEEDED) rather than raising."""
-    watchdog = threading.Timer(
-        max(timeout_s - 1.0, 0.9 * timeout_s),
-        lambda: print(
+    """A started timer that, just before the join times out, says who waited on what and ends
+    the process with exit status 1: when peers never show up, JAX's runtime would abort the
+    process from C++ (a fatal DEADLINE_EXCEEDED with a native stack) rather than raise."""
+
+    def give_up() -> None:
+        print(
             f"jaxdist: {who} has waited {timeout_s} s for all processes to join at coordinator "
-            f"{group.coordinator_address or '(auto)'} and gives up now (the JAX runtime aborts "
-            f"with DEADLINE_EXCEEDED). Check that every process started, got the same "
-            f"coordinator address and process count, and can reach the port.",
+            f"{group.coordinator_address or '(auto)'} and gives up. Check that every process "
+            f"started, got the same coordinator address and process count, and can reach the "
+            f"port.",
             file=sys.stderr,
             flush=True,
-        ),
-    )
+        )
+        os._exit(DistributedInitError.exit_code)
+
+    watchdog = threading.Timer(max(timeout_s - 1.0, 0.9 * timeout_s), give_up)
     watchdog.daemon = True
     watchdog.start()
     return watchdog

@@ -68,13 +68,27 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def finish_scaled_step(state: Any, new_state: Any, finite: jax.Array | None, metrics: dict):
-    """A train step's ``(new_state, metrics)`` under a loss scale: a step whose gradients held
-    inf/NaN (``finite`` false) changes nothing but the step count and the (lowered) scale;
-    the metrics gain the scale and the verdict. Without a loss scale, both pass unchanged.
-    ``state`` and ``new_state`` are train states with ``step`` and ``loss_scale`` fields."""
-    if state.loss_scale is None:
+def finish_scaled_step(
+    state: Any,
+    new_state: Any,
+    finite: jax.Array | None,
+    metrics: dict,
+    *,
+    report_skipped: bool = False,
+):
+    """A train step's ``(new_state, metrics)`` given its verdict ``finite``: a step whose
+    gradients (or loss) held inf/NaN changes nothing but the step count and, under a loss
+    scale, the (lowered) scale. Under a loss scale the metrics gain the scale and the
+    verdict (``grads_finite``); with ``report_skipped`` they gain ``skipped`` (the verdict's
+    negation, for a trainer that counts skipped steps). ``finite=None`` (no verdict) passes
+    both unchanged. ``state`` and ``new_state`` are train states with ``step`` and
+    ``loss_scale`` fields."""
+    if finite is None:
         return new_state, metrics
     new_state = select_tree(finite, new_state, state.replace(step=state.step + 1))
+    if report_skipped:
+        metrics = {**metrics, "skipped": jnp.logical_not(finite)}
+    if state.loss_scale is None:
+        return new_state, metrics
     new_state = new_state.replace(loss_scale=state.loss_scale.update(finite))
     return new_state, {**metrics, "loss_scale": state.loss_scale.scale, "grads_finite": finite}

@@ -112,6 +112,10 @@ class TrainStep:
         (SGD, momentum, Adam, ...): per-layer rules (LARS trust ratios, masks by ndim) need the
         whole layer and are not supported with it.
       loss_scale: a :class:`DynamicLossScale` for float16 training, or ``None``.
+      skip_nonfinite: a step whose loss, gradients or updated parameters hold inf/NaN leaves
+        the state as it was (but for the step count), as loss scaling does, and reports
+        ``skipped`` in its metrics; without it such a step is applied and the trainer stops
+        at it.
       donate: donate the state buffers to the step; ``None`` (default): on accelerators only,
         see :func:`~jaxdist.training.step_options.donation_default`.
       max_in_flight: how many calls may be queued at once; a call waits for the oldest to
@@ -135,6 +139,7 @@ class TrainStep:
         accumulation_steps: int = 1,
         zero1: bool = False,
         loss_scale: DynamicLossScale | None = None,
+        skip_nonfinite: bool = False,
         donate: bool | None = None,
         max_in_flight: dispatch.Limit = "auto",
     ):
@@ -168,6 +173,7 @@ class TrainStep:
         self.accumulation_steps = accumulation_steps
         self.zero1 = zero1
         self.loss_scale = loss_scale
+        self.skip_nonfinite = skip_nonfinite
         self.donate = donation_default(mesh) if donate is None else donate
         self.num_replicas = math.prod(self.axis_sizes)
         self.trace_count = 0  # how many times the step was traced (compiled); tests guard on it
@@ -320,6 +326,7 @@ class TrainStep:
                 self.data_axes,
                 self._zero_size,
                 self.allreduce_options,
+                check_finite=self.skip_nonfinite,
             )
         else:
             if self.allreduce != NO_ALLREDUCE:
@@ -327,14 +334,18 @@ class TrainStep:
             if state.loss_scale is not None:
                 grads = state.loss_scale.unscale(grads)
             # Same on every device: they all hold the same reduced gradients.
-            finite = None if state.loss_scale is None else all_finite(grads)
+            checked = state.loss_scale is not None or self.skip_nonfinite
+            finite = all_finite(grads) if checked else None
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
 
         new_state = state.replace(
             step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
         )
-        return finish_scaled_step(state, new_state, finite, {**metrics, "loss": loss})
+        if self.skip_nonfinite:  # nor may a finite step's update leave inf parameters
+            finite = finite & jnp.isfinite(loss) & all_finite(params)
+        return finish_scaled_step(state, new_state, finite, {**metrics, "loss": loss},
+                                  report_skipped=self.skip_nonfinite)  # fmt: skip
 
     # ------------------------------------------------------------------ the gradient plan
 

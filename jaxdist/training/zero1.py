@@ -32,12 +32,14 @@ def zero1_update(
     axes: str | tuple[str, ...],
     zero_size: int,
     options: Mapping[str, Any],
+    check_finite: bool = False,
 ) -> tuple[Any, Any, jax.Array | None]:
     """``(new params, new optimizer state, gradients finite or None)`` for a train state whose
     optimizer state holds this device's slice of a ``zero_size`` vector (the parameters
     flattened and padded to a multiple of the device count). ``options``: the train step's
     allreduce options; those every schedule takes, and ``transfer_dtype`` for the gradients,
-    go to the ring reduce-scatter and all-gather."""
+    go to the ring reduce-scatter and all-gather. The verdict is computed under a loss scale
+    or when ``check_finite``."""
     num_replicas = collectives.axis_size(axes)
     flat_grads = collectives.pack(jax.tree.leaves(grads), jnp.float32)
     flat_params = collectives.pack(jax.tree.leaves(state.params), jnp.float32)
@@ -52,6 +54,7 @@ def zero1_update(
     finite = None
     if state.loss_scale is not None:
         grad_slice = grad_slice / state.loss_scale.scale
+    if state.loss_scale is not None or check_finite:
         # Each device checks only its slice; the step is skipped everywhere if one is bad.
         with jax.named_scope(LOSS_SCALE_SCOPE):
             finite = lax.pmin(all_finite(grad_slice).astype(jnp.int32), axes) > 0

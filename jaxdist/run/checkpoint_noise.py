@@ -1,0 +1,125 @@
+"""What orbax, TensorStore and asyncio print when a checkpoint read or write fails, kept off
+the terminal: the checkpointer reports each failure in one line of its own.
+
+A failed read or write leaves TensorStore threads calling back into orbax's closed event loop
+(each prints an "Event loop is closed" traceback), asyncio futures whose exceptions nobody
+retrieved, and orbax's background threads log every failure with its stack before the main
+thread re-raises it. :func:`failed_reads_hidden` hides them around a restore;
+:func:`failed_writes_reported` drops them for one checkpoint directory, since every failed
+write is raised to the trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import logging
+import sys
+import time
+import warnings
+from pathlib import Path
+
+__all__: list[str] = []
+
+
+class _UnretrievedFutures(logging.Filter):
+    """Drops asyncio's "exception was never retrieved" reports about reads or writes under one
+    checkpoint directory: a failed restore or save leaves such futures behind, and they report
+    when collected, possibly at exit, long after the one line said what failed."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = str(directory)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if record.exc_info and record.exc_info[1] is not None:
+            text += str(record.exc_info[1])
+        return not ("never retrieved" in text and self.directory in text)
+
+
+@contextlib.contextmanager
+def failed_reads_hidden(directory: Path, failures: list, settle_s: float = 0.2, most_s=3.0):
+    """Hide what TensorStore and asyncio print about failed reads of checkpoints under
+    ``directory``. A failed read leaves TensorStore threads calling back into orbax's closed
+    event loop, and each prints an "Event loop is closed" traceback to ``sys.stderr``: if
+    ``failures`` is not empty at the end, this waits until they have gone quiet for
+    ``settle_s`` (at most ``most_s``) before stderr comes back. The read's futures are
+    filtered out of the asyncio log for good."""
+    _unretrieved_futures_dropped(directory)
+    captured = io.StringIO()
+    real = sys.stderr
+    sys.stderr = captured
+    try:
+        yield
+    finally:
+        if failures:
+            deadline = time.monotonic() + most_s
+            size = -1
+            while size != len(captured.getvalue()) and time.monotonic() < deadline:
+                size = len(captured.getvalue())
+                time.sleep(settle_s)
+            gc.collect()
+        sys.stderr = real
+
+
+def _unretrieved_futures_dropped(directory: Path) -> None:
+    """From now on, for good (they report at exit too): :class:`_UnretrievedFutures`."""
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(
+        isinstance(f, _UnretrievedFutures) and f.directory == str(directory)
+        for f in asyncio_log.filters
+    ):
+        asyncio_log.addFilter(_UnretrievedFutures(directory))
+
+
+class _FailedWriteLogs(logging.Filter):
+    """Drops orbax's error logs about a save into one directory (re-raised by the save)."""
+
+    # orbax's own line when waiting on a failed save; it names no directory
+    WAIT_FAILED = "Save Finalize thread (save_finalize) failed"
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = str(directory)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        text = record.getMessage()
+        return not (self.directory in text or self.WAIT_FAILED in text)
+
+
+def _closed_loop_callbacks_dropped(previous):
+    """An unraisable-exception hook that drops TensorStore's callbacks into orbax's closed
+    event loop and passes everything else to ``previous``."""
+
+    def hook(unraisable) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.jaxdist_drops_closed_loop_callbacks = True
+    return hook
+
+
+def failed_writes_reported(directory: Path) -> None:
+    """From now on, for good: orbax's logs of failed writes under ``directory``, TensorStore's
+    callbacks into closed loops and unretrieved futures of those writes stay unprinted (orbax's
+    threads keep logging after the failure was raised, up to the process's exit)."""
+    _unretrieved_futures_dropped(directory)
+    absl_log = logging.getLogger("absl")
+    if not any(
+        isinstance(f, _FailedWriteLogs) and f.directory == str(directory) for f in absl_log.filters
+    ):
+        absl_log.addFilter(_FailedWriteLogs(directory))
+    if not getattr(sys.unraisablehook, "jaxdist_drops_closed_loop_callbacks", False):
+        sys.unraisablehook = _closed_loop_callbacks_dropped(sys.unraisablehook)
+
+
+def aborted_save_warnings_hidden() -> None:
+    """An aborted save leaves coroutines never awaited; Python warns about each at exit."""
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
+                            category=RuntimeWarning)  # fmt: skip
