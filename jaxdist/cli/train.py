@@ -33,6 +33,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "print it and exit",
     )
     p.add_argument(
+        "--profile-steps",
+        metavar="FIRST:LAST",
+        default=None,
+        help="write a jax.profiler trace of steps FIRST to LAST (as the progress lines number "
+        "them) to WORKDIR/profile, for TensorBoard's profile plugin, XProf or Perfetto",
+    )
+    p.add_argument(
         "--allow-config-change",
         action="store_true",
         help="resume a workdir whose run was started with another config; the change is "
@@ -55,13 +62,16 @@ def add_set_argument(p: argparse.ArgumentParser, example: str) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     from jaxdist.run import config as config_lib
+    from jaxdist.run.profile import parse_profile_steps
 
+    steps = None if args.profile_steps is None else parse_profile_steps(args.profile_steps)
     path = config_lib.resolve_recipe_path(args.recipe)
     config = config_lib.apply_overrides(config_lib.load_recipe(path), args.overrides)
     from jaxdist.run.trainer import Trainer
 
     workdir = Path(args.workdir or Path("runs") / path.stem)
-    trainer = Trainer(config, workdir, allow_config_change=args.allow_config_change)
+    trainer = Trainer(config, workdir, allow_config_change=args.allow_config_change,
+                      profile_steps=steps)  # fmt: skip
     if args.print_config:
         print(config)
         return 0
@@ -73,18 +83,19 @@ def run_train(args: argparse.Namespace) -> int:
     done = "already finished" if summary.get("already_finished") else "done"
     print(f"{done}: step {summary['step']}, epoch {summary['epoch']:.2f}"
           + (f"; {evals}" if evals else ""))  # fmt: skip
-    print(where_results_are(workdir))
+    print(where_results_are(workdir, steps))
     return 0
 
 
-def where_results_are(workdir: Path) -> str:
+def where_results_are(workdir: Path, profiled: tuple[int, int] | None = None) -> str:
     """The closing lines of a run: what its workdir holds and what to run next."""
-    return "\n".join(
-        [
-            f"results in {workdir}/:",
-            "  metrics.jsonl   train and eval metrics, one JSON record per line",
-            "  events.log      MLPerf-style events (run_start ... run_stop)",
-            "  checkpoints/    the newest checkpoints; rerunning this command resumes from them",
-            f"curves: jaxdist plot {workdir}",
-        ]
-    )
+    lines = [
+        f"results in {workdir}/:",
+        "  metrics.jsonl   train and eval metrics, one JSON record per line",
+        "  events.log      MLPerf-style events (run_start ... run_stop)",
+        "  checkpoints/    the newest checkpoints; rerunning this command resumes from them",
+    ]
+    if profiled is not None:
+        lines.append(f"  profile/        a trace of steps {profiled[0]} to {profiled[1]}: "
+                     f"tensorboard --logdir {workdir}/profile, or ui.perfetto.dev")  # fmt: skip
+    return "\n".join([*lines, f"curves: jaxdist plot {workdir}"])

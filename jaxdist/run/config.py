@@ -51,6 +51,9 @@ Fields:
   skip_nonfinite_steps: 0 stops the run at the first step whose loss is not finite, keeping
     the last checkpoint saved before it; N > 0 skips such steps instead (the model stays as it
     was, as loss scaling does) and stops only after N of them in a row.
+  tensorboard: ``"auto"`` writes TensorBoard summaries to ``WORKDIR/tensorboard`` when the
+    writer is installed (``pip install 'jaxdist[tensorboard]'``), ``"on"`` requires it,
+    ``"off"`` never writes (:mod:`jaxdist.run.tensorboard`).
   watchdog_s: a process that finishes no step (and reads no batch) for this long reports
     which step it is stuck in and what it waits for, writes every thread's stack to
     ``WORKDIR/stuck-p<process>.txt`` and exits; compiling and evaluating are exempt.
@@ -298,6 +301,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.max_steps = 0
     c.skip_nonfinite_steps = 0
     c.watchdog_s = 1800.0
+    c.tensorboard = "auto"
     c.pipeline = ml_collections.ConfigDict(
         dict(stages=0, microbatches=1, schedule="1f1b", chunks=1, boundaries=())
     )

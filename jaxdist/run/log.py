@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxdist.run.tensorboard import SummaryWriter
+
 __all__ = [
     "RunLog",
     "read_metrics",
@@ -77,7 +79,7 @@ class RunLog:
     """``metrics.jsonl``, ``events.log`` (MLPerf ``:::MLLOG`` lines) and progress output;
     everything is a no-op on processes other than 0."""
 
-    def __init__(self, workdir: Path, enabled: bool) -> None:
+    def __init__(self, workdir: Path, enabled: bool, tensorboard: str = "auto") -> None:
         self.enabled = enabled
         self.tty = sys.stdout.isatty()
         self.running = False  # between run_start and run_stop
@@ -88,12 +90,8 @@ class RunLog:
             _end_with_newline(workdir / "events.log")
             self._metrics = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115
             self._events = open(workdir / "events.log", "a")  # noqa: SIM115
-            try:  # TensorBoard only if a writer is installed; JSONL is the record either way.
-                from tensorboardX import SummaryWriter
-
-                self._tensorboard = SummaryWriter(str(workdir / "tensorboard"))
-            except ImportError:
-                pass
+            # JSONL is the record; TensorBoard's summaries are a view of it.
+            self._tensorboard = SummaryWriter(workdir / "tensorboard", tensorboard)
 
     def event(self, key: str, value: Any = None, **metadata: Any) -> None:
         """One MLPerf-style event line with a millisecond timestamp."""
@@ -120,10 +118,12 @@ class RunLog:
             return
         self._metrics.write(json.dumps(record) + "\n")
         self._metrics.flush()
-        if self._tensorboard is not None:
-            for key, value in record.items():
-                if key not in ("kind", "step") and isinstance(value, float | int):
-                    self._tensorboard.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+        self._tensorboard.scalars(record)
+
+    def hyperparameters(self, config: dict[str, Any]) -> None:
+        """The run's flattened config, for TensorBoard's HParams dashboard."""
+        if self.enabled:
+            self._tensorboard.hyperparameters(config)
 
     def progress(self, line: str, final: bool = False) -> None:
         """One status line: rewritten in place on a terminal, appended otherwise."""

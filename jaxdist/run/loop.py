@@ -1,4 +1,5 @@
-"""What the training loop carries from one step to the next, and its progress report."""
+"""What the training loop carries from one step to the next, its data iterator at a stage
+boundary, and its progress report."""
 
 from __future__ import annotations
 
@@ -60,3 +61,21 @@ def report(loop: Loop, log: RunLog, total_steps: int) -> list[dict]:
     loop.pending, loop.window_start = [], now
     loop.window_samples = loop.window_steps = 0
     return fetched
+
+
+def open_iterator(pipeline: Any, schedule: Any, step: int, loop: Loop) -> Any:
+    """The data iterator for the batch-size stage ``step`` is in, continuing the global stream
+    where ``loop`` left it (its checkpointed ``data_state``, if any); the previous stage's
+    iterator is closed."""
+    if loop.iterator is not None:
+        loop.iterator.close()
+    start = schedule.samples_seen(step)
+    iterator = pipeline.train_iterator(schedule.batch_size_at(step), start_sample=start)
+    if loop.data_state is not None:
+        iterator.set_state(loop.data_state)
+    if iterator.next_sample != start:
+        raise RuntimeError(
+            f"data position {iterator.next_sample} does not match the batch schedule's "
+            f"{start} samples at step {step}; the checkpoint belongs to another schedule"
+        )
+    return iterator

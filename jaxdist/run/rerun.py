@@ -36,13 +36,15 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 CHANGES_FILE = "config_changes.jsonl"
-# How long to train, how often to log, evaluate and checkpoint, how the input is read, how long
-# a stuck process is waited for and whether non-finite steps are skipped (a finite step computes
+# How long to train, how often to log, evaluate and checkpoint, what summaries are written, how
+# the input is read, how long a stuck process is waited for and whether non-finite steps are
+# skipped (a finite step computes
 # the same either way): none of them changes the numbers a step computes.
 SAFE_TO_CHANGE = (
     "max_steps",
     "skip_nonfinite_steps",
     "watchdog_s",
+    "tensorboard",
     "log_every_steps",
     "eval_every_epochs",
     "checkpoint.every_steps",

@@ -59,8 +59,10 @@ from jaxdist.run.from_config import (
     step_options,
 )
 from jaxdist.run.log import RunLog, describe_error, last_eval
-from jaxdist.run.loop import Loop, report
+from jaxdist.run.loop import Loop, open_iterator, report
 from jaxdist.run.nonfinite import NonFiniteGuard
+from jaxdist.run.profile import StepProfiler
+from jaxdist.run.tensorboard import check_mode
 from jaxdist.run.watchdog import Watchdog
 from jaxdist.run.workdir_lock import WorkdirLock
 from jaxdist.training.batch_schedule import BatchSchedule
@@ -76,7 +78,8 @@ class Trainer:
     """Train ``config`` (a recipe's ConfigDict, see :func:`jaxdist.run.config.base_config`),
     writing logs and checkpoints under ``workdir``; :meth:`run` resumes from the newest
     checkpoint there, if any. ``mesh`` replaces the recipe's (a mesh of compile-only devices,
-    :mod:`jaxdist.aot`, lets its steps be compiled but not run)."""
+    :mod:`jaxdist.aot`, lets its steps be compiled but not run). ``profile_steps=(first,
+    last)`` traces those steps into ``WORKDIR/profile`` (:mod:`jaxdist.run.profile`)."""
 
     def __init__(
         self,
@@ -85,12 +88,15 @@ class Trainer:
         *,
         allow_config_change: bool = False,
         mesh: Mesh | None = None,
+        profile_steps: tuple[int, int] | None = None,
     ) -> None:
         self.config = config
         self.workdir = Path(workdir)
         self.allow_config_change = allow_config_change
+        self.profiler = StepProfiler(profile_steps, self.workdir)
         with config_problems():
             self._build(config, mesh)
+        self.profiler.check(1, self.total_steps)
 
     def _build(self, config: ml_collections.ConfigDict, mesh: Mesh | None) -> None:
         """Everything the config describes: mesh, data, batch plan, model, loss, optimizer and
@@ -110,6 +116,7 @@ class Trainer:
         if config.max_steps:
             self.total_steps = min(self.total_steps, config.max_steps)
         self.nonfinite = NonFiniteGuard(config.skip_nonfinite_steps)
+        check_mode(config.tensorboard)
         self.watchdog = Watchdog(config.watchdog_s, self.workdir)
         if config.eval_batch_size % self.num_replicas:
             raise ValueError(
@@ -193,7 +200,7 @@ class Trainer:
         cfg = self.config
         writer = jax.process_index() == 0
         changes = self._check_config(write=False)  # recorded once the checkpoint is read
-        log = RunLog(self.workdir, enabled=writer)
+        log = RunLog(self.workdir, enabled=writer, tensorboard=cfg.tensorboard)
         ckpt = Checkpointer(
             self.workdir / "checkpoints",
             every_steps=cfg.checkpoint.every_steps,
@@ -220,6 +227,7 @@ class Trainer:
             raise
         finally:
             self.watchdog.pause()
+            self.profiler.stop()
             ckpt.close()
             if loop is not None and loop.iterator is not None:
                 loop.iterator.close()
@@ -236,6 +244,7 @@ class Trainer:
         if ckpt.steps():
             step, state, data_state, meta = ckpt.restore(abstract_like(state))
         self._check_config(write=jax.process_index() == 0)
+        self.profiler.check(step + 1, self.total_steps)
         if 0 < step < self.total_steps:
             log.progress(f"resumed from step {step} (epoch {meta['epoch']:.3f})", final=True)
         base_rng = jax.random.PRNGKey(self.config.seed)
@@ -244,6 +253,7 @@ class Trainer:
         if step < self.total_steps:
             cfg = self.config
             log.event("run_start", resumed_step=step, workdir=str(self.workdir))
+            log.hyperparameters(rerun.flatten(cfg))
             log.event("global_batch_size", cfg.batch_size,
                       batch_ramp=list(map(list, cfg.batch_ramp)))  # fmt: skip
             log.event("opt_name", cfg.optimizer.name, peak_lr=cfg.lr.peak)
@@ -276,11 +286,11 @@ class Trainer:
         epoch = self.schedule.epoch_at(step)
         if step == 0 or math.floor(epoch) > math.floor(self.schedule.epoch_at(step - 1)):
             log.event("epoch_start", epoch_num=math.floor(epoch) + 1, step=step)
-        self.watchdog.watch(step, "reading the input batch of")
+        self.watchdog.watch(step + 1, "reading the input batch of")
         try:
             if self.schedule.stage_index_at(step) != loop.stage:
                 loop.stage = self.schedule.stage_index_at(step)
-                loop.iterator = self._open_iterator(step, loop.iterator, loop.data_state)
+                loop.iterator = open_iterator(self.pipeline, self.schedule, step, loop)
                 loop.data_state = None
             batch = next(loop.iterator)
         except DatasetError as err:
@@ -291,10 +301,11 @@ class Trainer:
         loop.state = train_step.set_learning_rate(loop.state, loop.lr)
         rng = jax.random.fold_in(loop.base_rng, step)
         if train_step in self._compiled_steps:
-            self.watchdog.watch(step, "running")
+            self.watchdog.watch(step + 1, "running")
         else:  # the first call compiles: its time grows with the model, not with a hang
             self.watchdog.pause()
-        loop.state, metrics = train_step(loop.state, batch, rng)
+        with self.profiler.step(step + 1, lambda: loop.state):
+            loop.state, metrics = train_step(loop.state, batch, rng)
         if train_step not in self._compiled_steps:
             self._compiled_steps.append(train_step)
         self._show_gradient_plan(train_step, log)
@@ -378,23 +389,6 @@ class Trainer:
             return
         status = "success" if loop.reached_target else "finished"
         log.event("run_stop", status=status, step=loop.step, epoch=loop.epoch)
-
-    def _open_iterator(self, step: int, previous, data_state: dict | None):
-        """The data iterator for the stage ``step`` is in, continuing the global stream."""
-        if previous is not None:
-            previous.close()
-        start = self.schedule.samples_seen(step)
-        iterator = self.pipeline.train_iterator(
-            self.schedule.batch_size_at(step), start_sample=start
-        )
-        if data_state is not None:
-            iterator.set_state(data_state)
-        if iterator.next_sample != start:
-            raise RuntimeError(
-                f"data position {iterator.next_sample} does not match the batch schedule's "
-                f"{start} samples at step {step}; the checkpoint belongs to another schedule"
-            )
-        return iterator
 
 
 def _kept(ckpt: Checkpointer) -> str:

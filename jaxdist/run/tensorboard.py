@@ -1,0 +1,74 @@
+"""TensorBoard summaries of a run, beside its ``metrics.jsonl``: ``WORKDIR/tensorboard``.
+
+Per logged step the train record's scalars (``train/loss``, ``train/accuracy``, ``train/lr``,
+``train/batch_size``, ``train/images_per_sec``, ...) and per evaluation ``eval/top1`` and
+``eval/top5``, at their step; once per run start the resolved config as hyperparameters (the
+HParams dashboard). The writer is ``tensorboardX``, installed by ``pip install
+'jaxdist[tensorboard]'``. The config's ``tensorboard`` field chooses: ``"auto"`` writes when
+the writer is installed, ``"on"`` requires it, ``"off"`` never writes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from jaxdist.run.config import ConfigError
+
+__all__ = ["SummaryWriter", "check_mode"]
+
+MODES = ("auto", "on", "off")
+EXTRA = "pip install 'jaxdist[tensorboard]'"
+
+
+def _installed() -> bool:
+    return importlib.util.find_spec("tensorboardX") is not None
+
+
+def check_mode(mode: str) -> None:
+    """Refuse a mode other than :data:`MODES`, or ``"on"`` without the writer installed."""
+    if mode not in MODES:
+        raise ConfigError(f"tensorboard must be one of {MODES}, got {mode!r}")
+    if mode == "on" and not _installed():
+        raise ConfigError(
+            f"tensorboard='on' needs the TensorBoard writer (tensorboardX), which is not "
+            f"installed: {EXTRA}"
+        )
+
+
+class SummaryWriter:
+    """Scalars and hyperparameters into ``directory``; a no-op when ``mode`` says not to
+    write or (``"auto"``) the writer is not installed."""
+
+    def __init__(self, directory: Path, mode: str = "auto") -> None:
+        check_mode(mode)
+        self._writer = None
+        if mode == "on" or (mode == "auto" and _installed()):
+            from tensorboardX import SummaryWriter as Writer
+
+            self._writer = Writer(str(directory))
+
+    def scalars(self, record: dict[str, Any]) -> None:
+        """Every number of a ``metrics.jsonl`` record, as ``<kind>/<key>`` at its step."""
+        if self._writer is None:
+            return
+        for key, value in record.items():
+            if key not in ("kind", "step") and isinstance(value, int | float | bool):
+                self._writer.add_scalar(f"{record['kind']}/{key}", float(value), record["step"])
+
+    def hyperparameters(self, config: dict[str, Any]) -> None:
+        """The flattened config (dotted keys) for the HParams dashboard; values other than
+        numbers, strings and booleans are written as their text."""
+        if self._writer is None:
+            return
+        from tensorboardX.summary import hparams
+
+        values = {k: v if isinstance(v, int | float | str | bool) else repr(v)
+                  for k, v in config.items()}  # fmt: skip
+        for summary in hparams(values, {"eval/top1": 0.0}):
+            self._writer.file_writer.add_summary(summary)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
