@@ -47,7 +47,10 @@ def _one_line(capsys, code, expected_code, *parts):
         (["model.bn_group_size=3"], "model.bn_group_size=3 must divide the 2 data-parallel"),
         (["optimizer.name=adam"], "optimizer.name must be one of ['lars', 'sgd'], got 'adam'"),
         # A field the rest of the config leaves unread is refused, never ignored.
-        (["pipeline.microbatches=4"], "pipeline.microbatches=4 is for a pipeline, and pipeline"),
+        (
+            ["pipeline.microbatches=4"],
+            "pipeline.microbatches=4 does nothing with pipeline.stages=0",
+        ),
         (["lr.power=3.0"], "lr.power=3.0 does nothing with lr.kind='cosine'; leave it at its"),
         (
             ["optimizer.trust_coefficient=0.01"],

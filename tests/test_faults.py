@@ -86,8 +86,8 @@ def saved_state(workdir, step):
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}  # fmt: skip
 
 
-def assert_same_as_uninterrupted(workdir, uninterrupted):
-    got, want = saved_state(workdir, LAST_STEP), saved_state(uninterrupted, LAST_STEP)
+def assert_same_as_uninterrupted(workdir, uninterrupted, step=LAST_STEP):
+    got, want = saved_state(workdir, step), saved_state(uninterrupted, step)
     assert got.keys() == want.keys()
     for name, value in want.items():
         assert np.array_equal(got[name], value), f"{name} differs from the uninterrupted run"
@@ -323,9 +323,7 @@ def test_a_data_file_deleted_mid_run_stops_at_a_checkpoint_naming_it(
     assert main(["train", str(recipe), "--workdir", str(workdir),
                  *[a for s in sets for a in ("--set", s)]]) == 0  # fmt: skip
     assert f"resumed from step {stopped}" in capsys.readouterr().out
-    got, want = saved_state(workdir, 12), saved_state(reference, 12)
-    for name, value in want.items():
-        assert np.array_equal(got[name], value), f"{name} differs from the uninterrupted run"
+    assert_same_as_uninterrupted(workdir, reference, step=12)
 
 
 @pytest.mark.multiprocess
@@ -403,9 +401,7 @@ def assert_resumes_like_uninterrupted(recipe, workdir, uninterrupted, last_step=
     rerun = subprocess.run(launch_command(recipe, workdir), env=clean_env(), cwd=REPO,
                            capture_output=True, text=True, timeout=600)  # fmt: skip
     assert rerun.returncode == 0, rerun.stdout[-3000:]
-    got, want = saved_state(workdir, last_step), saved_state(uninterrupted, last_step)
-    for name, value in want.items():
-        assert np.array_equal(got[name], value), f"{name} differs from the uninterrupted run"
+    assert_same_as_uninterrupted(workdir, uninterrupted, step=last_step)
     return rerun.stdout
 
 

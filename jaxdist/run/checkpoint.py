@@ -39,11 +39,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxdist.run.checkpoint_noise import (
-    aborted_save_warnings_hidden,
-    failed_reads_hidden,
-    failed_writes_reported,
-)
+from jaxdist.run.checkpoint_noise import aborted_save_warnings_hidden, failures_reported
 from jaxdist.run.log import describe_error
 
 __all__ = [
@@ -121,7 +117,7 @@ class Checkpointer:
             create=True,
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=self.ITEMS)
-        failed_writes_reported(self.directory)  # by _write_error, in one line
+        failures_reported(self.directory)  # by restore's warnings and _write_error
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is on the ``every_steps`` grid."""
@@ -174,15 +170,14 @@ class Checkpointer:
             raise NoCheckpointError(f"no checkpoint under {self.directory}")
         failures: list[tuple[int, str]] = []
         found = None
-        with failed_reads_hidden(self.directory, failures):
-            for step in steps:
-                try:
-                    found = step, self._restore_step(step, abstract_state)
-                    break
-                except CheckpointMismatchError:
-                    raise
-                except Exception as err:  # any unreadable checkpoint: try the previous one
-                    failures.append((step, describe_error(err, limit=160)))
+        for step in steps:
+            try:
+                found = step, self._restore_step(step, abstract_state)
+                break
+            except CheckpointMismatchError:
+                raise
+            except Exception as err:  # any unreadable checkpoint: try the previous one
+                failures.append((step, describe_error(err, limit=160)))
         for step, reason in failures:
             warnings.warn(
                 f"checkpoint at step {step} in {self.directory} cannot be read ({reason})",
@@ -328,12 +323,11 @@ def _free_name(path: Path) -> Path:
 
 def _array_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     """Dotted path -> shape of every array leaf (live, abstract or orbax metadata)."""
-    shapes = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if hasattr(leaf, "shape"):
-            parts = (getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path)
-            shapes[".".join(map(str, parts))] = tuple(leaf.shape)
-    return shapes
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="."): tuple(leaf.shape)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if hasattr(leaf, "shape")
+    }
 
 
 def first_difference(saved: dict[str, tuple], expected: dict[str, tuple]) -> str | None:

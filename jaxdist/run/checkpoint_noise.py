@@ -4,19 +4,14 @@ the terminal: the checkpointer reports each failure in one line of its own.
 A failed read or write leaves TensorStore threads calling back into orbax's closed event loop
 (each prints an "Event loop is closed" traceback), asyncio futures whose exceptions nobody
 retrieved, and orbax's background threads log every failure with its stack before the main
-thread re-raises it. :func:`failed_reads_hidden` hides them around a restore;
-:func:`failed_writes_reported` drops them for one checkpoint directory, since every failed
-write is raised to the trainer.
+thread re-raises it. :func:`failures_reported` drops them for one checkpoint directory, for
+good: the checkpointer raises (or warns of) every failed read and write itself.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import io
 import logging
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -37,31 +32,6 @@ class _UnretrievedFutures(logging.Filter):
         if record.exc_info and record.exc_info[1] is not None:
             text += str(record.exc_info[1])
         return not ("never retrieved" in text and self.directory in text)
-
-
-@contextlib.contextmanager
-def failed_reads_hidden(directory: Path, failures: list, settle_s: float = 0.2, most_s=3.0):
-    """Hide what TensorStore and asyncio print about failed reads of checkpoints under
-    ``directory``. A failed read leaves TensorStore threads calling back into orbax's closed
-    event loop, and each prints an "Event loop is closed" traceback to ``sys.stderr``: if
-    ``failures`` is not empty at the end, this waits until they have gone quiet for
-    ``settle_s`` (at most ``most_s``) before stderr comes back. The read's futures are
-    filtered out of the asyncio log for good."""
-    _unretrieved_futures_dropped(directory)
-    captured = io.StringIO()
-    real = sys.stderr
-    sys.stderr = captured
-    try:
-        yield
-    finally:
-        if failures:
-            deadline = time.monotonic() + most_s
-            size = -1
-            while size != len(captured.getvalue()) and time.monotonic() < deadline:
-                size = len(captured.getvalue())
-                time.sleep(settle_s)
-            gc.collect()
-        sys.stderr = real
 
 
 def _unretrieved_futures_dropped(directory: Path) -> None:
@@ -105,10 +75,10 @@ def _closed_loop_callbacks_dropped(previous):
     return hook
 
 
-def failed_writes_reported(directory: Path) -> None:
+def failures_reported(directory: Path) -> None:
     """From now on, for good: orbax's logs of failed writes under ``directory``, TensorStore's
-    callbacks into closed loops and unretrieved futures of those writes stay unprinted (orbax's
-    threads keep logging after the failure was raised, up to the process's exit)."""
+    callbacks into closed loops and unretrieved futures of reads and writes there stay
+    unprinted (they keep coming after the failure was raised, up to the process's exit)."""
     _unretrieved_futures_dropped(directory)
     absl_log = logging.getLogger("absl")
     if not any(

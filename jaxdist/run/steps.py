@@ -14,8 +14,7 @@ import ml_collections
 from jax.sharding import Mesh
 
 from jaxdist.run import pipeline_config
-from jaxdist.run.config import base_config
-from jaxdist.run.from_config import StepParts
+from jaxdist.run.from_config import StepParts, refuse_unused
 from jaxdist.training.train_step import TrainStep, classifier_loss
 
 __all__ = ["DataParallel", "for_recipe"]
@@ -25,13 +24,7 @@ class DataParallel:
     """The whole model on every device; every mesh axis splits the batch."""
 
     def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh) -> None:
-        defaults = base_config().pipeline
-        for field, value in config.pipeline.items():
-            if field != "stages" and value != defaults[field]:
-                raise ValueError(
-                    f"pipeline.{field}={value!r} is for a pipeline, and pipeline.stages=0 "
-                    "trains data-parallel: set pipeline.stages too, or leave it out"
-                )
+        refuse_unused("pipeline", config.pipeline, ("stages",), "pipeline.stages=0")
         self.mesh = mesh
         self.data_axes: tuple[str, ...] = tuple(mesh.axis_names)
 

@@ -334,9 +334,12 @@ class Trainer:
             fetched = report(loop, log, self.total_steps)
             self.nonfinite.check_steps(loop.step, fetched, _kept(ckpt))
 
-    def _save(self, loop: Loop, ckpt: Checkpointer, force: bool = False) -> None:
+    def _save(
+        self, loop: Loop, ckpt: Checkpointer, force: bool = False, data_state: dict | None = None
+    ) -> None:
         """A checkpoint when one is due (or ``force``), of finite steps and parameters only;
-        a failed background save stops the run at the step after it."""
+        a failed background save stops the run at the step after it. ``data_state`` replaces
+        the iterator's own state."""
         ckpt.check()
         if not (force or ckpt.should_save(loop.step)):
             return
@@ -345,17 +348,16 @@ class Trainer:
         self.nonfinite.check_params(loop.step, loop.state.params, _kept(ckpt))
         meta = {"epoch": loop.epoch, "stage": loop.stage,
                 "samples_seen": loop.iterator.next_sample}  # fmt: skip
-        ckpt.save(loop.step, loop.state, loop.iterator.get_state(), meta, force=force)
+        if data_state is None:
+            data_state = loop.iterator.get_state()
+        ckpt.save(loop.step, loop.state, data_state, meta, force=force)
 
     def _stopped_by_data(self, err: DatasetError, loop: Loop, ckpt: Checkpointer):
         """The error to stop with when the input cannot be read: with one process, after a
         checkpoint of the steps done, so that a rerun resumes there once the data is fixed
         (with several, the others cannot join this save: the newest saved step is kept)."""
         if jax.process_count() == 1 and loop.step > 0 and loop.iterator is not None:
-            self.nonfinite.check_params(loop.step, loop.state.params, _kept(ckpt))
-            meta = {"epoch": loop.epoch, "stage": loop.stage,
-                    "samples_seen": loop.iterator.next_sample}  # fmt: skip
-            ckpt.save(loop.step, loop.state, loop.iterator.position_state(), meta, force=True)
+            self._save(loop, ckpt, force=True, data_state=loop.iterator.position_state())
             ckpt.wait()
         return DatasetError(f"{err}; the run stopped at step {loop.step} ({_kept(ckpt)})")
 
