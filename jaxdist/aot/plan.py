@@ -41,7 +41,7 @@ __all__ = [
     "plan_recipe",
 ]
 
-_READS_FROM_DISK = ("folder", "arrayrecord")
+_READS_FROM_DISK = ("folder", "arrayrecord", "tfds", "hf")
 FIT_HINT = (
     "lower max_per_device_batch (--set max_per_device_batch=N; --max-batch finds the largest "
     "that fits) or plan on more chips"

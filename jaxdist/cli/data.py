@@ -6,6 +6,9 @@ import argparse
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
+
+from jaxdist.data.config import SOURCES
 
 # The command line is the interface; nothing here is for import.
 __all__: list[str] = []
@@ -38,9 +41,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.set_defaults(func=convert_dataset)
 
     inspect = actions.add_parser(
-        "inspect", help="print images per split and class of a folder or ArrayRecord dataset"
+        "inspect",
+        help="print images per split and class of a folder, ArrayRecord, TFDS or HF dataset",
     )
-    inspect.add_argument("path", metavar="PATH", help="folder root or converted ArrayRecord folder")
+    inspect.add_argument(
+        "path",
+        metavar="PATH",
+        help="folder root, converted ArrayRecord folder, tfds:NAME or hf:NAME (a Hub name or "
+        "local folder; inspecting it also prepares the datasets cache once)",
+    )
+    inspect.add_argument(
+        "--root",
+        default=None,
+        metavar="DIR",
+        help="the TFDS data dir (tfds:) or the datasets cache dir (hf:); default: the library's",
+    )
     inspect.add_argument(
         "--verify",
         action="store_true",
@@ -56,9 +71,12 @@ def _add_bench_and_fake(actions: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--source",
         default="synthetic",
-        choices=("folder", "arrayrecord", "synthetic", "digits", "mnist5k"),
+        choices=SOURCES,
     )
-    bench.add_argument("--root", default=None, help="dataset folder (folder / arrayrecord)")
+    bench.add_argument(
+        "--root", default=None, help="dataset folder; for tfds / hf the data or cache dir"
+    )
+    bench.add_argument("--dataset", default=None, help="tfds / hf dataset name")
     bench.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
     bench.add_argument("--steps", type=int, default=20, help="timed batches (default 20)")
     bench.add_argument("--warmup", type=int, default=2, help="untimed batches first (default 2)")
@@ -115,31 +133,13 @@ def convert_dataset(args: argparse.Namespace) -> int:
 
 
 def inspect_dataset(args: argparse.Namespace) -> int:
-    from jaxdist.data.arrayrecord import METADATA, ArrayRecordSource
-    from jaxdist.data.sources import DatasetError, ImageFolderSource
+    from jaxdist.data.sources import DatasetError
 
-    root = Path(args.path)
-    kind = "arrayrecord" if (root / METADATA).exists() else "folder"
     try:
-        splits = {}
-        for split in ("train", "val"):
-            if kind == "folder" and split != "train" and not (root / split).is_dir():
-                continue
-            try:
-                if kind == "folder":
-                    source = ImageFolderSource(root, split)
-                    labels = source.labels.tolist()
-                else:
-                    source = ArrayRecordSource(root, split)
-                    labels = [source[i]["label"] for i in range(len(source))]
-            except DatasetError:
-                if split == "train":
-                    raise
-                continue
-            splits[split] = (source, Counter(labels))
+        kind, splits = _open_splits(args.path, args.root)
     except DatasetError as err:
         return _fail(err)
-    print(f"{root} ({kind})")
+    print(f"{args.path} ({kind})")
     bad: list[str] = []
     for split, (source, counts) in splits.items():
         total = sum(counts.values())
@@ -158,6 +158,42 @@ def inspect_dataset(args: argparse.Namespace) -> int:
         print(f"  {line}", file=sys.stderr)
     print(f"{len(bad)} of {checked:,} images cannot be decoded (listed above)", file=sys.stderr)
     return 1
+
+
+def _open_splits(path: str, root: str | None) -> tuple[str, dict[str, tuple[Any, Counter]]]:
+    """``(kind, {split: (source, images per label)})`` of the dataset ``path`` names; a
+    missing held-out split is left out, a missing train split is an error."""
+    from jaxdist.data.arrayrecord import METADATA, ArrayRecordSource
+    from jaxdist.data.hf_source import HuggingFaceSource
+    from jaxdist.data.sources import DatasetError, ImageFolderSource
+    from jaxdist.data.tfds_source import TfdsSource
+
+    kind, _, name = path.partition(":") if path.startswith(("tfds:", "hf:")) else ("", "", path)
+    if not kind:
+        kind = "arrayrecord" if (Path(path) / METADATA).exists() else "folder"
+    splits = {}
+    for split in ("train", "val"):
+        if kind == "folder" and split != "train" and not (Path(path) / split).is_dir():
+            continue
+        try:
+            if kind == "folder":
+                source = ImageFolderSource(path, split)
+                labels = source.labels.tolist()
+            elif kind == "hf":
+                source = HuggingFaceSource(name, split, cache_dir=root)
+                labels = source.labels().tolist()
+            else:
+                if kind == "tfds":
+                    source = TfdsSource(name, split, data_dir=root)
+                else:
+                    source = ArrayRecordSource(path, split)
+                labels = [source[i]["label"] for i in range(len(source))]
+        except DatasetError:
+            if split == "train":
+                raise
+            continue
+        splits[split] = (source, Counter(labels))
+    return kind, splits
 
 
 def undecodable_images(source, split: str) -> list[str]:
@@ -186,6 +222,7 @@ def bench_pipeline(args: argparse.Namespace) -> int:
         config = DataConfig(
             source=args.source,
             root=args.root,
+            dataset=args.dataset,
             image_size=args.image_size,
             dtype=args.dtype,
             worker_count=args.workers,

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxdist.data.arrayrecord import ArrayRecordSource
+from jaxdist.data.hf_source import HuggingFaceSource
 from jaxdist.data.pipeline import (
     BatchIterator,
     build_eval_iterator,
@@ -25,6 +26,7 @@ from jaxdist.data.pipeline import (
 )
 from jaxdist.data.small_datasets import load_digits, load_mnist5k
 from jaxdist.data.sources import ImageFolderSource, ImageSource, SyntheticSource
+from jaxdist.data.tfds_source import TfdsSource
 
 __all__ = [
     "SOURCES",
@@ -33,7 +35,7 @@ __all__ = [
     "make_pipeline",
 ]
 
-SOURCES = ("folder", "arrayrecord", "synthetic", "digits", "mnist5k")
+SOURCES = ("folder", "arrayrecord", "tfds", "hf", "synthetic", "digits", "mnist5k")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +44,12 @@ class DataConfig:
 
     Attributes:
       source: ``folder`` (ROOT/<split>/<class>/*.JPEG), ``arrayrecord`` (output of
-        ``jaxdist data convert``), ``synthetic``, ``digits`` or ``mnist5k``.
-      root: dataset folder for ``folder`` and ``arrayrecord``.
+        ``jaxdist data convert``), ``tfds`` (a prepared TFDS dataset), ``hf`` (a Hugging Face
+        dataset), ``synthetic``, ``digits`` or ``mnist5k``.
+      root: dataset folder for ``folder`` and ``arrayrecord``; for ``tfds`` the TFDS data dir
+        and for ``hf`` the ``datasets`` cache dir (both optional: the library's default).
+      dataset: the dataset ``tfds`` or ``hf`` reads: a TFDS name such as ``imagenet2012``; a
+        Hub name such as ``ILSVRC/imagenet-1k`` or a local folder.
       image_size: output side for JPEG sources.
       dtype: ``float32`` (normalised on the host) or ``uint8`` (normalise on the device).
       seed: shuffle and augmentation seed.
@@ -56,6 +62,7 @@ class DataConfig:
 
     source: str = "synthetic"
     root: str | None = None
+    dataset: str | None = None
     image_size: int = 224
     dtype: str = "float32"
     seed: int = 0
@@ -72,6 +79,8 @@ class DataConfig:
             raise ValueError(f"data source must be one of {SOURCES}, got {self.source!r}")
         if self.source in ("folder", "arrayrecord") and not self.root:
             raise ValueError(f"data source {self.source!r} needs root=<dataset folder>")
+        if self.source in ("tfds", "hf") and not self.dataset:
+            raise ValueError(f"data source {self.source!r} needs dataset=<dataset name>")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> DataConfig:
@@ -93,6 +102,10 @@ def open_source(config: DataConfig, split: str) -> ImageSource:
         return ImageFolderSource(config.root, split)
     if config.source == "arrayrecord":
         return ArrayRecordSource(config.root, split)
+    if config.source == "tfds":
+        return TfdsSource(config.dataset, split, data_dir=config.root or None)
+    if config.source == "hf":
+        return HuggingFaceSource(config.dataset, split, cache_dir=config.root or None)
     if config.source == "synthetic":
         count = (
             config.synthetic_train_examples if split == "train" else config.synthetic_eval_examples

@@ -8,11 +8,14 @@ A source is what grain calls a ``RandomAccessDataSource``: ``len(source)`` and
 * decoded: ``{"image": uint8[H, W, C], "label": int}``.
 
 Sources know nothing about shuffling, sharding or batching; :mod:`jaxdist.data.pipeline` does
-that with grain. The ArrayRecord source lives in :mod:`jaxdist.data.arrayrecord`.
+that with grain. The ArrayRecord source lives in :mod:`jaxdist.data.arrayrecord`, the TFDS and
+Hugging Face sources in :mod:`jaxdist.data.tfds_source` and :mod:`jaxdist.data.hf_source`; the
+helpers at the end of this module are what those two share.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -250,3 +253,56 @@ class ArraySource:
 
     def __repr__(self) -> str:
         return f"ArraySource({self.name!r}, {self.images.shape}, {len(self.classes)} classes)"
+
+
+# Names the recipes' held-out split goes by in published datasets, in the order tried.
+EVAL_SPLIT_NAMES = ("validation", "val", "valid")
+JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+def import_extra(module: str, extra: str, what: str) -> Any:
+    """Import ``module``, or raise :class:`DatasetError` naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise DatasetError(
+            f"{what} needs {module}, which is not installed ({err}): pip install 'jaxdist[{extra}]'"
+        ) from err
+
+
+def dataset_split(available: Sequence[str], split: str, dataset: str) -> str:
+    """The dataset's name for the recipe's ``split``: ``train`` is ``train``; ``val`` is the first
+    of :data:`EVAL_SPLIT_NAMES` the dataset has."""
+    wanted = (split,) if split == "train" else EVAL_SPLIT_NAMES
+    for name in wanted:
+        if name in available:
+            return name
+    raise DatasetError(
+        f"{dataset} has no {' or '.join(repr(w) for w in wanted)} split; it has {sorted(available)}"
+    )
+
+
+def require_jpeg(data: Any, where: str) -> bytes:
+    """``data`` if it is JPEG bytes; otherwise one line saying what the record holds."""
+    if not isinstance(data, bytes):
+        raise DatasetError(
+            f"{where}: the image is {type(data).__name__}, not encoded bytes; jaxdist reads "
+            f"JPEG bytes and decodes them itself"
+        )
+    if not data.startswith(JPEG_MAGIC):
+        kind = "PNG" if data.startswith(b"\x89PNG") else f"not JPEG (starts {data[:4]!r})"
+        raise DatasetError(
+            f"{where}: the image is {kind}; jaxdist reads datasets of JPEG images, "
+            f"convert the images to JPEG first"
+        )
+    return data
+
+
+def checked_label(label: Any, num_classes: int, where: str) -> int:
+    """``label`` as an int in ``[0, num_classes)``, or one line naming the record."""
+    value = int(label)
+    if not 0 <= value < num_classes:
+        raise DatasetError(
+            f"{where}: label {value} is outside 0..{num_classes - 1} ({num_classes} classes)"
+        )
+    return value

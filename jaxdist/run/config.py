@@ -329,6 +329,7 @@ def _data_fields() -> ml_collections.ConfigDict:
         dict(
             source="synthetic",
             root="",
+            dataset="",
             image_size=224,
             dtype="float32",
             seed=0,

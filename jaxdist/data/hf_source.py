@@ -1,0 +1,136 @@
+"""A Hugging Face dataset, such as ``ILSVRC/imagenet-1k``, as a random-access source.
+
+The dataset is read with the ``datasets`` library: parquet files of JPEG bytes become a
+memory-mapped Arrow table in the cache once, after which any record is read by index, so
+shuffling, exact resume and batch-size ramps work as with the other sources. The image column
+is cast to ``Image(decode=False)``: records keep the JPEG bytes the dataset stores, and
+jaxdist's reduced-scale decode and crops apply to them.
+
+``dataset`` is a Hub name (read through the cache, so ``HF_HUB_OFFLINE=1`` works once it is
+there), a local folder of the Hub layout (``data/train-*.parquet``,
+``data/validation-*.parquet``) or a folder written by ``DatasetDict.save_to_disk``. The
+recipe's ``val`` split is the dataset's ``validation`` (or ``val``); class names are the
+``label`` column's ``ClassLabel`` names and the image column must be called ``image``. Needs
+the ``hf`` extra: ``pip install 'jaxdist[hf]'``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxdist.data.sources import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    DatasetError,
+    checked_label,
+    dataset_split,
+    import_extra,
+    require_jpeg,
+)
+
+__all__ = ["HuggingFaceSource"]
+
+
+class HuggingFaceSource:
+    """Split ``split`` (``train`` or ``val``) of the Hugging Face dataset ``dataset``, with
+    ``cache_dir`` as the ``datasets`` cache (``None``: its default, ``$HF_DATASETS_CACHE``)."""
+
+    encoded = True
+    mean = IMAGENET_MEAN
+    std = IMAGENET_STD
+
+    def __init__(self, dataset: str, split: str, cache_dir: str | None = None) -> None:
+        datasets = import_extra("datasets", "hf", "the hf data source")
+        self.dataset = dataset
+        self.split, table = _open_split(datasets, dataset, split, cache_dir)
+        where = f"hf dataset {dataset}"
+        missing = [key for key in ("image", "label") if key not in table.features]
+        if missing:
+            raise DatasetError(
+                f"{where} has no {' or '.join(missing)} column; jaxdist reads 'image' and "
+                f"'label', and it has {sorted(table.features)}"
+            )
+        label = table.features["label"]
+        if not isinstance(label, datasets.ClassLabel):
+            raise DatasetError(f"{where}: 'label' is {label!r}, not a ClassLabel with names")
+        if not isinstance(table.features["image"], datasets.Image):
+            raise DatasetError(f"{where}: 'image' is {table.features['image']!r}, not an Image")
+        self.classes = tuple(label.names)
+        self._table = table.cast_column("image", datasets.Image(decode=False))
+        if len(self._table) == 0:
+            raise DatasetError(f"{where}: split {self.split!r} has no records")
+        self._check_labels()
+        self[0]  # the first record's image is checked before any training
+
+    def _check_labels(self) -> None:
+        """Every label in range, read from the label column alone (no image is touched)."""
+        import pyarrow.compute as pc
+
+        column = self._table.data.column("label")
+        low, high = (v.as_py() for v in pc.min_max(column).values())
+        if low is None:
+            raise DatasetError(f"hf dataset {self.dataset}/{self.split}: labels are missing")
+        for value in (low, high):
+            if not 0 <= value < len(self.classes):
+                index = pc.index(column, value).as_py()
+                checked_label(value, len(self.classes), self._where(index))
+
+    def labels(self) -> np.ndarray:
+        """Every record's label, read from the label column alone."""
+        return self._table.data.column("label").to_numpy().astype(np.int32)
+
+    def _where(self, index: int) -> str:
+        return f"hf:{self.dataset}/{self.split}[{index}]"
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        record = self._table[int(index)]
+        image = record["image"] or {}
+        where = image.get("path") or self._where(index)
+        data = image.get("bytes")
+        if data is None and image.get("path"):  # a dataset built from local files keeps paths
+            try:
+                data = Path(image["path"]).read_bytes()
+            except OSError as err:
+                raise DatasetError(f"cannot read {image['path']}: {err}") from err
+        return {
+            "jpeg": require_jpeg(data, where),
+            "label": checked_label(record["label"], len(self.classes), where),
+            "name": where,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"HuggingFaceSource({self.dataset!r}, {self.split!r}, {len(self)} images, "
+            f"{len(self.classes)} classes)"
+        )
+
+
+def _open_split(datasets: Any, dataset: str, split: str, cache_dir: str | None) -> tuple[str, Any]:
+    """``(the dataset's split name, its Dataset)``, or one line on what is wrong."""
+    where = f"hf dataset {dataset}"
+    if (Path(dataset) / "dataset_dict.json").is_file():  # written by DatasetDict.save_to_disk
+        splits = datasets.load_from_disk(dataset)
+        name = dataset_split(list(splits), split, where)
+        return name, splits[name]
+    try:
+        builder = datasets.load_dataset_builder(dataset, cache_dir=cache_dir)
+    except Exception as err:  # not on the Hub, not cached offline, or not a dataset folder
+        raise DatasetError(f"{where} cannot be opened: {_first_line(err)}") from err
+    available = list(builder.config.data_files or builder.info.splits or ())
+    name = dataset_split(available, split, where)
+    try:
+        builder.download_and_prepare()
+        return name, builder.as_dataset(split=name)
+    except Exception as err:  # unreadable parquet, a full disk, a failed download
+        raise DatasetError(f"{where}: split {name!r} cannot be read: {_first_line(err)}") from err
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__

@@ -1,0 +1,270 @@
+"""The tfds and hf sources, offline, on tiny datasets built here from a folder of JPEGs.
+
+Each dataset holds the folder's very JPEG bytes in the folder's order, so the pipeline must
+yield the same batches from all three: that covers the bytes kept undecoded, labels, class
+names, the split mapping (``validation`` for ``val``), shuffling and resume.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from jaxdist.cli import main as cli_main
+from jaxdist.data import (
+    DataConfig,
+    DatasetError,
+    HuggingFaceSource,
+    ImageFolderSource,
+    TfdsSource,
+    build_eval_iterator,
+    build_train_iterator,
+    make_pipeline,
+)
+from jaxdist.data.fake import write_image_folder
+from jaxdist.run.config import base_config
+
+SIZE = 32
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    """No network: the Hub and TFDS's GCS mirror are off for every test here."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("NO_GCE_CHECK", "true")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_image_folder(tmp_path_factory.mktemp("imagenet"), 3, 5, 2, (40, 90), seed=3)
+
+
+def folder_records(folder, split):
+    source = ImageFolderSource(folder, split)
+    return source.classes, [source[i] for i in range(len(source))]
+
+
+def write_hf(root, folder, splits=("train", "validation"), label_shift=0):
+    """The Hub's layout: ``ROOT/data/<split>-00000-of-00001.parquet`` with an Image column of
+    JPEG bytes and a ClassLabel column."""
+    for split in splits:
+        classes, records = folder_records(folder, "train" if split == "train" else "val")
+        features = datasets.Features(
+            {"image": datasets.Image(), "label": datasets.ClassLabel(names=list(classes))}
+        )
+        table = datasets.Dataset.from_dict(
+            {
+                # A bare file name, as on the Hub: a path to an existing file would be stored
+                # in place of the bytes.
+                "image": [{"bytes": r["jpeg"], "path": Path(r["name"]).name} for r in records],
+                "label": [r["label"] - label_shift for r in records],
+            },
+            features=features,
+        )
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        table.to_parquet(str(root / "data" / f"{split}-00000-of-00001.parquet"))
+    return root
+
+
+def write_tfds(data_dir, folder, name="tiny_imagenet_jpegs"):
+    """A TFDS dataset prepared in ArrayRecord format, as ``tfds build`` leaves it."""
+    classes, _ = folder_records(folder, "train")
+
+    # Not registered: the source finds it by its files, as in a process that never saw the code.
+    class TinyJpegs(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            features = tfds.features.FeaturesDict(
+                {
+                    "image": tfds.features.Image(encoding_format="jpeg"),
+                    "label": tfds.features.ClassLabel(names=list(classes)),
+                }
+            )
+            return tfds.core.DatasetInfo(builder=self, features=features)
+
+        def _split_generators(self, dl_manager):
+            return {
+                "train": self._generate_examples("train"),
+                "validation": self._generate_examples("val"),
+            }
+
+        def _generate_examples(self, split):
+            for i, record in enumerate(folder_records(folder, split)[1]):
+                yield i, {"image": record["jpeg"], "label": record["label"]}
+
+    TinyJpegs.name = name
+    builder = TinyJpegs(data_dir=str(data_dir), file_format="array_record")
+    builder.download_and_prepare()
+    return name
+
+
+@pytest.fixture(scope="module")
+def hf_dir(folder, tmp_path_factory):
+    return write_hf(tmp_path_factory.mktemp("hf") / "tiny-imagenet", folder)
+
+
+@pytest.fixture(scope="module")
+def tfds_dir(folder, tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("tfds")
+    write_tfds(data_dir, folder)
+    return data_dir
+
+
+class FolderInOrderOf:
+    """The folder's records of ``split`` in the order ``source`` holds the same JPEGs (TFDS
+    shuffles records when it prepares a dataset; the Hub's parquet keeps the order)."""
+
+    encoded = True
+
+    def __init__(self, folder, split, source) -> None:
+        self.folder = ImageFolderSource(folder, split)
+        by_bytes = {self.folder[i]["jpeg"]: i for i in range(len(self.folder))}
+        self.order = [by_bytes[source[i]["jpeg"]] for i in range(len(source))]
+        self.classes, self.mean, self.std = self.folder.classes, self.folder.mean, self.folder.std
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, index):
+        return self.folder[self.order[index]]
+
+
+def take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert x.keys() == y.keys()
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key], err_msg=f"batch {i}, {key!r}")
+
+
+def configs(hf_dir, tfds_dir):
+    common = {"image_size": SIZE, "seed": 5}
+    cache = str(hf_dir.parent / "c")
+    return {
+        "hf": DataConfig(source="hf", dataset=str(hf_dir), root=cache, **common),
+        "tfds": DataConfig(
+            source="tfds", dataset="tiny_imagenet_jpegs", root=str(tfds_dir), **common
+        ),
+    }
+
+
+def test_tfds_and_hf_yield_the_folders_batches(folder, hf_dir, tfds_dir):
+    for name, config in configs(hf_dir, tfds_dir).items():
+        pipeline = make_pipeline(config)
+        assert pipeline.train_source.classes == ("class_00", "class_01", "class_02"), name
+        assert (pipeline.num_train_examples, pipeline.num_eval_examples) == (15, 6), name
+        train = FolderInOrderOf(folder, "train", pipeline.train_source)
+        held_out = FolderInOrderOf(folder, "val", pipeline.eval_source)
+        if name == "hf":
+            assert train.order == list(range(15)) and held_out.order == list(range(6))
+        want = take(build_train_iterator(train, 4, seed=5, image_size=SIZE), 6)
+        assert_same(want, take(pipeline.train_iterator(4), 6))
+        # Resume mid-stream: the batches from sample 12 on are those of the uninterrupted run.
+        assert_same(want[3:], take(pipeline.train_iterator(4, start_sample=12), 3))
+        want = list(build_eval_iterator(held_out, 4, image_size=SIZE))
+        assert_same(want, list(pipeline.eval_iterator(4)))
+
+
+def test_records_keep_the_stored_jpeg_bytes(folder, hf_dir, tfds_dir):
+    _, want = folder_records(folder, "val")
+    sources = [
+        HuggingFaceSource(str(hf_dir), "val", cache_dir=str(hf_dir.parent / "c")),
+        TfdsSource("tiny_imagenet_jpegs", "val", data_dir=str(tfds_dir)),
+    ]
+    for source in sources:
+        assert source.split == "validation"
+        got = {source[i]["jpeg"]: source[i]["label"] for i in range(len(source))}
+        assert got == {r["jpeg"]: r["label"] for r in want}, source
+
+
+def test_the_run_config_reaches_the_sources(hf_dir):
+    config = base_config()
+    config.data.source = "hf"
+    config.data.dataset = str(hf_dir)
+    config.data.root = str(hf_dir.parent / "c")
+    assert make_pipeline(config.data.to_dict()).num_classes == 3
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_a_dataset_that_does_not_exist_is_one_line(tmp_path):
+    with pytest.raises(DatasetError, match=r"tfds dataset 'no_such_set' does not exist") as err:
+        TfdsSource("no_such_set", "train", data_dir=str(tmp_path))
+    assert "\n" not in str(err.value)
+    with pytest.raises(DatasetError, match=r"hf dataset .*nothing cannot be opened") as err:
+        HuggingFaceSource(str(tmp_path / "nothing"), "train", cache_dir=str(tmp_path / "c"))
+    assert "\n" not in str(err.value)
+
+
+def test_a_catalog_dataset_not_prepared_says_how_to_prepare_it(tmp_path):
+    with pytest.raises(
+        DatasetError,
+        match=r"not prepared in .*; prepare it with `tfds build mnist --file_format=array_record",
+    ) as err:
+        TfdsSource("mnist", "train", data_dir=str(tmp_path))
+    assert "\n" not in str(err.value)
+
+
+def test_a_missing_split_names_the_splits_there_are(folder, tmp_path):
+    root = write_hf(tmp_path / "only-train", folder, splits=("train", "test"))
+    with pytest.raises(DatasetError, match=r"no 'validation' or 'val' or 'valid' split; it has "):
+        HuggingFaceSource(str(root), "val", cache_dir=str(tmp_path / "c"))
+
+
+def test_labels_out_of_range_name_the_record(folder, tmp_path):
+    # -1 is how unlabelled splits (ImageNet's test split on the Hub) mark their labels.
+    root = write_hf(tmp_path / "unlabelled", folder, label_shift=1)
+    with pytest.raises(DatasetError, match=r"label -1 is outside 0\.\.2 \(3 classes\)"):
+        HuggingFaceSource(str(root), "train", cache_dir=str(tmp_path / "c"))
+
+
+def test_images_that_are_not_jpeg_are_refused(tmp_path):
+    png = tmp_path / "png"
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=["a"])}
+    )
+    table = datasets.Dataset.from_dict(
+        {"image": [np.zeros((8, 8, 3), np.uint8)], "label": [0]}, features=features
+    )
+    datasets.DatasetDict({"train": table}).save_to_disk(str(png))
+    with pytest.raises(DatasetError, match=r"the image is PNG; jaxdist reads datasets of JPEG"):
+        HuggingFaceSource(str(png), "train")
+
+
+def test_a_missing_extra_names_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(DatasetError, match=r"pip install 'jaxdist\[tfds\]'"):
+        TfdsSource("imagenet2012", "train")
+    with pytest.raises(DatasetError, match=r"pip install 'jaxdist\[hf\]'"):
+        HuggingFaceSource("ILSVRC/imagenet-1k", "train")
+
+
+def test_a_missing_dataset_name_is_refused():
+    with pytest.raises(ValueError, match=r"data source 'tfds' needs dataset=<dataset name>"):
+        DataConfig(source="tfds")
+
+
+def test_cli_inspects_both(hf_dir, tfds_dir, capsys):
+    argv = ["data", "inspect", f"hf:{hf_dir}", "--root", str(hf_dir.parent / "c")]
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "train: 15 images, 3 of 3 classes" in text and "val: 6 images" in text
+    argv = ["data", "inspect", "tfds:tiny_imagenet_jpegs", "--root", str(tfds_dir), "--verify"]
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "train: 15 images" in text and "verified: all 21 images decode" in text
+    assert cli_main(["data", "inspect", "tfds:no_such_set", "--root", str(tfds_dir)]) == 2
+    assert "does not exist" in capsys.readouterr().err
