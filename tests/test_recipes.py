@@ -112,6 +112,8 @@ def test_mnist_recipe_smoke(name, tmp_path):
     _smoke(name, ["max_steps=2", "batch_ramp=()", "batch_size=32", "log_every_steps=1"], tmp_path)
 
 
+# The default run's ImageNet recipe on files is the LARS one in test_mlperf_log.py.
+@pytest.mark.slow
 def test_imagenet_recipe_on_a_fake_folder(tmp_path):
     root = write_image_folder(tmp_path / "imagenet", num_classes=3, train_per_class=12)
     overrides = [*TINY_IMAGENET, "data.source=folder", f"data.root={root}", "data.dtype=uint8"]

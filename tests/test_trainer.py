@@ -100,7 +100,8 @@ def test_resume_is_bitwise_exact_across_a_ramp(tmp_path):
     assert train[4]["batch_size"] == 16 and train[6]["batch_size"] == 32
     events = (workdir / "events.log").read_text().splitlines()
     keys = [json.loads(line.removeprefix(":::MLLOG "))["key"] for line in events]
-    assert keys.count("run_start") == 2 and keys[-1] == "run_stop"
+    assert keys.count("run_start") == 1 and keys.count("run_resumed") == 1
+    assert keys[-1] == "run_stop"
     assert "eval_accuracy" in keys and "epoch_start" in keys
 
 

@@ -18,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="train a recipe (resumes from the workdir's newest checkpoint)",
         description="Train the recipe file RECIPE (a path, or a name in recipes/). Metrics go "
-        "to WORKDIR/metrics.jsonl, the MLPerf-style event log to WORKDIR/events.log, "
+        "to WORKDIR/metrics.jsonl, the MLPerf event log to WORKDIR/events.log, "
         "checkpoints to WORKDIR/checkpoints and the resolved config to WORKDIR/config.json. "
         "A rerun resumes the newest checkpoint there if its config is the same (max_steps, "
         "a larger num_epochs and the logging, eval and checkpoint intervals may change).",
@@ -92,7 +92,8 @@ def where_results_are(workdir: Path, profiled: tuple[int, int] | None = None) ->
     lines = [
         f"results in {workdir}/:",
         "  metrics.jsonl   train and eval metrics, one JSON record per line",
-        "  events.log      MLPerf-style events (run_start ... run_stop)",
+        "  events.log      MLPerf events (run_start ... run_stop; python -m "
+        "mlperf_logging.compliance_checker --ruleset 4.0.0 checks them)",
         "  checkpoints/    the newest checkpoints; rerunning this command resumes from them",
     ]
     if profiled is not None:

@@ -58,6 +58,11 @@ Fields:
     which step it is stuck in and what it waits for, writes every thread's stack to
     ``WORKDIR/stuck-p<process>.txt`` and exits; compiling and evaluating are exempt.
     0 disables it.
+  mlperf: what the MLPerf event log (:mod:`jaxdist.run.mlperf`) reports about the submission:
+    ``org``, ``platform`` (``""``: ``<devices>x<device kind>``), ``division`` (``closed`` /
+    ``open``), ``status`` (``cloud``, ``onprem``, ``preview``, ``research``), ``benchmark``
+    (``""``: ``resnet`` for ResNet-50, else the model's name) and ``cache_cleared`` (set it
+    when the launch script dropped the page cache before the run, as MLPerf's rules ask).
   pipeline: ``stages`` (0: no pipeline; else the size of the mesh's ``stage`` axis),
     ``microbatches`` per data-parallel replica and step, ``schedule`` (``gpipe``, ``1f1b``,
     ``interleaved``), ``chunks`` (model chunks per device, interleaved only) and
@@ -302,6 +307,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.skip_nonfinite_steps = 0
     c.watchdog_s = 1800.0
     c.tensorboard = "auto"
+    c.mlperf = ml_collections.ConfigDict(
+        dict(
+            org="jaxdist",
+            platform="",
+            division="closed",
+            status="research",
+            benchmark="",
+            cache_cleared=False,
+        )
+    )
     c.pipeline = ml_collections.ConfigDict(
         dict(stages=0, microbatches=1, schedule="1f1b", chunks=1, boundaries=())
     )

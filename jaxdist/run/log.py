@@ -1,14 +1,14 @@
-"""What a training run writes: ``metrics.jsonl``, an MLPerf-style ``events.log`` and progress
+"""What a training run writes: ``metrics.jsonl``, the MLPerf ``events.log`` and progress
 lines (rewritten in place on a terminal), on process 0 only."""
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
+from jaxdist.run.mlperf import EventLog
 from jaxdist.run.tensorboard import SummaryWriter
 
 __all__ = [
@@ -76,8 +76,8 @@ def _end_with_newline(path: Path) -> None:
 
 
 class RunLog:
-    """``metrics.jsonl``, ``events.log`` (MLPerf ``:::MLLOG`` lines) and progress output;
-    everything is a no-op on processes other than 0."""
+    """``metrics.jsonl``, ``events.log`` (MLPerf ``:::MLLOG`` lines, :mod:`jaxdist.run.mlperf`)
+    and progress output; everything is a no-op on processes other than 0."""
 
     def __init__(self, workdir: Path, enabled: bool, tensorboard: str = "auto") -> None:
         self.enabled = enabled
@@ -89,29 +89,25 @@ class RunLog:
             _end_with_newline(workdir / "metrics.jsonl")  # after a kill mid-line
             _end_with_newline(workdir / "events.log")
             self._metrics = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115
-            self._events = open(workdir / "events.log", "a")  # noqa: SIM115
+            self._events = EventLog(workdir / "events.log")
             # JSONL is the record; TensorBoard's summaries are a view of it.
             self._tensorboard = SummaryWriter(workdir / "tensorboard", tensorboard)
 
-    def event(self, key: str, value: Any = None, **metadata: Any) -> None:
-        """One MLPerf-style event line with a millisecond timestamp."""
+    @property
+    def resumes_run(self) -> bool:
+        """Whether the workdir's event log already holds this run's ``run_start``."""
+        return self._events is not None and self._events.started
+
+    def event(
+        self, key: str, value: Any = None, time_ms: int | None = None, **metadata: Any
+    ) -> None:
+        """One MLPerf event (:class:`~jaxdist.run.mlperf.EventLog`), stamped now unless
+        ``time_ms`` says when it happened."""
         if not self.enabled:
             return
-        kind = "INTERVAL_START" if key.endswith("_start") else "POINT_IN_TIME"
-        if key.endswith("_stop"):
-            kind = "INTERVAL_END"
-        record = {
-            "namespace": "",
-            "time_ms": int(time.time() * 1000),
-            "event_type": kind,
-            "key": key,
-            "value": value,
-            "metadata": metadata,
-        }
-        self._events.write(":::MLLOG " + json.dumps(record) + "\n")
-        self._events.flush()
-        if key in ("run_start", "run_stop"):
-            self.running = key == "run_start"
+        self._events.log(key, value, time_ms=time_ms, **metadata)
+        if key in ("run_start", "run_resumed", "run_stop"):
+            self.running = key != "run_stop"
 
     def metrics(self, record: dict) -> None:
         if not self.enabled:

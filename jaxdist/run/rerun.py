@@ -36,10 +36,10 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 CHANGES_FILE = "config_changes.jsonl"
-# How long to train, how often to log, evaluate and checkpoint, what summaries are written, how
-# the input is read, how long a stuck process is waited for and whether non-finite steps are
-# skipped (a finite step computes
-# the same either way): none of them changes the numbers a step computes.
+# How long to train, how often to log, evaluate and checkpoint, what summaries and MLPerf
+# submission fields are written, how the input is read, how long a stuck process is waited for
+# and whether non-finite steps are skipped (a finite step computes the same either way): none
+# of them changes the numbers a step computes.
 SAFE_TO_CHANGE = (
     "max_steps",
     "skip_nonfinite_steps",
@@ -53,6 +53,12 @@ SAFE_TO_CHANGE = (
     "data.worker_count",
     "data.read_threads",
     "data.prefetch_batches",
+    "mlperf.org",
+    "mlperf.platform",
+    "mlperf.division",
+    "mlperf.status",
+    "mlperf.benchmark",
+    "mlperf.cache_cleared",
 )
 MAY_GROW = ("num_epochs",)
 RESOLVED = "devices"  # config.json's section for what the run resolved on its machine

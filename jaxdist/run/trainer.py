@@ -20,9 +20,8 @@ Each step:
    the same numbers as an uninterrupted one.
 
 Around the steps: periodic evaluation (top-1/top-5 on the held-out split), progress lines,
-``metrics.jsonl``, an MLPerf-style event log (``events.log``: ``run_start``, ``epoch_start``,
-``eval_accuracy``, ``run_stop``; time-to-accuracy is ``run_stop - run_start`` when its
-status is ``success``) and checkpoints (:mod:`jaxdist.run.checkpoint`) every N steps, at the end
+``metrics.jsonl``, the MLPerf event log (``events.log``, :mod:`jaxdist.run.mlperf`: one
+``run_start`` ... ``run_stop`` across resumes) and checkpoints (:mod:`jaxdist.run.checkpoint`) every N steps, at the end
 and on SIGTERM. Only process 0 writes logs; every process takes part in checkpoints.
 
 What stops a run early keeps what it did: the workdir is locked against a second run
@@ -60,6 +59,7 @@ from jaxdist.run.from_config import (
 )
 from jaxdist.run.log import RunLog, describe_error, last_eval
 from jaxdist.run.loop import Loop, open_iterator, report
+from jaxdist.run.mlperf import epoch_events, log_run_start, log_run_stop, now_ms
 from jaxdist.run.nonfinite import NonFiniteGuard
 from jaxdist.run.profile import StepProfiler
 from jaxdist.run.tensorboard import check_mode
@@ -90,6 +90,7 @@ class Trainer:
         mesh: Mesh | None = None,
         profile_steps: tuple[int, int] | None = None,
     ) -> None:
+        self._init_ms = now_ms()  # MLPerf's init_start: building the run is initialisation
         self.config = config
         self.workdir = Path(workdir)
         self.allow_config_change = allow_config_change
@@ -251,14 +252,9 @@ class Trainer:
         loop = Loop(state=state, step=step, base_rng=base_rng, data_state=data_state)
         loop.epoch = self.schedule.epoch_at(step)
         if step < self.total_steps:
-            cfg = self.config
-            log.event("run_start", resumed_step=step, workdir=str(self.workdir))
-            log.hyperparameters(rerun.flatten(cfg))
-            log.event("global_batch_size", cfg.batch_size,
-                      batch_ramp=list(map(list, cfg.batch_ramp)))  # fmt: skip
-            log.event("opt_name", cfg.optimizer.name, peak_lr=cfg.lr.peak)
+            log_run_start(log, self, step, changes, self._init_ms)
+            log.hyperparameters(rerun.flatten(self.config))
             for key, old, new in changes:
-                log.event("config_change", key, old=old, new=new)
                 log.progress(f"config changed: {key} {old!r} -> {new!r}", final=True)
         return loop
 
@@ -284,8 +280,7 @@ class Trainer:
         the step's RNG."""
         step = loop.step
         epoch = self.schedule.epoch_at(step)
-        if step == 0 or math.floor(epoch) > math.floor(self.schedule.epoch_at(step - 1)):
-            log.event("epoch_start", epoch_num=math.floor(epoch) + 1, step=step)
+        epoch_events(log, self.schedule, step, self.total_steps)
         self.watchdog.watch(step + 1, "reading the input batch of")
         try:
             if self.schedule.stage_index_at(step) != loop.stage:
@@ -370,8 +365,11 @@ class Trainer:
         if not (loop.step == self.total_steps or due):
             return
         self.watchdog.pause()
+        epoch = loop.epoch
+        log.event("eval_start", epoch_num=epoch)
         loop.last_eval = self.evaluate(loop.state)
-        top1, epoch = loop.last_eval["top1"], loop.epoch
+        log.event("eval_stop", epoch_num=epoch)
+        top1 = loop.last_eval["top1"]
         log.metrics({"kind": "eval", "step": loop.step, "epoch": epoch, **loop.last_eval})
         log.event("eval_accuracy", top1, epoch_num=epoch, step=loop.step)
         log.progress(f"eval at epoch {epoch:.2f}: top-1 {top1:.4f}, "
@@ -385,12 +383,7 @@ class Trainer:
         if loop.step > 0 and loop.iterator is not None:
             self._save(loop, ckpt, force=True)
             ckpt.wait()
-        if loop.preempted:
-            log.event("run_stop", status="aborted", reason="preempted (SIGTERM)",
-                      step=loop.step, epoch=loop.epoch)  # fmt: skip
-            return
-        status = "success" if loop.reached_target else "finished"
-        log.event("run_stop", status=status, step=loop.step, epoch=loop.epoch)
+        log_run_stop(log, loop, self.schedule, self.total_steps, self.config.target_accuracy)
 
 
 def _kept(ckpt: Checkpointer) -> str:
