@@ -91,12 +91,30 @@ def test_detect_single_process_and_slurm(monkeypatch):
     assert not distributed.detect().is_multiprocess
 
 
-def test_detect_a_cloud_tpu_vm_by_its_chips(monkeypatch):
-    from jax._src import hardware_utils
+def fake_pci_bus(root, devices):
+    """A sysfs ``/sys/bus/pci/devices`` tree of ``(vendor, device)`` ids."""
+    for i, (vendor, device) in enumerate(devices):
+        slot = root / f"0000:00:{i:02x}.0"
+        slot.mkdir(parents=True)
+        (slot / "vendor").write_text(vendor + "\n")
+        (slot / "device").write_text(device + "\n")
+    return str(root)
 
+
+def test_tpu_chips_are_counted_on_the_pci_bus(tmp_path):
+    bus = fake_pci_bus(
+        tmp_path / "pci",
+        [("0x1ae0", "0x0063")] * 4
+        + [("0x1ae0", "0x9999"), ("0x10de", "0x0063"), ("0x8086", "0x1")],
+    )
+    assert distributed._cloud_tpu_chips(bus) == 4  # Google's v5e chips, not its other devices
+    assert distributed._cloud_tpu_chips(str(tmp_path / "no-sysfs")) == 0
+
+
+def test_detect_a_cloud_tpu_vm_by_its_chips(monkeypatch):
     _clear_process_group_env(monkeypatch)
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", lambda: (4, None))
+    monkeypatch.setattr(distributed, "_cloud_tpu_chips", lambda: 4)
     # Chips on the PCI bus: JAX is left to ask the metadata server for the workers.
     group = distributed.detect()
     assert (group.source, group.num_processes, group.is_multiprocess) == ("tpu-vm", None, True)
@@ -112,16 +130,6 @@ def test_detect_a_cloud_tpu_vm_by_its_chips(monkeypatch):
     # GKE names the workers itself.
     monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "w0,w1,w2,w3")
     assert distributed.detect() == distributed.ProcessGroup("tpu", num_processes=4)
-
-
-def test_an_unreadable_tpu_check_counts_no_chips(monkeypatch):
-    from jax._src import hardware_utils
-
-    def unreadable():
-        raise PermissionError("/sys/bus/pci/devices")
-
-    monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", unreadable)
-    assert distributed._cloud_tpu_chips() == 0
 
 
 @pytest.mark.multiprocess
@@ -326,7 +334,6 @@ def test_process_group_flags_reach_initialize_or_are_refused(monkeypatch, capsys
 def test_tpu_chips_without_a_pod_slice_run_as_one_process(monkeypatch, capsys):
     """JAX finds no TPU workers around the chips: one process, as plain JAX would run."""
     import jax
-    from jax._src import xla_bridge
 
     def no_cluster(**kwargs):
         raise ValueError("coordinator_address should be defined.")
@@ -334,7 +341,6 @@ def test_tpu_chips_without_a_pod_slice_run_as_one_process(monkeypatch, capsys):
     monkeypatch.setattr(distributed, "detect", lambda *a: distributed.ProcessGroup("tpu-vm"))
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(jax.distributed, "initialize", no_cluster)
-    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
     monkeypatch.setattr(jax.config, "update", lambda *a: None)  # leave this process's JAX be
     group = distributed.initialize()
     assert group == distributed.ProcessGroup("none")
@@ -348,3 +354,17 @@ def test_tpu_chips_without_a_pod_slice_run_as_one_process(monkeypatch, capsys):
     message = str(caught.value)
     assert message.startswith("process ? of 2 (from slurm) failed to join at coordinator (auto)")
     assert "coordinator_address should be defined. Check" in message  # one period, no prefix
+
+
+def test_joining_after_the_backend_started_is_one_line(monkeypatch):
+    """This test process already runs JAX's CPU backend: JAX's own refusals become one line."""
+    import jax
+
+    assert jax.device_count() == 8
+    with pytest.raises(distributed.DistributedInitError, match="must run before JAX starts"):
+        distributed.initialize(local_device_count=4)
+    assert jax.config.jax_num_cpu_devices != 4  # refused before anything changed
+    _clear_process_group_env(monkeypatch)
+    monkeypatch.setattr(distributed, "_configure_cpu_collectives", lambda *a: None)
+    with pytest.raises(distributed.DistributedInitError, match="must run before JAX starts"):
+        distributed.initialize("127.0.0.1:1", num_processes=2, process_id=1)

@@ -7,7 +7,7 @@ Where the process group comes from, first match wins:
    ``JAXDIST_NUM_PROCESSES``, ``JAXDIST_PROCESS_ID`` and optionally ``JAXDIST_LOCAL_DEVICES``
    (forced CPU devices per process) and ``JAXDIST_TIMEOUT`` (seconds) -- set by
    ``jaxdist launch`` and ``jaxdist cluster``, or by hand;
-3. a cluster JAX recognises itself (``jax._src.clusters``): SLURM (``srun``), Open MPI
+3. a cluster JAX recognises itself: SLURM (``srun``), Open MPI
    (``mpirun``), a Cloud TPU VM / pod slice, a Kubernetes indexed Job. jaxdist only checks
    their environment variables here (no network queries) and leaves the details -- the
    coordinator host, the ranks -- to ``jax.distributed.initialize``.
@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = [
     "DistributedInitError",
@@ -51,6 +52,12 @@ DEFAULT_TIMEOUT_S = 300
 # A peer that stops sending heartbeats for this long is declared dead and the survivors fail,
 # rather than blocking forever inside a collective.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 60
+
+
+BACKEND_STARTED = (
+    "jaxdist.distributed.initialize() must run before JAX starts a backend, but one is already "
+    "running (something called jax.devices() or ran a computation first)"
+)
 
 
 class DistributedInitError(RuntimeError):
@@ -93,15 +100,24 @@ def _env_int(name: str) -> int | None:
         raise DistributedInitError(f"{name} must be an integer, got {raw!r}") from None
 
 
-def _cloud_tpu_chips() -> int:
-    """TPU chips attached to this machine, read from sysfs by JAX's own check (no backend);
-    0 where that check is missing or sysfs cannot be read."""
-    try:
-        from jax._src import hardware_utils
+# TPU chips on the PCI bus: Google's vendor id and the device id of each TPU generation
+# (v3, v4, v5p, v5e, v6e, TPU7x and one without a public name), as PCI lists them.
+GOOGLE_PCI_VENDOR = "0x1ae0"
+TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076")
 
-        return hardware_utils.num_available_tpu_chips_and_device_id()[0]
-    except (ImportError, AttributeError, OSError):
+
+def _cloud_tpu_chips(pci_devices: str = "/sys/bus/pci/devices") -> int:
+    """TPU chips attached to this machine, counted on the PCI bus in sysfs without starting a
+    backend; 0 where sysfs cannot be read."""
+    chips = 0
+    try:
+        for device in Path(pci_devices).iterdir():
+            vendor, model = device / "vendor", device / "device"
+            if vendor.is_file() and vendor.read_text().strip() == GOOGLE_PCI_VENDOR:
+                chips += model.is_file() and model.read_text().strip() in TPU_PCI_DEVICES
+    except OSError:
         return 0
+    return chips
 
 
 def _tpu_platform_allowed() -> bool:
@@ -114,7 +130,7 @@ def _tpu_platform_allowed() -> bool:
 def _detect_cluster() -> tuple[str, int | None] | None:
     """(name, process count if known) of a cluster that ``jax.distributed`` detects itself.
 
-    Mirrors the cheap, local part of ``jax._src.clusters``' ``is_env_present`` checks:
+    Mirrors the cheap, local part of the cluster checks ``jax.distributed`` runs:
     environment variables, and for a Cloud TPU VM the TPU chips in sysfs. The rest of those
     checks would contact a metadata server or the Kubernetes API, which a single-process run
     on an ordinary machine must never wait on.
@@ -207,12 +223,15 @@ def _set_cpu_device_count(count: int) -> None:
     """Force ``count`` CPU devices; JAX reads this once, when the CPU backend starts."""
     import jax
 
+    try:  # JAX refuses a new count once a backend runs
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError as err:
+        raise DistributedInitError(BACKEND_STARTED) from err
     # ``jax_num_cpu_devices`` wins over XLA_FLAGS' host-device count; keep both in step so a
     # later reader of XLA_FLAGS (or a child process) sees the same number.
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", count)
 
 
 def initialize(
@@ -241,14 +260,15 @@ def initialize(
       cpu_collectives: cross-process collectives on CPU (``"gloo"`` or ``"mpi"``).
 
     Returns:
-      The :class:`ProcessGroup` joined (``source == "none"`` when single-process).
+      The :class:`ProcessGroup` joined (``source == "none"`` when single-process). What JAX
+      found itself on a cluster (the ranks, the coordinator) stays ``None`` there:
+      ``jax.process_index()`` and ``jax.process_count()`` tell once the backend runs.
 
     Raises:
       DistributedInitError: incomplete configuration, a backend already started, or peers
         that did not show up within the timeout.
     """
     import jax
-    from jax._src import xla_bridge
 
     group = detect(coordinator_address, num_processes, process_id, local_device_count)
     if timeout_s is None:
@@ -257,11 +277,6 @@ def initialize(
         return group
     if not group.is_multiprocess and group.local_device_count is None:
         return group  # single process, nothing to configure: fine even after JAX started
-    if xla_bridge.backends_are_initialized():
-        raise DistributedInitError(
-            "jaxdist.distributed.initialize() must run before JAX starts a backend, but one is "
-            "already running (something called jax.devices() or ran a computation first)"
-        )
     if group.local_device_count is not None:
         _set_cpu_device_count(group.local_device_count)
     if not group.is_multiprocess:
@@ -275,7 +290,6 @@ def _join(group: ProcessGroup, timeout_s: int, heartbeat_timeout_s: int) -> Proc
     """``jax.distributed.initialize`` for ``group``, watched: a join that stalls is reported
     while it waits, one that fails is one :class:`DistributedInitError`."""
     import jax
-    from jax._src import distributed as jax_distributed
 
     who = (
         f"process {group.process_id if group.process_id is not None else '?'} of "
@@ -293,6 +307,8 @@ def _join(group: ProcessGroup, timeout_s: int, heartbeat_timeout_s: int) -> Proc
             shutdown_timeout_seconds=int(timeout_s),
         )
     except Exception as err:  # XlaRuntimeError, ValueError, ... all mean "could not join"
+        if "must be called before" in str(err):  # JAX refuses to join once a backend runs
+            raise DistributedInitError(BACKEND_STARTED) from err
         if group.source == "tpu-vm" and "coordinator_address" in str(err):
             # TPU chips, but JAX found no pod slice around them (no metadata server answered):
             # run as one process, as JAX itself would without initialize().
@@ -305,14 +321,9 @@ def _join(group: ProcessGroup, timeout_s: int, heartbeat_timeout_s: int) -> Proc
         raise _join_error(who, group, timeout_s, err) from err
     finally:
         watchdog.cancel()
-    return ProcessGroup(
-        group.source,
-        group.coordinator_address or jax_distributed.global_state.coordinator_address,
-        # From the runtime's state, not jax.process_count(): that would start the backend.
-        jax_distributed.global_state.num_processes,
-        jax_distributed.global_state.process_id,
-        group.local_device_count,
-    )
+    # What JAX found itself (a cluster's ranks) stays None here: asking jax.process_index()
+    # would start the backend, which the caller may still configure.
+    return group
 
 
 def _configure_cpu_collectives(implementation: str, timeout_s: int) -> None:
