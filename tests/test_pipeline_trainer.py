@@ -108,3 +108,38 @@ def test_micro_batches_that_do_not_divide_the_batch_are_refused_before_training(
     with pytest.raises(ConfigError, match=r"batch of 16 does not split into pipeline\.microbatch"):
         Trainer(tiny_config(**{**PIPELINE, "pipeline.microbatches": 3}), tmp_path)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_auto_boundaries_cut_where_the_profile_says_and_survive_a_resume(tmp_path, capsys):
+    """A profile whose only balanced cut is the explicit one: the auto run equals the
+    explicit run, records the cut, and a resume reuses it without profiling again."""
+    import json
+
+    from jaxdist.pipeline.profile import LayerCost, Profile, layer_sizes
+
+    explicit = Trainer(tiny_config(**PIPELINE), tmp_path / "explicit")
+    explicit.run()
+    micro = 8  # the final batch of 32 on 2 replicas in 2 micro-batches
+    example = jax.ShapeDtypeStruct((micro, *explicit.pipeline.image_shape), "float32")
+    sizes = layer_sizes(explicit.model, example)
+    costs = [1, 1, 1, 1.5, 1.5, 1.5, 1.5, 1, 1, 1]  # stage sums 3, 3, 3, 3 only at (0, 3, 5, 7)
+    layers = tuple(
+        LayerCost(f"l{i}", c / 3, 2 * c / 3, 64, size, size, 0)
+        for i, (c, size) in enumerate(zip(costs, sizes, strict=True))
+    )
+    path = tmp_path / "profile.json"
+    Profile({"name": "resnet18"}, micro, "cpu", "measured", layers).write(path)
+
+    auto = {**PIPELINE, "pipeline.boundaries": "auto", "pipeline.profile": str(path)}
+    workdir = tmp_path / "auto"
+    with pytest.raises(Crash):
+        Trainer(tiny_config(**auto), workdir).run(on_step=_crash_at(4))
+    assert "boundaries auto -> [0, 3, 5, 7]" in capsys.readouterr().out
+    recorded = json.loads((workdir / "config.json").read_text())["devices"]
+    assert recorded["pipeline_boundaries"] == [0, 3, 5, 7]
+    path.unlink()  # the resume must not need the profile: the cut is recorded
+    resumed = Trainer(tiny_config(**auto), workdir)
+    assert resumed.run()["step"] == 7
+    assert "boundaries auto" not in capsys.readouterr().out
+    for field in ("params", "model_state", "opt_state"):
+        _assert_trees_equal(getattr(resumed.state, field), getattr(explicit.state, field), field)

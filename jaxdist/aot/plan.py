@@ -143,7 +143,7 @@ def check_mesh_matches(spec: meshes.MeshSpec, topology: Topology) -> None:
         )
 
 
-def _stand_in_data(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, str]:
+def stand_in_data(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, str]:
     """The config with a synthetic source in place of one read from disk."""
     if config.data.source not in _READS_FROM_DISK:
         return config, f"the recipe's {config.data.source!r} data"
@@ -187,7 +187,7 @@ def plan_recipe(
             f"time model does not cover; for its memory per chip on a slice, run "
             f"benchmarks/pipeline_memory.py --topology {topology.name}"
         )
-    config, data_note = _stand_in_data(config)
+    config, data_note = stand_in_data(config)
     if mesh:
         spec, mesh_note = meshes.load(mesh), f"mesh {mesh!r} as given"
         check_mesh_matches(spec, topology)

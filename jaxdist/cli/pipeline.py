@@ -1,9 +1,12 @@
 """``jaxdist pipeline show``: a pipeline schedule's table, its bubble and the activations each
-stage keeps, as text and as a timeline picture."""
+stage keeps, as text and as a timeline picture (``profile`` and ``partition``:
+:mod:`jaxdist.cli.pipeline_partition`)."""
 
 from __future__ import annotations
 
 import argparse
+
+from jaxdist.cli import pipeline_partition
 
 # The command line is the interface; nothing here is for import.
 __all__: list[str] = []
@@ -33,6 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     show.add_argument("--plot", metavar="PNG", help="also draw the timeline to this file")
     show.set_defaults(func=show_schedule, joins_process_group=False)
+    pipeline_partition.register(actions)
     pipeline.set_defaults(func=lambda args: pipeline.print_help() or 2, joins_process_group=False)
 
 

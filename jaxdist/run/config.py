@@ -66,7 +66,10 @@ Fields:
   pipeline: ``stages`` (0: no pipeline; else the size of the mesh's ``stage`` axis),
     ``microbatches`` per data-parallel replica and step, ``schedule`` (``gpipe``, ``1f1b``,
     ``interleaved``), ``chunks`` (model chunks per device, interleaved only) and
-    ``boundaries`` (the first layer of each virtual stage; ``()``: equal stages). See
+    ``boundaries`` (the first layer of each virtual stage; ``()``: equal stages; ``"auto"``:
+    the cut :mod:`jaxdist.pipeline.partition` chooses from a layer profile, recorded in the
+    workdir's ``config.json`` so that a rerun keeps it) and ``profile`` (the profile
+    ``"auto"`` reads, from ``jaxdist pipeline profile``; ``""``: measure one at start). See
     :mod:`jaxdist.pipeline`.
 """
 
@@ -91,6 +94,9 @@ __all__ = [
 ]
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+
+# Fields of another type that also take these words.
+STRING_CHOICES = {"pipeline.boundaries": ("auto",)}
 
 # Top-level fields every recipe must define (base_config() has them all).
 REQUIRED_KEYS = (
@@ -237,8 +243,16 @@ def apply_overrides(
         for name in parents:
             node = node[name]
         current = node[leaf]
+        also_takes = STRING_CHOICES.get(key, ())
+        if also_takes and isinstance(current, str) and text not in also_takes:
+            current = ()  # "auto" set earlier; the field's own type is a tuple
         value = _parse_value(text, current)
-        if current is not None and isinstance(value, str) and not isinstance(current, str):
+        if (
+            current is not None
+            and isinstance(value, str)
+            and not isinstance(current, str)
+            and value not in also_takes
+        ):
             raise ConfigError(
                 f"--set {key}: expected {_a(type(current).__name__)} like {current!r}, got {text!r}"
             )
@@ -318,7 +332,15 @@ def base_config() -> ml_collections.ConfigDict:
         )
     )
     c.pipeline = ml_collections.ConfigDict(
-        dict(stages=0, microbatches=1, schedule="1f1b", chunks=1, boundaries=())
+        dict(
+            stages=0,
+            microbatches=1,
+            schedule="1f1b",
+            chunks=1,
+            # A tuple of first layers, or "auto" (the partitioner's cut).
+            boundaries=ml_collections.FieldReference((), field_type=object),
+            profile="",
+        )
     )
     return c
 

@@ -3,20 +3,30 @@ stages, and the pipeline step the trainer runs in place of the data-parallel one
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
+from jaxdist.comm import hybrid
+from jaxdist.comm.cost_model import Link
 from jaxdist.meshes import STAGE_AXIS
 from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.pipeline.options import stage_data_axes
+from jaxdist.pipeline.partition import Partition, partition
+from jaxdist.pipeline.profile import Profile, layer_sizes, measure_profile, read_profile
 from jaxdist.pipeline.step import PipelineStep
 from jaxdist.run.from_config import StepParts
 from jaxdist.training.optim import smoothed_cross_entropy
 
-__all__ = ["Pipeline", "enabled", "stage_modules"]
+__all__ = ["Pipeline", "auto_partition", "enabled", "stage_modules"]
+
+RESOLVED_KEY = "pipeline_boundaries"  # config.json's devices entry of an "auto" cut
 
 
 def enabled(config: ml_collections.ConfigDict) -> bool:
@@ -24,17 +34,21 @@ def enabled(config: ml_collections.ConfigDict) -> bool:
     return "pipeline" in config and config.pipeline.stages > 0
 
 
-def stage_modules(config: ml_collections.ConfigDict, model: Any) -> list[Any]:
-    """The model cut into ``stages x chunks`` virtual stages, equal or at ``boundaries``."""
+def stage_modules(
+    config: ml_collections.ConfigDict, model: Any, boundaries: Any = None
+) -> list[Any]:
+    """The model cut into ``stages x chunks`` virtual stages: equal, or at ``boundaries``
+    (default: the recipe's, which must then be a tuple)."""
     p = config.pipeline
+    boundaries = p.boundaries if boundaries is None else boundaries
     virtual = p.stages * (p.chunks if p.schedule == "interleaved" else 1)
-    if p.boundaries:
-        if len(p.boundaries) != virtual:
+    if boundaries:
+        if len(boundaries) != virtual:
             raise ValueError(
-                f"pipeline.boundaries has {len(p.boundaries)} entries; it needs one per "
+                f"pipeline.boundaries has {len(boundaries)} entries; it needs one per "
                 f"virtual stage ({virtual}): the first layer of each"
             )
-        return pipeline_stages.split_module(model, boundaries=p.boundaries)
+        return pipeline_stages.split_module(model, boundaries=tuple(boundaries))
     return pipeline_stages.split_module(model, stages=virtual)
 
 
@@ -42,7 +56,9 @@ class Pipeline:
     """The model cut into stages over the mesh's ``stage`` axis; the other axes split the
     batch. Refuses a mesh whose stage axis is missing or of another size."""
 
-    def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh) -> None:
+    def __init__(
+        self, config: ml_collections.ConfigDict, mesh: Mesh, recorded: dict | None = None
+    ) -> None:
         stages = config.pipeline.stages
         if STAGE_AXIS not in mesh.axis_names:
             raise ValueError(
@@ -62,9 +78,22 @@ class Pipeline:
                 f"pipeline.schedule={p.schedule!r} keeps one chunk per device: set "
                 "pipeline.schedule=interleaved, or leave chunks out"
             )
+        if p.profile and p.boundaries != "auto":
+            raise ValueError(
+                f"pipeline.profile={p.profile!r} is read only to choose boundaries: set "
+                "pipeline.boundaries=auto, or leave profile out"
+            )
+        if p.boundaries == "auto" and p.schedule == "interleaved":
+            raise ValueError(
+                "pipeline.boundaries='auto' cuts one model chunk per device; the interleaved "
+                "schedule's chunks are cut evenly or at boundaries you give"
+            )
         self.config = config
         self.mesh = mesh
         self.data_axes: tuple[str, ...] = stage_data_axes(mesh, STAGE_AXIS)
+        # What "auto" resolved to, recorded with the run; a rerun reuses the recorded cut.
+        self.resolved: dict[str, Any] = {}
+        self._recorded = (recorded or {}).get(RESOLVED_KEY)
 
     def check_batches(self, batches: list[int], replicas: int) -> None:
         """Refuse a global batch (``batch_size`` or a ``batch_ramp`` entry) that does not
@@ -89,11 +118,74 @@ class Pipeline:
             loss = smoothed_cross_entropy(logits, labels, num_classes, smoothing).mean()
             return loss, {"accuracy": (jnp.argmax(logits, -1) == labels).mean()}
 
-        modules = stage_modules(self.config, parts.model)
+        options = dict(parts.options)
+        boundaries = None
+        if p.boundaries == "auto":
+            boundaries = self._auto_boundaries(parts)
+            options["links"] = None  # they priced the sends between stages, not a gradient plan
+        modules = stage_modules(self.config, parts.model, boundaries)
         return PipelineStep(
             pipeline_stages.flax_stages(modules), loss_fn, parts.optimizer, self.mesh,
             microbatches=p.microbatches, schedule=p.schedule, chunks=p.chunks,
             stage_axis=STAGE_AXIS, inputs=parts.model_inputs,
             split=pipeline_stages.variable_splitter(modules, parts.example),
-            accumulation_steps=accumulation_steps, **parts.options,
+            accumulation_steps=accumulation_steps, **options,
         )  # fmt: skip
+
+    def _auto_boundaries(self, parts: StepParts) -> tuple[int, ...]:
+        """The recorded cut of this workdir's run, or the partitioner's, from the recipe's
+        profile or one measured now; process 0 decides and every process takes its cut."""
+        if self._recorded is None:
+            replicas = math.prod(self.mesh.shape[a] for a in self.data_axes)
+            micro = self.config.batch_size // (replicas * self.config.pipeline.microbatches)
+            cut = auto_partition(self.config, parts, micro)
+            boundaries = multihost_utils.broadcast_one_to_all(np.asarray(cut.boundaries))
+            self._recorded = [int(b) for b in boundaries]
+        self.resolved = {RESOLVED_KEY: list(self._recorded)}
+        return tuple(self._recorded)
+
+
+def stage_link(config: ml_collections.ConfigDict) -> tuple[Link, str]:
+    """The link between neighbouring stages the partitioner prices sends on, and where it
+    came from: the recipe's ``links``, else the emulated cluster's, else none (sends free)."""
+    try:
+        links = hybrid.resolve_links(config.links or None, (config.pipeline.stages,))
+    except ValueError:
+        return Link(0.0, 0.0), "no link given (sends not priced)"
+    return links.flat, links.source
+
+
+def profile_for(config: ml_collections.ConfigDict, parts: StepParts, micro: int) -> Profile:
+    """The recipe's ``pipeline.profile`` checked against its model, or one measured now on
+    this machine at ``micro`` images per micro-batch."""
+    example = jax.ShapeDtypeStruct((micro, *parts.example.shape[1:]), parts.example.dtype)
+    description = model_description(config)
+    if config.pipeline.profile:
+        profile = read_profile(config.pipeline.profile)
+        profile.check_matches(description, micro, layer_sizes(parts.model, example))
+        return profile
+    return measure_profile(
+        parts.model, jnp.zeros(example.shape, example.dtype), parts.optimizer,
+        description=description,
+    )  # fmt: skip
+
+
+def auto_partition(config: ml_collections.ConfigDict, parts: StepParts, micro: int) -> Partition:
+    """The partitioner's cut of the recipe's model over its stages, printed with its costs."""
+    profile = profile_for(config, parts, micro)
+    link, source = stage_link(config)
+    p = config.pipeline
+    cut = partition(profile, p.stages, link, schedule=p.schedule, microbatches=p.microbatches)
+    if jax.process_index() == 0:
+        print(f"pipeline: boundaries auto -> {list(cut.boundaries)} from a profile "
+              f"{profile.source} on {profile.device} ({source}); slowest stage "
+              f"{cut.slowest_s * 1e3:.2f} ms per micro-batch, bubble {cut.bubble():.3f}",
+              flush=True)  # fmt: skip
+    return cut
+
+
+def model_description(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """What a profile records of the model it was made for."""
+    m = config.model
+    return {"name": m.name, "width": m.width, "stem": m.stem, "dtype": m.dtype,
+            "image_size": config.data.image_size}  # fmt: skip

@@ -133,6 +133,18 @@ def _has_progress(workdir: Path) -> bool:
     return has_checkpoints or (metrics.exists() and metrics.stat().st_size > 0)
 
 
+def recorded_devices(workdir: str | Path) -> dict[str, Any]:
+    """What a run in ``workdir`` resolved on its machine (config.json's ``devices``); empty
+    when the workdir holds no run yet or its record is unreadable (checked later)."""
+    path = Path(workdir) / CONFIG_FILE
+    if not (path.exists() and _has_progress(Path(workdir))):
+        return {}
+    try:
+        return dict(json.loads(path.read_text()).get(RESOLVED, {}))
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
+        return {}
+
+
 def check_rerun(
     workdir: str | Path,
     config: ml_collections.ConfigDict,

@@ -27,6 +27,7 @@ class DataParallel:
         refuse_unused("pipeline", config.pipeline, ("stages",), "pipeline.stages=0")
         self.mesh = mesh
         self.data_axes: tuple[str, ...] = tuple(mesh.axis_names)
+        self.resolved: dict = {}  # nothing left to the machine beyond the mesh
 
     def check_batches(self, batches: list[int], replicas: int) -> None:
         """Any global batch works: the batch plan splits it into accumulation steps."""
@@ -47,9 +48,10 @@ class DataParallel:
 
 
 def for_recipe(
-    config: ml_collections.ConfigDict, mesh: Mesh
+    config: ml_collections.ConfigDict, mesh: Mesh, recorded: dict | None = None
 ) -> DataParallel | pipeline_config.Pipeline:
-    """The kind of step ``config`` trains with: a pipeline when ``pipeline.stages > 0``."""
+    """The kind of step ``config`` trains with: a pipeline when ``pipeline.stages > 0``.
+    ``recorded`` is what a run in the workdir resolved before (a pipeline's "auto" cut)."""
     if pipeline_config.enabled(config):
-        return pipeline_config.Pipeline(config, mesh)
+        return pipeline_config.Pipeline(config, mesh, recorded)
     return DataParallel(config, mesh)

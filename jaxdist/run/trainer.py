@@ -103,7 +103,8 @@ class Trainer:
         """Everything the config describes: mesh, data, batch plan, model, loss, optimizer and
         the train step of every stage, so that a bad value fails here, before any training."""
         self.mesh = build_mesh(config.mesh) if mesh is None else mesh
-        self.step_kind = steps.for_recipe(config, self.mesh)  # the one choice of step
+        recorded = rerun.recorded_devices(self.workdir)  # e.g. a pipeline's "auto" cut
+        self.step_kind = steps.for_recipe(config, self.mesh, recorded)  # the one choice of step
         names = self.step_kind.data_axes
         self.data_axes = data_axes_of(self.mesh, names)  # one name, or a tuple of several
         self.num_replicas = math.prod(self.mesh.shape[a] for a in names)
@@ -262,7 +263,7 @@ class Trainer:
         """The accepted differences from the workdir's recorded config (and devices)."""
         mesh = ",".join(f"{axis}={size}" for axis, size in self.mesh.shape.items())
         return rerun.check_rerun(self.workdir, self.config, allow_change=self.allow_config_change,
-                                 write=write, devices={"mesh": mesh})  # fmt: skip
+                                 write=write, devices={"mesh": mesh, **self.step_kind.resolved})  # fmt: skip
 
     def _already_finished(self, loop: Loop, log: RunLog) -> dict[str, Any]:
         """A rerun of a finished run: say so, train nothing, append nothing."""
