@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 from jax.sharding import Mesh
 
 from jaxdist.comm import collectives
@@ -60,4 +61,16 @@ def check_stage_count(functions: int, stages: int, chunks: int, stage_axis: str)
         raise ValueError(
             f"{functions} stage functions for {stages} stages on axis {stage_axis!r} with "
             f"{chunks} chunk(s) each: expected {stages * chunks}"
+        )
+
+
+def check_micro_batches(batch: Any, microbatches: int, replicas: int) -> None:
+    """Refuse, before compiling, a batch whose per-replica part does not split into the
+    micro-batches."""
+    size = jax.tree.leaves(batch)[0].shape[0]
+    if size % (microbatches * replicas):
+        raise ValueError(
+            f"a batch of {size} over {replicas} data-parallel replica(s) does not split "
+            f"into microbatches={microbatches} per replica; use a multiple of "
+            f"{microbatches * replicas} or another micro-batch count"
         )

@@ -23,37 +23,45 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxdist.comm import collectives
 from jaxdist.pipeline.stages import ActivationLayout
 
 __all__: list[str] = []  # building blocks of the package's own modules
 
 
-def branches(step: Any, params: jax.Array, micro: Any, rng: jax.Array, scale) -> list[Callable]:
+def branches(
+    step: Any, params: jax.Array, micro: Any, rng: jax.Array, scale, weights: Callable | None = None
+) -> list[Callable]:
     """The switch's branches for a :class:`~jaxdist.pipeline.step.PipelineStep`'s tick:
-    ``branch(carry, microbatch, input_slot, grad_slot) -> carry``. ``params`` is this device's
-    ``(chunks, size)`` parameter block, ``micro`` its batch cut into micro-batches."""
+    ``branch(carry, microbatch, input_slot, grad_slot, weight_slot) -> carry``. ``params`` is
+    this device's ``(chunks, size)`` parameter block, ``micro`` its batch cut into
+    micro-batches. ``weights(carry, kind, weight_slot)``, if given, is the block a forward
+    (``kind`` ``"F"``) or backward (``"B"``) op uses instead (PipeDream's stashed versions)."""
+    if weights is None:
+        weights = lambda carry, kind, weight_slot: params  # noqa: E731
     S, V = step.num_stages, len(step.stages)
     acts = step.activations
     p_layout, s_layout = step.layouts["params"], step.layouts["model_state"]
     silent = jnp.zeros((acts.size,), acts.dtype)
 
-    def stage_inputs(v: int, carry: dict, m: jax.Array, input_slot: jax.Array):
+    def stage_inputs(v: int, carry: dict, m: jax.Array, input_slot: jax.Array, block):
         """(params tree, model-state tree, input, micro-batch, rng) of virtual stage v."""
         chunk = v // S
         mb = jax.tree.map(lambda x: x[m], micro)
         x = step.inputs(mb) if v == 0 else acts.unflatten(v - 1, carry["stash"][input_slot])
-        p = p_layout.unflatten(v, params[chunk])
+        p = p_layout.unflatten(v, block[chunk])
         ms = s_layout.unflatten(v, carry["model_state"][chunk])
         # The same rng in the forward and in its recomputation: dropout masks agree.
         key = jax.random.fold_in(jax.random.fold_in(rng, m), v)
         return p, ms, x, mb, key
 
-    def idle(carry, m, input_slot, grad_slot):
+    def idle(carry, m, input_slot, grad_slot, weight_slot):
         return {**carry, "send_forward": silent, "send_backward": silent}
 
     def forward(v: int) -> Callable:
-        def run(carry, m, input_slot, grad_slot):
-            p, ms, x, mb, key = stage_inputs(v, carry, m, input_slot)
+        def run(carry, m, input_slot, grad_slot, weight_slot):
+            block = weights(carry, "F", weight_slot)
+            p, ms, x, mb, key = stage_inputs(v, carry, m, input_slot, block)
             y, new_ms = step.stages[v](p, ms, x, key)
             chunk = v // S
             carry = {
@@ -71,8 +79,9 @@ def branches(step: Any, params: jax.Array, micro: Any, rng: jax.Array, scale) ->
         return run
 
     def backward(v: int) -> Callable:
-        def run(carry, m, input_slot, grad_slot):
-            p, ms, x, mb, key = stage_inputs(v, carry, m, input_slot)
+        def run(carry, m, input_slot, grad_slot, weight_slot):
+            block = weights(carry, "B", weight_slot)
+            p, ms, x, mb, key = stage_inputs(v, carry, m, input_slot, block)
 
             def recompute(p, x):
                 y, _ = step.stages[v](p, ms, x, key)
@@ -132,13 +141,23 @@ def update(
 
 
 def run_schedule(
-    step: Any, state: Any, params, micro: Any, rng: jax.Array, scale, metric_shapes, stage
+    step: Any,
+    state: Any,
+    params,
+    micro: Any,
+    rng: jax.Array,
+    scale,
+    metric_shapes,
+    stage,
+    updates: Any = None,
 ) -> dict:
     """Every tick of the step's schedule table on this device, one loop turn each: the tick's
     branch, then the activation sent to the next stage and the gradient to the previous one
     by collective permutes along the stage axis. ``state`` is this device's block of the
     :class:`~jaxdist.pipeline.state.PipelineState`, ``params`` its ``(chunks, size)``
-    parameters. Returns the final carry."""
+    parameters. ``updates`` (PipeDream's :class:`~jaxdist.pipeline.asynchronous.PerBackward`)
+    adds its state to the carry, chooses each op's weights and updates after every backward.
+    Returns the final carry."""
     S = step.num_stages
     acts = step.activations
     zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
@@ -152,11 +171,14 @@ def run_schedule(
         "send_forward": jnp.zeros((acts.size,), acts.dtype),
         "send_backward": jnp.zeros((acts.size,), acts.dtype),
     }
-    ops = branches(step, params, micro, rng, scale)
+    if updates is not None:
+        carry = updates.init_carry(carry)
+    weights = None if updates is None else updates.weights
+    ops = branches(step, params, micro, rng, scale, weights)
     tables = {
         name: jnp.asarray(getattr(step.program, name))
         for name in ("branch", "microbatch", "input_slot", "grad_slot",
-                     "receive_input", "receive_grad")
+                     "receive_input", "receive_grad", "weight_slot")
     }  # fmt: skip
     forward_perm = [(i, i + 1) for i in range(S - 1)] + ([(S - 1, 0)] if step.chunks > 1 else [])
     backward_perm = [(i + 1, i) for i in range(S - 1)] + ([(0, S - 1)] if step.chunks > 1 else [])
@@ -176,8 +198,12 @@ def run_schedule(
 
     def tick(t, carry):
         at = {name: table[t, stage] for name, table in tables.items()}
+        if updates is not None:
+            carry = updates.before_tick(carry, at)
         carry = lax.switch(at["branch"], ops, carry, at["microbatch"], at["input_slot"],
-                           at["grad_slot"])  # fmt: skip
+                           at["grad_slot"], at["weight_slot"])  # fmt: skip
+        if updates is not None:
+            carry = updates.after_tick(carry, at, t)
         if S > 1:
             arrived = send(sends_forward[t], carry["send_forward"], forward_perm)
             returned = send(sends_backward[t], carry["send_backward"], backward_perm)
@@ -213,3 +239,18 @@ def activation_layout(step: Any, micro: Any) -> tuple[ActivationLayout, Any]:
 def _flat(step: Any, name: str) -> jax.ShapeDtypeStruct:
     layout = step.layouts[name]
     return jax.ShapeDtypeStruct((layout.size,), layout.dtype)
+
+
+def mean_over_data_axes(step: Any, grads: jax.Array) -> jax.Array:
+    """Mean of this device's stage gradients over the data axes with the step's allreduce, in
+    buckets of ``bucket_bytes``, the last chunk first."""
+    flat = grads.reshape(-1)
+    per_bucket = max(1, (step.bucket_bytes or flat.nbytes) // flat.dtype.itemsize)
+    starts = list(range(0, flat.size, per_bucket))[::-1]
+    pieces = {}
+    for start in starts:
+        (pieces[start],) = collectives.allreduce(
+            [flat[start : start + per_bucket]], step.reduce_axes, step.allreduce, op="mean",
+            **step.allreduce_options,
+        )  # fmt: skip
+    return jnp.concatenate([pieces[s] for s in sorted(pieces)]).reshape(grads.shape)

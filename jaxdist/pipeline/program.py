@@ -9,7 +9,9 @@ stage s looks up, in arrays of shape ``(ticks, stages)``:
 * ``grad_slot``: the slot of the gradient stash holding the output gradient its backward
   pulls back (virtual stages but the last);
 * ``receive_input`` / ``receive_grad``: where to store what arrives at the end of the tick
-  from the previous stage (an activation) and from the next one (an activation gradient).
+  from the previous stage (an activation) and from the next one (an activation gradient);
+* ``weight_slot``: for the PipeDream schedule, the slot of the weight stash that keeps the
+  weights a micro-batch's forward used until its backward.
 
 Stash slots are reused: an entry lives from the tick its message arrives to the tick its
 backward reads it, and a slot is free again the tick after. With GPipe a stage keeps every
@@ -40,8 +42,10 @@ class Program:
     grad_slot: np.ndarray
     receive_input: np.ndarray
     receive_grad: np.ndarray
+    weight_slot: np.ndarray
     input_slots: int
     grad_slots: int
+    weight_slots: int
 
     @property
     def virtual_stages(self) -> int:
@@ -57,6 +61,12 @@ class Program:
     def sends_backward(self) -> np.ndarray:
         """Per tick, whether any stage sends an activation gradient back."""
         return (self.receive_grad != self.grad_slots).any(axis=1)
+
+    @property
+    def runs_backward(self) -> np.ndarray:
+        """Per tick, whether any stage runs a backward pass (and so, under PipeDream, an
+        update)."""
+        return (self.branch > self.virtual_stages).any(axis=1)
 
     @property
     def messages_per_step(self) -> int:
@@ -88,6 +98,12 @@ def compile_schedule(schedule: Schedule) -> Program:
             grads[v % S].append((2 * done[("B", m, v + 1)] + 1, 2 * tick, (m, v)))
     input_slot_of, input_slots = _allocate(inputs)
     grad_slot_of, grad_slots = _allocate(grads)
+    # A weight version lives from its micro-batch's forward to its backward on the same stage.
+    weights: list[list[tuple[int, int, tuple[int, int]]]] = [[] for _ in range(S)]
+    for (kind, m, v), tick in done.items():
+        if kind == "B":
+            weights[v % S].append((2 * done[("F", m, v)], 2 * tick, (m, v)))
+    weight_slot_of, weight_slots = _allocate(weights)
 
     shape = (ticks, S)
     branch = np.zeros(shape, np.int32)
@@ -96,6 +112,7 @@ def compile_schedule(schedule: Schedule) -> Program:
     grad_slot = np.full(shape, grad_slots, np.int32)
     receive_input = np.full(shape, input_slots, np.int32)
     receive_grad = np.full(shape, grad_slots, np.int32)
+    weight_slot = np.full(shape, weight_slots, np.int32)
     for tick, row in enumerate(schedule.table):
         for stage, op in enumerate(row):
             if op is None:
@@ -105,6 +122,7 @@ def compile_schedule(schedule: Schedule) -> Program:
             microbatch[tick, stage] = m
             branch[tick, stage] = 1 + v if op.kind == "F" else 1 + V + v
             input_slot[tick, stage] = input_slot_of.get((m, v), input_slots)
+            weight_slot[tick, stage] = weight_slot_of.get((m, v), weight_slots)
             if op.kind == "B":
                 grad_slot[tick, stage] = grad_slot_of.get((m, v), grad_slots)
             # What this op sends lands on a neighbour at the end of the tick.
@@ -114,7 +132,7 @@ def compile_schedule(schedule: Schedule) -> Program:
                 receive_grad[tick, (stage - 1) % S] = grad_slot_of[(m, v - 1)]
     return Program(
         schedule, branch, microbatch, input_slot, grad_slot, receive_input, receive_grad,
-        input_slots, grad_slots,
+        weight_slot, input_slots, grad_slots, weight_slots,
     )  # fmt: skip
 
 

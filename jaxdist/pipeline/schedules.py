@@ -11,6 +11,10 @@ table drives the pictures here and is what a pipeline program steps through.
 * **1F1B** (PipeDream-Flush): stage s runs S − s − 1 forwards to warm up, then alternates one
   forward and one backward, then drains the backwards. At most S − s micro-batches' activations
   are alive on stage s.
+* **PipeDream** and **PipeDream-2BW**: 1F1B's table, but each stage updates its weights
+  after every backward (PipeDream, with the weights each micro-batch's forward used stashed
+  for its backward) or once per step from gradients of the weights one step older
+  (2BW, two versions); see :mod:`jaxdist.pipeline.asynchronous`.
 * **Interleaved 1F1B** (Megatron-LM): each device holds v model chunks (virtual stages
   s, s + S, ..., s + (v − 1)S), so the pipeline is v·S stages deep while each op is 1/v as
   long; the bubble shrinks to (S − 1)/(v·M + S − 1). M must be a multiple of S.
@@ -27,13 +31,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
+    "ASYNCHRONOUS",
     "SCHEDULES",
     "Op",
     "Schedule",
     "build",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "pipedream", "pipedream_2bw")
+# Schedules whose stages update without a flush, on weights older than the newest
+# (:mod:`jaxdist.pipeline.asynchronous`); their tables are 1F1B's.
+ASYNCHRONOUS = ("pipedream", "pipedream_2bw")
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,7 @@ def orders(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[l
     S, M = stages, microbatches
     if name == "gpipe":
         return [[Op("F", m) for m in range(M)] + [Op("B", m) for m in range(M)] for _ in range(S)]
-    if name == "1f1b":
+    if name == "1f1b" or name in ASYNCHRONOUS:
         return [_one_forward_one_backward(S - s - 1, [Op("F", m) for m in range(M)],
                                           [Op("B", m) for m in range(M)]) for s in range(S)]  # fmt: skip
     # Interleaved: micro-batches in groups of S run through chunk 0, then chunk 1, ...;

@@ -38,6 +38,7 @@ class PipelineState(struct.PyTreeNode):
     model_state: jax.Array
     opt_state: jax.Array
     loss_scale: DynamicLossScale | None = None
+    previous_params: jax.Array | None = None  # PipeDream-2BW's older version
 
 
 def stack(layout: FlatLayout, trees: Sequence[Any], stages: int, chunks: int) -> np.ndarray:

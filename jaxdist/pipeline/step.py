@@ -43,13 +43,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.comm import buckets as bucketing
-from jaxdist.comm import collectives
 from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.comm.scopes import GRADIENT_SCOPE
-from jaxdist.pipeline import schedules
+from jaxdist.pipeline import asynchronous, schedules
 from jaxdist.pipeline import state as pipeline_state
-from jaxdist.pipeline.options import check_stage_count, refuse_unsupported, stage_data_axes
-from jaxdist.pipeline.passes import activation_layout, run_schedule, update
+from jaxdist.pipeline.options import (
+    check_micro_batches,
+    check_stage_count,
+    refuse_unsupported,
+    stage_data_axes,
+)
+from jaxdist.pipeline.passes import activation_layout, mean_over_data_axes, run_schedule, update
 from jaxdist.pipeline.program import Program, compile_schedule
 from jaxdist.pipeline.stages import ActivationLayout, FlatLayout, StageFn
 from jaxdist.pipeline.state import PipelineState
@@ -121,6 +125,7 @@ class PipelineStep:
         zero1: bool = False,
     ):
         refuse_unsupported(allreduce, sfb_layers, links, accumulation_steps, zero1)
+        asynchronous.check_options(schedule, loss_scale, skip_nonfinite, chunks)
         self.data_axes = stage_data_axes(mesh, stage_axis)
         self.num_stages = mesh.shape[stage_axis]
         chunks = chunks if schedule == "interleaved" else 1
@@ -129,9 +134,10 @@ class PipelineStep:
         )
         check_stage_count(len(stages), self.num_stages, chunks, stage_axis)
         # The data axes as the collectives take them: one name, or a tuple of two.
-        self._reduce_axes = data_axes_of(mesh, self.data_axes) if self.data_axes else None
+        self.reduce_axes = data_axes_of(mesh, self.data_axes) if self.data_axes else None
         if allreduce != NO_ALLREDUCE and self.data_axes:
-            check_allreduce(mesh, self._reduce_axes, allreduce, dict(allreduce_options or {}))
+            check_allreduce(mesh, self.reduce_axes, allreduce, dict(allreduce_options or {}))
+        self.schedule = schedule
         self.stages = list(stages)
         self.loss_fn = loss_fn
         self.optimizer = optimizer
@@ -174,14 +180,16 @@ class PipelineStep:
             )
             for name in trees
         }
+        placed = {
+            # Each process places only its own devices' stages (no cross-process check).
+            name: jax.make_array_from_callback(array.shape, sharding, array.__getitem__)
+            for name, array in stacked.items()
+        }
         return PipelineState(
             step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
-            # Each process places only its own devices' stages (no cross-process check).
-            **{
-                name: jax.make_array_from_callback(array.shape, sharding, array.__getitem__)
-                for name, array in stacked.items()
-            },
+            **placed,
             loss_scale=jax.device_put(self.loss_scale, replicated),
+            previous_params=jnp.copy(placed["params"]) if self._two_versions else None,
         )
 
     def abstract_init(self, params: Any, model_state: Any = None) -> PipelineState:
@@ -208,6 +216,7 @@ class PipelineStep:
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                 self.loss_scale,
             ),
+            previous_params=stacked("params") if self._two_versions else None,
         )
 
     def _per_stage(self, params: Any, model_state: Any) -> tuple[list, list]:
@@ -263,6 +272,16 @@ class PipelineStep:
             opt_state=pipeline_state.write_at(state.opt_state, stage, chunk, offset, value)
         )
 
+    @property
+    def _two_versions(self) -> bool:
+        return self.schedule == "pipedream_2bw"
+
+    @property
+    def averages_gradients(self) -> bool:
+        """Whether stage gradients are averaged over data axes (there are some, and an
+        allreduce is chosen)."""
+        return bool(self.data_axes) and self.allreduce != NO_ALLREDUCE
+
     def bytes_per_step(self) -> dict[str, int]:
         """What each device sends per step, known once the step was traced: ``messages``
         between stages of ``message_bytes`` each (the largest boundary's activation for one
@@ -290,7 +309,7 @@ class PipelineStep:
         self, state: PipelineState, batch: Any, rng: jax.Array
     ) -> tuple[PipelineState, dict]:
         check_batch_sizes(batch)
-        self._check_batch(batch)
+        check_micro_batches(batch, self.microbatches, self.num_replicas)
         if self._compiled is None:
             self._compiled = self._build(state)
         self._in_flight.make_room()
@@ -300,7 +319,7 @@ class PipelineStep:
 
     def lower(self, state: PipelineState, batch: Any, rng: jax.Array):
         """The lowered step (``.compile().memory_analysis()`` gives its per-device memory)."""
-        self._check_batch(batch)
+        check_micro_batches(batch, self.microbatches, self.num_replicas)
         if self._compiled is None:
             self._compiled = self._build(state)
         return self._compiled.lower(state, batch, rng)
@@ -310,7 +329,8 @@ class PipelineStep:
             raise RuntimeError("the step's layouts come from init(); call init first")
         stage = P(self.stage_axis)
         specs = PipelineState(step=P(), params=stage, model_state=stage, opt_state=stage,
-                              loss_scale=jax.tree.map(lambda _: P(), state.loss_scale))  # fmt: skip
+                              loss_scale=jax.tree.map(lambda _: P(), state.loss_scale),
+                              previous_params=stage if self._two_versions else None)  # fmt: skip
         batch_spec = P(self.data_axes) if self.data_axes else P()
         sharded = jax.shard_map(
             self._body,
@@ -324,18 +344,6 @@ class PipelineStep:
             sharded, donate_argnums=(0,) if self.donate else (), compiler_options=options
         )
 
-    def _check_batch(self, batch: Any) -> None:
-        """Refuse, before compiling, a batch whose per-device part does not split into the
-        micro-batches."""
-        size = jax.tree.leaves(batch)[0].shape[0]
-        M, replicas = self.microbatches, self.num_replicas
-        if size % (M * replicas):
-            raise ValueError(
-                f"a batch of {size} over {replicas} data-parallel replica(s) does not split "
-                f"into microbatches={M} per replica; use a multiple of {M * replicas} or "
-                f"another micro-batch count"
-            )
-
     def _body(self, state: PipelineState, batch: Any, rng: jax.Array):
         self.trace_count += 1
         stage = lax.axis_index(self.stage_axis)
@@ -345,7 +353,13 @@ class PipelineStep:
         self.activations, metric_shapes = activation_layout(self, micro)
         params, opt_state = state.params[0], state.opt_state[0]
         scale = None if state.loss_scale is None else state.loss_scale.scale
-        carry = run_schedule(self, state, params, micro, rng, scale, metric_shapes, stage)
+        # 2BW computes on the older version; PipeDream's versions live in the loop.
+        used = state.previous_params[0] if self._two_versions else params
+        per_backward = None
+        if self.schedule == "pipedream":
+            per_backward = asynchronous.PerBackward(self, params, opt_state, stage)
+        carry = run_schedule(self, state, used, micro, rng, scale, metric_shapes, stage,
+                             per_backward)  # fmt: skip
         return self._finish(state, carry, params, opt_state, stage)
 
     def _finish(self, state, carry, params, opt_state, stage):
@@ -358,16 +372,19 @@ class PipelineStep:
         model_state = carry["model_state"]
         if self.data_axes:
             model_state, loss, metrics = lax.pmean((model_state, loss, metrics), self.data_axes)
-        if self.data_axes and self.allreduce != NO_ALLREDUCE:
+        if self.averages_gradients and self.schedule != "pipedream":  # it averaged per tick
             with jax.named_scope(GRADIENT_SCOPE):
-                grads = self._allreduce(grads)
+                grads = mean_over_data_axes(self, grads)
         finite = None
         if state.loss_scale is not None:
             grads = state.loss_scale.unscale(grads)
         if state.loss_scale is not None:
             # A non-finite gradient on any stage skips the step on all of them.
             finite = lax.pmin(all_finite(grads).astype(jnp.int32), self.stage_axis) > 0
-        params, opt_state = update(self, params, grads, opt_state, stage)
+        if self.schedule == "pipedream":  # updated after every backward
+            params, opt_state = carry["params"], carry["opt_state"]
+        else:
+            params, opt_state = update(self, params, grads, opt_state, stage)
         if self.skip_nonfinite:  # also a finite step whose update leaves inf parameters
             ok = all_finite((grads, params)) & jnp.isfinite(loss)
             ok = lax.pmin(ok.astype(jnp.int32), self.stage_axis) > 0
@@ -377,19 +394,7 @@ class PipelineStep:
             params=params[None],
             model_state=model_state[None],
             opt_state=opt_state[None],
+            previous_params=state.params if self._two_versions else None,
         )
         return finish_scaled_step(state, new_state, finite, {**metrics, "loss": loss},
                                   report_skipped=self.skip_nonfinite)  # fmt: skip
-
-    def _allreduce(self, grads: jax.Array) -> jax.Array:
-        """Mean over the data axes, in buckets of ``bucket_bytes``, the last chunk first."""
-        flat = grads.reshape(-1)
-        per_bucket = max(1, (self.bucket_bytes or flat.nbytes) // flat.dtype.itemsize)
-        starts = list(range(0, flat.size, per_bucket))[::-1]
-        pieces = {}
-        for start in starts:
-            (pieces[start],) = collectives.allreduce(
-                [flat[start : start + per_bucket]], self._reduce_axes, self.allreduce, op="mean",
-                **self.allreduce_options,
-            )  # fmt: skip
-        return jnp.concatenate([pieces[s] for s in sorted(pieces)]).reshape(grads.shape)
