@@ -1,7 +1,9 @@
-"""Peak memory per device of a pipeline step as the micro-batch count grows: GPipe against 1F1B.
+"""Peak memory per device of a pipeline step as the micro-batch count grows: GPipe against 1F1B,
+and 1F1B against PipeDream's weight stashing and 2BW's two versions.
 
     python benchmarks/pipeline_memory.py [--stages 4] [--microbatches 1,2,4,8,16,32]
         [--topology cpu|v5e:2x2|...] [--plot docs/pipeline_memory.png]
+        [--schedules gpipe,1f1b | 1f1b,pipedream,pipedream_2bw]
 
 The model is an MLP of eight 1024-wide layers cut into ``--stages`` equal stages; each
 micro-batch holds 1,024 examples, so the global batch grows with M while each op's work stays
@@ -127,6 +129,10 @@ def measure(
                 "schedule": schedule,
                 "microbatches": M,
                 "stash_slots": step.program.input_slots,
+                # Parameter copies a device holds: the newest, plus PipeDream's stashed versions
+                # or 2BW's older one.
+                "weight_versions": 1 + (step.program.weight_slots if schedule == "pipedream"
+                                        else schedule == "pipedream_2bw"),
                 "bubble": step.program.schedule.bubble_fraction,
                 "argument_mib": memory.argument_size_in_bytes / 2**20,
                 "temp_mib": memory.temp_size_in_bytes / 2**20,
@@ -134,7 +140,8 @@ def measure(
                              + memory.output_size_in_bytes - memory.alias_size_in_bytes) / 2**20,
             }  # fmt: skip
             rows.append(row)
-            print(f"| {schedule} | {M} | {row['stash_slots']} | {row['bubble']:.3f} | "
+            print(f"| {schedule} | {M} | {row['stash_slots']} | {row['weight_versions']} | "
+                  f"{row['bubble']:.3f} | "
                   f"{row['argument_mib']:.1f} | {row['temp_mib']:.1f} | {row['peak_mib']:.1f} |",
                   flush=True)  # fmt: skip
     return rows
@@ -183,9 +190,10 @@ def main(argv=None) -> int:
                         help="rows to this file (default benchmarks/results/pipeline_memory_<topology>.json)")  # fmt: skip
     args = parser.parse_args(argv)
     print(
-        "| schedule | M | stash slots | bubble | arguments (MiB) | temporaries (MiB) | peak (MiB) |"
+        "| schedule | M | stash slots | weight versions | bubble | arguments (MiB) | "
+        "temporaries (MiB) | peak (MiB) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     rows = measure(args.topology, args.stages, args.schedules.split(","),
                    [int(m) for m in args.microbatches.split(",")], args.model,
                    args.micro_batch)  # fmt: skip

@@ -68,7 +68,10 @@ def test_1f1b_keeps_activations_bounded_by_the_stages_and_gpipe_by_the_microbatc
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("zigzag", 4, 8), "schedule must be one of gpipe, 1f1b, interleaved, pipedream, pipedream_2bw; got 'zigzag'"),
+        (
+            ("zigzag", 4, 8),
+            "schedule must be one of gpipe, 1f1b, interleaved, pipedream, pipedream_2bw; got 'zigzag'",
+        ),
         (("interleaved", 4, 6, 2), "microbatches (6) must be a multiple of stages (4)"),
         (("1f1b", 0, 8), "stages must be a positive integer, got 0"),
     ],

@@ -41,7 +41,8 @@ def register(actions: argparse._SubParsersAction) -> None:
     cut.add_argument("--link", metavar="LAT:BW", help="link between stages, e.g. 5us:45GB/s")
     cut.add_argument("--memory-limit", type=float, metavar="GIB", help="bytes per device")
     cut.add_argument("--microbatches", type=int, help="default: the recipe's")
-    cut.add_argument("--schedule", help="gpipe or 1f1b (default: the recipe's)")
+    cut.add_argument("--schedule", help="gpipe, 1f1b, pipedream or pipedream_2bw (default: the "
+                     "recipe's)")  # fmt: skip
     cut.set_defaults(func=partition_recipe, joins_process_group=False)
 
 
@@ -146,9 +147,10 @@ def partition_recipe(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise PartitionArgumentError(f"--link: {err}") from None
     schedule = args.schedule or config.pipeline.schedule
-    if schedule not in ("gpipe", "1f1b"):
+    if schedule == "interleaved":
         raise PartitionArgumentError(
-            f"the partitioner cuts one model chunk per device (gpipe or 1f1b); got {schedule!r}"
+            "the partitioner cuts one model chunk per device (gpipe, 1f1b, pipedream, "
+            "pipedream_2bw); the interleaved schedule's chunks are cut evenly or at boundaries"
         )
     microbatches = args.microbatches or max(config.pipeline.microbatches, 1)
     limit = args.memory_limit * 2**30 if args.memory_limit else None
