@@ -3,6 +3,7 @@ stages, and the pipeline step the trainer runs in place of the data-parallel one
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -165,9 +166,19 @@ def profile_for(config: ml_collections.ConfigDict, parts: StepParts, micro: int)
         profile.check_matches(description, micro, layer_sizes(parts.model, example))
         return profile
     return measure_profile(
-        parts.model, jnp.zeros(example.shape, example.dtype), parts.optimizer,
-        description=description,
+        local_statistics(parts.model), jnp.zeros(example.shape, example.dtype),
+        parts.optimizer, description=description,
     )  # fmt: skip
+
+
+def local_statistics(model: Any) -> Any:
+    """``model`` with BatchNorm statistics of each device's own micro-batch: a profile runs
+    one device, outside the mesh the data axes name (their averaging is communication, not a
+    layer's compute)."""
+    norm = getattr(model, "norm", None)
+    if isinstance(norm, functools.partial) and "axis_name" in norm.keywords:
+        return model.clone(norm=functools.partial(norm, axis_name=None))
+    return model
 
 
 def auto_partition(config: ml_collections.ConfigDict, parts: StepParts, micro: int) -> Partition:
