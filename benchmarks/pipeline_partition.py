@@ -41,25 +41,6 @@ def even_cut(layers: int, stages: int) -> tuple[int, ...]:
     return tuple(starts)
 
 
-def stage_calls(model, variables, example, boundaries):
-    """The compiled forward and backward of each stage of the cut, run as one span, with
-    its arguments (stage i's are calls 2i and 2i + 1)."""
-    import jax
-
-    from jaxdist.pipeline.profile import pass_functions
-    from jaxdist.pipeline.stages import flax_stages, split_module, split_variables
-
-    modules = split_module(model, boundaries=boundaries)
-    params, states = split_variables(variables, modules, example)
-    key = jax.random.key(0)
-    x, calls = example, []
-    for index, (apply, p, s) in enumerate(zip(flax_stages(modules), params, states, strict=True)):
-        forward, backward = (jax.jit(f) for f in pass_functions(apply, key, first=index == 0))
-        calls += [(forward, (p, s, x)), (backward, (p, s, x))]
-        x = forward(p, s, x)
-    return calls
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", default="4,8", help="stage counts to cut into")
@@ -85,19 +66,21 @@ def main(argv=None) -> int:
     print(f"profiling ResNet-50 (width {args.width}, {args.image}x{args.image}, micro-batch "
           f"{args.micro_batch}) on {jax.devices()[0].device_kind}: the layers, then both cuts' "
           f"stages, timed in {args.repeats} interleaved rounds ...", file=sys.stderr, flush=True)  # fmt: skip
-    profile, calls = layer_calls(model, example, optax.sgd(0.1, momentum=0.9),
+    optimizer = optax.sgd(0.1, momentum=0.9)
+    profile, calls = layer_calls(model, example, optimizer,
                                  description={"name": "resnet50", "width": args.width})  # fmt: skip
     # The cuts come from a first profile; every stage is then timed in the same rounds as the
     # layers, so that prediction and measurement see the machine alike.
     first = with_times(profile, interleaved_seconds(calls, args.repeats))
-    variables = jax.jit(lambda x: model.init(jax.random.key(0), x, train=False))(example)
     free = Link(0.0, 0.0)  # stages on one machine: a send is a copy in memory
     cuts = []
     for stages in (int(s) for s in args.stages.split(",")):
         cut = partition(first, stages, free, microbatches=stages)
         cuts += [(stages, "partitioner", cut.boundaries),
                  (stages, "even", even_cut(len(profile.layers), stages))]  # fmt: skip
-    spans = [stage_calls(model, variables, example, b) for _, _, b in cuts]
+    # Each cut's stages, compiled as the spans a pipeline runs.
+    spans = [layer_calls(model, example, optimizer, description={}, boundaries=b)[1]
+             for _, _, b in cuts]  # fmt: skip
     seconds = interleaved_seconds(calls + [c for span in spans for c in span], args.repeats)
     profile = with_times(profile, seconds[: len(calls)])
     measured = seconds[len(calls) :]

@@ -18,6 +18,7 @@ no cut fits, :class:`PartitionError` names the stage that overflows least and by
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from jaxdist.comm.cost_model import Link
@@ -163,11 +164,12 @@ def partition(
     def cost(i: int, j: int, k: int) -> StageCost:
         return _stage(profile, i, j, k, stages, link, live[k])
 
-    def fits(c: StageCost) -> bool:
-        return memory_limit_bytes is None or c.memory_bytes <= memory_limit_bytes
+    def time_within_limit(i: int, j: int, k: int) -> float:
+        c = cost(i, j, k)
+        fits = memory_limit_bytes is None or c.memory_bytes <= memory_limit_bytes
+        return c.time_s if fits else math.inf
 
-    boundaries = _least_bottleneck(n, stages, lambda i, j, k: cost(i, j, k).time_s,
-                                   lambda i, j, k: fits(cost(i, j, k)))  # fmt: skip
+    boundaries = _least_bottleneck(n, stages, time_within_limit)
     if boundaries is None:
         raise PartitionError(_overflow_message(n, stages, cost, memory_limit_bytes))
     return Partition(
@@ -178,26 +180,25 @@ def partition(
     )
 
 
-def _least_bottleneck(n: int, stages: int, time, allowed) -> list[int] | None:
-    """Boundaries of ``n`` layers in ``stages`` stages minimising the largest ``time(i, j, k)``
-    of stage k over layers [i, j), using only stages ``allowed``; ``None`` if none is."""
-    inf = float("inf")
+def _least_bottleneck(n: int, stages: int, value) -> list[int] | None:
+    """Boundaries of ``n`` layers in ``stages`` stages minimising the largest ``value(i, j, k)``
+    of stage k over layers [i, j); ``None`` if every cut has a stage of value ``inf`` (one
+    that is not allowed)."""
+    inf = math.inf
     # best[k][j]: least bottleneck of the first j layers in k + 1 stages; start[k][j]: the
     # first layer of stage k in it.
     best = [[inf] * (n + 1) for _ in range(stages)]
     start = [[-1] * (n + 1) for _ in range(stages)]
     for j in range(1, n + 1):
-        if allowed(0, j, 0):
-            best[0][j] = time(0, j, 0)
-            start[0][j] = 0
+        best[0][j], start[0][j] = value(0, j, 0), 0
     for k in range(1, stages):
         for j in range(k + 1, n + 1):
             for i in range(k, j):
-                if best[k - 1][i] == inf or not allowed(i, j, k):
+                if best[k - 1][i] == inf:
                     continue
-                value = max(best[k - 1][i], time(i, j, k))
-                if value < best[k][j]:
-                    best[k][j], start[k][j] = value, i
+                bottleneck = max(best[k - 1][i], value(i, j, k))
+                if bottleneck < best[k][j]:
+                    best[k][j], start[k][j] = bottleneck, i
     if best[stages - 1][n] == inf:
         return None
     boundaries, j = [], n
@@ -210,9 +211,7 @@ def _least_bottleneck(n: int, stages: int, time, allowed) -> list[int] | None:
 def _overflow_message(n: int, stages: int, cost, limit: float) -> str:
     """Which stage of the cut with the least memory on its fullest stage overflows, by how
     much: the closest any cut comes to the limit."""
-    boundaries = _least_bottleneck(
-        n, stages, lambda i, j, k: cost(i, j, k).memory_bytes, lambda i, j, k: True
-    )
+    boundaries = _least_bottleneck(n, stages, lambda i, j, k: cost(i, j, k).memory_bytes)
     stops = [*boundaries[1:], n]
     costs = [cost(i, j, k) for k, (i, j) in enumerate(zip(boundaries, stops, strict=True))]
     k, worst = max(enumerate(costs), key=lambda kc: kc[1].memory_bytes)

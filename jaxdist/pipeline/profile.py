@@ -184,11 +184,16 @@ def profile_layers(
     device: str,
     source: str,
     progress: Callable[[str], None] | None = None,
+    boundaries: Sequence[int] | None = None,
 ) -> Profile:
     """A :class:`Profile` of every layer of ``model`` on ``example`` (one micro-batch of
     inputs, an array or a ``ShapeDtypeStruct``), timed by ``timer``; ``optimizer`` sizes the
-    optimizer state, ``progress`` gets a line per layer."""
-    modules = split_module(model, stages=model.num_layers)
+    optimizer state, ``progress`` gets a line per layer. With ``boundaries`` (first layers)
+    the entries are those spans, each run as one, as a pipeline's stages run."""
+    if boundaries is None:
+        modules = split_module(model, stages=model.num_layers)
+    else:
+        modules = split_module(model, boundaries=boundaries)
     init = lambda x: model.init(jax.random.key(0), x, train=False)  # noqa: E731
     abstract = isinstance(example, jax.ShapeDtypeStruct)
     variables = jax.eval_shape(init, example) if abstract else jax.jit(init)(example)
@@ -219,11 +224,17 @@ def profile_layers(
 
 
 def layer_calls(
-    model: nn.Module, example: jax.Array, optimizer: Any, *, description: dict[str, Any]
+    model: nn.Module,
+    example: jax.Array,
+    optimizer: Any,
+    *,
+    description: dict[str, Any],
+    boundaries: Sequence[int] | None = None,
 ) -> tuple[Profile, list[Call]]:
     """A profile of ``model`` on ``example`` with every time 0, and the compiled forward and
-    backward of each layer with its arguments (layer i's are calls 2i and 2i + 1), to be timed
-    by :func:`interleaved_seconds`, with other calls if need be."""
+    backward of each layer (or span, with ``boundaries``) with its arguments (entry i's are
+    calls 2i and 2i + 1), to be timed by :func:`interleaved_seconds`, with other calls if need
+    be."""
     device = jax.devices()[0]
     calls: list[Call] = []
 
@@ -234,7 +245,7 @@ def layer_calls(
 
     profile = profile_layers(
         model, jax.device_put(example, device), optimizer, collect, description=description,
-        device=device.device_kind, source="measured",
+        device=device.device_kind, source="measured", boundaries=boundaries,
     )  # fmt: skip
     return profile, calls
 
