@@ -27,7 +27,9 @@ from jaxdist.data.sources import (
     DatasetError,
     checked_label,
     dataset_split,
+    first_line,
     import_extra,
+    require_image_and_label,
     require_jpeg,
 )
 
@@ -47,12 +49,7 @@ class HuggingFaceSource:
         self.dataset = dataset
         self.split, table = _open_split(datasets, dataset, split, cache_dir)
         where = f"hf dataset {dataset}"
-        missing = [key for key in ("image", "label") if key not in table.features]
-        if missing:
-            raise DatasetError(
-                f"{where} has no {' or '.join(missing)} column; jaxdist reads 'image' and "
-                f"'label', and it has {sorted(table.features)}"
-            )
+        require_image_and_label(list(table.features), where, "column")
         label = table.features["label"]
         if not isinstance(label, datasets.ClassLabel):
             raise DatasetError(f"{where}: 'label' is {label!r}, not a ClassLabel with names")
@@ -121,16 +118,11 @@ def _open_split(datasets: Any, dataset: str, split: str, cache_dir: str | None) 
     try:
         builder = datasets.load_dataset_builder(dataset, cache_dir=cache_dir)
     except Exception as err:  # not on the Hub, not cached offline, or not a dataset folder
-        raise DatasetError(f"{where} cannot be opened: {_first_line(err)}") from err
+        raise DatasetError(f"{where} cannot be opened: {first_line(err)}") from err
     available = list(builder.config.data_files or builder.info.splits or ())
     name = dataset_split(available, split, where)
     try:
         builder.download_and_prepare()
         return name, builder.as_dataset(split=name)
     except Exception as err:  # unreadable parquet, a full disk, a failed download
-        raise DatasetError(f"{where}: split {name!r} cannot be read: {_first_line(err)}") from err
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+        raise DatasetError(f"{where}: split {name!r} cannot be read: {first_line(err)}") from err

@@ -270,6 +270,22 @@ def import_extra(module: str, extra: str, what: str) -> Any:
         ) from err
 
 
+def first_line(err: BaseException) -> str:
+    """``Type: first line of the message``: what a catalog library's error says, in one line."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def require_image_and_label(names: Sequence[str], where: str, noun: str) -> None:
+    """Refuse a dataset whose ``noun``s (features, columns) lack ``image`` or ``label``."""
+    missing = [key for key in ("image", "label") if key not in names]
+    if missing:
+        raise DatasetError(
+            f"{where} has no {' or '.join(missing)} {noun}; jaxdist reads 'image' and "
+            f"'label', and it has {sorted(names)}"
+        )
+
+
 def dataset_split(available: Sequence[str], split: str, dataset: str) -> str:
     """The dataset's name for the recipe's ``split``: ``train`` is ``train``; ``val`` is the first
     of :data:`EVAL_SPLIT_NAMES` the dataset has."""

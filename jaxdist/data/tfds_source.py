@@ -26,7 +26,9 @@ from jaxdist.data.sources import (
     DatasetError,
     checked_label,
     dataset_split,
+    first_line,
     import_extra,
+    require_image_and_label,
     require_jpeg,
 )
 
@@ -49,12 +51,7 @@ class TfdsSource:
         builder = _prepared_builder(tfds, name, data_dir)
         self.data_dir = str(builder.data_dir)
         features = builder.info.features
-        missing = [key for key in ("image", "label") if key not in features]
-        if missing:
-            raise DatasetError(
-                f"tfds dataset {name} has no {' or '.join(missing)} feature; jaxdist reads "
-                f"'image' and 'label', and it has {sorted(features)}"
-            )
+        require_image_and_label(list(features), f"tfds dataset {name}", "feature")
         names = getattr(features["label"], "names", None)
         if not names:
             raise DatasetError(
@@ -98,8 +95,7 @@ def _prepared_builder(tfds: Any, name: str, data_dir: str | None) -> Any:
             f"prepared under {data_dir or 'the TFDS data dir'}"
         ) from err
     except Exception as err:  # a malformed name or unreadable metadata
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise DatasetError(f"tfds dataset {name!r} cannot be opened: {first}") from err
+        raise DatasetError(f"tfds dataset {name!r} cannot be opened: {first_line(err)}") from err
     if not builder.info.splits:
         raise DatasetError(
             f"tfds dataset {name!r} is not prepared in {builder.data_dir}; prepare it with "

@@ -244,15 +244,13 @@ def apply_overrides(
             node = node[name]
         current = node[leaf]
         also_takes = STRING_CHOICES.get(key, ())
-        if also_takes and isinstance(current, str) and text not in also_takes:
-            current = ()  # "auto" set earlier; the field's own type is a tuple
+        if text in also_takes:
+            node[leaf] = text
+            continue
+        if also_takes and isinstance(current, str):
+            current = ()  # holds one of its words; its own type is a tuple
         value = _parse_value(text, current)
-        if (
-            current is not None
-            and isinstance(value, str)
-            and not isinstance(current, str)
-            and value not in also_takes
-        ):
+        if current is not None and isinstance(value, str) and not isinstance(current, str):
             raise ConfigError(
                 f"--set {key}: expected {_a(type(current).__name__)} like {current!r}, got {text!r}"
             )

@@ -57,7 +57,8 @@ class EventLog:
         self._handler = logging.FileHandler(path, mode="a", encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(message)s"))
         self._logger.addHandler(self._handler)
-        # The call site recorded in each line's metadata is the trainer's, three frames up.
+        # The call site recorded in each line's metadata is RunLog.event's caller, three
+        # frames up (through RunLog.event and this log()).
         self._mllog = mllog.MLLogger(
             self._logger, default_stack_offset=3, root_dir=str(Path(__file__).parents[2])
         )

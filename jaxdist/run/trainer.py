@@ -21,8 +21,8 @@ Each step:
 
 Around the steps: periodic evaluation (top-1/top-5 on the held-out split), progress lines,
 ``metrics.jsonl``, the MLPerf event log (``events.log``, :mod:`jaxdist.run.mlperf`: one
-``run_start`` ... ``run_stop`` across resumes) and checkpoints (:mod:`jaxdist.run.checkpoint`) every N steps, at the end
-and on SIGTERM. Only process 0 writes logs; every process takes part in checkpoints.
+``run_start`` ... ``run_stop`` across resumes) and checkpoints (:mod:`jaxdist.run.checkpoint`)
+every N steps, at the end and on SIGTERM. Only process 0 writes logs; every process takes part in checkpoints.
 
 What stops a run early keeps what it did: the workdir is locked against a second run
 (:mod:`~jaxdist.run.workdir_lock`); a non-finite loss stops it before anything non-finite is saved
