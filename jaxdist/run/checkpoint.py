@@ -39,7 +39,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxdist.run.checkpoint_noise import aborted_save_warnings_hidden, failures_reported
+from jaxdist.run.checkpoint_noise import failures_reported, unawaited_coroutine_warnings_hidden
 from jaxdist.run.log import describe_error
 
 __all__ = [
@@ -177,6 +177,7 @@ class Checkpointer:
             except CheckpointMismatchError:
                 raise
             except Exception as err:  # any unreadable checkpoint: try the previous one
+                unawaited_coroutine_warnings_hidden()
                 failures.append((step, describe_error(err, limit=160)))
         for step, reason in failures:
             warnings.warn(
@@ -294,7 +295,7 @@ class Checkpointer:
     def _write_error(self, err: Exception) -> CheckpointWriteError:
         """One line: which step could not be written where, why, and what is kept."""
         step, self._writing, self._failed = self._writing, None, True
-        aborted_save_warnings_hidden()
+        unawaited_coroutine_warnings_hidden()
         complete = [s for s in self.steps() if s != step]
         kept = f"step {complete[-1]} is the newest complete one" if complete else "none is kept"
         return CheckpointWriteError(

@@ -5,7 +5,8 @@ A failed read or write leaves TensorStore threads calling back into orbax's clos
 (each prints an "Event loop is closed" traceback), asyncio futures whose exceptions nobody
 retrieved, and orbax's background threads log every failure with its stack before the main
 thread re-raises it. :func:`failures_reported` drops them for one checkpoint directory, for
-good: the checkpointer raises (or warns of) every failed read and write itself.
+good, and :func:`unawaited_coroutine_warnings_hidden` the coroutines a failure leaves behind:
+the checkpointer raises (or warns of) every failed read and write itself.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def failures_reported(directory: Path) -> None:
         sys.unraisablehook = _closed_loop_callbacks_dropped(sys.unraisablehook)
 
 
-def aborted_save_warnings_hidden() -> None:
-    """An aborted save leaves coroutines never awaited; Python warns about each at exit."""
+def unawaited_coroutine_warnings_hidden() -> None:
+    """A failed read or an aborted save leaves orbax's coroutines never awaited; Python warns
+    about each when it is collected, possibly at exit, after the one line said what failed."""
     warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
                             category=RuntimeWarning)  # fmt: skip
