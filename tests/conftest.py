@@ -1,7 +1,9 @@
-"""Test set-up: 8 forced CPU devices, set before JAX is imported anywhere, and one compilation
-cache for the whole run."""
+"""Test set-up: 8 forced CPU devices, set before JAX is imported anywhere, one compilation
+cache for the whole run, and tests that start processes run alone."""
 
 import atexit
+import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
@@ -9,6 +11,9 @@ import tempfile
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8"]
+    # Tests check what programs compute, not how fast XLA:CPU's code runs them: LLVM's
+    # optimisations take a third of each compile and change no result a test checks.
+    + ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -21,6 +26,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
+# The run uses two pytest-xdist workers, one per core: most tests are one XLA compile after
+# another, and two of them side by side finish sooner. A test that starts processes (marked
+# `multiprocess`) waits for time limits, signals and peers; it takes the lock below
+# exclusively and runs with nothing beside it, while every other test shares it.
+if "JAXDIST_TEST_LOCKS" not in os.environ:
+    _locks = tempfile.mkdtemp(prefix="jaxdist-tests-locks-")
+    atexit.register(shutil.rmtree, _locks, ignore_errors=True)
+    os.environ["JAXDIST_TEST_LOCKS"] = _locks
 
 import jax
 import pytest
@@ -35,6 +49,49 @@ def pytest_configure(config):
         "ignore:Error reading persistent compilation cache entry.*PjRtCompiler must be "
         "constructed with a Client:UserWarning",
     )
+
+
+# xdist hands whole files to the workers in collection order (`--no-loadscope-reorder`):
+# the files that take longest go first, so that neither worker is left with one of them at
+# the end. Any file not named keeps its place after these.
+LONGEST_FIRST = (
+    "test_aot", "test_faults", "test_pipeline_step", "test_sufficient_factors",
+    "test_pipeline_trainer", "test_collectives", "test_multiprocess", "test_train_step",
+    "test_mlperf_log", "test_recipes", "test_lowered_programs", "test_trainer", "test_rerun",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: files stay whole
+
+
+@contextlib.contextmanager
+def _run_alone_or_beside(alone: bool):
+    """A reader-writer lock over two files, fair to the writer: each test passes the
+    turnstile first, and a test that must run alone holds the turnstile until every test
+    running beside it has finished, so that no new one starts meanwhile."""
+    folder = os.environ["JAXDIST_TEST_LOCKS"]
+    turnstile = os.open(os.path.join(folder, "turnstile"), os.O_CREAT | os.O_RDWR)
+    shared = os.open(os.path.join(folder, "running"), os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if alone:
+            fcntl.flock(shared, fcntl.LOCK_EX)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        else:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+            fcntl.flock(shared, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(shared)  # closing a descriptor releases its lock
+        os.close(turnstile)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with _run_alone_or_beside(item.get_closest_marker("multiprocess") is not None):
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

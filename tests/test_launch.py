@@ -146,6 +146,7 @@ def test_supervise_labels_output_and_returns_zero():
     assert lines == expected
 
 
+@pytest.mark.multiprocess
 def test_a_program_that_cannot_be_found_is_one_line_and_exit_127(tmp_path):
     log = io.StringIO()
     workers = [

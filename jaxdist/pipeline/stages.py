@@ -211,12 +211,17 @@ def init_flax_stages(
 ) -> tuple[list[Any], list[Any]]:
     """``(params, model_state)`` per stage: each module is initialised on the previous one's
     output for ``example_input``."""
-    params, states = [], []
-    x = example_input
-    for index, module in enumerate(modules):
-        variables = module.init(jax.random.fold_in(rng, index), x, train=False)
-        variables = dict(variables)
-        params.append(variables.pop("params", {}))
-        states.append(variables)
-        x = module.apply({"params": params[-1], **variables}, x, train=False)
-    return params, states
+
+    # One compiled program rather than one per op (see the trainer's initial_state).
+    @jax.jit
+    def init_all(rng, example_input):
+        params, states = [], []
+        x = example_input
+        for index, module in enumerate(modules):
+            variables = dict(module.init(jax.random.fold_in(rng, index), x, train=False))
+            params.append(variables.pop("params", {}))
+            states.append(variables)
+            x = module.apply({"params": params[-1], **variables}, x, train=False)
+        return params, states
+
+    return init_all(rng, example_input)

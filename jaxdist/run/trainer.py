@@ -165,9 +165,10 @@ class Trainer:
 
     def initial_state(self) -> Any:
         """Parameters and BatchNorm statistics from the seed, placed on the mesh."""
-        variables = self.model.init(
-            jax.random.key(self.config.seed), self._parts.example, train=False
-        )
+        # One program rather than one per op: run eagerly, a ResNet's init compiles
+        # hundreds of small ops at every start, which JAX's compilation cache cannot keep.
+        init = jax.jit(lambda rng, x: self.model.init(rng, x, train=False))
+        variables = init(jax.random.key(self.config.seed), self._parts.example)
         params = variables.pop("params")
         return self.train_step_for(0).init(params, dict(variables))
 
