@@ -137,7 +137,7 @@ def test_auto_mixes_factors_and_dense_gradients():
 
 
 def test_resnet50_classifier_as_factors():
-    from jaxdist.models import resnet50
+    from jaxdist.models import init_variables, resnet50
 
     model = resnet50(num_classes=NUM_CLASSES, stem="small")
     rng = np.random.default_rng(0)
@@ -145,9 +145,7 @@ def test_resnet50_classifier_as_factors():
         "image": rng.standard_normal((16, 8, 8, 3)).astype(np.float32),
         "label": rng.integers(0, NUM_CLASSES, 16).astype(np.int32),
     }
-    # Jitted: ResNet-50's init run op by op compiles each op, three times slower.
-    init = jax.jit(lambda rng, x: model.init(rng, x, train=False))
-    variables = init(jax.random.key(0), batch["image"][:2])
+    variables = init_variables(model, jax.random.key(0), batch["image"][:2])
     params, model_state = variables.pop("params"), dict(variables)
     loss_fn = ts.classifier_loss(model, num_classes=NUM_CLASSES)
     results = {}

@@ -62,11 +62,6 @@ def small_resnet(axes, width: int, num_classes: int) -> nn.Module:
     )
 
 
-def _init(model: nn.Module, images: np.ndarray) -> dict:
-    """The model's variables from key 0, in one compiled program rather than op by op."""
-    return jax.jit(lambda rng, x: model.init(rng, x, train=False))(jax.random.key(0), images)
-
-
 def baseline_step(model: nn.Module, optimizer, mesh: Mesh, axes, communicate: bool) -> Callable:
     """The hand-written data-parallel step (flax-example style, on shard_map)."""
 
@@ -125,7 +120,9 @@ def run(
         "label": rng.integers(0, num_classes, global_batch).astype(np.int32),
     }
     # On the host, so that every variant gets device buffers of its own to donate.
-    variables = jax.device_get(_init(init_model, host_batch["image"][:2]))
+    variables = jax.device_get(
+        models.init_variables(init_model, jax.random.key(0), host_batch["image"][:2])
+    )
     optimizer = optax.sgd(0.1, momentum=0.9)
     batch = ts.shard_batch(mesh, axes, host_batch)
     runners = {
@@ -275,7 +272,7 @@ def compiled_step_hlo(
     axes = names[0] if len(names) == 1 else names
     model, init_model = small_resnet(axes, width, 10), small_resnet(None, width, 10)
     images = np.zeros((per_device_batch * mesh.size, image_size, image_size, 3), np.float32)
-    variables = jax.device_get(_init(init_model, images[:2]))
+    variables = jax.device_get(models.init_variables(init_model, jax.random.key(0), images[:2]))
     step = ts.TrainStep(
         ts.classifier_loss(model, num_classes=10), optax.sgd(0.1), mesh,
         allreduce=algorithm, bucket_bytes=bucket_bytes,

@@ -4,7 +4,7 @@
 keyword arguments::
 
     model = create("resnet50", num_classes=1000, dtype=jnp.bfloat16)
-    variables = model.init(key, images_BxHxWxC, train=False)
+    variables = init_variables(model, key, images_BxHxWxC)
     logits, updates = model.apply(variables, images, train=True, mutable=["batch_stats"])
 
 :func:`param_count` counts parameters with ``jax.eval_shape``, so even ResNet-152 is counted
@@ -60,6 +60,13 @@ def param_shapes(
     return jax.eval_shape(lambda x: model.init(jax.random.key(0), x, train=False), images)
 
 
+def init_variables(model: nn.Module, rng: jax.Array, images: Any) -> dict[str, Any]:
+    """``model``'s variables (``params``, ``batch_stats``) from ``rng``, made by one compiled
+    program: run op by op, init compiles each op on its own at every start, and JAX's
+    compilation cache keeps none of them."""
+    return jax.jit(lambda key, x: model.init(key, x, train=False))(rng, images)
+
+
 def param_count(model: nn.Module, input_shape: Sequence[int] = (1, 224, 224, 3)) -> int:
     """Number of trainable parameters (the ``params`` collection; running statistics are not
     parameters), counted without materialising them."""
@@ -76,6 +83,7 @@ __all__ = [
     "ResNet",
     "create",
     "default_norm",
+    "init_variables",
     "param_count",
     "param_shapes",
     "resnet18",

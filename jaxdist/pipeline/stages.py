@@ -9,8 +9,9 @@ state, and the activations sent between stages.
 For flax: :func:`cut` splits a list of layers into stages (equal counts, or at given
 boundaries) to wrap in :class:`Chain`; :func:`split_module` cuts a network that can run spans
 of its layers (ResNet) and :func:`split_variables` hands each stage its part of the whole
-network's variables (:func:`variable_splitter` lets a pipeline step do it at init); :func:`flax_stages` turns stage modules into stage functions and
-:func:`init_flax_stages` initialises them one after the other on an example input.
+network's variables (:func:`variable_splitter` lets a pipeline step do it at init);
+:func:`flax_stages` turns stage modules into stage functions and :func:`init_flax_stages`
+initialises them one after the other on an example input.
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ def init_flax_stages(
     """``(params, model_state)`` per stage: each module is initialised on the previous one's
     output for ``example_input``."""
 
-    # One compiled program rather than one per op (see the trainer's initial_state).
+    # One compiled program rather than one per op, as jaxdist.models.init_variables does.
     @jax.jit
     def init_all(rng, example_input):
         params, states = [], []

@@ -22,7 +22,8 @@ Each step:
 Around the steps: periodic evaluation (top-1/top-5 on the held-out split), progress lines,
 ``metrics.jsonl``, the MLPerf event log (``events.log``, :mod:`jaxdist.run.mlperf`: one
 ``run_start`` ... ``run_stop`` across resumes) and checkpoints (:mod:`jaxdist.run.checkpoint`)
-every N steps, at the end and on SIGTERM. Only process 0 writes logs; every process takes part in checkpoints.
+every N steps, at the end and on SIGTERM. Only process 0 writes logs; every process takes
+part in checkpoints.
 
 What stops a run early keeps what it did: the workdir is locked against a second run
 (:mod:`~jaxdist.run.workdir_lock`); a non-finite loss stops it before anything non-finite is saved
@@ -45,6 +46,7 @@ from jax.sharding import Mesh
 
 from jaxdist.data import DataConfig, DatasetError, make_pipeline
 from jaxdist.data.transforms import normalize
+from jaxdist.models import init_variables
 from jaxdist.run import rerun, steps
 from jaxdist.run.checkpoint import Checkpointer, PreemptionGuard, abstract_like
 from jaxdist.run.config import batch_stages, config_problems
@@ -165,10 +167,9 @@ class Trainer:
 
     def initial_state(self) -> Any:
         """Parameters and BatchNorm statistics from the seed, placed on the mesh."""
-        # One program rather than one per op: run eagerly, a ResNet's init compiles
-        # hundreds of small ops at every start, which JAX's compilation cache cannot keep.
-        init = jax.jit(lambda rng, x: self.model.init(rng, x, train=False))
-        variables = init(jax.random.key(self.config.seed), self._parts.example)
+        variables = init_variables(
+            self.model, jax.random.key(self.config.seed), self._parts.example
+        )
         params = variables.pop("params")
         return self.train_step_for(0).init(params, dict(variables))
 
