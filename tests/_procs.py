@@ -10,10 +10,16 @@ REPO = Path(__file__).resolve().parent.parent
 WORKER = str(REPO / "tests" / "multiprocess_worker.py")
 JAXDIST = [sys.executable, "-m", "jaxdist"]
 
+# Tests check what programs compute, not how fast XLA:CPU's code runs them: LLVM's
+# optimisations take a third of each compile and change no result a test checks. Every test
+# process, this one (conftest) and those it starts (clean_env), compiles with these.
+COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment minus what conftest forced (8 devices) and any process-group setting:
-    each child chooses its own device count."""
+    each child chooses its own device count. It keeps the tests' compile flags; an
+    ``XLA_FLAGS`` given here is added to them."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -21,6 +27,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     }
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(REPO)
+    env["XLA_FLAGS"] = " ".join([*COMPILE_FLAGS, extra.pop("XLA_FLAGS", "")]).strip()
     env.update(extra)
     return env
 

@@ -8,12 +8,11 @@ import os
 import shutil
 import tempfile
 
+from tests._procs import COMPILE_FLAGS
+
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    + ["--xla_force_host_platform_device_count=8"]
-    # Tests check what programs compute, not how fast XLA:CPU's code runs them: LLVM's
-    # optimisations take a third of each compile and change no result a test checks.
-    + ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+    + ["--xla_force_host_platform_device_count=8", *COMPILE_FLAGS]
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

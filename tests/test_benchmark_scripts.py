@@ -168,3 +168,15 @@ def test_hybrid_comm_times_every_route_and_variant(tmp_path):
     ring, factors = result["steps"][0], result["steps"][1]
     assert factors["bytes_sent"] < ring["bytes_sent"] and result["flops"] > 0
     assert "layer head  2048x1000, 1 rows" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+def test_checkpoint_save_times_both_writings(tmp_path):
+    out = tmp_path / "checkpoint_save.json"
+    text = _run([sys.executable, str(BENCHMARKS / "checkpoint_save.py"), "--rounds", "1",
+                 "--saves", "2", "--devices", "2", "--json", str(out)], timeout=600)  # fmt: skip
+    assert "| replica-parallel |" in text and "| one writer per array |" in text, text
+    seconds = json.loads(out.read_text())["seconds"]
+    assert {name: [len(run) for run in runs] for name, runs in seconds.items()} == {
+        "replica-parallel": [2], "one writer per array": [2]
+    }  # fmt: skip

@@ -48,6 +48,32 @@ def _save_steps(directory, mesh, steps, **kwargs):
     return ckpt
 
 
+def test_one_process_writes_each_array_once_without_compiling(tmp_path):
+    """In one process every copy of a replicated array is local, so one device writes it:
+    orbax's replica-parallel writing would compile a slicing program per array."""
+    replicated = NamedSharding(_mesh(), P())
+    state = {  # shapes of this test's own, so that no earlier test compiled their slices
+        "w": jax.device_put(jnp.ones((88, 3), jnp.float32), replicated),
+        "v": jax.device_put(jnp.ones((40, 7), jnp.float32), replicated),
+    }
+    lowered = []
+
+    def listen(event, seconds, **kwargs):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(kwargs.get("fun_name"))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        ckpt = Checkpointer(tmp_path)
+        ckpt.save(1, state, {"next_sample": 0}, {"epoch": 0}, force=True)
+        ckpt.wait()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert lowered == [], f"the save compiled {lowered}"
+    _, restored, _, _ = Checkpointer(tmp_path).restore(abstract_like(state))
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.ones((88, 3)))
+
+
 def test_save_grid_and_keep_last(tmp_path):
     mesh = _mesh()
     ckpt = Checkpointer(tmp_path, every_steps=2, keep=2)

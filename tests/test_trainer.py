@@ -1,13 +1,11 @@
 """The trainer: exact resume (also across a batch-size stage boundary), SIGTERM, logs."""
 
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -17,8 +15,7 @@ from jaxdist.run.config import base_config
 from jaxdist.run.trainer import Trainer
 from jaxdist.training.protocol import Step
 from jaxdist.training.train_step import TrainStep
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests._procs import clean_env
 
 # A tiny run on scikit-learn digits (1,438 train images of 8x8): 16 images per step until
 # 0.05 epochs (72 samples: steps 0-4), then 32 per step from step 5.
@@ -145,8 +142,7 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
     recipe = tmp_path / "tiny.py"
     recipe.write_text(SIGTERM_RECIPE)
     workdir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
+    env = clean_env()
     cmd = [sys.executable, "-m", "jaxdist", "--cpu-devices", "2", "train", str(recipe)]
     proc = subprocess.Popen(
         [*cmd, "--workdir", str(workdir)],

@@ -48,7 +48,7 @@ from jaxdist.data import DataConfig, DatasetError, make_pipeline
 from jaxdist.data.transforms import normalize
 from jaxdist.models import init_variables
 from jaxdist.run import rerun, steps
-from jaxdist.run.checkpoint import Checkpointer, PreemptionGuard, abstract_like
+from jaxdist.run.checkpoint import Checkpointer, abstract_like
 from jaxdist.run.config import batch_stages, config_problems
 from jaxdist.run.from_config import (
     NormalizeOnDevice,
@@ -63,6 +63,7 @@ from jaxdist.run.log import RunLog, describe_error, last_eval
 from jaxdist.run.loop import Loop, open_iterator, report
 from jaxdist.run.mlperf import epoch_events, log_run_start, log_run_stop, now_ms
 from jaxdist.run.nonfinite import NonFiniteGuard
+from jaxdist.run.preemption import PreemptionGuard
 from jaxdist.run.profile import StepProfiler
 from jaxdist.run.tensorboard import check_mode
 from jaxdist.run.watchdog import Watchdog
