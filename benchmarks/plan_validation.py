@@ -3,13 +3,15 @@
     python benchmarks/plan_validation.py [--topology v5e:2x2] [--per-chip-batch 32]
 
 1. Compiles the ResNet-50 recipe's train step for a small TPU slice (the TPU compiler, no
-   TPU) and reads ResNet-50's facts from it: FLOPs per image, gradient bytes, and the share
-   of backward the compiler placed after the first gradient bucket.
+   TPU) and reads ResNet-50's facts from it: FLOPs per image, the gradient buckets' bytes,
+   and the share of backward the compiler placed beside gradient collectives.
 2. Finds the efficiency (share of peak FLOP/s) at which the time model gives the calibration
    run's published time, and writes it to ``jaxdist/aot/calibration.json`` (what
    ``jaxdist plan`` uses).
 3. Predicts every other published run with it and prints the table of docs/planning.md;
-   ``benchmarks/results/plan_validation.json`` keeps the figures.
+   then scores the model on the 11 MLPerf runs leave-one-out (each predicted with the
+   efficiency fitted on the other ten) and over time (fitted on v0.6-v1.0, predicting
+   v2.0-v4.0). ``benchmarks/results/plan_validation.json`` keeps the figures.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import jax
@@ -42,6 +45,7 @@ def model_facts(topology_name: str, per_chip_batch: int):
     facts = ModelFacts(
         flops_per_image=compiled.flops / per_chip_batch,
         gradient_bytes=compiled.gradient_bytes,
+        bucket_bytes=tuple(compiled.bucket_bytes),
         overlapped_backward_fraction=compiled.schedule.overlapped_backward_fraction,
         measured_on=f"ResNet-50 (bf16) train step, {per_chip_batch} images per chip, "
         f"compiled for {topology_name} in {compiled.compile_seconds:.0f} s",
@@ -64,19 +68,42 @@ def main(argv=None) -> int:
 
     if args.reuse_facts:
         stored = json.loads(published.CALIBRATION_FILE.read_text())["facts"]
-        facts = published.ModelFacts(**stored)
+        fields = set(published.ModelFacts.__dataclass_fields__)
+        if set(stored) != fields:
+            print(f"--reuse-facts: {published.CALIBRATION_FILE} holds facts "
+                  f"{sorted(stored)}, this version needs {sorted(fields)}: run without "
+                  "--reuse-facts to compile them", file=sys.stderr)  # fmt: skip
+            return 2
+        facts = published.ModelFacts(**{**stored, "bucket_bytes": tuple(stored["bucket_bytes"])})
     else:
         facts = model_facts(args.topology, args.per_chip_batch)
     print(f"ResNet-50 facts: {facts}", file=sys.stderr)
     runs = {run.name: run for run in published.PUBLISHED_RUNS}
     calibration_run = runs[published.CALIBRATION_RUN]
     efficiency = published.calibrate(calibration_run, facts)
-    published.write_calibration(calibration_run, facts, efficiency)
+    by_generation = published.fit_by_generation(facts)
+    published.write_calibration(calibration_run, facts, efficiency, by_generation)
     rows = [_row(run, published.predict_run(run, facts, efficiency)) for run in runs.values()]
-    RESULTS.write_text(
-        json.dumps({"efficiency": efficiency, "facts": facts.__dict__, "runs": rows}, indent=2)
-        + "\n"
-    )
+    scored = [runs[name] for name in published.MLPERF_RUNS]
+    held_out = published.leave_one_out(scored, facts)
+    held_out_by_generation = published.leave_one_out_by_generation(facts)
+    early = [r for r in scored if r.name.startswith(published.EARLY_ROUNDS)]
+    temporal_efficiency = published.fit_efficiency(early, facts)
+    temporal = []
+    for r in (r for r in scored if r not in early):
+        row = {"run": r.name, "error": _error(r, facts, temporal_efficiency)}
+        same = [e for e in early if e.chip == r.chip]
+        row["own_generation_error"] = (
+            _error(r, facts, published.fit_efficiency(same, facts)) if same else None
+        )
+        temporal.append(row)
+    RESULTS.write_text(json.dumps({
+        "efficiency": efficiency, "facts": asdict(facts), "runs": rows,
+        "by_generation": by_generation,
+        "leave_one_out_by_generation": held_out_by_generation,
+        "leave_one_out": held_out,
+        "temporal_split": {"efficiency": temporal_efficiency, "runs": temporal},
+    }, indent=2) + "\n")  # fmt: skip
     print(f"efficiency {efficiency:.3f} of peak, calibrated on {calibration_run.name}")
     print(TABLE_HEAD)
     for r in rows:
@@ -87,6 +114,31 @@ def main(argv=None) -> int:
               f"| {r['published_images_per_second_per_chip']:,.0f} "
               f"| {r['predicted_images_per_second_per_chip']:,.0f} "
               f"| {r['exposed_communication_share']:.0%} |")  # fmt: skip
+    print("\nefficiency per generation, fitted on its MLPerf runs (what a plan uses):")
+    for chip, fit in by_generation.items():
+        print(f"  {chip}: {fit['efficiency']:.3f} (fitted on {len(fit['runs'])} of its runs)")
+    scored_rows = [r for r in held_out_by_generation if r["error"] is not None]
+    within = sum(abs(r["error"]) <= 0.2 for r in scored_rows)
+    print(f"\nleave-one-out, each MLPerf run predicted with its generation's efficiency fitted on "
+          f"that generation's other runs: {within} of {len(held_out_by_generation)} within ±20% "
+          f"({len(held_out_by_generation) - len(scored_rows)} without another run of their "
+          "generation, unscored); beside it, one efficiency for every chip fitted on the other "
+          "ten:")  # fmt: skip
+    print("| run | own generation: efficiency | error | one efficiency: efficiency | error |\n"
+          "|---|---|---|---|---|")  # fmt: skip
+    for own, one in zip(held_out_by_generation, held_out, strict=True):
+        mine = (f"{own['efficiency']:.3f} | {own['error']:+.0%}" if own["error"] is not None
+                else f"— | unscored: {own['why']}")  # fmt: skip
+        print(f"| {own['run']} | {mine} | {one['efficiency']:.3f} | {one['error']:+.0%} |")
+    within = sum(abs(r["error"]) <= 0.2 for r in held_out)
+    print(f"one efficiency for every chip: {within} of {len(held_out)} within ±20%")
+    print(f"\ntemporal split: fitted on v0.6-v1.0 ({len(early)} runs), predicting v2.0-v4.0")
+    print("| run | own generation's earlier runs | one efficiency "
+          f"({temporal_efficiency:.3f}) |\n|---|---|---|")  # fmt: skip
+    for r in temporal:
+        own = r["own_generation_error"]
+        own = f"{own:+.0%}" if own is not None else "— (no earlier run of its generation)"
+        print(f"| {r['run']} | {own} | {r['error']:+.0%} |")
     print(f"wrote {RESULTS} and {published.CALIBRATION_FILE}", file=sys.stderr)
     return 0
 
@@ -96,6 +148,12 @@ TABLE_HEAD = (
     "| published images/s per chip | predicted | exposed communication |\n"
     "|---|---|---|---|---|---|---|---|---|---|"
 )
+
+
+def _error(run, facts, efficiency: float) -> float:
+    from jaxdist.aot import published
+
+    return published.predict_run(run, facts, efficiency)["seconds"] / run.seconds - 1
 
 
 def _row(run, predicted: dict) -> dict:

@@ -42,8 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--efficiency",
         type=float,
         default=None,
-        help="share of peak FLOP/s a step reaches (default: the value calibrated on a "
-        "published run, see docs/planning.md)",
+        help="share of peak FLOP/s a step reaches (default: the chip generation's, fitted "
+        "on its published MLPerf runs, or for a generation without any the value calibrated "
+        "on one TPU v4 run; see docs/planning.md)",
     )
     p.add_argument(
         "--fast-link",
@@ -86,7 +87,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.efficiency is not None:
         efficiency, note = args.efficiency, f"{args.efficiency:.2f} (--efficiency)"
     else:
-        efficiency, note = published.calibrated_efficiency()
+        efficiency, note = published.calibrated_efficiency(topology.generation)
 
     def progress(index, device_plan):
         if not args.json:
