@@ -5,7 +5,8 @@ other collective of the compiled program::
 
     compute  = FLOPs per chip / (peak FLOP/s x efficiency)
     comm     = sum over gradient buckets of the cost model's allreduce time on the links
-               (for a published run: the all-reduce it made, :func:`library_allreduce_seconds`)
+               (native and a published run: the compiler's or library's own all-reduce,
+               :func:`library_allreduce_seconds`)
     hidden   = min(comm - last bucket, backward x share of backward run while gradients move)
     other    = sum over the program's other collectives (BatchNorm statistics, metrics, ...)
                of the cost model's time for their kind, bytes and group, each run as often
@@ -89,7 +90,7 @@ def communication_seconds(
         return [0.0 for _ in bucket_bytes]
     if algorithm == "native":
         devices = math.prod(axis_sizes)
-        group = per_host or devices
+        group = min(per_host or devices, devices)
         return [
             library_allreduce_seconds(b, devices, group, network, torus_dims) for b in bucket_bytes
         ]

@@ -264,9 +264,8 @@ def fit_by_generation(facts: ModelFacts) -> dict[str, dict]:
     differs between generations (their compilers, libraries and memory), so a plan for a
     generation with published runs uses its own."""
     by_chip: dict[str, list[PublishedRun]] = {}
-    for run in PUBLISHED_RUNS:
-        if run.name in MLPERF_RUNS:
-            by_chip.setdefault(run.chip, []).append(run)
+    for run in _mlperf_runs():
+        by_chip.setdefault(run.chip, []).append(run)
     return {
         chip: {"efficiency": fit_efficiency(runs, facts), "runs": [r.name for r in runs]}
         for chip, runs in sorted(by_chip.items())
@@ -277,9 +276,8 @@ def leave_one_out_by_generation(facts: ModelFacts) -> list[dict]:
     """Each MLPerf run predicted with its generation's efficiency fitted on that generation's
     other runs; a run that is its generation's only one is reported, unscored."""
     rows = []
-    for run in (r for r in PUBLISHED_RUNS if r.name in MLPERF_RUNS):
-        others = [o for o in PUBLISHED_RUNS if o.name in MLPERF_RUNS and o.chip == run.chip
-                  and o is not run]  # fmt: skip
+    for run in _mlperf_runs():
+        others = [o for o in _mlperf_runs() if o.chip == run.chip and o is not run]
         if not others:
             rows.append({"run": run.name, "efficiency": None, "error": None,
                          "why": f"no other MLPerf run of {run.chip}"})  # fmt: skip
@@ -289,6 +287,10 @@ def leave_one_out_by_generation(facts: ModelFacts) -> list[dict]:
         rows.append({"run": run.name, "efficiency": efficiency, "predicted_seconds": seconds,
                      "error": seconds / run.seconds - 1, "fitted_on": [o.name for o in others]})  # fmt: skip
     return rows
+
+
+def _mlperf_runs() -> list[PublishedRun]:
+    return [run for run in PUBLISHED_RUNS if run.name in MLPERF_RUNS]
 
 
 def write_calibration(
