@@ -91,8 +91,9 @@ def plan_text(plan: Plan, efficiency_note: str) -> str:
         f"{meshes.summary(plan.mesh_spec).splitlines()[0]} -- {plan.mesh_note}",
         f"data: {plan.data_note}",
         f"allreduce: {plan.algorithm}; links: {links}",
-        "link model: alpha-beta (jaxdist.comm.cost_model); gradients priced as the step's "
-        "schedule per bucket, every other collective by its kind and group",
+        "link model: alpha-beta (jaxdist.comm.cost_model); gradients priced as "
+        + ("the compiler's all-reduce" if plan.algorithm == "native" else "the step's schedule")
+        + " per bucket, every other collective by its kind and group",
         f"efficiency: {efficiency_note}",
         f"compiled {len(plan.stages)} stage(s) in {plan.compile_seconds:.1f} s",
         "",
