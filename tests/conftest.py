@@ -40,9 +40,9 @@ import pytest
 
 
 def pytest_configure(config):
-    # Executables compiled for TPU slices that are not here (jaxdist.aot) are written to the
-    # cache but cannot be read back without a TPU client; JAX then warns and compiles again,
-    # which is what it would do without the cache.
+    # An executable a test compiles itself for a TPU slice that is not here is written to the
+    # cache but cannot be read back without a TPU client (jaxdist.aot's compiles keep theirs
+    # out); JAX then warns and compiles again, which is what it would do without the cache.
     config.addinivalue_line(
         "filterwarnings",
         "ignore:Error reading persistent compilation cache entry.*PjRtCompiler must be "

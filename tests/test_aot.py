@@ -614,6 +614,31 @@ def test_rings_on_a_slice_without_wraparound_overlap_backward(shape):
 
 
 @needs_libtpu
+def test_an_executable_for_devices_not_here_stays_out_of_the_persistent_cache(torus_2x2):
+    """Loading it back would need the TPU's client: every later plan would warn and compile
+    again. Programs for this machine's own devices are still written."""
+    name = "jax_persistent_cache_min_compile_time_secs"
+    previous = getattr(jax.config, name)
+    writes = []
+
+    def listen(event, **kwargs):
+        if event == "/jax/compilation_cache/cache_misses":  # recorded as an entry is written
+            writes.append(event)
+
+    jax.config.update(name, 0.0)  # every compile would be written
+    jax.monitoring.register_event_listener(listen)
+    try:
+        compile_step(torus_2x2, allreduce="ring")
+        assert writes == []
+        assert getattr(jax.config, name) == 0.0  # the setting is given back
+        jax.jit(lambda x: x * 3.217 - 1).lower(jnp.ones(7)).compile()  # on the CPU, here
+        assert writes, "a CPU program was not written either: the listener sees nothing"
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+        jax.config.update(name, previous)
+
+
+@needs_libtpu
 def test_native_buckets_stay_apart_and_some_run_beside_backward(torus_2x2):
     """With the compiler options for native steps the TPU compiler neither merges the
     buckets' all-reduces into one after backward nor keeps them all synchronous."""

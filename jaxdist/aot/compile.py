@@ -16,8 +16,10 @@ The figures are per chip and per step: memory from ``compiled.memory_analysis()`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,6 +83,27 @@ class CompiledStep:
     gradient_bytes: int  # bytes of the gradients each chip averages per step
     bucket_bytes: list[int]  # the same, per gradient bucket
     compiled: Any = None  # the jax Compiled object: as_text(), memory_analysis(), ...
+
+
+@contextlib.contextmanager
+def no_cache_write_unless_here(device: jax.Device) -> Iterator[None]:
+    """Keep an executable for ``device`` out of JAX's persistent compilation cache unless the
+    device is here: loading it back needs that device's client, so every later plan would
+    fail to read it, warn, and compile again, and writing it costs serialisation and disk."""
+    try:
+        here = device in jax.devices(device.platform)
+    except RuntimeError:  # no backend for that platform here: a topology compiled without it
+        here = False
+    if here:
+        yield
+        return
+    name = "jax_persistent_cache_min_compile_time_secs"
+    previous = getattr(jax.config, name)
+    jax.config.update(name, math.inf)
+    try:
+        yield
+    finally:
+        jax.config.update(name, previous)
 
 
 def per_chip_bytes(tree: Any) -> int:
@@ -158,7 +181,8 @@ def compile_train_step(
     started = time.perf_counter()
     try:
         lowered = step.lower(state, batch, rng)
-        compiled = lowered.compile()
+        with no_cache_write_unless_here(step.mesh.devices.flat[0]):
+            compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from jaxdist.aot.compile import _cost_analysis
+from jaxdist.aot.compile import _cost_analysis, no_cache_write_unless_here
 from jaxdist.aot.topology import Topology
 from jaxdist.pipeline.profile import Profile, profile_layers
 
@@ -53,7 +53,8 @@ def compiler_profile(
         seconds, flops = [], 0.0
         for fn in (forward, backward):
             lowered = jax.jit(fn).lower(*args)
-            cost = _cost_analysis(lowered.compile(), lowered)
+            with no_cache_write_unless_here(device):
+                cost = _cost_analysis(lowered.compile(), lowered)
             counted = float(cost.get("flops", 0.0))
             moved = float(cost.get("bytes accessed", 0.0))
             seconds.append(max(counted / peak, moved / chip.hbm_bandwidth))
