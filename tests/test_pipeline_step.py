@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import Mesh
 
 from jaxdist import meshes
+from jaxdist.models import init_variables
 from jaxdist.models.resnet import resnet18
 from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.pipeline.program import compile_schedule
@@ -161,7 +162,7 @@ def test_resnet_stages_with_batchnorm_equal_accumulation(
     model = small_resnet()
     images = jax.random.normal(jax.random.key(1), (16, 8, 8, 3))
     batch = {"x": images, "label": jax.random.randint(jax.random.key(2), (16,), 0, 5)}
-    variables = model.init(jax.random.key(0), images[:2], train=False)
+    variables = init_variables(model, jax.random.key(0), images[:2])
     modules = pipeline_stages.split_module(model, boundaries=boundaries)
     params, states = pipeline_stages.split_variables(variables, modules, images[:2])
     fns = pipeline_stages.flax_stages(modules)
