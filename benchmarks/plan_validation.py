@@ -84,25 +84,10 @@ def main(argv=None) -> int:
     by_generation = published.fit_by_generation(facts)
     published.write_calibration(calibration_run, facts, efficiency, by_generation)
     rows = [_row(run, published.predict_run(run, facts, efficiency)) for run in runs.values()]
-    scored = [runs[name] for name in published.MLPERF_RUNS]
-    held_out = published.leave_one_out(scored, facts)
-    held_out_by_generation = published.leave_one_out_by_generation(facts)
-    early = [r for r in scored if r.name.startswith(published.EARLY_ROUNDS)]
-    temporal_efficiency = published.fit_efficiency(early, facts)
-    temporal = []
-    for r in (r for r in scored if r not in early):
-        row = {"run": r.name, "error": _error(r, facts, temporal_efficiency)}
-        same = [e for e in early if e.chip == r.chip]
-        row["own_generation_error"] = (
-            _error(r, facts, published.fit_efficiency(same, facts)) if same else None
-        )
-        temporal.append(row)
+    scores = _scores([runs[name] for name in published.MLPERF_RUNS], facts)
     RESULTS.write_text(json.dumps({
         "efficiency": efficiency, "facts": asdict(facts), "runs": rows,
-        "by_generation": by_generation,
-        "leave_one_out_by_generation": held_out_by_generation,
-        "leave_one_out": held_out,
-        "temporal_split": {"efficiency": temporal_efficiency, "runs": temporal},
+        "by_generation": by_generation, **scores,
     }, indent=2) + "\n")  # fmt: skip
     print(f"efficiency {efficiency:.3f} of peak, calibrated on {calibration_run.name}")
     print(TABLE_HEAD)
@@ -117,30 +102,58 @@ def main(argv=None) -> int:
     print("\nefficiency per generation, fitted on its MLPerf runs (what a plan uses):")
     for chip, fit in by_generation.items():
         print(f"  {chip}: {fit['efficiency']:.3f} (fitted on {len(fit['runs'])} of its runs)")
-    scored_rows = [r for r in held_out_by_generation if r["error"] is not None]
+    _print_scores(**scores)
+    print(f"wrote {RESULTS} and {published.CALIBRATION_FILE}", file=sys.stderr)
+    return 0
+
+
+def _scores(scored: list, facts) -> dict:
+    """Leave-one-out (per generation, and one efficiency for all) and the temporal split."""
+    from jaxdist.aot import published
+
+    early = [r for r in scored if r.name.startswith(published.EARLY_ROUNDS)]
+    temporal_efficiency = published.fit_efficiency(early, facts)
+    temporal = []
+    for r in (r for r in scored if r not in early):
+        row = {"run": r.name, "error": _error(r, facts, temporal_efficiency)}
+        same = [e for e in early if e.chip == r.chip]
+        row["own_generation_error"] = (
+            _error(r, facts, published.fit_efficiency(same, facts)) if same else None
+        )
+        temporal.append(row)
+    return {
+        "leave_one_out_by_generation": published.leave_one_out_by_generation(facts),
+        "leave_one_out": published.leave_one_out(scored, facts),
+        "temporal_split": {"efficiency": temporal_efficiency, "runs": temporal,
+                           "fitted_on": [r.name for r in early]},
+    }  # fmt: skip
+
+
+def _print_scores(leave_one_out_by_generation, leave_one_out, temporal_split) -> None:
+    own_rows, one_rows = leave_one_out_by_generation, leave_one_out
+    scored_rows = [r for r in own_rows if r["error"] is not None]
     within = sum(abs(r["error"]) <= 0.2 for r in scored_rows)
     print(f"\nleave-one-out, each MLPerf run predicted with its generation's efficiency fitted on "
-          f"that generation's other runs: {within} of {len(held_out_by_generation)} within ±20% "
-          f"({len(held_out_by_generation) - len(scored_rows)} without another run of their "
+          f"that generation's other runs: {within} of {len(own_rows)} within ±20% "
+          f"({len(own_rows) - len(scored_rows)} without another run of their "
           "generation, unscored); beside it, one efficiency for every chip fitted on the other "
           "ten:")  # fmt: skip
     print("| run | own generation: efficiency | error | one efficiency: efficiency | error |\n"
           "|---|---|---|---|---|")  # fmt: skip
-    for own, one in zip(held_out_by_generation, held_out, strict=True):
+    for own, one in zip(own_rows, one_rows, strict=True):
         mine = (f"{own['efficiency']:.3f} | {own['error']:+.0%}" if own["error"] is not None
                 else f"— | unscored: {own['why']}")  # fmt: skip
         print(f"| {own['run']} | {mine} | {one['efficiency']:.3f} | {one['error']:+.0%} |")
-    within = sum(abs(r["error"]) <= 0.2 for r in held_out)
-    print(f"one efficiency for every chip: {within} of {len(held_out)} within ±20%")
-    print(f"\ntemporal split: fitted on v0.6-v1.0 ({len(early)} runs), predicting v2.0-v4.0")
+    within = sum(abs(r["error"]) <= 0.2 for r in one_rows)
+    print(f"one efficiency for every chip: {within} of {len(one_rows)} within ±20%")
+    fitted_on = len(temporal_split["fitted_on"])
+    print(f"\ntemporal split: fitted on v0.6-v1.0 ({fitted_on} runs), predicting v2.0-v4.0")
     print("| run | own generation's earlier runs | one efficiency "
-          f"({temporal_efficiency:.3f}) |\n|---|---|---|")  # fmt: skip
-    for r in temporal:
+          f"({temporal_split['efficiency']:.3f}) |\n|---|---|---|")  # fmt: skip
+    for r in temporal_split["runs"]:
         own = r["own_generation_error"]
         own = f"{own:+.0%}" if own is not None else "— (no earlier run of its generation)"
         print(f"| {r['run']} | {own} | {r['error']:+.0%} |")
-    print(f"wrote {RESULTS} and {published.CALIBRATION_FILE}", file=sys.stderr)
-    return 0
 
 
 TABLE_HEAD = (
