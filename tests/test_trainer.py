@@ -4,7 +4,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import jax
@@ -15,7 +14,7 @@ from jaxdist.run.config import base_config
 from jaxdist.run.trainer import Trainer
 from jaxdist.training.protocol import Step
 from jaxdist.training.train_step import TrainStep
-from tests._procs import clean_env
+from tests._procs import JAXDIST, clean_env
 
 # A tiny run on scikit-learn digits (1,438 train images of 8x8): 16 images per step until
 # 0.05 epochs (72 samples: steps 0-4), then 32 per step from step 5.
@@ -143,7 +142,7 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
     recipe.write_text(SIGTERM_RECIPE)
     workdir = tmp_path / "run"
     env = clean_env()
-    cmd = [sys.executable, "-m", "jaxdist", "--cpu-devices", "2", "train", str(recipe)]
+    cmd = [*JAXDIST, "--cpu-devices", "2", "train", str(recipe)]
     proc = subprocess.Popen(
         [*cmd, "--workdir", str(workdir)],
         env=env,

@@ -249,13 +249,15 @@ def fit_efficiency(runs: Sequence[PublishedRun], facts: ModelFacts) -> float:
 
 def leave_one_out(runs: Sequence[PublishedRun], facts: ModelFacts) -> list[dict]:
     """Each run predicted with the efficiency fitted on the others (:func:`fit_efficiency`)."""
-    rows = []
-    for run in runs:
-        efficiency = fit_efficiency([other for other in runs if other is not run], facts)
-        seconds = predict_run(run, facts, efficiency)["seconds"]
-        rows.append({"run": run.name, "efficiency": efficiency, "predicted_seconds": seconds,
-                     "error": seconds / run.seconds - 1})  # fmt: skip
-    return rows
+    return [_held_out(run, [other for other in runs if other is not run], facts) for run in runs]
+
+
+def _held_out(run: PublishedRun, others: Sequence[PublishedRun], facts: ModelFacts) -> dict:
+    """``run`` predicted with the efficiency fitted on ``others``."""
+    efficiency = fit_efficiency(others, facts)
+    seconds = predict_run(run, facts, efficiency)["seconds"]
+    return {"run": run.name, "efficiency": efficiency, "predicted_seconds": seconds,
+            "error": seconds / run.seconds - 1}  # fmt: skip
 
 
 def fit_by_generation(facts: ModelFacts) -> dict[str, dict]:
@@ -282,10 +284,7 @@ def leave_one_out_by_generation(facts: ModelFacts) -> list[dict]:
             rows.append({"run": run.name, "efficiency": None, "error": None,
                          "why": f"no other MLPerf run of {run.chip}"})  # fmt: skip
             continue
-        efficiency = fit_efficiency(others, facts)
-        seconds = predict_run(run, facts, efficiency)["seconds"]
-        rows.append({"run": run.name, "efficiency": efficiency, "predicted_seconds": seconds,
-                     "error": seconds / run.seconds - 1, "fitted_on": [o.name for o in others]})  # fmt: skip
+        rows.append({**_held_out(run, others, facts), "fitted_on": [o.name for o in others]})
     return rows
 
 
