@@ -31,6 +31,7 @@ TARGETS = {
     "v5e-16x16-torus2d": (MLPERF, "v5e:16x16", ["batch_size=8192"]),
     "v5e-16x16-native": (MLPERF, "v5e:16x16", ["batch_size=8192", "allreduce=native"]),
     "v5p-12x12x24-mikami": (MIKAMI, "v5p:12x12x24", ["unroll_limit=72"]),
+    "v5p-12x12x24-mikami-native": (MIKAMI, "v5p:12x12x24", ["allreduce=native"]),
     "v4-8x8x16-torus2d": (MLPERF, "v4:8x8x16", ["unroll_limit=32"]),
     "h100-4x8-torus2d": (MLPERF, "h100:4x8", ["batch_size=4096", "max_per_device_batch=128"]),
     # The same with smaller gradient buckets: more collectives for the scheduler to spread.

@@ -173,6 +173,43 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert (schedule.matmuls, schedule.backward_matmuls) == (1, 1)
 
 
+def test_schedule_reader_follows_an_all_reduce_offloaded_to_the_sparsecore():
+    # The TPU compiler can hand an all-reduce to the SparseCore: a call-start / call-done pair
+    # running the collective's computation on another thread while the TensorCore computes.
+    text = """HloModule m, is_scheduled=true
+
+%fused (p: f32[4,4]) -> f32[4,4] {
+  %p = f32[4,4]{1,0} parameter(0)
+  ROOT %c = f32[4,4]{1,0} convolution(%p, %p), dim_labels=bf_io->bf
+}
+
+%called_computation (p0: f32[3,8], p1: token[]) -> f32[3,8] {
+  %p0 = f32[3,8]{1,0} parameter(0)
+  %p1 = token[] parameter(1)
+  ROOT %ar = f32[3,8]{1,0} all-reduce(%p0), replica_groups={{0,1,2,3}}, to_apply=%sum, metadata={op_name="jit(f)/shard_map/gradient_sync/psum"}
+}
+
+ENTRY %main (a: f32[3,8], t: token[]) -> f32[3,8] {
+  %a = f32[3,8]{1,0} parameter(0)
+  %t = token[] parameter(1)
+  %s = ((f32[3,8]{1,0}, token[]), f32[3,8]{1,0}) call-start(%a, %t), async_execution_thread="sparsecore", to_apply=%called_computation
+  %f1 = f32[4,4]{1,0} fusion(%a), kind=kOutput, calls=%fused, metadata={op_name="jit(f)/transpose(jvp(m))/dot"}
+  %d = f32[3,8]{1,0} call-done(%s)
+  ROOT %f2 = f32[4,4]{1,0} fusion(%d), kind=kOutput, calls=%fused, metadata={op_name="jit(f)/transpose(jvp(m))/dot"}
+}
+"""
+    schedule = read_schedule(text, num_devices=8)
+    (grads,) = schedule.collectives
+    assert (grads.kind, grads.role, grads.asynchronous, grads.nbytes) == (
+        "all-reduce",
+        "gradients",
+        True,
+        96,
+    )
+    assert (grads.group_size, grads.backward_between) == (4, 1)
+    assert schedule.overlapped_backward_fraction == 0.5
+
+
 def test_schedule_reader_names_every_role_its_group_and_what_is_unexplained():
     text = """HloModule m, is_scheduled=true
 
@@ -650,6 +687,18 @@ def test_native_buckets_stay_apart_and_some_run_beside_backward(torus_2x2):
     assert report.schedule.overlapped_backward_fraction > 0
     assert compiler_options_for(torus_2x2.devices.flat, "ring") is None
     assert compiler_options_for(jax.devices("cpu"), "native") is None
+
+
+@needs_libtpu
+def test_native_all_reduces_run_on_the_sparsecores_of_a_v5p_slice():
+    """On v5p the native step's all-reduces are handed to the SparseCores, asynchronous, and
+    backward runs beside them."""
+    mesh = Mesh(np.asarray(parse_topology("v5p:2x2x1").devices()), ("data",))
+    report = compile_step(mesh, allreduce="native", bucket_bytes=1 << 19)
+    grads = report.schedule.gradient_collectives
+    assert len(grads) > 2 and sum(c.asynchronous for c in grads) >= len(grads) - 1
+    assert 'async_execution_thread="sparsecore"' in report.compiled.as_text()
+    assert report.schedule.overlapped_backward_fraction > 0
 
 
 @needs_cuda_plugin

@@ -1,8 +1,9 @@
 """What the compiler scheduled: the collectives of a compiled step and the compute around them.
 
 A compiled program's text (``compiled.as_text()``) lists its entry computation in the order
-the device runs it. An asynchronous collective is a ``*-start`` and a ``*-done``; whatever the
-scheduler placed between the two runs while the data moves. This module reads that order:
+the device runs it. An asynchronous collective is a ``*-start`` and a ``*-done`` (one handed to
+the TPU's SparseCores: a ``call-start`` and a ``call-done``); whatever the scheduler placed
+between the two runs while the data moves. This module reads that order:
 
 * every collective: its kind, bytes, the size of the device group it joins, whether it is
   asynchronous, and its role, from the named scope the step gives it
@@ -247,6 +248,10 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_
             _read_async_fusion(inst, computations, open_starts, schedule,
                                turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
             continue
+        if inst.opcode in ("call-start", "call-done"):
+            _read_offloaded(inst, computations, open_starts, schedule,
+                            turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
+            continue
         kind = inst.opcode.removesuffix("-start").removesuffix("-done")
         if kind not in _COLLECTIVES:
             continue
@@ -280,6 +285,27 @@ def _read_async_fusion(inst, computations, open_starts, schedule, *, turns, in_l
         if started is not None:
             started.nbytes = _nbytes(inst.type_text)
         return
+    _open_inner_collective(inst, key, computations, open_starts, schedule,
+                           turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
+
+
+def _read_offloaded(inst, computations, open_starts, schedule, *, turns, in_loop, num_devices):
+    """Open (a ``call-start``) or close (its ``call-done``) a collective the compiler handed
+    to another engine: the TPU's SparseCore runs an offloaded all-reduce while the
+    TensorCore computes (``async_execution_thread="sparsecore"``)."""
+    if inst.opcode == "call-done":
+        started = open_starts.pop(inst.first_operand or "", None)
+        if started is not None:
+            started.nbytes = _nbytes(inst.type_text)
+        return
+    _open_inner_collective(inst, inst.name, computations, open_starts, schedule,
+                           turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
+
+
+def _open_inner_collective(inst, key, computations, open_starts, schedule, *, turns, in_loop,
+                           num_devices):  # fmt: skip
+    """Record the collective inside the computations ``inst`` calls as asynchronous and in
+    flight until the done that closes ``key``; an instruction calling none is not one."""
     inner = next(
         (i for name in inst.called for i in computations.get(name, [])
          if i.opcode.removesuffix("-start") in _COLLECTIVES),

@@ -3,28 +3,33 @@
 The train steps reduce gradients bucket by bucket so that each bucket can travel while
 backward still computes the earlier layers (Poseidon's wait-free backprop). The schedules
 built from collective permutes keep their buckets apart on their own. XLA's own all-reduce
-(``allreduce="native"``) needs the TPU compiler told two
-things, or it merges every bucket into one or two synchronous all-reduces after backward:
+(``allreduce="native"``) needs the TPU compiler told two things, or it merges every bucket
+into one or two synchronous all-reduces after backward:
 
 * combine only small all-reduces (up to 1 MiB: biases, BatchNorm parameters, running
   statistics, metrics), so that each large gradient keeps an all-reduce of its own;
-* make all-reduces asynchronous, with the TPU's "async collective fusion", which fuses an
-  all-reduce's progress into the compute the scheduler places beside it.
+* make all-reduces asynchronous. How depends on the chip:
+
+  - TPU v5p hands them to its SparseCores (a ``call-start``/``call-done`` pair on the
+    SparseCore's thread), which run them while the TensorCore computes. The scheduler
+    starts each as early as its estimate of the all-reduce's time asks for; at the
+    default estimate it starts ResNet-50's buckets only after backward, so the options
+    raise it (a latency multiplier), and each bucket starts once its gradients exist.
+  - TPU v5e (no SparseCore) and v6e use the TPU's "async collective fusion", which fuses
+    an all-reduce's progress into the compute the scheduler places beside it (the options
+    MaxText passes for data-parallel overlap). It finds a fitting fusion for few of a
+    convolutional network's all-reduces, so most stay synchronous.
+  - TPU v4 keeps the compiler's defaults: the installed compiler runs out of vector memory
+    (VMEM, 16 MiB) compiling async collective fusions, even for a small MLP's step, and
+    does not offload all-reduces to its SparseCores. The permute schedules are the way to
+    overlap there.
+  - XLA's GPU compiler makes all-reduces asynchronous by itself; only its combiner
+    threshold is limited. XLA:CPU gets no options.
 
 The options serve ``native`` steps only. Compiled with them, a step whose gradients travel by
 collective permutes overlapped less of its backward pass in some programs (a small MLP with
 BatchNorm on 32 chips: 57% of backward beside the gradients without them, 14% with them), so
-such steps keep the compiler's defaults.
-
-These are the options MaxText passes to the TPU compiler for data-parallel overlap. On TPU v4
-the installed compiler runs out of vector memory (VMEM, 16 MiB) compiling such fusions even
-for a small MLP's step, so v4 keeps the defaults: its buckets' all-reduces are merged and
-synchronous, and the permute schedules are the way to overlap there.
-
-XLA's GPU compiler makes all-reduces asynchronous by itself but combines them up to a large
-threshold, so a ``native`` step on GPUs gets only the combiner limited to 1 MiB (ResNet-50 on
-4 hosts of 8 H100s: 4 merged all-reduces and 6% of backward beside them by default, 43 and
-50% with it). XLA:CPU gets no options.
+such steps keep the compiler's defaults. docs/planning.md has each chip's measured overlap.
 """
 
 from __future__ import annotations
@@ -43,12 +48,21 @@ TPU_OVERLAP_OPTIONS: dict[str, bool | int] = {
     "xla_tpu_enable_async_collective_fusion_fuse_all_reduce": True,
     "xla_jf_crs_combiner_threshold_in_bytes": 1 << 20,
 }
+SPARSECORE_OVERLAP_OPTIONS: dict[str, bool | int] = {
+    "xla_tpu_enable_sparse_core_collective_offload_all_reduce": True,
+    # The scheduler's estimate of an offloaded all-reduce's time, multiplied: at 2 or less it
+    # starts ResNet-50's buckets after backward, from 5 on as each bucket's gradients exist.
+    "xla_tpu_sparse_core_all_reduce_latency_multiplier": 10,
+    "xla_jf_crs_combiner_threshold_in_bytes": 1 << 20,
+}
 GPU_OVERLAP_OPTIONS: dict[str, bool | int] = {
     "xla_gpu_all_reduce_combine_threshold_bytes": 1 << 20,
 }
 
 # Device kinds whose compiler fails on the options above (see the module docstring).
 _KEEP_DEFAULTS = ("TPU v4",)
+# Device kinds whose all-reduces are offloaded to the SparseCores (TPU v5p).
+_SPARSECORE_OFFLOAD = ("TPU v5",)
 
 
 def compiler_options_for(devices: Sequence[jax.Device], allreduce: str) -> dict | None:
@@ -59,6 +73,8 @@ def compiler_options_for(devices: Sequence[jax.Device], allreduce: str) -> dict 
         return None
     if first.platform in ("gpu", "cuda"):
         return dict(GPU_OVERLAP_OPTIONS)
+    if first.platform == "tpu" and first.device_kind in _SPARSECORE_OFFLOAD:
+        return dict(SPARSECORE_OVERLAP_OPTIONS)
     if first.platform == "tpu" and first.device_kind not in _KEEP_DEFAULTS:
         return dict(TPU_OVERLAP_OPTIONS)
     return None
