@@ -10,7 +10,8 @@ same on every slice, so what changes with the slice is the communication the pro
 The table says, per slice and schedule: seconds to lower and compile, peak memory of the
 compiling process, the gradient collectives (how many instructions, how many inside a loop)
 and the share of backward matrix products that run while gradients are in flight.
-``benchmarks/results/aot_compile_scale.json`` keeps the rows.
+``benchmarks/results/aot_compile_scale.json`` keeps the rows; a run replaces the rows of the
+configurations it compiles and keeps the rest.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ def compile_one(topology_name: str, algorithm: str, unroll_limit: int) -> dict:
     }
 
 
+def _key(row: dict) -> tuple[str, str, int]:
+    return row["topology"], row["algorithm"], int(row["unroll_limit"])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topologies", default=DEFAULT_TOPOLOGIES)
@@ -134,7 +139,10 @@ def main(argv=None) -> int:
                       f"| {row['gradient_collective_instructions']} "
                       f"({row['gradient_collectives_in_loops']}) "
                       f"| {row['overlapped_backward_fraction']:.0%} |", flush=True)  # fmt: skip
-    RESULTS.write_text(json.dumps(rows, indent=2) + "\n")
+    # Configurations compiled here replace their earlier rows; the others' rows stay.
+    merged = {_key(r): r for r in json.loads(RESULTS.read_text())} if RESULTS.exists() else {}
+    merged.update({_key(r): r for r in rows})
+    RESULTS.write_text(json.dumps(list(merged.values()), indent=2) + "\n")
     print(f"wrote {RESULTS}", file=sys.stderr)
     return 0
 
