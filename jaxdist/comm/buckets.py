@@ -48,20 +48,25 @@ def backward_order(
     by their first use in the forward pass, latest first. ``axis_env`` binds the mesh axes the
     loss refers to (e.g. cross-replica BatchNorm). Leaves the loss never reads come last.
     """
-    leaves = jax.tree.leaves(params)
     closed = jax.make_jaxpr(loss_fn, axis_env=list(axis_env))(params, *args)
-    jaxpr = closed.jaxpr
-    param_vars = {id(v): k for k, v in enumerate(jaxpr.invars[: len(leaves)])}
-    first_use = [math.inf] * len(leaves)
+    return backward_order_of_jaxpr(closed.jaxpr, len(jax.tree.leaves(params)))
+
+
+def backward_order_of_jaxpr(jaxpr: Any, num_leaves: int) -> list[int]:
+    """:func:`backward_order` of a loss already traced (a ``jax.make_jaxpr(...).jaxpr``) whose
+    first ``num_leaves`` inputs are the parameter leaves: a caller that traces the loss anyway
+    need not trace it twice."""
+    param_vars = {id(v): k for k, v in enumerate(jaxpr.invars[:num_leaves])}
+    first_use = [math.inf] * num_leaves
     for position, eqn in enumerate(jaxpr.eqns):
         for var in eqn.invars:
             k = param_vars.get(id(var))
             if k is not None and first_use[k] == math.inf:
                 first_use[k] = position
     used = sorted(
-        (k for k in range(len(leaves)) if first_use[k] < math.inf), key=first_use.__getitem__
+        (k for k in range(num_leaves) if first_use[k] < math.inf), key=first_use.__getitem__
     )
-    unused = [k for k in range(len(leaves)) if first_use[k] == math.inf]
+    unused = [k for k in range(num_leaves) if first_use[k] == math.inf]
     return used[::-1] + unused
 
 

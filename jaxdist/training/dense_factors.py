@@ -64,11 +64,13 @@ class DenseLayer:
 @dataclass(frozen=True)
 class _Seen:
     """What one trace saw: every module called (path -> class name), how often each dense
-    layer ran, and the dense layers found with a kernel in the parameters."""
+    layer ran, the dense layers found with a kernel in the parameters, and the traced loss
+    (a jaxpr whose first inputs are the parameter leaves)."""
 
     modules: dict[str, str]
     calls: dict[str, int]
     dense: dict[str, DenseLayer]
+    jaxpr: Any = None
 
 
 def key_names(key_path) -> tuple[str, ...]:
@@ -128,8 +130,8 @@ def find_dense_layers(
         return loss_fn(*args)
 
     with nn.intercept_methods(record):
-        jax.make_jaxpr(fresh, axis_env=list(axis_env))(params, model_state, batch, rng)
-    return _Seen(modules, calls, dense)
+        closed = jax.make_jaxpr(fresh, axis_env=list(axis_env))(params, model_state, batch, rng)
+    return _Seen(modules, calls, dense, closed.jaxpr)
 
 
 def select_dense_layers(seen: _Seen, requested: str | Sequence[str] | None) -> list[DenseLayer]:

@@ -108,6 +108,7 @@ def make_gradient_plan(
     """
     auto = allreduce == hybrid.AUTO
     layers: list[DenseLayer] = []
+    seen = None
     if (auto and sfb_layers is None) or sfb_layers:
         seen = find_dense_layers(loss_fn, params, model_state, micro_batch, rng, axis_env)
         layers = select_dense_layers(seen, sfb_layers)
@@ -129,10 +130,13 @@ def make_gradient_plan(
         for layer, route in zip(layers, layer_routes)
         if route.choice == hybrid.FACTORS
     }
-    objective = lambda *args: loss_fn(*args)[0]  # noqa: E731
-    order = bucketing.backward_order(
-        objective, params, model_state, micro_batch, rng, axis_env=axis_env
-    )
+    if seen is not None:  # the loss is traced already: its order is read off that trace
+        order = bucketing.backward_order_of_jaxpr(seen.jaxpr, len(leaves))
+    else:
+        objective = lambda *args: loss_fn(*args)[0]  # noqa: E731
+        order = bucketing.backward_order(
+            objective, params, model_state, micro_batch, rng, axis_env=axis_env
+        )
     buckets = _plan_in_order(own_bytes, [k for k in order if k not in factored], bucket_bytes)
     layer_routes = _name_buckets(layers, layer_routes, buckets, index_of)
     bucket_routes = [
