@@ -26,8 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from jaxdist.aot.chips import CHIPS, network_for
-from jaxdist.aot.predict import library_allreduce_seconds, step_time
-from jaxdist.comm import cost_model
+from jaxdist.aot.predict import communication_seconds, step_time
 
 __all__ = [
     "PUBLISHED_RUNS",
@@ -202,13 +201,12 @@ def gradient_bucket_seconds(run: PublishedRun, facts: ModelFacts) -> list[float]
     chip = CHIPS[run.chip]
     network = network_for(chip, host_network=run.host_network)
     buckets = [b * run.gradient_itemsize / 4 for b in facts.bucket_bytes]
-    if run.allreduce in LIBRARY_ALLREDUCES:
-        return [
-            library_allreduce_seconds(b, run.chips, run.inner, network, chip.torus_dims)
-            for b in buckets
-        ]
-    axis_sizes = [run.chips // run.inner, run.inner]
-    return [cost_model.predict(run.allreduce, b, axis_sizes, network) for b in buckets]
+    # A library's all-reduce is priced as a plan prices a native step's.
+    algorithm = "native" if run.allreduce in LIBRARY_ALLREDUCES else run.allreduce
+    return communication_seconds(
+        buckets, algorithm, [run.chips // run.inner, run.inner], network,
+        per_host=run.inner, torus_dims=chip.torus_dims,
+    )  # fmt: skip
 
 
 def calibrate(run: PublishedRun, facts: ModelFacts) -> float:
