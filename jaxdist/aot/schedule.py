@@ -248,17 +248,17 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_
             _read_async_fusion(inst, computations, open_starts, schedule,
                                turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
             continue
-        if inst.opcode in ("call-start", "call-done"):
-            _read_offloaded(inst, computations, open_starts, schedule,
-                            turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
+        if inst.opcode == "call-start":
+            # A collective handed to another engine: the TPU's SparseCore runs an offloaded
+            # all-reduce while the TensorCore computes (async_execution_thread="sparsecore").
+            _open_inner_collective(inst, inst.name, computations, open_starts, schedule,
+                                   turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
             continue
-        kind = inst.opcode.removesuffix("-start").removesuffix("-done")
+        if inst.opcode.endswith("-done"):  # a collective's or a call's; other dones close none
+            _close(open_starts, inst.first_operand or "", inst)
+            continue
+        kind = inst.opcode.removesuffix("-start")
         if kind not in _COLLECTIVES:
-            continue
-        if inst.opcode.endswith("-done"):
-            started = open_starts.pop(inst.first_operand or "", None)
-            if started is not None:
-                started.nbytes = _nbytes(inst.type_text)
             continue
         op_name = inst.op_name or used_as.get(inst.name, "")
         collective = Collective(kind, _nbytes(inst.type_text), inst.opcode.endswith("-start"),
@@ -281,25 +281,17 @@ def _read_async_fusion(inst, computations, open_starts, schedule, *, turns, in_l
     phase, suffix = _ASYNC_FUSION.match(inst.name).groups()
     key = f"async-collective{suffix}"
     if phase == "done":
-        started = open_starts.pop(key, None)
-        if started is not None:
-            started.nbytes = _nbytes(inst.type_text)
+        _close(open_starts, key, inst)
         return
     _open_inner_collective(inst, key, computations, open_starts, schedule,
                            turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
 
 
-def _read_offloaded(inst, computations, open_starts, schedule, *, turns, in_loop, num_devices):
-    """Open (a ``call-start``) or close (its ``call-done``) a collective the compiler handed
-    to another engine: the TPU's SparseCore runs an offloaded all-reduce while the
-    TensorCore computes (``async_execution_thread="sparsecore"``)."""
-    if inst.opcode == "call-done":
-        started = open_starts.pop(inst.first_operand or "", None)
-        if started is not None:
-            started.nbytes = _nbytes(inst.type_text)
-        return
-    _open_inner_collective(inst, inst.name, computations, open_starts, schedule,
-                           turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
+def _close(open_starts: dict[str, Collective], key: str, done: _Instruction) -> None:
+    """End the collective in flight under ``key``, if any: its bytes are the done's result."""
+    started = open_starts.pop(key, None)
+    if started is not None:
+        started.nbytes = _nbytes(done.type_text)
 
 
 def _open_inner_collective(inst, key, computations, open_starts, schedule, *, turns, in_loop,
