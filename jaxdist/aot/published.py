@@ -276,8 +276,9 @@ def leave_one_out_by_generation(facts: ModelFacts) -> list[dict]:
     """Each MLPerf run predicted with its generation's efficiency fitted on that generation's
     other runs; a run that is its generation's only one is reported, unscored."""
     rows = []
-    for run in _mlperf_runs():
-        others = [o for o in _mlperf_runs() if o.chip == run.chip and o is not run]
+    runs = _mlperf_runs()
+    for run in runs:
+        others = [o for o in runs if o.chip == run.chip and o is not run]
         if not others:
             rows.append({"run": run.name, "efficiency": None, "error": None,
                          "why": f"no other MLPerf run of {run.chip}"})  # fmt: skip
