@@ -27,9 +27,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 # The run uses two pytest-xdist workers, one per core: most tests are one XLA compile after
-# another, and two of them side by side finish sooner. A test that starts processes (marked
-# `multiprocess`) waits for time limits, signals and peers; it takes the lock below
-# exclusively and runs with nothing beside it, while every other test shares it.
+# another, and two of them side by side finish sooner. A test whose processes need the
+# machine to themselves (marked `multiprocess`: JAX peers that compile and must meet, a race
+# with a child, a watchdog's time limit) takes the lock below exclusively and runs with
+# nothing beside it, while every other test shares it. Tests whose processes only sleep, or
+# exit after a fixed wait, run beside others.
 if "JAXDIST_TEST_LOCKS" not in os.environ:
     _locks = tempfile.mkdtemp(prefix="jaxdist-tests-locks-")
     atexit.register(shutil.rmtree, _locks, ignore_errors=True)

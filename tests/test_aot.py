@@ -345,19 +345,32 @@ def test_hbm_grows_with_the_batch(torus_2x2):
     assert large.flops > 4 * small.flops
 
 
+def gradients_in_loops(plan_json: dict) -> int:
+    rows = plan_json["stages"][0]["collectives"]
+    return sum(r["in_loop"] for r in rows if r["role"] == "gradients")
+
+
 @needs_libtpu
-def test_plan_command_prints_memory_overlap_and_time_to_train(capsys):
+def test_plan_command_prints_memory_overlap_time_to_train_and_the_links_given(capsys):
     from jaxdist.cli import main
+    from jaxdist.run.config import base_config
 
     code = main(["plan", "mnist_small_batch", "--topology", "v5e:2x2", "--efficiency", "0.4",
-                 "--set", "num_epochs=2", "--json"])  # fmt: skip
+                 "--set", "num_epochs=2", "--set", "allreduce=ring", "--fast-link", "1ms:1GB/s",
+                 "--json"])  # fmt: skip
     assert code == 0
     plan = json.loads(capsys.readouterr().out)
+    # The default unroll limit: a ring over 4 chips has 3 steps each way, all unrolled.
+    assert base_config().unroll_limit == collectives.UNROLL_LIMIT
+    assert gradients_in_loops(plan) == 0
     stage = plan["stages"][0]
     assert plan["chips"] == 4 and stage["fits"] is True
     assert stage["memory_bytes"]["total"] <= stage["memory_bytes"]["capacity"]
     assert stage["flops_per_chip"] > 0 and stage["step_seconds"]["total"] > 0
     assert plan["time_to_train"][0]["steps"] == 2 * 4000 // 32 + (2 * 4000 % 32 > 0)
+    links = plan["links"]
+    assert (links["fast"]["latency_s"], links["fast"]["bytes_per_s"]) == pytest.approx((1e-3, 1e9))
+    assert links["sources"]["fast"] == "given: 1ms:1GB/s"
 
 
 @needs_libtpu
@@ -400,14 +413,10 @@ def test_plan_refuses_an_unknown_topology_and_a_mesh_of_another_size(capsys):
 
 
 @needs_libtpu
-def test_plan_takes_links_given_and_refuses_bad_ones_in_one_line(capsys):
+def test_plan_refuses_bad_links_in_one_line(capsys):
     from jaxdist.cli import main
 
     base = ["plan", "mnist_small_batch", "--topology", "v5e:2x2", "--efficiency", "0.4"]
-    assert main([*base, "--fast-link", "1ms:1GB/s", "--json"]) == 0
-    links = json.loads(capsys.readouterr().out)["links"]
-    assert (links["fast"]["latency_s"], links["fast"]["bytes_per_s"]) == pytest.approx((1e-3, 1e9))
-    assert links["sources"]["fast"] == "given: 1ms:1GB/s"
     for flag, value, says in [
         ("--fast-link", "fast", "--fast-link: a link is LATENCY:BANDWIDTH"),
         ("--host-link", "10us:1GB/s", "--host-link: v5e:2x2 has no host network"),
@@ -501,21 +510,11 @@ def test_plan_over_two_slices_runs_the_outer_axis_over_the_data_centre_network(c
 @needs_libtpu
 def test_plan_takes_the_recipes_unroll_limit(capsys, monkeypatch):
     from jaxdist.aot import report
-    from jaxdist.aot.plan import plan_recipe
-    from jaxdist.aot.topology import parse_topology
     from jaxdist.cli import main
-    from jaxdist.run.config import apply_overrides, base_config, load_recipe
 
-    def gradients_in_loops(plan):
-        rows = report.plan_json(plan, "")["stages"][0]["collectives"]
-        return sum(r["in_loop"] for r in rows if r["role"] == "gradients")
-
-    assert base_config().unroll_limit == collectives.UNROLL_LIMIT
-    # The recipe's own limit: a ring over 4 chips has 3 steps each way, all unrolled.
-    config = apply_overrides(load_recipe("mnist_small_batch"), ["allreduce=ring"])
-    assert gradients_in_loops(plan_recipe(config, parse_topology("v5e:2x2"), efficiency=0.4)) == 0
-    # A limit of 2 through the command line: the rings run as loops, and the text says what
-    # that costs and how to unroll them (the plan it printed is kept to count them).
+    # A limit of 2 through the command line (the default unrolls every ring here, see the test
+    # above): the rings run as loops, and the text says what that costs and how to unroll them
+    # (the plan it printed is kept to count them).
     printed = []
 
     def keep_plan(plan, note, text=report.plan_text):
@@ -527,7 +526,7 @@ def test_plan_takes_the_recipes_unroll_limit(capsys, monkeypatch):
                  "--set", "allreduce=ring", "--set", "unroll_limit=2"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     (plan,) = printed
-    in_loops = gradients_in_loops(plan)
+    in_loops = gradients_in_loops(report.plan_json(plan, ""))
     assert in_loops > 0
     assert f"note: {in_loops:,} gradient collectives per step run inside loops" in out
     assert "--set unroll_limit=4 unrolls them" in out

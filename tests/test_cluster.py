@@ -107,7 +107,6 @@ def test_four_hosts_allreduce_and_teardown():
 
 
 @needs_namespaces
-@pytest.mark.multiprocess
 def test_failing_command_tears_down_and_exits_with_its_code():
     proc = subprocess.run(
         [
@@ -134,7 +133,6 @@ def test_failing_command_tears_down_and_exits_with_its_code():
 
 
 @needs_namespaces
-@pytest.mark.multiprocess
 def test_sigterm_tears_down():
     token = uuid.uuid4().hex
     proc = subprocess.Popen(

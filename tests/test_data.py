@@ -267,7 +267,6 @@ def test_batch_size_change_keeps_each_samples_augmentation(folder):
     )
 
 
-@pytest.mark.multiprocess
 def test_worker_processes_give_the_same_batches_and_resume(folder):
     source = ImageFolderSource(folder, "train")
     expected = take(train_it(source, 4, seed=2), 6)

@@ -124,6 +124,33 @@ def logged_steps(workdir):
 # --------------------------------------------------------------------- one process
 
 
+def test_a_rerun_on_another_device_count_is_refused_with_the_diff(recipe, uninterrupted, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(uninterrupted, workdir)
+    refused = train(recipe, workdir, "max_steps=10", devices=4)
+    assert refused.returncode == 2, refused.stderr
+    one_line(refused.stderr, "devices.mesh: 'data=2' -> 'data=4'", "--allow-config-change")
+    assert complete_steps(workdir) == complete_steps(uninterrupted)
+
+
+def test_a_checkpoint_of_another_model_names_the_first_mismatched_parameter(
+    recipe, uninterrupted, tmp_path, capsys
+):
+    workdir = tmp_path / "run"
+    shutil.copytree(uninterrupted, workdir)
+    recorded = (workdir / "config.json").read_text()
+    code = main(["train", str(recipe), "--workdir", str(workdir), "--set", "model.width=8",
+                 "--set", "max_steps=10", "--allow-config-change"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 1, err
+    line = one_line(err, f"the checkpoint at step {LAST_STEP}", "holds another model or recipe")
+    assert re.search(
+        r": params\.\S+ is \(\d+(, \d+)*\) there and \(\d+(, \d+)*\) in this run", line
+    )
+    assert complete_steps(workdir) == complete_steps(uninterrupted), "checkpoints were moved"
+    assert (workdir / "config.json").read_text() == recorded, "the refused config was recorded"
+
+
 @pytest.mark.multiprocess
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_step(
     recipe, uninterrupted, tmp_path
@@ -222,33 +249,6 @@ def test_skipping_non_finite_steps_stops_after_the_limit_in_a_row(recipe, tmp_pa
     assert len(skipped) >= 3 and skipped[-3:] == list(range(skipped[-1] - 2, skipped[-1] + 1))
     for step in complete_steps(workdir):  # skipped steps left the model finite
         assert all(np.isfinite(v).all() for v in saved_state(workdir, step).values())
-
-
-def test_a_rerun_on_another_device_count_is_refused_with_the_diff(recipe, uninterrupted, tmp_path):
-    workdir = tmp_path / "run"
-    shutil.copytree(uninterrupted, workdir)
-    refused = train(recipe, workdir, "max_steps=10", devices=4)
-    assert refused.returncode == 2, refused.stderr
-    one_line(refused.stderr, "devices.mesh: 'data=2' -> 'data=4'", "--allow-config-change")
-    assert complete_steps(workdir) == complete_steps(uninterrupted)
-
-
-def test_a_checkpoint_of_another_model_names_the_first_mismatched_parameter(
-    recipe, uninterrupted, tmp_path, capsys
-):
-    workdir = tmp_path / "run"
-    shutil.copytree(uninterrupted, workdir)
-    recorded = (workdir / "config.json").read_text()
-    code = main(["train", str(recipe), "--workdir", str(workdir), "--set", "model.width=8",
-                 "--set", "max_steps=10", "--allow-config-change"])  # fmt: skip
-    err = capsys.readouterr().err
-    assert code == 1, err
-    line = one_line(err, f"the checkpoint at step {LAST_STEP}", "holds another model or recipe")
-    assert re.search(
-        r": params\.\S+ is \(\d+(, \d+)*\) there and \(\d+(, \d+)*\) in this run", line
-    )
-    assert complete_steps(workdir) == complete_steps(uninterrupted), "checkpoints were moved"
-    assert (workdir / "config.json").read_text() == recorded, "the refused config was recorded"
 
 
 @pytest.mark.multiprocess
@@ -355,7 +355,6 @@ def test_a_stuck_input_reader_is_reported_by_the_watchdog(recipe, images, tmp_pa
 # ------------------------------------------------------------------ several processes
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("process_id", [0, 1])
 def test_a_missing_peer_or_coordinator_is_one_line_within_the_timeout(recipe, process_id):
     """Process 0 alone (the count never fills) or process 1 alone (nobody answers at the

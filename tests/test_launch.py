@@ -132,7 +132,6 @@ def test_detect_a_cloud_tpu_vm_by_its_chips(monkeypatch):
     assert distributed.detect() == distributed.ProcessGroup("tpu", num_processes=4)
 
 
-@pytest.mark.multiprocess
 def test_supervise_labels_output_and_returns_zero():
     out, log = io.StringIO(), io.StringIO()
     workers = [
@@ -146,7 +145,6 @@ def test_supervise_labels_output_and_returns_zero():
     assert lines == expected
 
 
-@pytest.mark.multiprocess
 def test_a_program_that_cannot_be_found_is_one_line_and_exit_127(tmp_path):
     log = io.StringIO()
     workers = [
@@ -177,7 +175,6 @@ def test_a_bare_program_is_found_beside_this_python(tmp_path):
     assert "[p0] usage: jaxdist" in out.getvalue()
 
 
-@pytest.mark.multiprocess
 def test_supervise_stops_the_others_on_failure():
     token = f"JAXDIST_TEST_TOKEN={uuid.uuid4().hex}"
     env = dict(os.environ, JAXDIST_TEST_TOKEN=token.split("=")[1])
@@ -200,7 +197,6 @@ def test_supervise_stops_the_others_on_failure():
     assert processes_with_env(token) == [], "processes survived the launcher"
 
 
-@pytest.mark.multiprocess
 def test_supervise_timeout_exits_124():
     workers = [launch.Worker([PY, "-c", "import time; time.sleep(60)"])]
     start = time.monotonic()
@@ -211,7 +207,6 @@ def test_supervise_timeout_exits_124():
     assert time.monotonic() - start < 10
 
 
-@pytest.mark.multiprocess
 def test_ctrl_c_stops_all(tmp_path):
     token = uuid.uuid4().hex
     env = clean_env(JAXDIST_TEST_TOKEN=token)

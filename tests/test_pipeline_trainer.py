@@ -7,11 +7,12 @@ import numpy as np
 import optax
 import pytest
 from test_pipeline_step import assert_trees_close, cross_entropy, data, mlp_stages, reference
-from test_trainer import Crash, _assert_trees_equal, _crash_at, tiny_config
+from test_trainer import Crash, _assert_trees_equal, _crash_at, assert_same_abstract, tiny_config
 
 from jaxdist import meshes
 from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.pipeline.step import PipelineStep
+from jaxdist.run.checkpoint import abstract_like
 from jaxdist.run.config import ConfigError
 from jaxdist.run.trainer import Trainer
 from jaxdist.training import optim
@@ -36,6 +37,7 @@ def test_pipeline_recipe_trains_and_resumes_exactly(tmp_path):
     resumed = Trainer(tiny_config(**PIPELINE), workdir)
     with pytest.raises(Crash):
         resumed.run(on_step=_crash_at(4))
+    assert_same_abstract(resumed.abstract_state(), abstract_like(resumed.initial_state()))
     assert resumed.run()["step"] == 7
     for field in ("params", "model_state", "opt_state"):
         _assert_trees_equal(getattr(resumed.state, field), getattr(straight.state, field), field)

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxdist.run.checkpoint import abstract_like
 from jaxdist.run.config import base_config
 from jaxdist.run.trainer import Trainer
 from jaxdist.training.protocol import Step
@@ -59,6 +60,13 @@ def _crash_at(step_to_crash):
     return on_step
 
 
+def assert_same_abstract(got, want):
+    """The same tree of ``ShapeDtypeStruct``s: shapes, dtypes and shardings."""
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert (x.shape, x.dtype, x.sharding) == (y.shape, y.dtype, y.sharding), (x, y)
+
+
 def _assert_trees_equal(a, b, what):
     leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(leaves_a) == len(leaves_b)
@@ -69,7 +77,7 @@ def _assert_trees_equal(a, b, what):
         )
 
 
-def test_resume_is_bitwise_exact_across_a_ramp(tmp_path):
+def test_resume_is_bitwise_exact_across_a_ramp(tmp_path, monkeypatch):
     straight = Trainer(tiny_config(), tmp_path / "straight")
     summary = straight.run()
     assert summary["step"] == 7 and not summary["preempted"]
@@ -85,6 +93,10 @@ def test_resume_is_bitwise_exact_across_a_ramp(tmp_path):
     resumed = Trainer(tiny_config(), workdir)
     with pytest.raises(Crash):
         resumed.run(on_step=_crash_at(4))
+    # The checkpoint is read into the initial state's shapes and shardings; nothing is
+    # initialised for it to replace.
+    assert_same_abstract(resumed.abstract_state(), abstract_like(resumed.initial_state()))
+    monkeypatch.setattr(Trainer, "initial_state", lambda self: pytest.fail("initialised"))
     assert resumed.run()["step"] == 7
 
     _assert_trees_equal(resumed.state.params, straight.state.params, "params")

@@ -179,6 +179,11 @@ class Checkpointer:
         """Saved steps, oldest first."""
         return sorted(self.manager.all_steps())
 
+    def kept(self) -> str:
+        """Which checkpoint a run that stops now leaves to resume from, for its last line."""
+        steps = self.steps()
+        return f"the newest checkpoint, step {steps[-1]}, is kept" if steps else "no checkpoint yet"
+
     def restore(self, abstract_state: Any) -> tuple[int, Any, dict, dict]:
         """Restore the newest readable checkpoint as ``(step, state, data_state, meta)``.
 

@@ -34,6 +34,7 @@ steps before; a process stuck on one activity is reported and ended
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +49,7 @@ from jaxdist.data import DataConfig, DatasetError, make_pipeline
 from jaxdist.data.transforms import normalize
 from jaxdist.models import init_variables
 from jaxdist.run import rerun, steps
-from jaxdist.run.checkpoint import Checkpointer, abstract_like
+from jaxdist.run.checkpoint import Checkpointer
 from jaxdist.run.config import batch_stages, config_problems
 from jaxdist.run.from_config import (
     NormalizeOnDevice,
@@ -152,7 +153,6 @@ class Trainer:
         self._compiled_steps: list[Step] = []  # steps that ran once (compiling is not watched)
         # Steps that choose routes (auto) or send factors print their plan after a first step.
         self._shows_plans = config.allreduce == "auto" or bool(self._parts.options["sfb_layers"])
-        self._plans_shown: list[Step] = []
         for stage in range(len(self.plans)):
             self.train_step_for(stage)
 
@@ -168,11 +168,19 @@ class Trainer:
 
     def initial_state(self) -> Any:
         """Parameters and BatchNorm statistics from the seed, placed on the mesh."""
-        variables = init_variables(
-            self.model, jax.random.key(self.config.seed), self._parts.example
-        )
-        params = variables.pop("params")
-        return self.train_step_for(0).init(params, dict(variables))
+        return self.train_step_for(0).init(*self._variables(abstract=False))
+
+    def abstract_state(self) -> Any:
+        """What :meth:`initial_state` returns, as shapes with their shardings: the target a
+        checkpoint is read into. Nothing is initialised or placed, so a resumed run does not
+        pay for the parameters the checkpoint replaces."""
+        return self.train_step_for(0).abstract_init(*self._variables(abstract=True))
+
+    def _variables(self, abstract: bool) -> tuple[Any, dict]:
+        init = functools.partial(init_variables, self.model, images=self._parts.example)
+        key = jax.random.key(self.config.seed)
+        variables = jax.eval_shape(init, key) if abstract else init(key)
+        return variables.pop("params"), dict(variables)
 
     def evaluate(self, state: Any) -> dict[str, float]:
         """Top-1 / top-5 accuracy over the whole held-out split."""
@@ -244,10 +252,11 @@ class Trainer:
     def _resume(self, ckpt: Checkpointer, log: RunLog, changes: list) -> Loop:
         """The loop's state: from the newest checkpoint, or fresh from the seed; the event log
         records the start and any accepted config change."""
-        state = self.initial_state()
         step, data_state = 0, None
         if ckpt.steps():
-            step, state, data_state, meta = ckpt.restore(abstract_like(state))
+            step, state, data_state, meta = ckpt.restore(self.abstract_state())
+        else:
+            state = self.initial_state()
         self._check_config(write=jax.process_index() == 0)
         self.profiler.check(step + 1, self.total_steps)
         if 0 < step < self.total_steps:
@@ -299,15 +308,16 @@ class Trainer:
         loop.lr = float(self.lr_fn(epoch))
         loop.state = train_step.set_learning_rate(loop.state, loop.lr)
         rng = jax.random.fold_in(loop.base_rng, step)
-        if train_step in self._compiled_steps:
+        compiled = train_step in self._compiled_steps
+        if compiled:
             self.watchdog.watch(step + 1, "running")
         else:  # the first call compiles: its time grows with the model, not with a hang
             self.watchdog.pause()
         with self.profiler.step(step + 1, lambda: loop.state):
             loop.state, metrics = train_step(loop.state, batch, rng)
-        if train_step not in self._compiled_steps:
+        if not compiled:
             self._compiled_steps.append(train_step)
-        self._show_gradient_plan(train_step, log)
+            self._show_gradient_plan(train_step, log)
         loop.step += 1
         loop.batch_size = self.schedule.batch_size_at(step)
         loop.window_samples += loop.batch_size
@@ -316,11 +326,10 @@ class Trainer:
         loop.epoch = self.schedule.epoch_at(loop.step)
 
     def _show_gradient_plan(self, train_step: Step, log: RunLog) -> None:
-        """Once per train step, when it chooses routes (``auto``) or sends factors: the plan,
-        as ``TrainStep.plan().table()`` prints it (a pipeline step refuses both options)."""
-        if not self._shows_plans or train_step in self._plans_shown:
+        """After a train step's first call, when it chooses routes (``auto``) or sends factors:
+        the plan, as ``TrainStep.plan().table()`` prints it (a pipeline step refuses both)."""
+        if not self._shows_plans:
             return
-        self._plans_shown.append(train_step)
         log.progress(f"gradient plan, {train_step.accumulation_steps} micro-batch(es) per step:",
                      final=True)  # fmt: skip
         for line in train_step.plan().table().splitlines():
@@ -331,7 +340,7 @@ class Trainer:
         the run here (after its record is written)."""
         if loop.step % self.config.log_every_steps == 0 or loop.step == self.total_steps:
             fetched = report(loop, log, self.total_steps)
-            self.nonfinite.check_steps(loop.step, fetched, _kept(ckpt))
+            self.nonfinite.check_steps(loop.step, fetched, ckpt.kept())
 
     def _save(
         self, loop: Loop, ckpt: Checkpointer, force: bool = False, data_state: dict | None = None
@@ -343,8 +352,8 @@ class Trainer:
         if not (force or ckpt.should_save(loop.step)):
             return
         self.watchdog.watch(loop.step, "saving the checkpoint of")
-        self.nonfinite.check_steps(loop.step, jax.device_get(loop.pending), _kept(ckpt))
-        self.nonfinite.check_params(loop.step, loop.state.params, _kept(ckpt))
+        self.nonfinite.check_steps(loop.step, jax.device_get(loop.pending), ckpt.kept())
+        self.nonfinite.check_params(loop.step, loop.state.params, ckpt.kept())
         meta = {"epoch": loop.epoch, "stage": loop.stage,
                 "samples_seen": loop.iterator.next_sample}  # fmt: skip
         if data_state is None:
@@ -358,7 +367,7 @@ class Trainer:
         if jax.process_count() == 1 and loop.step > 0 and loop.iterator is not None:
             self._save(loop, ckpt, force=True, data_state=loop.iterator.position_state())
             ckpt.wait()
-        return DatasetError(f"{err}; the run stopped at step {loop.step} ({_kept(ckpt)})")
+        return DatasetError(f"{err}; the run stopped at step {loop.step} ({ckpt.kept()})")
 
     def _evaluate_when_due(self, loop: Loop, log: RunLog) -> None:
         """Top-1/top-5 every ``eval_every_epochs`` and at the end; the first eval at or above
@@ -388,9 +397,3 @@ class Trainer:
             self._save(loop, ckpt, force=True)
             ckpt.wait()
         log_run_stop(log, loop, self.schedule, self.total_steps, self.config.target_accuracy)
-
-
-def _kept(ckpt: Checkpointer) -> str:
-    """Which checkpoint a run that stops now leaves to resume from."""
-    steps = ckpt.steps()
-    return f"the newest checkpoint, step {steps[-1]}, is kept" if steps else "no checkpoint yet"
