@@ -62,9 +62,15 @@ LONGEST_FIRST = (
 )  # fmt: skip
 
 
+def _runs_alone(item) -> bool:
+    return item is not None and item.get_closest_marker("multiprocess") is not None
+
+
 def pytest_collection_modifyitems(config, items):
+    # Files stay whole; within a file the tests that run alone come last, one after another,
+    # so that the lock below changes hands once per file (the order within each group stays).
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: files stay whole
+    items.sort(key=lambda item: (rank.get(item.path.stem, len(rank)), item.path, _runs_alone(item)))
 
 
 @contextlib.contextmanager
@@ -89,10 +95,39 @@ def _run_alone_or_beside(alone: bool):
         os.close(turnstile)
 
 
+class _HeldAlone:
+    """The exclusive lock, kept from one test that runs alone to the next: between two of
+    them the other worker would start a test, and the second would wait for it to end."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self.held = False
+
+    def take(self) -> None:
+        if not self.held:
+            self._stack.enter_context(_run_alone_or_beside(True))
+            self.held = True
+
+    def give_back(self) -> None:
+        self._stack.close()
+        self.held = False
+
+
+_alone = _HeldAlone()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    with _run_alone_or_beside(item.get_closest_marker("multiprocess") is not None):
+    if not _runs_alone(item):
+        with _run_alone_or_beside(False):
+            yield
+        return
+    _alone.take()
+    try:
         yield
+    finally:
+        if not _runs_alone(nextitem):
+            _alone.give_back()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -512,9 +512,10 @@ def test_plan_takes_the_recipes_unroll_limit(capsys, monkeypatch):
     from jaxdist.aot import report
     from jaxdist.cli import main
 
-    # A limit of 2 through the command line (the default unrolls every ring here, see the test
-    # above): the rings run as loops, and the text says what that costs and how to unroll them
-    # (the plan it printed is kept to count them).
+    # A limit of 2 through the command line (the default unrolls every ring of this plan:
+    # test_plan_command_prints_memory_overlap_time_to_train_and_the_links_given): the rings run
+    # as loops, and the text says what that costs and how to unroll them (the plan it printed
+    # is kept to count them).
     printed = []
 
     def keep_plan(plan, note, text=report.plan_text):

@@ -1,7 +1,8 @@
 """Real multi-process JAX runs through ``jaxdist launch``: collectives, meshes, the benchmark.
 
-Each test is one launch that runs several checks, because every process pays for importing
-JAX and compiling. The workers are ``tests/multiprocess_worker.py``.
+Each launch runs several checks, because every process pays for importing JAX and compiling:
+one launch per layout (2 processes x 2 devices, 4 x 1) and one of the benchmark. The workers
+are ``tests/multiprocess_worker.py``.
 """
 
 from __future__ import annotations
@@ -68,8 +69,18 @@ def assert_all_algorithms(output: str, processes: int, layout: str) -> None:
             assert line in output, f"expected {line!r} in the output, not found:\n{output}"
 
 
-def test_two_processes_two_devices_all_algorithms_and_host_rows():
-    output = run_launch(2, 2, sys.executable, WORKER, "mesh", "allreduce")
+@pytest.fixture(scope="module")
+def two_by_two(tmp_path_factory):
+    """One launch of 2 processes x 2 devices for every check on that layout: its output, and
+    the folder where its train cases left their final states."""
+    folder = tmp_path_factory.mktemp("two_by_two")
+    output = run_launch(2, 2, sys.executable, WORKER, "mesh", "allreduce", "train",
+                        env={"JAXDIST_TEST_OUT_DIR": str(folder)})  # fmt: skip
+    return output, folder
+
+
+def test_two_processes_two_devices_all_algorithms_and_host_rows(two_by_two):
+    output, _ = two_by_two
     assert "[p0] process 0 of 2: 2 local / 4 devices (jaxdist-env)" in output, output
     assert "[p1] process 1 of 2: 2 local / 4 devices (jaxdist-env)" in output, output
     for p in range(2):
@@ -117,21 +128,19 @@ def test_bench_allreduce_runs_unchanged_and_only_process_0_prints_the_table():
         ), f"no {algorithm} row:\n{output}"
 
 
-def test_train_step_on_two_processes_matches_one_process(tmp_path):
+def test_train_step_on_two_processes_matches_one_process(two_by_two):
     """2 processes x 2 devices, each feeding its half of the global batch, end with the same
     parameters and BatchNorm statistics as one process of 4 devices fed the whole batch."""
     from tests.multiprocess_worker import TRAIN_CASES, train_case
 
-    output = run_launch(
-        2, 2, sys.executable, WORKER, "train", env={"JAXDIST_TEST_OUT_DIR": str(tmp_path)}
-    )
+    output, folder = two_by_two
     for name in TRAIN_CASES:
         # One process with the same global batch and mesh shape: the first 4 of this test
         # process's 8 devices, running exactly the workers' code.
         expected, expected_loss = train_case(name, 4)
         for p in range(2):
             assert f"[p{p}] CHECK train {name} OK" in output, output
-            saved = np.load(tmp_path / f"train-{name}-p{p}.npz")
+            saved = np.load(folder / f"train-{name}-p{p}.npz")
             assert sorted(k for k in saved.files if k != "loss") == sorted(expected), (
                 f"{name}: expected leaves {sorted(expected)}, process {p} saved {saved.files}"
             )
