@@ -249,8 +249,8 @@ ENTRY %main (a: f32[8], w: f32[4,4]) -> f32[8] {
 
 
 def test_other_collectives_are_priced_by_kind_group_and_link():
-    from jaxdist.aot.predict import collective_seconds, other_collective_seconds
-    from jaxdist.aot.schedule import Collective, Schedule
+    from jaxdist.aot.predict import collective_seconds, transfer_pricer
+    from jaxdist.aot.schedule import Collective
     from jaxdist.comm.cost_model import Link, Network
 
     link = Link(alpha=1e-6, beta=1e-9)
@@ -265,18 +265,19 @@ def test_other_collectives_are_priced_by_kind_group_and_link():
     assert collective_seconds(reduce, torus, torus_dims=2) == pytest.approx(
         2 * 2 * 1 * 1e-6 + 2 * 3 / 4 * 4000e-9 / 2
     )
-    gather = Collective("all-gather", 4000, False, "metrics", group_size=4, turns=3)
+    gather = Collective("all-gather", 4000, False, "metrics", group_size=4)
     slow = Link(alpha=1e-5, beta=1e-8)
-    schedule = Schedule(
-        collectives=[reduce, gather, Collective("all-reduce", 8, True, "gradients")]
-    )
-    seconds = other_collective_seconds(schedule, Network(link, slow), fast_group=2)
-    # Groups of 4 cross the slow network when the fast links join 2 devices; gradients are
-    # priced by the step's own schedule, not here.
-    assert seconds == pytest.approx({
-        "batchnorm": min(2 * 3 * (1e-5 + 1000e-8), 2 * 2 * (1e-5 + 4000e-8)),
-        "metrics": 3 * 3 * (1e-5 + 1000e-8),
-    })  # fmt: skip
+    price = transfer_pricer(Network(link, slow), fast_group=2)
+    # Groups of 4 cross the slow network when the fast links join 2 devices: an all-reduce
+    # as the library runs it across hosts (inside each pair, then between the pairs).
+    inside = min(2 * 1 * (1e-6 + 2000e-9), 2 * 1 * (1e-6 + 4000e-9))
+    between = min(2 * 1 * (1e-5 + 1000e-8), 2 * 1 * (1e-5 + 2000e-8))
+    assert price(reduce, None) == pytest.approx(inside + between)
+    assert price(gather, None) == pytest.approx(3 * (1e-5 + 1000e-8))
+    # A permute crosses when one of its pairs joins two groups.
+    pairs = lambda text: SimpleNamespace(rest=f"%x), source_target_pairs={text}")  # noqa: E731
+    assert price(permute, pairs("{{0,1},{1,0}}")) == pytest.approx(1e-6 + 1000e-9)
+    assert price(permute, pairs("{{1,2},{2,1}}")) == pytest.approx(1e-5 + 1000e-8)
 
 
 def test_cpu_runs_never_load_the_tpu_compiler():
@@ -325,6 +326,49 @@ def test_gradient_collectives_are_async_and_overlap_backward_with_several_bucket
     assert one.schedule.overlapped_backward_fraction == 0
 
 
+class DeepMLP(nn.Module):
+    """Sixteen layers of 256: a backward pass of many products for the buckets to pace over."""
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(16):
+            x = nn.relu(nn.Dense(256)(x))
+        return nn.Dense(10)(x)
+
+
+@needs_libtpu
+def test_wait_free_steps_run_beside_backward_and_hide_their_time(torus_2x2):
+    """Left to the compiler, each bucket's ring runs as a chain after backward; paced, its
+    steps bracket backward's matrix products and most of their time is hidden."""
+    from jaxdist.aot.chips import CHIPS, network_for
+    from jaxdist.aot.predict import predict_step
+
+    model = DeepMLP()
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 256)))["params"])
+
+    def deep_loss(params, model_state, batch, rng):
+        logits = model.apply({"params": params}, batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+        return loss, (model_state, {})
+
+    chip = CHIPS["v5e"]
+    measured = {}
+    for wait_free in (False, True):
+        step = TrainStep(deep_loss, optax.sgd(0.1, 0.9), torus_2x2, allreduce="ring",
+                         data_axes=("y", "x"), bucket_bytes=1 << 20, wait_free=wait_free)  # fmt: skip
+        report = aot_compile.compile_train_step(step, params, {}, batch_of(16384))
+        grads = report.schedule.gradient_collectives
+        assert len(grads) == 6 * len(step.buckets) and all(c.asynchronous for c in grads)
+        time = predict_step(report, chip, efficiency=0.2, network=network_for(chip))
+        assert time.total == pytest.approx(time.timeline.step_seconds)
+        beside = sum(c.backward_between > 0 for c in grads) / len(grads)
+        measured[wait_free] = (time.hidden_fraction, beside)
+    (serial_hidden, serial_beside), (paced_hidden, paced_beside) = measured[False], measured[True]
+    # Paced, far more steps have a product inside their window, and half the time is hidden.
+    assert paced_beside > 2 * serial_beside, measured
+    assert paced_hidden >= 0.5 and paced_hidden > serial_hidden + 0.1, measured
+
+
 @needs_libtpu
 def test_zero1_divides_optimizer_state_per_chip(torus_2x2):
     plain = compile_step(torus_2x2, data_axes=("y", "x"))
@@ -367,6 +411,13 @@ def test_plan_command_prints_memory_overlap_time_to_train_and_the_links_given(ca
     assert plan["chips"] == 4 and stage["fits"] is True
     assert stage["memory_bytes"]["total"] <= stage["memory_bytes"]["capacity"]
     assert stage["flops_per_chip"] > 0 and stage["step_seconds"]["total"] > 0
+    seconds = stage["step_seconds"]
+    # At 1 ms a message the permutes outlast the compute: most of their time is exposed.
+    assert 0 <= seconds["hidden"] < 0.5 * seconds["communication"]
+    assert stage["gradient_hidden_fraction"] == pytest.approx(
+        seconds["hidden"] / seconds["communication"]
+    )
+    assert seconds["total"] >= seconds["compute"] + seconds["communication"] - seconds["hidden"]
     assert plan["time_to_train"][0]["steps"] == 2 * 4000 // 32 + (2 * 4000 % 32 > 0)
     links = plan["links"]
     assert (links["fast"]["latency_s"], links["fast"]["bytes_per_s"]) == pytest.approx((1e-3, 1e9))

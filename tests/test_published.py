@@ -19,7 +19,7 @@ FACTS = published.ModelFacts(
     flops_per_image=24e9,
     gradient_bytes=100 * MIB,
     bucket_bytes=(16 * MIB,) * 6 + (4 * MIB,),
-    overlapped_backward_fraction=0.9,
+    gradient_hidden_fraction=0.75,
     measured_on="made up for the test",
 )
 RUNS = {run.name: run for run in published.PUBLISHED_RUNS}
@@ -32,8 +32,7 @@ def expected_seconds(run, per_bucket, efficiency):
     total, start = 0.0, 0.0
     for until, batch in run.batches:
         compute = FACTS.flops_per_image * batch / run.chips / (peak * efficiency)
-        backward = compute * 2 / 3 * FACTS.overlapped_backward_fraction
-        hidden = max(0.0, min(sum(per_bucket) - per_bucket[-1], backward))
+        hidden = sum(per_bucket) * FACTS.gradient_hidden_fraction
         steps = math.ceil((until - start) * 1_281_167 / batch)
         total += steps * (compute + sum(per_bucket) - hidden)
         start = until
@@ -93,15 +92,15 @@ def test_a_papers_own_schedule_is_priced_by_the_cost_model():
     assert predicted["seconds"] == pytest.approx(expected_seconds(run, per_bucket, 0.2))
 
 
-def test_the_plan_and_the_published_runs_share_one_step_rule():
+def test_a_published_run_hides_the_walked_share_of_its_buckets():
     per_bucket = [3e-3, 2e-3, 1e-3]
     step = predict.step_time(10e-3, per_bucket, 0.5, 0.2)
-    # backward beside the buckets: 10 ms x 2/3 x 0.5 = 3.33 ms; all but the last bucket (5 ms)
-    # could hide, so 3.33 ms does.
-    assert step.hidden == pytest.approx(10e-3 * 2 / 3 * 0.5)
-    assert step.total == pytest.approx(10e-3 + 6e-3 - 10e-3 / 3)
-    assert predict.step_time(1e-3, per_bucket, 1.0, 0.2).hidden == pytest.approx(1e-3 * 2 / 3)
-    assert predict.step_time(10e-3, [4e-3], 1.0, 0.2).hidden == 0.0  # the last bucket waits
+    # Half of the buckets' 6 ms is hidden: the share a walked program hid of its own.
+    assert step.hidden == pytest.approx(3e-3)
+    assert step.hidden_fraction == pytest.approx(0.5)
+    assert step.total == pytest.approx(10e-3 + 6e-3 - 3e-3)
+    assert predict.step_time(1e-3, per_bucket, 1.0, 0.2).total == pytest.approx(1e-3)
+    assert predict.step_time(10e-3, [4e-3], 0.0, 0.2).hidden == 0.0
 
 
 def test_calibration_finds_the_efficiency_that_gives_the_published_time():
@@ -129,6 +128,18 @@ def test_stored_facts_of_another_version_are_one_line(tmp_path, monkeypatch, cap
     assert "\n" not in err and "bucket_bytes" in err and "run without --reuse-facts" in err, err
 
 
+def _all_reduces(sizes: list[int], group: int) -> str:
+    """A compiled program of one gradient all-reduce per size over groups of ``group``."""
+    lines = []
+    for k, size in enumerate(sizes):
+        lines += [
+            f"  %g.{k} = f32[{size // 4}]{{0}} parameter({k})",
+            f"  %ar.{k} = f32[{size // 4}]{{0}} all-reduce(%g.{k}), replica_groups=[1,{group}]<="
+            f'[{group}], to_apply=%add, metadata={{op_name="jit(step)/gradient_sync/psum"}}',
+        ]
+    return "HloModule step\n\nENTRY %main () -> f32[] {\n" + "\n".join(lines) + "\n}\n"
+
+
 def test_a_plans_native_step_is_priced_as_the_compilers_all_reduce():
     """``native`` is ``lax.psum``: the compiler's own all-reduce, priced as a published TPU
     run's is (over the torus in one slice; inside each host, then between hosts, on GPUs)."""
@@ -136,22 +147,24 @@ def test_a_plans_native_step_is_priced_as_the_compilers_all_reduce():
     from jaxdist.aot.schedule import Schedule
 
     buckets = [16 * MIB, 8 * MIB]
-    compiled = CompiledStep(1.0, None, 1e12, Schedule(), sum(buckets), buckets)
+    compiled = CompiledStep(1.0, None, 1e12, Schedule(), sum(buckets), buckets,
+                            text=_all_reduces(buckets, 256), num_devices=256)  # fmt: skip
     v4 = CHIPS["v4"]
     network = network_for(v4)
-    step = predict.predict_step(compiled, v4, efficiency=0.5, algorithm="native",
-                                axis_sizes=(16, 16), network=network)  # fmt: skip
+    step = predict.predict_step(compiled, v4, efficiency=0.5, network=network)
     torus = [predict.all_reduce_seconds(256, b, network.intra, 3) for b in buckets]
     assert step.communication == pytest.approx(sum(torus))
+    assert step.hidden == 0  # synchronous: nothing runs beside them
     assert step.communication < sum(
         cost_model.predict("ring", b, (16, 16), network) for b in buckets
     )  # 30 messages per bucket over the torus, 510 around a ring
     h100 = CHIPS["h100"]
     hosts = network_for(h100, host_network=h100.host_network)
-    step = predict.predict_step(compiled, h100, efficiency=0.5, algorithm="native",
-                                axis_sizes=(32,), network=hosts, fast_group=8)  # fmt: skip
+    compiled.text, compiled.num_devices = _all_reduces(buckets, 32), 32
+    step = predict.predict_step(compiled, h100, efficiency=0.5, network=hosts, fast_group=8)
     expected = [predict.library_allreduce_seconds(b, 32, 8, hosts) for b in buckets]
     assert step.communication == pytest.approx(sum(expected))
+    assert step.total == pytest.approx(step.compute + sum(expected))
     assert expected[0] == pytest.approx(
         predict.all_reduce_seconds(8, buckets[0], hosts.intra)
         + predict.all_reduce_seconds(4, buckets[0] / 8, hosts.inter)

@@ -135,6 +135,47 @@ def test_every_allreduce_matches_single_device_training(reference, algorithm, bu
     assert len(step.buckets) >= expected_buckets
 
 
+@pytest.mark.parametrize(
+    ("algorithm", "mesh_name", "accumulation_steps"),
+    [("ring", "ring-8", 1), ("bidirectional_ring", "ring-8", 1), ("torus2d", "torus-4x2", 1),
+     ("hierarchical", "hierarchical-2x4", 1), ("torus2d", "torus-4x2", 2)],
+)  # fmt: skip
+def test_wait_free_steps_are_the_serial_steps_bit_for_bit(
+    reference, algorithm, mesh_name, accumulation_steps
+):
+    # The same schedules on the same gradients, only their order tied to backward's: the
+    # model (cross-replica BatchNorm, whose statistics travel during backward too) trains to
+    # the very same bits; with accumulation, beside the last micro-batch's backward.
+    batches, (params, model_state) = reference
+    make_mesh, axes = MESHES[mesh_name]
+    trained = {}
+    for wait_free in (False, True):
+        state, metrics, step = distributed_training(
+            make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, allreduce=algorithm,
+            bucket_bytes=512, wait_free=wait_free, accumulation_steps=accumulation_steps,
+        )  # fmt: skip
+        trained[wait_free] = (state, metrics)
+    assert len(step.buckets) >= 2
+    (paced, paced_metrics), (serial, serial_metrics) = trained[True], trained[False]
+    assert_trees_close(paced.params, serial.params, atol=0)
+    assert_trees_close(paced.model_state, serial.model_state, atol=0)
+    assert_trees_close(paced_metrics, serial_metrics, atol=0)
+    if accumulation_steps == 1:  # micro-batches change BatchNorm's statistics
+        assert_trees_close(paced.params, params, atol=2e-6)
+        assert_trees_close(paced.model_state, model_state, atol=2e-6)
+    assert float(paced_metrics["loss"]) > 0
+
+
+def test_wait_free_refuses_what_it_cannot_pace():
+    mesh = meshes.ring(8)
+    loss = ts.classifier_loss(Net(), num_classes=NUM_CLASSES)
+    with pytest.raises(ValueError, match="allreduce='native' has none"):
+        ts.TrainStep(loss, optax.sgd(0.1), mesh, wait_free=True)
+    for options, what in [({"zero1": True}, "zero1=True"), ({"sfb_layers": "all"}, "sfb_layers")]:
+        with pytest.raises(ValueError, match=re.escape(f"does not combine with {what}")):
+            ts.TrainStep(loss, optax.sgd(0.1), mesh, allreduce="ring", wait_free=True, **options)
+
+
 @pytest.mark.parametrize("mesh_name", ["hierarchical-2x4"])
 def test_hierarchical_mesh(reference, mesh_name):
     batches, (params, _) = reference

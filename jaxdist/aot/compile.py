@@ -83,6 +83,8 @@ class CompiledStep:
     gradient_bytes: int  # bytes of the gradients each chip averages per step
     bucket_bytes: list[int]  # the same, per gradient bucket
     compiled: Any = None  # the jax Compiled object: as_text(), memory_analysis(), ...
+    text: str = ""  # the scheduled program (compiled.as_text()), for jaxdist.aot.timeline
+    num_devices: int = 1
 
 
 @contextlib.contextmanager
@@ -202,12 +204,15 @@ def compile_train_step(
     flops = _step_flops(float(cost.get("flops", 0.0)), step.accumulation_steps)
     sizes = bucketing.leaf_bytes(state.params)  # what the step's buckets are planned from
     buckets = step.buckets or [list(range(len(sizes)))]
+    text = compiled.as_text()
     return CompiledStep(
         compile_seconds=seconds,
         memory=memory,
         flops=flops,
-        schedule=read_schedule(compiled.as_text(), step.mesh.size),
+        schedule=read_schedule(text, step.mesh.size),
         gradient_bytes=sum(sizes),
         bucket_bytes=[sum(sizes[i] for i in bucket) for bucket in buckets],
         compiled=compiled,
+        text=text,
+        num_devices=step.mesh.size,
     )

@@ -83,6 +83,7 @@ class Plan:
     stages: list[StagePlan]
     epochs: float
     time_rows: list[dict] = field(default_factory=list)
+    wait_free: bool = False  # gradient buckets paced beside backward (TrainStep(wait_free=...))
     # Where each link class's figures come from ("fast", "host"): the chip table or a flag.
     link_sources: dict[str, str] = field(default_factory=dict)
     # What compiling another batch size needs (see largest_fitting_batch_of).
@@ -200,16 +201,16 @@ def plan_recipe(
     host_network = topology.chip.host_network if topology.network_groups > 1 else None
     network = network_for(topology.chip, host_network=host_network, latency=link_latency)
     network, link_sources = _given_links(network, topology, fast_link, host_link)
-    axis_sizes = list(spec.shape)
     stages = []
     for index, device_plan in enumerate(trainer.plans):
         if on_stage is not None:
             on_stage(index, device_plan)
         variables = (params, model_state)
         stages.append(_plan_stage(trainer, index, device_plan, variables, topology, network,
-                                  efficiency=efficiency, axis_sizes=axis_sizes))  # fmt: skip
+                                  efficiency=efficiency))  # fmt: skip
     plan = Plan(topology, spec, mesh_note, data_note, config.allreduce, network, stages,
-                config.num_epochs, link_sources=link_sources, trainer=trainer,
+                config.num_epochs, wait_free=config.wait_free, link_sources=link_sources,
+                trainer=trainer,
                 variable_shapes=(params, model_state))  # fmt: skip
     plan.time_rows = time_to_train(
         trainer.schedule, config.num_epochs, [s.step_time.total for s in stages]
@@ -219,7 +220,7 @@ def plan_recipe(
 
 def _plan_stage(
     trainer, index: int, device_plan: DevicePlan, variables: tuple, topology: Topology,
-    network, *, efficiency: float, axis_sizes: list[int],
+    network, *, efficiency: float,
 ) -> StagePlan:  # fmt: skip
     """Batch stage ``index`` compiled for ``topology`` and its step time predicted."""
     try:
@@ -231,8 +232,7 @@ def _plan_stage(
             f"{topology.chip.name}: {err}; {FIT_HINT}"
         ) from err
     step_time = predict_step(
-        compiled, topology.chip, efficiency=efficiency, algorithm=trainer.config.allreduce,
-        axis_sizes=axis_sizes, network=network,
+        compiled, topology.chip, efficiency=efficiency, network=network,
         fast_group=topology.chips_per_group if topology.network_groups > 1 else None,
     )  # fmt: skip
     return StagePlan(index, device_plan, compiled, step_time)

@@ -1,40 +1,38 @@
 """Step time and time-to-train from a compiled step, a chip's figures and the cost model.
 
-A step takes its compute, the gradient communication that backward cannot hide, and every
-other collective of the compiled program::
+A compiled step is walked in the order its compiler chose (:mod:`jaxdist.aot.timeline`)::
 
-    compute  = FLOPs per chip / (peak FLOP/s x efficiency)
-    comm     = sum over gradient buckets of the cost model's allreduce time on the links
-               (native and a published run: the compiler's or library's own all-reduce,
-               :func:`library_allreduce_seconds`)
-    hidden   = min(comm - last bucket, backward x share of backward run while gradients move)
-    other    = sum over the program's other collectives (BatchNorm statistics, metrics, ...)
-               of the cost model's time for their kind, bytes and group, each run as often
-               as the program runs it
-    step     = compute + comm - hidden + other
+    compute  = FLOPs per chip / (peak FLOP/s x efficiency), spread over the program's
+               compute ops by their roofline time
+    each collective: the cost model's time for its kind, bytes and group on the links it
+               crosses (an all-reduce: the compiler's or library's own,
+               :func:`all_reduce_seconds`), one at a time on the network; an asynchronous
+               one runs beside whatever compute the program places before its done
+    step     = the end of the walk: compute and every wait for a collective
+    hidden   = the part of the gradient collectives' time the compute stream ran beside
 
 * ``efficiency`` is the share of peak a real step reaches. It is not derived: it is
-  calibrated on a published run (:mod:`jaxdist.aot.published`) and printed with every
+  calibrated on published runs (:mod:`jaxdist.aot.published`) and printed with every
   prediction.
-* backward is :data:`BACKWARD_SHARE` of the compute (two of the three matrix products per
-  layer); the share of it that runs while a gradient collective is in flight is read from
-  the compiled schedule, so a program whose collectives wait for the whole backward pass, or
-  run inside a loop, hides nothing. The last bucket always waits for the end of backward.
+* A program whose gradient collectives run after backward, or inside a loop, hides nothing
+  of them, however many backward ops sit inside one of their start...done windows.
 
-The other collectives are counted as exposed: a BatchNorm's statistics are needed by the
-very next op, and the rest are small. Input reading, evaluation and start-up are outside the
-model.
+A published run has no compiled program of its own: :func:`step_time` prices its gradient
+buckets and hides the share of their time that the walk of a compiled ResNet-50 step hid.
+Input reading, evaluation and start-up are outside the model.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jaxdist.aot.chips import Chip
 from jaxdist.aot.compile import CompiledStep
-from jaxdist.aot.schedule import Collective, Schedule
+from jaxdist.aot.schedule import Collective, Instruction
+from jaxdist.aot.timeline import Timeline, walk
 from jaxdist.comm import cost_model
 from jaxdist.training.batch_schedule import BatchSchedule
 
@@ -44,9 +42,8 @@ __all__ = [
     "predict_step",
     "step_time",
     "time_to_train",
+    "transfer_pricer",
 ]
-
-BACKWARD_SHARE = 2 / 3
 
 
 @dataclass(frozen=True)
@@ -55,18 +52,27 @@ class StepTime:
 
     compute: float
     communication: float  # the gradients'
-    hidden: float
+    hidden: float  # of the gradients' communication, the part compute ran beside
     efficiency: float
-    # Seconds of every other collective of the program, all exposed, by role.
+    # Seconds of every other collective of the program, by role.
     other_by_role: dict[str, float] = field(default_factory=dict)
+    # The walk of the compiled program, when there is one (else the parts add up).
+    timeline: Timeline | None = None
 
     @property
     def other(self) -> float:
         return sum(self.other_by_role.values())
 
     @property
+    def hidden_fraction(self) -> float:
+        """Share of the gradient communication's time that compute hides."""
+        return self.hidden / self.communication if self.communication else 0.0
+
+    @property
     def exposed(self) -> float:
-        """Communication the step waits for: the gradients' unhidden part and the rest."""
+        """Time the step waits for communication."""
+        if self.timeline is not None:
+            return self.timeline.exposed_seconds
         return self.communication - self.hidden + self.other
 
     @property
@@ -151,39 +157,42 @@ def library_allreduce_seconds(
     return inside + all_reduce_seconds(hosts, nbytes / per_host, network.inter)
 
 
-def other_collective_seconds(
-    schedule: Schedule, network: cost_model.Network, fast_group: float, torus_dims: int = 0
-) -> dict[str, float]:
-    """Seconds per step of each role's collectives other than the gradients', each run as
-    many times as the program runs it. A group larger than ``fast_group`` devices (a TPU
-    slice, a GPU host) crosses the slow network; inside it, ``torus_dims`` says how XLA's
-    all-reduce runs (:func:`collective_seconds`)."""
-    seconds: dict[str, float] = {}
-    for c in schedule.collectives:
-        if c.role == "gradients":
-            continue
-        crosses = c.group_size > fast_group
-        link = network.link("inter" if crosses else "intra")
-        one = collective_seconds(c, link, 0 if crosses else torus_dims)
-        seconds[c.role] = seconds.get(c.role, 0.0) + c.turns * one
-    return seconds
-
-
 def step_time(
     compute: float,
     per_bucket: Sequence[float],
-    overlapped_backward_fraction: float,
+    hidden_fraction: float,
     efficiency: float,
     other_by_role: dict[str, float] | None = None,
 ) -> StepTime:
-    """The step from its parts: the rule every prediction here uses, for a compiled plan and
-    for a published run alike. Backward is :data:`BACKWARD_SHARE` of ``compute``; the
-    gradient buckets' seconds hide behind the part of it that runs beside them, except the
-    last bucket's, which waits for the end of backward."""
+    """A step from its parts, for a run with no compiled program of its own (a published
+    run): the gradient buckets' seconds, of which ``hidden_fraction`` hides behind compute
+    (the share a walked program hid, :attr:`Timeline.gradient_hidden_fraction`)."""
     communication = sum(per_bucket)
-    backward = compute * BACKWARD_SHARE * overlapped_backward_fraction
-    hidden = max(0.0, min(communication - per_bucket[-1], backward)) if per_bucket else 0.0
+    hidden = communication * min(max(hidden_fraction, 0.0), 1.0)
     return StepTime(compute, communication, hidden, efficiency, dict(other_by_role or {}))
+
+
+def transfer_pricer(network: cost_model.Network, fast_group: float = math.inf, torus_dims: int = 0):
+    """``price(collective, instruction) -> seconds`` of one run of a compiled collective on
+    ``network``: over the host network when it joins devices of different groups of
+    ``fast_group`` (a permute: any of its pairs; the rest: a group larger than one), else
+    over the fast links; an all-reduce across groups as the library runs it
+    (:func:`library_allreduce_seconds`)."""
+
+    def price(collective: Collective, inst: Instruction) -> float:
+        if collective.kind == "collective-permute":
+            pairs = re.findall(r"\{(\d+),(\d+)\}", inst.rest.split("source_target_pairs=")[-1])
+            crosses = any(int(a) // fast_group != int(b) // fast_group for a, b in pairs)
+        else:
+            crosses = collective.group_size > fast_group
+        if crosses and collective.kind == "all-reduce" and network.inter is not None:
+            return library_allreduce_seconds(
+                collective.nbytes, collective.group_size, int(fast_group), network, torus_dims
+            )
+        link = network.link("inter" if crosses else "intra")
+        return collective_seconds(collective, link, 0 if crosses else torus_dims)
+
+    return price
 
 
 def predict_step(
@@ -191,8 +200,6 @@ def predict_step(
     chip: Chip,
     *,
     efficiency: float,
-    algorithm: str,
-    axis_sizes: Sequence[int],
     network: cost_model.Network,
     fast_group: int | None = None,
 ) -> StepTime:
@@ -201,16 +208,13 @@ def predict_step(
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
     compute = compiled.flops / (chip.peak_flops * efficiency)
-    per_bucket = communication_seconds(
-        compiled.bucket_bytes, algorithm, axis_sizes, network,
-        per_host=fast_group, torus_dims=chip.torus_dims,
-    )  # fmt: skip
-    other = other_collective_seconds(
-        compiled.schedule, network, fast_group if fast_group is not None else math.inf,
-        chip.torus_dims,
-    )  # fmt: skip
-    overlap = compiled.schedule.overlapped_backward_fraction
-    return step_time(compute, per_bucket, overlap, efficiency, other)
+    price = transfer_pricer(
+        network, fast_group if fast_group is not None else math.inf, chip.torus_dims
+    )
+    timeline = walk(compiled.text, compute, price, peak_flops=chip.peak_flops,
+                    hbm_bandwidth=chip.hbm_bandwidth, num_devices=compiled.num_devices)  # fmt: skip
+    return StepTime(compute, timeline.gradient_seconds, timeline.gradient_hidden_seconds,
+                    efficiency, dict(timeline.other_seconds), timeline)  # fmt: skip
 
 
 def time_to_train(

@@ -9,7 +9,8 @@ tables of docs/planning.md: every run predicted, and the MLPerf runs scored leav
 
 A run is predicted by the same step rule as a plan (:func:`jaxdist.aot.predict.step_time`)
 from ResNet-50's own figures, read from a compiled step (:class:`ModelFacts`: FLOPs per
-image, the gradient buckets, the share of backward that runs while gradients are in flight),
+image, the gradient buckets, the share of their communication time the wait-free step hides
+behind compute, :mod:`jaxdist.aot.timeline`),
 the chip's peak, and each bucket's all-reduce as the run made it, on the run's links: the TPU
 compiler's over the torus, NCCL's ring or tree between GPU hosts, or the schedule a paper
 describes. MLPerf times run from the start of training to the evaluation that reaches
@@ -91,7 +92,8 @@ class ModelFacts:
     flops_per_image: float
     gradient_bytes: float  # float32 gradients of every parameter
     bucket_bytes: tuple[float, ...]  # the same, as the step's gradient buckets
-    overlapped_backward_fraction: float
+    # Share of the gradient communication's time the walked step hid behind compute.
+    gradient_hidden_fraction: float
     measured_on: str
 
 
@@ -175,7 +177,7 @@ def predict_run(run: PublishedRun, facts: ModelFacts, efficiency: float) -> dict
     stages = []
     for until, batch in run.batches:
         compute = facts.flops_per_image * batch / run.chips / (peak * efficiency)
-        step = step_time(compute, per_bucket, facts.overlapped_backward_fraction, efficiency)
+        step = step_time(compute, per_bucket, facts.gradient_hidden_fraction, efficiency)
         stage_steps = math.ceil((until - start) * IMAGENET_TRAIN_IMAGES / batch)
         stages.append({"batch": batch, "steps": stage_steps, "step_seconds": step.total,
                        "compute_seconds": compute, "exposed_seconds": step.exposed})  # fmt: skip

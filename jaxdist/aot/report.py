@@ -55,14 +55,17 @@ def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
             f"--set unroll_limit={longest} unrolls them (the program compiles for longer)"
         )
     lines += [
-        f"  overlap: {schedule.backward_during_gradients} of {schedule.backward_matmuls} "
-        f"backward matmuls ({schedule.overlapped_backward_fraction:.0%}) run while gradients "
-        "are in flight",
+        f"  gradient communication: {t.communication * 1e3:.2f} ms, of which "
+        f"{t.hidden * 1e3:.2f} ms ({t.hidden_fraction:.0%}) run beside compute (the compiled "
+        "order walked as the chip runs it)",
+        f"  backward matmuls inside a gradient collective's start..done window: "
+        f"{schedule.backward_during_gradients} of {schedule.backward_matmuls} "
+        f"({schedule.overlapped_backward_fraction:.0%}; a count, not time)",
         f"  step: compute {t.compute * 1e3:.1f} ms (FLOPs at peak x efficiency "
-        f"{t.efficiency:.2f}) + exposed gradients {(t.communication - t.hidden) * 1e3:.1f} ms (of "
-        f"{t.communication * 1e3:.1f} ms; {t.hidden * 1e3:.1f} ms hidden behind backward) + "
-        f"other collectives {t.other * 1e3:.1f} ms = "
-        f"{t.total * 1e3:.1f} ms -> {dp.global_batch_size / t.total:,.0f} images/s",
+        f"{t.efficiency:.2f}) + waiting for communication {t.exposed * 1e3:.1f} ms (gradients' "
+        f"exposed {(t.communication - t.hidden) * 1e3:.1f} ms, other collectives "
+        f"{t.other * 1e3:.1f} ms) = {t.total * 1e3:.1f} ms -> "
+        f"{dp.global_batch_size / t.total:,.0f} images/s",
     ]
     if t.other_by_role:
         parts = ", ".join(f"{role} {s * 1e3:.2f}" for role, s in t.other_by_role.items())
@@ -91,9 +94,11 @@ def plan_text(plan: Plan, efficiency_note: str) -> str:
         f"{meshes.summary(plan.mesh_spec).splitlines()[0]} -- {plan.mesh_note}",
         f"data: {plan.data_note}",
         f"allreduce: {plan.algorithm}; links: {links}",
-        "link model: alpha-beta (jaxdist.comm.cost_model); gradients priced as "
+        "link model: alpha-beta (jaxdist.comm.cost_model); gradients travel as "
         + ("the compiler's all-reduce" if plan.algorithm == "native" else "the step's schedule")
-        + " per bucket, every other collective by its kind and group",
+        + (", wait-free" if plan.wait_free else "")
+        + "; every collective of the compiled program priced by its kind, bytes and group and "
+        "walked in the compiler's order",
         f"efficiency: {efficiency_note}",
         f"compiled {len(plan.stages)} stage(s) in {plan.compile_seconds:.1f} s",
         "",
@@ -134,8 +139,9 @@ def plan_json(plan: Plan, efficiency_note: str) -> dict:
             "overlapped_backward_fraction": stage.compiled.schedule.overlapped_backward_fraction,
             "gradient_bytes": stage.compiled.gradient_bytes,
             "unexplained_collectives": stage.compiled.schedule.unexplained_sources(),
+            "gradient_hidden_fraction": t.hidden_fraction,
             "step_seconds": {"compute": t.compute, "communication": t.communication,
-                             "hidden": t.hidden, "other": t.other,
+                             "hidden": t.hidden, "exposed": t.exposed, "other": t.other,
                              "other_by_role": t.other_by_role, "total": t.total},
         })  # fmt: skip
     return {

@@ -14,9 +14,11 @@ between the two runs while the data moves. This module reads that order:
   included), counted inside fusions and loops, and whether each belongs to the backward
   pass (the metadata of a transposed op says so).
 
-The overlap of a gradient collective is the backward compute between its start and its
-done: Poseidon's wait-free backprop, as the compiler arranged it. Counts are of matrix
-products and convolutions, not FLOPs: they say where the work is, not how long it takes.
+The backward compute between a gradient collective's start and its done says where the
+compiler put its window. Counts are of matrix products and convolutions, not FLOPs: they say
+where the work is, not how long anything waited. One long window of a chain of dependent
+steps can hold most of backward while the rest of the chain runs after it; how much of the
+communication's time the compute hides is the walk of :mod:`jaxdist.aot.timeline`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ __all__ = [
 ]
 
 
-_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _MATMULS = ("convolution", "dot")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
           "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
@@ -106,15 +108,15 @@ class Schedule:
 
     @property
     def overlapped_backward_fraction(self) -> float:
-        """Share of the backward matrix products that run while gradients are in flight: the
-        part of backward that hides communication."""
+        """Share of the backward matrix products inside a gradient collective's start..done
+        window: where the windows are, not the time they hide (see the module docstring)."""
         if not self.backward_matmuls:
             return 0.0
         return self.backward_during_gradients / self.backward_matmuls
 
 
 @dataclass
-class _Instruction:
+class Instruction:
     name: str
     type_text: str
     opcode: str
@@ -135,9 +137,9 @@ class _Instruction:
         return match.group(1) if match else None
 
 
-def _computations(text: str) -> tuple[dict[str, list[_Instruction]], str]:
+def computations_of(text: str) -> tuple[dict[str, list[Instruction]], str]:
     """Every computation's instructions by name, and the entry computation's name."""
-    computations: dict[str, list[_Instruction]] = {}
+    computations: dict[str, list[Instruction]] = {}
     current, entry = None, ""
     for line in text.splitlines():
         if line.endswith("{") and not line.startswith(" ") and "%" in line:
@@ -151,13 +153,13 @@ def _computations(text: str) -> tuple[dict[str, list[_Instruction]], str]:
         elif current is not None:
             match = _INSTRUCTION.match(line)
             if match:
-                computations[current].append(_Instruction(*match.groups()))
+                computations[current].append(Instruction(*match.groups()))
     if not entry:
         raise ValueError("no ENTRY computation in the compiled program's text")
     return computations, entry
 
 
-def _nbytes(type_text: str) -> int:
+def nbytes_of(type_text: str) -> int:
     """Bytes of every array in an HLO type (a tuple's parts added)."""
     total = 0
     for dtype, dims in _ARRAY.findall(type_text):
@@ -168,7 +170,7 @@ def _nbytes(type_text: str) -> int:
     return total
 
 
-def _role(op_name: str) -> str:
+def role_of(op_name: str) -> str:
     for scope, role in ROLES.items():
         if f"/{scope}/" in op_name:
             return role
@@ -179,7 +181,7 @@ _GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 
 
-def _group_size(inst: _Instruction, num_devices: int) -> int:
+def group_size_of(inst: Instruction, num_devices: int) -> int:
     """Devices in the collective's group: from its replica groups (listed, or in the iota
     form ``[groups,size]<=[...]``); a permute's message joins two; no groups means all."""
     if inst.opcode.startswith("collective-permute"):
@@ -196,7 +198,7 @@ def _group_size(inst: _Instruction, num_devices: int) -> int:
 def read_schedule(text: str, num_devices: int = 1) -> Schedule:
     """The :class:`Schedule` of a compiled program from its text (``compiled.as_text()``);
     ``num_devices`` is the group of a collective that lists no groups (all of them)."""
-    computations, entry = _computations(text)
+    computations, entry = computations_of(text)
     inner_matmuls: dict[str, tuple[int, int]] = {}
 
     def matmuls_in(name: str) -> tuple[int, int]:
@@ -232,7 +234,7 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_
         if inst.opcode == "while":
             body = re.search(r"body=%([\w.\-]+)", inst.rest)
             condition = re.search(r"condition=%([\w.\-]+)", inst.rest)
-            trips = _trip_count(computations.get(condition.group(1), [])) if condition else 1
+            trips = trip_count(computations.get(condition.group(1), [])) if condition else 1
             if body:
                 _walk(computations, body.group(1), schedule, matmuls_in,
                       turns=turns * trips, in_loop=True, top=False,
@@ -244,7 +246,7 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_
                       turns=turns, in_loop=in_loop, top=False,
                       num_devices=num_devices)  # fmt: skip
             continue
-        if _ASYNC_FUSION.match(inst.name) and inst.opcode == "fusion":
+        if ASYNC_FUSION.match(inst.name) and inst.opcode == "fusion":
             _read_async_fusion(inst, computations, open_starts, schedule,
                                turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
             continue
@@ -258,11 +260,11 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_
             _close(open_starts, inst.first_operand or "", inst)
             continue
         kind = inst.opcode.removesuffix("-start")
-        if kind not in _COLLECTIVES:
+        if kind not in COLLECTIVES:
             continue
         op_name = inst.op_name or used_as.get(inst.name, "")
-        collective = Collective(kind, _nbytes(inst.type_text), inst.opcode.endswith("-start"),
-                                _role(op_name), _group_size(inst, num_devices), _source(op_name),
+        collective = Collective(kind, nbytes_of(inst.type_text), inst.opcode.endswith("-start"),
+                                role_of(op_name), group_size_of(inst, num_devices), _source(op_name),
                                 turns=turns, in_loop=in_loop)  # fmt: skip
         schedule.collectives.append(collective)
         if collective.asynchronous:
@@ -272,13 +274,13 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_
 # The TPU compiler's asynchronous collectives made by its "async collective fusion": a start
 # and a done fusion named alike, with the collective inside the start's computation, and the
 # compute between them fused with the collective's progress.
-_ASYNC_FUSION = re.compile(r"^async-collective-(start|done)(.*)$")
+ASYNC_FUSION = re.compile(r"^async-collective-(start|done)(.*)$")
 
 
 def _read_async_fusion(inst, computations, open_starts, schedule, *, turns, in_loop, num_devices):
     """Open (a start) or close (a done) the asynchronous collective of a TPU async
     collective fusion."""
-    phase, suffix = _ASYNC_FUSION.match(inst.name).groups()
+    phase, suffix = ASYNC_FUSION.match(inst.name).groups()
     key = f"async-collective{suffix}"
     if phase == "done":
         _close(open_starts, key, inst)
@@ -287,11 +289,11 @@ def _read_async_fusion(inst, computations, open_starts, schedule, *, turns, in_l
                            turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
 
 
-def _close(open_starts: dict[str, Collective], key: str, done: _Instruction) -> None:
+def _close(open_starts: dict[str, Collective], key: str, done: Instruction) -> None:
     """End the collective in flight under ``key``, if any: its bytes are the done's result."""
     started = open_starts.pop(key, None)
     if started is not None:
-        started.nbytes = _nbytes(done.type_text)
+        started.nbytes = nbytes_of(done.type_text)
 
 
 def _open_inner_collective(inst, key, computations, open_starts, schedule, *, turns, in_loop,
@@ -300,14 +302,14 @@ def _open_inner_collective(inst, key, computations, open_starts, schedule, *, tu
     flight until the done that closes ``key``; an instruction calling none is not one."""
     inner = next(
         (i for name in inst.called for i in computations.get(name, [])
-         if i.opcode.removesuffix("-start") in _COLLECTIVES),
+         if i.opcode.removesuffix("-start") in COLLECTIVES),
         None,
     )  # fmt: skip
     if inner is None:
         return
     collective = Collective(
-        inner.opcode.removesuffix("-start"), _nbytes(inner.type_text), True, _role(inner.op_name),
-        _group_size(inner, num_devices), _source(inner.op_name), turns=turns, in_loop=in_loop,
+        inner.opcode.removesuffix("-start"), nbytes_of(inner.type_text), True, role_of(inner.op_name),
+        group_size_of(inner, num_devices), _source(inner.op_name), turns=turns, in_loop=in_loop,
     )  # fmt: skip
     schedule.collectives.append(collective)
     open_starts[key] = collective
@@ -318,7 +320,7 @@ def _source(op_name: str) -> str:
     return op_name.split("/", 1)[-1] if op_name else ""
 
 
-def _names_by_use(instructions: list[_Instruction]) -> dict[str, str]:
+def _names_by_use(instructions: list[Instruction]) -> dict[str, str]:
     """The op name standing for each collective whose own metadata is gone (a collective XLA
     made by combining several keeps none): that of the nearest instructions using its
     result (an async one's: its done's) that have one, looking through users without
@@ -344,24 +346,24 @@ def _names_by_use(instructions: list[_Instruction]) -> dict[str, str]:
                         seen.add(user)
                         following.append(user)
             frontier = following
-        gradient = [n for n in named if _role(n) == "gradients"]
+        gradient = [n for n in named if role_of(n) == "gradients"]
         return (gradient or named or [""])[0]
 
     return {
         inst.name: first_named_user(done_of.get(inst.name, inst.name))
         for inst in instructions
-        if inst.opcode.removesuffix("-start") in _COLLECTIVES and not inst.op_name
+        if inst.opcode.removesuffix("-start") in COLLECTIVES and not inst.op_name
     }
 
 
-def _trip_count(condition: list[_Instruction]) -> int:
+def trip_count(condition: list[Instruction]) -> int:
     """Turns of a counted loop (``fori_loop``): the bound its condition compares with."""
     bounds = [int(m) for inst in condition if inst.opcode == "constant"
               for m in re.findall(r"^\s*(-?\d+)\)", inst.rest)]  # fmt: skip
     return max([b for b in bounds if b > 0], default=1)
 
 
-def _matmuls_of(inst: _Instruction, matmuls_in) -> tuple[int, int]:
+def _matmuls_of(inst: Instruction, matmuls_in) -> tuple[int, int]:
     """(all, backward) matrix products an instruction runs, its called computations included
     (a fusion's body, a loop's body). A product inside a fusion counts as backward when the
     fusion's own metadata says so, as the fused ops' metadata may be dropped."""

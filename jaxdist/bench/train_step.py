@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import models
 from jaxdist.bench import timing
+from jaxdist.comm import hybrid
 from jaxdist.training import step_options
 from jaxdist.training import train_step as ts
 
@@ -105,9 +106,12 @@ def run(
     steps: int = 3,
     rounds: int = 5,
     bucket_bytes: int | None = ts.bucketing.DEFAULT_BUCKET_BYTES,
+    wait_free: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> list[Measurement]:
-    """Images/s of each variant; the baseline is the first row."""
+    """Images/s of each variant; the baseline is the first row. With ``wait_free``, every
+    permute schedule also runs paced beside backward (``jaxdist ALGORITHM wait-free``),
+    timed in the same rounds as the step that leaves the order to the compiler."""
     say = progress or (lambda _msg: None)
     names = tuple(mesh.axis_names)
     axes = names[0] if len(names) == 1 else names
@@ -128,7 +132,15 @@ def run(
     runners = {
         **_baseline_runners(model, optimizer, mesh, axes, variables, batch),
         **_jaxdist_runners(
-            model, optimizer, mesh, algorithms, variables, batch, num_classes, bucket_bytes
+            model,
+            optimizer,
+            mesh,
+            algorithms,
+            variables,
+            batch,
+            num_classes,
+            bucket_bytes,
+            wait_free,
         ),
     }
     timing.warm_up(
@@ -161,19 +173,24 @@ def _baseline_runners(model, optimizer, mesh, axes, variables, batch) -> dict[st
 
 
 def _jaxdist_runners(
-    model, optimizer, mesh, algorithms, variables, batch, num_classes, bucket_bytes
+    model, optimizer, mesh, algorithms, variables, batch, num_classes, bucket_bytes, wait_free
 ) -> dict[str, Callable]:
-    """One step of jaxdist's TrainStep per algorithm (``jaxdist ALGORITHM``), and the same
-    step with no allreduce (``jaxdist ALGORITHM/none``), each on its own state."""
+    """One step of jaxdist's TrainStep per algorithm (``jaxdist ALGORITHM``), the same step
+    with no allreduce (``jaxdist ALGORITHM/none``) and, with ``wait_free``, the schedule
+    paced beside backward (``jaxdist ALGORITHM wait-free``), each on its own state."""
     runners = {}
     for algorithm in algorithms:
-        for allreduce in (algorithm, ts.NO_ALLREDUCE):
+        kinds = [(algorithm, False), (ts.NO_ALLREDUCE, False)]
+        if wait_free and algorithm not in ("native", hybrid.AUTO):
+            kinds.append((algorithm, True))
+        for allreduce, paced in kinds:
             step = ts.TrainStep(
                 ts.classifier_loss(model, num_classes=num_classes),
                 optimizer,
                 mesh,
                 allreduce=allreduce,
                 bucket_bytes=bucket_bytes,
+                wait_free=paced,
             )
             holder = [step.init(variables["params"], {"batch_stats": variables["batch_stats"]})]
 
@@ -181,19 +198,21 @@ def _jaxdist_runners(
                 holder[0], _ = step(holder[0], batch, jax.random.key(0))
                 jax.block_until_ready(holder[0].params)
 
-            suffix = "" if allreduce == algorithm else "/none"
+            suffix = " wait-free" if paced else "" if allreduce == algorithm else "/none"
             runners[f"jaxdist {algorithm}{suffix}"] = run_jaxdist
     return runners
 
 
 def _measurements(times: dict[str, list[float]], global_batch: int) -> list[Measurement]:
     """One row per variant that communicates, from its per-round step times; its ``/none``
-    twin's time, taken in the same rounds, is its compute."""
+    twin's time, taken in the same rounds, is its compute (a wait-free variant's twin is that
+    of the same schedule)."""
     median = {name: statistics.median(t) for name, t in times.items()}
     results = []
     for name in [n for n in times if not n.endswith("/none")]:
-        step_s, compute_s = median[name], median[f"{name}/none"]
-        differences = [a - b for a, b in zip(times[name], times[f"{name}/none"])]
+        twin = f"{name.removesuffix(' wait-free')}/none"
+        step_s, compute_s = median[name], median[twin]
+        differences = [a - b for a, b in zip(times[name], times[twin])]
         results.append(
             Measurement(
                 variant=name,
@@ -212,12 +231,12 @@ def format_table(results: list[Measurement], mesh: Mesh, global_batch: int) -> s
     lines = [
         f"# train step on mesh {dict(mesh.shape)} ({mesh.size} {mesh.devices.flat[0].platform} "
         f"devices), global batch {global_batch}",
-        f"{'variant':<20s} {'step(ms)':>9s} {'images/s':>9s} {'x baseline':>10s} "
+        f"{'variant':<28s} {'step(ms)':>9s} {'images/s':>9s} {'x baseline':>10s} "
         f"{'compute(ms)':>11s} {'comm(ms)':>9s} {'+-(ms)':>7s}",
     ]
     for m in results:
         lines.append(
-            f"{m.variant:<20s} {m.step_seconds * 1e3:9.1f} {m.images_per_second:9.1f} "
+            f"{m.variant:<28s} {m.step_seconds * 1e3:9.1f} {m.images_per_second:9.1f} "
             f"{m.vs_baseline:10.3f} {m.compute_seconds * 1e3:11.1f} "
             f"{m.communication_seconds * 1e3:9.1f} {m.communication_spread_seconds * 1e3:7.1f}"
         )

@@ -127,6 +127,12 @@ def _register_train_step(kinds: argparse._SubParsersAction) -> None:
     )
     t.add_argument("--json", metavar="PATH", help="write the results as JSON")
     t.add_argument(
+        "--wait-free",
+        action="store_true",
+        help="also time each permute schedule paced beside the backward pass (wait_free=True), "
+        "in the same rounds as the step that leaves the order to the compiler",
+    )
+    t.add_argument(
         "--show-schedule",
         metavar="ALGORITHM",
         help="instead of timing: compile the step with this allreduce and report where XLA "
@@ -330,6 +336,7 @@ def run_train_step(args: argparse.Namespace) -> int:
         steps=args.steps,
         rounds=args.rounds,
         bucket_bytes=int(args.bucket_mb * 2**20),
+        wait_free=args.wait_free,
         progress=_leader_printer(True),
     )
     if leader:

@@ -35,6 +35,10 @@ Fields:
   unroll_limit: ring steps an allreduce schedule runs unrolled along one axis; a longer
     ring runs as a loop, which compiles in the same time at any size but lets no backward
     compute overlap that axis's steps (docs/planning.md).
+  wait_free: run every gradient bucket's schedule beside the rest of the backward pass, one
+    message step per matrix product, in the compiled program's own order (wait-free
+    backprop, :mod:`jaxdist.training.wait_free`); a permute schedule's steps then run
+    unrolled whatever ``unroll_limit`` says.
   batch_size, batch_ramp: global batch; ``batch_ramp`` holds ``(until_epoch, batch)``
     pairs run before ``batch_size`` (see :func:`batch_stages`).
   max_per_device_batch: larger per-device batches are split into accumulation steps.
@@ -293,6 +297,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.links = ""
     c.sfb_layers = ""
     c.unroll_limit = 16  # the schedules' own default, jaxdist.comm.collectives.UNROLL_LIMIT
+    c.wait_free = False
     c.batch_size = 256
     c.batch_ramp = ()
     c.max_per_device_batch = 256

@@ -120,6 +120,10 @@ class Pipeline:
             return loss, {"accuracy": (jnp.argmax(logits, -1) == labels).mean()}
 
         options = dict(parts.options)
+        if options.pop("wait_free", False):
+            raise ValueError("wait_free=True paces a data-parallel step's gradient buckets; a "
+                             "pipeline step's gradients already travel while the pipeline "
+                             "drains: set wait_free=False")  # fmt: skip
         boundaries = None
         if p.boundaries == "auto":
             boundaries = self._auto_boundaries(parts)

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from jaxdist.comm import buckets as bucketing
-from jaxdist.comm import hybrid
+from jaxdist.comm import collectives, hybrid
 from jaxdist.comm.scopes import GRADIENT_SCOPE
 from jaxdist.comm.sufficient_factors import mean_gradient_from_factors
 from jaxdist.training.dense_factors import (
@@ -35,6 +35,7 @@ from jaxdist.training.dense_factors import (
     key_names,
     select_dense_layers,
 )
+from jaxdist.training.wait_free import wait_free_gradients
 
 __all__ = [
     "GradientPlan",
@@ -82,6 +83,30 @@ class GradientPlan:
                 op="mean", passthrough=tuple(self.factored), **options,
             )  # fmt: skip
         return reduced
+
+    def reduce_while_computing(
+        self,
+        objective: Callable,
+        params: Any,
+        axes: Any,
+        options: Mapping[str, Any],
+        before_reduce: Callable[[int, jax.Array], jax.Array] | None = None,
+    ) -> tuple[Any, Any]:
+        """``(mean gradients over axes, aux)`` of ``objective(params) -> (value, aux)``, each
+        bucket's schedule advancing beside the rest of backward
+        (:mod:`jaxdist.training.wait_free`); ``before_reduce(leaf index, gradient)``, when
+        given, is what is averaged of each gradient (with accumulation: the sum over
+        micro-batches, divided). Call inside shard_map."""
+        if self.factored:
+            raise ValueError("wait-free backprop reduces buckets only; its step sends no "
+                             "layer as sufficient factors")  # fmt: skip
+
+        def reduce_bucket(b: int, leaves: list) -> list:
+            if before_reduce is not None:
+                leaves = [before_reduce(k, g) for k, g in zip(self.buckets[b], leaves)]
+            return collectives.allreduce(leaves, axes, self.algorithms[b], op="mean", **options)
+
+        return wait_free_gradients(objective, params, self.buckets, reduce_bucket, GRADIENT_SCOPE)
 
 
 def make_gradient_plan(

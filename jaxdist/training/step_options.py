@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 from jaxdist.comm import collectives
 
-__all__ = ["check_allreduce", "donation_default"]
+__all__ = ["WAIT_FREE_UNROLL_LIMIT", "check_allreduce", "check_wait_free", "donation_default"]
 
 
 def donation_default(mesh: Mesh) -> bool:
@@ -42,3 +42,22 @@ def check_allreduce(
     reason = chosen.unsupported(sizes, **own)
     if reason:
         raise ValueError(f"allreduce {chosen.name!r} cannot run over {axes!r}: {reason}")
+
+
+# A wait-free step paces every message step beside backward compute, which a step inside a
+# loop could not be: its schedules run unrolled whatever their length.
+WAIT_FREE_UNROLL_LIMIT = 1 << 30
+
+
+def check_wait_free(wait_free: bool, allreduce: str, zero1: bool, sfb_layers: Any) -> None:
+    """Refuse, in one line, a wait-free step that cannot be one: it paces a permute schedule's
+    buckets of dense gradients beside the backward pass."""
+    if not wait_free:
+        return
+    if allreduce in ("native", "none"):
+        raise ValueError(f"wait_free=True paces the message steps of a permute schedule; "
+                         f"allreduce={allreduce!r} has none (choose ring, torus2d, ...)")  # fmt: skip
+    problem = "zero1=True" if zero1 else "sfb_layers" if sfb_layers else None
+    if problem:
+        raise ValueError(f"wait_free=True paces buckets of whole gradients beside backward; "
+                         f"it does not combine with {problem}")  # fmt: skip

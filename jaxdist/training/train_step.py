@@ -53,9 +53,14 @@ from jaxdist.runtime import dispatch
 from jaxdist.training import optim
 from jaxdist.training.batches import check_batch_sizes, data_axes_of, shard_batch
 from jaxdist.training.gradient_plan import GradientPlan, plan_for_step
-from jaxdist.training.gradients import local_gradients
+from jaxdist.training.gradients import local_gradients, reduced_while_computing
 from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_scaled_step
-from jaxdist.training.step_options import check_allreduce, donation_default
+from jaxdist.training.step_options import (
+    WAIT_FREE_UNROLL_LIMIT,
+    check_allreduce,
+    check_wait_free,
+    donation_default,
+)
 from jaxdist.training.zero1 import zero1_update
 
 __all__ = [
@@ -111,6 +116,11 @@ class TrainStep:
         optimizer then sees one flat float32 vector per device, so it must be element-wise
         (SGD, momentum, Adam, ...): per-layer rules (LARS trust ratios, masks by ndim) need the
         whole layer and are not supported with it.
+      wait_free: run each gradient bucket's schedule beside the rest of the backward pass,
+        one message step per matrix product, in the compiled program's own order
+        (:mod:`jaxdist.training.wait_free`); the same arithmetic. With accumulation, beside
+        the last micro-batch's backward. Needs a permute schedule, and no sufficient factors
+        or ZeRO-1.
       loss_scale: a :class:`DynamicLossScale` for float16 training, or ``None``.
       skip_nonfinite: a step whose loss, gradients or updated parameters hold inf/NaN leaves
         the state as it was (but for the step count), as loss scaling does, and reports
@@ -138,6 +148,7 @@ class TrainStep:
         links: Any = None,
         accumulation_steps: int = 1,
         zero1: bool = False,
+        wait_free: bool = False,
         loss_scale: DynamicLossScale | None = None,
         skip_nonfinite: bool = False,
         donate: bool | None = None,
@@ -151,6 +162,7 @@ class TrainStep:
                              "it takes neither allreduce='auto' nor sfb_layers")  # fmt: skip
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        check_wait_free(wait_free, allreduce, zero1, sfb_layers)
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.mesh = mesh
@@ -172,6 +184,7 @@ class TrainStep:
         )
         self.accumulation_steps = accumulation_steps
         self.zero1 = zero1
+        self.wait_free = wait_free
         self.loss_scale = loss_scale
         self.skip_nonfinite = skip_nonfinite
         self.donate = donation_default(mesh) if donate is None else donate
@@ -302,16 +315,23 @@ class TrainStep:
         rng = jax.random.fold_in(rng, lax.axis_index(axes))
         scale = None if state.loss_scale is None else state.loss_scale.scale
         plan = None if self.zero1 else self._plan_for(state, batch, rng)
-        grads, model_state, loss, metrics, factors = local_gradients(
-            self.loss_fn,
-            state.params,
-            state.model_state,
-            batch,
-            rng,
-            scale,
-            self.accumulation_steps,
-            tap=None if plan is None or self.allreduce == NO_ALLREDUCE else plan.tap,
-        )
+        if self.wait_free:
+            options = {**self.allreduce_options, "unroll_limit": WAIT_FREE_UNROLL_LIMIT}
+            grads, model_state, loss, metrics = reduced_while_computing(
+                self.loss_fn, plan, state, batch, rng, scale, self.accumulation_steps, axes,
+                options,
+            )  # fmt: skip
+        else:
+            grads, model_state, loss, metrics, factors = local_gradients(
+                self.loss_fn,
+                state.params,
+                state.model_state,
+                batch,
+                rng,
+                scale,
+                self.accumulation_steps,
+                tap=None if plan is None or self.allreduce == NO_ALLREDUCE else plan.tap,
+            )
         # Every device leaves the step with the same model state and metrics.
         with jax.named_scope(MODEL_STATE_SCOPE):
             model_state = lax.pmean(model_state, axes)
@@ -329,7 +349,7 @@ class TrainStep:
                 check_finite=self.skip_nonfinite,
             )
         else:
-            if self.allreduce != NO_ALLREDUCE:
+            if self.allreduce != NO_ALLREDUCE and not self.wait_free:
                 grads = plan.reduce(grads, factors, axes, self.allreduce_options)
             if state.loss_scale is not None:
                 grads = state.loss_scale.unscale(grads)

@@ -4,7 +4,8 @@ round the ring, unrolled or looped steps)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -150,18 +151,39 @@ def permute(
     return received[: flat.size].reshape(x.shape)
 
 
+SendHook = Callable[[Callable[[], jax.Array]], jax.Array]
+_send_hooks: list[SendHook] = []
+
+
+@contextlib.contextmanager
+def paced_sends(hook: SendHook) -> Iterator[None]:
+    """Inside this context every message step is made by ``hook(send_step)``, which calls
+    ``send_step()`` and returns its result, or a value equal to it: the wait-free train step
+    (:mod:`jaxdist.training.wait_free`) pauses a schedule there and ties the step to the
+    backward compute it runs beside."""
+    _send_hooks.append(hook)
+    try:
+        yield
+    finally:
+        _send_hooks.pop()
+
+
 def send(x: jax.Array, axis_name: AxisName, perm: list[tuple[int, int]], wire: Wire) -> jax.Array:
     """One message step (:func:`permute`: one ppermute, or consecutive pieces of an exchange),
     optionally sent in a narrower dtype and widened again on arrival."""
     narrow = wire.dtype is not None and jnp.dtype(wire.dtype) != x.dtype
     sent = x.astype(wire.dtype) if narrow else x
-    received = permute(
-        sent,
-        axis_name,
-        perm,
-        exchange_piece_bytes=wire.exchange_piece_bytes,
-        reverse_traffic=wire.reverse_traffic,
-    )
+
+    def send_step() -> jax.Array:
+        return permute(
+            sent,
+            axis_name,
+            perm,
+            exchange_piece_bytes=wire.exchange_piece_bytes,
+            reverse_traffic=wire.reverse_traffic,
+        )
+
+    received = _send_hooks[-1](send_step) if _send_hooks else send_step()
     return received.astype(x.dtype) if narrow else received
 
 

@@ -1,0 +1,104 @@
+"""The walk of a compiled program (jaxdist.aot.timeline) on hand-written programs: communication
+counts as hidden only for the time compute runs beside it."""
+
+import pytest
+
+from jaxdist.aot.schedule import Collective
+from jaxdist.aot.timeline import walk
+
+PEAK, HBM = 1e12, 1e18  # matrix products bound by FLOPs, nothing by bytes
+DOT_FLOPS = 2 * 64 * 64 * 64  # one 64x64 by 64x64 product
+TRANSFER = 1e-6  # every collective's time in these programs
+
+
+def _program(body: list[str]) -> str:
+    lines = "\n".join(f"  {line}" for line in body)
+    return (
+        "HloModule step\n\n"
+        "ENTRY %main (p0: f32[64,64]) -> f32[64,64] {\n"
+        "  %p0 = f32[64,64]{1,0} parameter(0)\n"
+        "  %g = f32[1024]{0} parameter(1)\n"
+        f"{lines}\n"
+        "}\n"
+    )
+
+
+def _dot(name: str) -> str:
+    return (f'%{name} = f32[64,64]{{1,0}} dot(%p0, %p0), lhs_contracting_dims={{1}}, '
+            f'rhs_contracting_dims={{0}}, metadata={{op_name="jit(step)/transpose(jvp(f))/dot_general"}}')  # fmt: skip
+
+
+def _start(k: int, operand: str) -> str:
+    return (f"%cp-start.{k} = (f32[1024]{{0}}, f32[1024]{{0}}, u32[], u32[]) "
+            f"collective-permute-start(%{operand}), source_target_pairs={{{{0,1}},{{1,0}}}}, "
+            f'metadata={{op_name="jit(step)/gradient_sync/ppermute"}}')  # fmt: skip
+
+
+def _done(k: int) -> str:
+    return f"%cp-done.{k} = f32[1024]{{0}} collective-permute-done(%cp-start.{k})"
+
+
+def _walk(body: list[str], compute: float):
+    def price(collective: Collective, _inst) -> float:
+        assert collective.kind == "collective-permute" and collective.role == "gradients"
+        assert collective.nbytes == 4096  # the result's bytes, not the start's tuple
+        return TRANSFER
+
+    return walk(_program(body), compute, price, peak_flops=PEAK, hbm_bandwidth=HBM)
+
+
+def test_a_chain_after_the_compute_is_exposed_whatever_its_windows():
+    # Four dependent steps, all after backward: the first one's window holds nothing.
+    body = [_dot("d0"), _dot("d1"), _dot("d2"), _start(0, "g"), _done(0)]
+    body += [line for k in range(1, 4) for line in (_start(k, f"cp-done.{k - 1}"), _done(k))]
+    timeline = _walk(body, compute=3e-6)
+    assert timeline.gradient_seconds == pytest.approx(4 * TRANSFER)
+    assert timeline.gradient_hidden_seconds == 0
+    assert timeline.step_seconds == pytest.approx(3e-6 + 4 * TRANSFER)
+
+
+def test_one_long_window_of_a_chain_hides_only_its_own_step():
+    # The count of products inside windows says 3 of 3; the time hidden is one step of four.
+    body = [_start(0, "g"), _dot("d0"), _dot("d1"), _dot("d2")]
+    body += [_start(1, "g"), _done(1), _start(2, "cp-done.1"), _done(2)]
+    body += [_start(3, "cp-done.2"), _done(3), _done(0)]
+    timeline = _walk(body, compute=3e-6)
+    assert timeline.gradient_seconds == pytest.approx(4 * TRANSFER)
+    assert timeline.gradient_hidden_fraction == pytest.approx(0.25)
+
+
+def test_a_collective_around_compute_is_hidden():
+    body = [_dot("d0"), _start(0, "g"), _dot("d1"), _dot("d2"), _done(0)]
+    timeline = _walk(body, compute=3e-6)
+    assert timeline.gradient_hidden_fraction == pytest.approx(1.0)
+    assert timeline.step_seconds == pytest.approx(3e-6)
+
+
+def test_interleaved_steps_are_hidden_one_product_each():
+    # The wait-free order: each step's start before a product, its done after it.
+    body = [_dot("d0")]
+    previous = "g"
+    for k in range(3):
+        body += [_start(k, previous), _dot(f"e{k}"), _done(k)]
+        previous = f"cp-done.{k}"
+    timeline = _walk(body, compute=4e-6)
+    assert timeline.gradient_hidden_fraction == pytest.approx(1.0)
+    assert timeline.step_seconds == pytest.approx(4e-6)
+
+
+def test_a_transfer_longer_than_its_compute_is_partly_hidden():
+    body = [_start(0, "g"), _dot("d0"), _done(0)]
+    timeline = _walk(body, compute=0.25e-6)
+    assert timeline.gradient_hidden_seconds == pytest.approx(0.25e-6)
+    assert timeline.step_seconds == pytest.approx(TRANSFER)
+
+
+def test_compute_is_spread_by_the_roofline():
+    # A product and a copy of the same operand: the copy is bound by bytes, the product by
+    # FLOPs; the step's compute is split in that ratio.
+    body = [_dot("d0"), "%c = f32[64,64]{1,0} copy(%p0)"]
+    flops_time = DOT_FLOPS / PEAK
+    bytes_time = 2 * 64 * 64 * 4 / 1e9
+    timeline = walk(_program(body), 1.0, lambda c, i: 0.0, peak_flops=PEAK, hbm_bandwidth=1e9)
+    assert timeline.compute_seconds == pytest.approx(1.0)
+    assert flops_time / (flops_time + bytes_time) < 1  # both weigh
