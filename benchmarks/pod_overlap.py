@@ -38,7 +38,9 @@ TARGETS = {
     "v5p-12x12x24-mikami-native": (MIKAMI, "v5p:12x12x24", ["allreduce=native"]),
     "v4-8x8x16-torus2d": (MLPERF, "v4:8x8x16", ["unroll_limit=32", "wait_free=False"]),
     "h100-4x8-torus2d": (
-        MLPERF, "h100:4x8", ["batch_size=4096", "max_per_device_batch=128", "wait_free=False"]
+        MLPERF,
+        "h100:4x8",
+        ["batch_size=4096", "max_per_device_batch=128", "wait_free=False"],
     ),
     # The same with smaller gradient buckets: more collectives for the scheduler to spread.
     "v5p-12x12x24-mikami-8mib": (
@@ -61,16 +63,20 @@ TARGETS = {
     "v5e-16x16-ring-wait-free": (
         MLPERF,
         "v5e:16x16",
-        ["batch_size=8192", "allreduce=ring", "wait_free=True"],
+        ["batch_size=8192", "mesh=", "allreduce=ring", "wait_free=True"],
     ),
     "v5p-12x12x24-mikami-wait-free": (MIKAMI, "v5p:12x12x24", ["wait_free=True"]),
     "v5p-12x12x24-mikami-ring-wait-free": (
         MIKAMI,
         "v5p:12x12x24",
-        ["allreduce=ring", "wait_free=True"],
+        ["mesh=", "allreduce=ring", "wait_free=True"],
     ),
     "v4-8x8x16-torus2d-wait-free": (MLPERF, "v4:8x8x16", ["wait_free=True"]),
-    "v4-8x8x16-ring-wait-free": (MLPERF, "v4:8x8x16", ["allreduce=ring", "wait_free=True"]),
+    "v4-8x8x16-ring-wait-free": (
+        MLPERF,
+        "v4:8x8x16",
+        ["mesh=", "allreduce=ring", "wait_free=True"],
+    ),
     "h100-4x8-torus2d-wait-free": (
         MLPERF,
         "h100:4x8",

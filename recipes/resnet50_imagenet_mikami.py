@@ -36,6 +36,7 @@ def get_config():
     c = imagenet_pod()
     c.mesh = "abci-torus-3456"
     c.allreduce = "torus2d"
+    c.wait_free = True  # each bucket's steps paced beside backward (docs/train_step.md)
     c.batch_size = 69_120
     c.batch_ramp = ((5.0, WARMUP_BATCH),)  # batch-size control: half the batch for 5 epochs
     c.optimizer.weight_decay = 5e-5

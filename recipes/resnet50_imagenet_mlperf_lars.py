@@ -28,6 +28,7 @@ def get_config():
     c.model.bn_group_size = 4  # BN span 128 = 4 chips x 32 images
     c.mesh = "tpu-v3-pod-1024"
     c.allreduce = "torus2d"
+    c.wait_free = True  # each bucket's steps paced beside backward (docs/train_step.md)
     c.batch_size = 32_768
     c.num_epochs = 57.0
     c.optimizer.name = "lars"

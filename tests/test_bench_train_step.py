@@ -21,13 +21,19 @@ def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
     out_json = tmp_path / "train_step.json"
     argv = ["bench", "train-step", "--mesh", "torus-4x2", "--algorithms", "ring,native",
             "--per-device-batch", "2", "--image-size", "8", "--width", "4", "--steps", "1",
-            "--rounds", "2", "--json", str(out_json)]  # fmt: skip
+            "--rounds", "2", "--wait-free", "--json", str(out_json)]  # fmt: skip
     assert main(argv) == 0
     table = capsys.readouterr().out
     rows = json.loads(out_json.read_text())
     # One row per variant asked for, in the order asked, after the baseline; the compute-only
-    # twins ("/none") are folded into their rows, not reported as variants of their own.
-    assert [r["variant"] for r in rows] == ["baseline", "jaxdist ring", "jaxdist native"], rows
+    # twins ("/none") are folded into their rows, not reported as variants of their own; a
+    # permute schedule also runs wait-free (native has no steps to pace), against the same twin.
+    assert [r["variant"] for r in rows] == [
+        "baseline",
+        "jaxdist ring",
+        "jaxdist ring wait-free",
+        "jaxdist native",
+    ], rows
     global_batch = 2 * 8  # --per-device-batch 2 on the 8 devices of torus-4x2
     baseline = rows[0]
     for row in rows:
@@ -45,7 +51,7 @@ def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
     printed = {
         name: [float(cell) for cell in cells.split()]
         for name, cells in re.findall(
-            r"^(baseline|jaxdist \w+)((?: +-?\d+\.\d+){6})$", table, re.MULTILINE
+            r"^(baseline|jaxdist \w+(?: wait-free)?)((?: +-?\d+\.\d+){6})$", table, re.MULTILINE
         )
     }
     assert list(printed) == [r["variant"] for r in rows], table

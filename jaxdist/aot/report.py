@@ -67,6 +67,11 @@ def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
         f"{t.other * 1e3:.1f} ms) = {t.total * 1e3:.1f} ms -> "
         f"{dp.global_batch_size / t.total:,.0f} images/s",
     ]
+    if not plan.wait_free and plan.algorithm not in ("native", "auto") and t.communication:
+        lines.append(
+            "  note: the buckets' schedules run in the compiler's order; --set wait_free=True "
+            "paces each bucket's steps beside the backward pass (docs/train_step.md)"
+        )
     if t.other_by_role:
         parts = ", ".join(f"{role} {s * 1e3:.2f}" for role, s in t.other_by_role.items())
         lines.append(f"  other collectives per step (ms): {parts}")

@@ -84,10 +84,10 @@ def wait_free_gradients(
             in_flight = [f for f in flights if f.waiting]
             if in_flight:
                 run.until_matmul()
-                tie = run.weights_of_next_matmul()
+                tie = run.tie_for_next_matmul()
                 while tie is None and not run.finished:  # a segment to the next product to tie
                     run.until_matmul()
-                    tie = run.weights_of_next_matmul()
+                    tie = run.tie_for_next_matmul()
                 tied = [] if tie is None else [tie]
                 messages, values = lax.optimization_barrier(
                     ([f.message for f in in_flight], [run.read(v) for v in tied])
@@ -182,6 +182,7 @@ class _SegmentedRun:
             if isinstance(v, jex.Var):
                 self._last_use[v] = self.num_eqns
         self._matmul = [_has_matmul(eqn) for eqn in self.eqns]
+        self._read_by_paced_matmul: set[Any] = set()
         # Values computed from the first ``num_params`` inputs (the parameters) alone.
         self._from_params = set(self.jaxpr.invars[:num_params])
         for eqn in self.eqns:
@@ -200,29 +201,39 @@ class _SegmentedRun:
     def read(self, var: Any) -> Any:
         return var.val if isinstance(var, jex.Literal) else self.env[var]
 
-    def until_matmul(self) -> dict[Any, Any]:
-        """Run up to and including the next matrix product (or to the end); returns the values
-        it computed that later segments read."""
+    def until_matmul(self) -> None:
+        """Run up to and including the next matrix product (or to the end), a segment of the
+        paced backward pass."""
         stop = self.position
         while stop < self.num_eqns and not self._matmul[stop]:
             stop += 1
-        return self.until(min(stop + 1, self.num_eqns))
+        if stop < self.num_eqns:
+            self._read_by_paced_matmul.update(
+                v for v in self.eqns[stop].invars if isinstance(v, jex.Var)
+            )
+        self.until(min(stop + 1, self.num_eqns))
 
-    def weights_of_next_matmul(self) -> Any | None:
-        """The next matrix product's input computed from the parameters alone (a kernel, or
-        its cast to the compute dtype), if it has one.
+    def tie_for_next_matmul(self) -> Any | None:
+        """A value the next matrix product reads that is in memory whatever the program
+        does: one computed from the parameters alone (a kernel, or its cast to the compute
+        dtype), or one an earlier product of the paced backward pass read already (a
+        cotangent that feeds both a layer's input-gradient and kernel-gradient products).
+        None if it reads no such value.
 
-        Tying a message to it makes the product wait for the message at no cost: it is in
-        memory from the forward pass on. Tying a value backward computed would keep it from
-        fusing with the ops that consume it, and tying a saved activation would make the
-        forward pass keep it in the tied form: both add memory traffic to the step."""
+        Tying a message to it makes the product wait for the message at no cost. Tying a
+        value only elementwise ops have read would keep it from fusing into them, and tying
+        a saved activation would make the forward pass keep it in the tied form: both add
+        memory traffic to the step."""
         stop = self.position
         while stop < self.num_eqns and not self._matmul[stop]:
             stop += 1
         if stop == self.num_eqns:
             return None
-        weights = [v for v in self.eqns[stop].invars if v in self._from_params and v in self.env]
-        return weights[0] if weights else None
+        inputs = [v for v in self.eqns[stop].invars if isinstance(v, jex.Var) and v in self.env]
+        free = [v for v in inputs if v in self._from_params] or [
+            v for v in inputs if v in self._read_by_paced_matmul
+        ]
+        return free[0] if free else None
 
     def until(self, stop: int) -> dict[Any, Any]:
         """Run equations ``[position, stop)``; returns the values they computed that later
