@@ -14,16 +14,17 @@ order in the program itself:
 2. Once every gradient of a bucket has been computed, the bucket's allreduce starts: its
    schedule (any of :mod:`jaxdist.comm.collectives`, unchanged) runs as a coroutine (a
    greenlet) until its first message step, which it sends and then hands back.
-3. After each segment, every bucket in flight gets its message back tied to the segment's
-   results by one ``lax.optimization_barrier``: the message cannot be waited for before that
-   point, and nothing after it can run before the message is there. So the message's start
-   and done bracket the segment's compute, and the schedule goes on to its next step. The
-   steps still pending when backward ends run as they come, bucket after bucket in turn.
+3. Before the next matrix product, every bucket in flight gets its message back tied, by one
+   ``lax.optimization_barrier``, to an input of that product which is in memory anyway (its
+   kernel, or a cotangent an earlier product of backward read): the message cannot be
+   waited for before that point, and the product cannot run before the message is there.
+   So the message's start and done bracket the product before it, and the schedule goes on
+   to its next step. The steps still pending when backward ends run as they come, bucket
+   after bucket in turn.
 
 The arithmetic is that of ``jax.grad`` followed by the same schedules, op for op: only the
-order the compiler may pick is narrowed. What this costs is a barrier per matrix product
-(values tied there are materialised rather than fused into the next op) and every schedule
-step unrolled.
+order the compiler may pick is narrowed. Nothing tied would otherwise have been fused away;
+what it costs is every schedule step unrolled, and a longer compile.
 """
 
 from __future__ import annotations
