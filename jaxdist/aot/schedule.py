@@ -232,11 +232,9 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_
             pending.compute_between += total
             pending.backward_between += backward
         if inst.opcode == "while":
-            body = re.search(r"body=%([\w.\-]+)", inst.rest)
-            condition = re.search(r"condition=%([\w.\-]+)", inst.rest)
-            trips = trip_count(computations.get(condition.group(1), [])) if condition else 1
+            body, trips = loop_of(inst, computations)
             if body:
-                _walk(computations, body.group(1), schedule, matmuls_in,
+                _walk(computations, body, schedule, matmuls_in,
                       turns=turns * trips, in_loop=True, top=False,
                       num_devices=num_devices)  # fmt: skip
             continue
@@ -354,6 +352,16 @@ def _names_by_use(instructions: list[Instruction]) -> dict[str, str]:
         for inst in instructions
         if inst.opcode.removesuffix("-start") in COLLECTIVES and not inst.op_name
     }
+
+
+def loop_of(
+    inst: Instruction, computations: dict[str, list[Instruction]]
+) -> tuple[str | None, int]:
+    """A ``while`` instruction's body computation (None if it names none) and its turns."""
+    body = re.search(r"body=%([\w.\-]+)", inst.rest)
+    condition = re.search(r"condition=%([\w.\-]+)", inst.rest)
+    trips = trip_count(computations.get(condition.group(1), [])) if condition else 1
+    return (body.group(1) if body else None), trips
 
 
 def trip_count(condition: list[Instruction]) -> int:

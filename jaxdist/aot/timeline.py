@@ -37,9 +37,9 @@ from jaxdist.aot.schedule import (
     Instruction,
     computations_of,
     group_size_of,
+    loop_of,
     nbytes_of,
     role_of,
-    trip_count,
 )
 
 __all__ = ["Timeline", "walk"]
@@ -120,10 +120,8 @@ class _Weights:
         if inst.opcode.endswith("-done") or inst.opcode in ("call-start", "call-done"):
             return 0.0
         if inst.opcode == "while":
-            body = re.search(r"body=%([\w.\-]+)", inst.rest)
-            condition = re.search(r"condition=%([\w.\-]+)", inst.rest)
-            trips = trip_count(self.computations.get(condition.group(1), [])) if condition else 1
-            return trips * self.of_computation(body.group(1)) if body else 0.0
+            body, trips = loop_of(inst, self.computations)
+            return trips * self.of_computation(body) if body else 0.0
         if inst.opcode in ("call", "conditional"):
             return max((self.of_computation(c) for c in inst.called), default=0.0)
         flops = self._op_flops(inst, computation)
@@ -258,11 +256,9 @@ class _Walk:
             self._start_inner(inst, inst.name)
             return
         if inst.opcode == "while":
-            body = re.search(r"body=%([\w.\-]+)", inst.rest)
-            condition = re.search(r"condition=%([\w.\-]+)", inst.rest)
-            trips = trip_count(self.computations.get(condition.group(1), [])) if condition else 1
+            body, trips = loop_of(inst, self.computations)
             for _ in range(trips if body else 0):
-                self.run(body.group(1))
+                self.run(body)
             return
         kind = inst.opcode.removesuffix("-start")
         if kind in COLLECTIVES:
