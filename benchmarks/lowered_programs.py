@@ -229,12 +229,8 @@ def write_steps(folder: Path) -> int:
             state = trainer.initial_state()
             for stage, plan in enumerate(trainer.plans):
                 step = trainer.train_step_for(stage)
-                shape = trainer.pipeline.image_shape
-                dtype = np.uint8 if config.data.dtype == "uint8" else np.float32
-                batch = {
-                    "image": np.zeros((plan.global_batch_size, *shape), dtype),
-                    "label": np.zeros((plan.global_batch_size,), np.int32),
-                }
+                spec = trainer.task.batch_spec(plan.global_batch_size)
+                batch = {k: np.zeros(v.shape, v.dtype) for k, v in spec.items()}
                 lowered = step.lower(state, step.shard_batch(batch), jax.random.PRNGKey(0))
                 (folder / f"step_{name}_stage{stage}.mlir").write_text(lowered.as_text())
                 written += 1

@@ -6,6 +6,7 @@ it (docs/README.md draws them; tests/test_import_graph.py checks it)::
     cli/                    the ``jaxdist`` command
     aot/, bench/            plans for pods that are not here; benchmarks
     run/                    trainer, recipe config, checkpoints, run log: a recipe, run
+    tasks/                  what a recipe trains: model, loss, evaluation, data
     pipeline/               schedules, stages, step: pipeline parallelism over a stage axis
     training/               the Step protocol, train_step, batchnorm, loss_scale, optim, ...
     models/, data/          what the recipes train on

@@ -25,6 +25,7 @@ LAYERS = (
     ("models", "data"),
     ("training",),
     ("pipeline",),
+    ("tasks",),
     ("run",),
     ("aot", "bench"),
     ("cli",),

@@ -215,18 +215,19 @@ def test_cli_profiles_then_cuts_a_recipe_and_refuses_another_models_profile(tmp_
 def test_the_trainer_measures_a_profile_of_a_model_with_cross_replica_batchnorm():
     """The recipe's model averages BatchNorm statistics over the data axes; measured on one
     device outside the mesh, its profile uses each micro-batch's own."""
-    import jax.numpy as jnp
     import optax
 
     from jaxdist.run.config import base_config
-    from jaxdist.run.from_config import StepParts, build_model
+    from jaxdist.run.from_config import StepParts
     from jaxdist.run.pipeline_config import profile_for
+    from jaxdist.tasks import Replicas
+    from jaxdist.tasks.image_classification import ImageClassification
 
     config = base_config()
     config.model.name, config.model.width, config.model.stem = "resnet18", 4, "small"
-    model = build_model(config.model, 10, "data", 2)
-    parts = StepParts(model=model, applied=model, model_inputs=lambda b: b["image"],
-                      num_classes=10, label_smoothing=0.0, optimizer=optax.sgd(0.1),
-                      example=jnp.zeros((1, 8, 8, 1)), options={})  # fmt: skip
+    config.data.source, config.data.image_size, config.data.num_classes = "synthetic", 8, 10
+    config.data.synthetic_train_examples = config.data.synthetic_eval_examples = 4
+    task = ImageClassification(config, Replicas("data", 2))
+    parts = StepParts(task=task, optimizer=optax.sgd(0.1), options={})
     profile = profile_for(config, parts, micro=2)
     assert len(profile.layers) == 10 and profile.micro_batch == 2

@@ -122,8 +122,8 @@ def test_auto_boundaries_cut_where_the_profile_says_and_survive_a_resume(tmp_pat
     explicit = Trainer(tiny_config(**PIPELINE), tmp_path / "explicit")
     explicit.run()
     micro = 8  # the final batch of 32 on 2 replicas in 2 micro-batches
-    example = jax.ShapeDtypeStruct((micro, *explicit.pipeline.image_shape), "float32")
-    sizes = layer_sizes(explicit.model, example)
+    example = jax.ShapeDtypeStruct((micro, *explicit.task.data.image_shape), "float32")
+    sizes = layer_sizes(explicit.task.model, example)
     costs = [1, 1, 1, 1.5, 1.5, 1.5, 1.5, 1, 1, 1]  # stage sums 3, 3, 3, 3 only at (0, 3, 5, 7)
     layers = tuple(
         LayerCost(f"l{i}", c / 3, 2 * c / 3, 64, size, size, 0)

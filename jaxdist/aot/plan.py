@@ -19,9 +19,9 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from jaxdist import meshes
@@ -146,7 +146,7 @@ def check_mesh_matches(spec: meshes.MeshSpec, topology: Topology) -> None:
 
 def stand_in_data(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, str]:
     """The config with a synthetic source in place of one read from disk."""
-    if config.data.source not in _READS_FROM_DISK:
+    if config.data.get("source") not in _READS_FROM_DISK:
         return config, f"the recipe's {config.data.source!r} data"
     source = config.data.source
     config = copy.deepcopy(config)
@@ -171,13 +171,15 @@ def plan_recipe(
     fast_link: str | None = None,
     host_link: str | None = None,
     on_stage: Callable[[int, DevicePlan], None] | None = None,
+    task: Callable | None = None,
 ) -> Plan:
     """Compile every batch-size stage of ``config`` for ``topology`` and predict its time.
 
     ``mesh`` (a preset or TOML path) replaces the recipe's; ``efficiency`` is the share of
     peak FLOP/s a step reaches (:mod:`jaxdist.aot.predict`); ``fast_link`` and ``host_link``
     (``"LATENCY:BANDWIDTH"``, one direction of one link) replace the chip table's links;
-    ``on_stage`` is called before each stage compiles (for progress output).
+    ``on_stage`` is called before each stage compiles (for progress output); ``task`` is
+    the recipe's ``get_task``, if it has one (:mod:`jaxdist.tasks`).
     """
     from jaxdist.run import pipeline_config
     from jaxdist.run.trainer import Trainer
@@ -195,7 +197,10 @@ def plan_recipe(
     else:
         spec, mesh_note = mesh_spec_for(config.mesh, topology)
     trainer = Trainer(
-        config, "unused: a plan writes nothing", mesh=meshes.build(spec, topology.devices())
+        config,
+        "unused: a plan writes nothing",
+        task=task,
+        mesh=meshes.build(spec, topology.devices()),
     )
     params, model_state = _variable_shapes(trainer, config)
     host_network = topology.chip.host_network if topology.network_groups > 1 else None
@@ -275,25 +280,16 @@ def _given_links(
     return cost_model.Network(intra, inter), sources
 
 
-def _variable_shapes(trainer, config) -> tuple[dict, dict]:
-    """Parameter and BatchNorm-statistics shapes of the recipe's model (nothing allocated)."""
-    images = jax.ShapeDtypeStruct((1, *trainer.pipeline.image_shape), jnp.float32)
-    variables = jax.eval_shape(
-        lambda x: trainer.model.init(jax.random.key(config.seed), x, train=False), images
-    )
-    variables = dict(variables)
-    params = variables.pop("params")
-    return params, variables
+def _variable_shapes(trainer, config) -> tuple[Any, Any]:
+    """Parameter and model-state shapes of the recipe's model (nothing allocated)."""
+    return jax.eval_shape(trainer.task.init_variables, jax.random.key(config.seed))
 
 
 def _compile_at(trainer, stage: int, global_batch: int, variable_shapes: tuple) -> CompiledStep:
     """Compile stage ``stage``'s train step for a global batch of ``global_batch`` images."""
     step = trainer.train_step_for(stage)
-    dtype = jnp.uint8 if trainer.config.data.dtype == "uint8" else jnp.float32
-    batch = {
-        "image": ((global_batch, *trainer.pipeline.image_shape), dtype),
-        "label": ((global_batch,), jnp.int32),
-    }
+    spec = trainer.task.batch_spec(global_batch)
+    batch = {name: (leaf.shape, leaf.dtype) for name, leaf in spec.items()}
     return compile_train_step(step, *variable_shapes, batch)
 
 

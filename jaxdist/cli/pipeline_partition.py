@@ -69,8 +69,8 @@ def _subject(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict]:
     from jaxdist.aot.plan import stand_in_data
     from jaxdist.data import DataConfig, make_pipeline
     from jaxdist.run import config as config_lib
-    from jaxdist.run.from_config import build_model, build_optimizer
-    from jaxdist.run.pipeline_config import model_description
+    from jaxdist.run.from_config import build_optimizer
+    from jaxdist.tasks.image_classification import build_model, model_description
 
     path = config_lib.resolve_recipe_path(args.recipe)
     config = config_lib.apply_overrides(config_lib.load_recipe(path), args.overrides)

@@ -95,6 +95,7 @@ def run_plan(args: argparse.Namespace) -> int:
                   f"for {topology.name} ...", file=sys.stderr, flush=True)  # fmt: skip
 
     plan = plan_recipe(config, topology, efficiency=efficiency, mesh=args.mesh,
+                       task=config_lib.recipe_task(path),
                        fast_link=args.fast_link, host_link=args.host_link, on_stage=progress)  # fmt: skip
     fitting = largest_fitting_batch_of(plan, progress) if args.max_batch else None
     if args.json:

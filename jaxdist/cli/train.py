@@ -71,7 +71,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     workdir = Path(args.workdir or Path("runs") / path.stem)
     trainer = Trainer(config, workdir, allow_config_change=args.allow_config_change,
-                      profile_steps=steps)  # fmt: skip
+                      task=config_lib.recipe_task(path), profile_steps=steps)  # fmt: skip
     if args.print_config:
         print(config)
         return 0
@@ -79,7 +79,8 @@ def run_train(args: argparse.Namespace) -> int:
     if summary["preempted"]:
         print(f"jaxdist train: stopped by SIGTERM at step {summary['step']}; checkpoint saved")
         return PREEMPTED_EXIT_CODE
-    evals = ", ".join(f"{k} {summary[k]:.4f}" for k in ("top1", "top5") if k in summary)
+    skip = ("step", "epoch", "preempted", "already_finished")
+    evals = ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if k not in skip)
     done = "already finished" if summary.get("already_finished") else "done"
     print(f"{done}: step {summary['step']}, epoch {summary['epoch']:.2f}"
           + (f"; {evals}" if evals else ""))  # fmt: skip

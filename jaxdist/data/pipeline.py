@@ -44,7 +44,7 @@ __all__ = [
 Batch = dict[str, np.ndarray]
 
 
-def _seeds(seed: int) -> tuple[int, int]:
+def seeds_of(seed: int) -> tuple[int, int]:
     """Independent 32-bit seeds for the shuffle and the augmentation."""
     if not 0 <= seed < 2**32:
         raise ValueError(f"seed must be in [0, 2**32), got {seed}")
@@ -52,7 +52,7 @@ def _seeds(seed: int) -> tuple[int, int]:
     return int(shuffle_seed), int(augment_seed)
 
 
-def _process(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+def process_of(process_index: int | None, process_count: int | None) -> tuple[int, int]:
     if process_index is None or process_count is None:
         import jax
 
@@ -71,7 +71,7 @@ def image_shape(source: ImageSource, image_size: int) -> tuple[int, int, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class Plan:
     """Everything needed to (re)build the per-process grain iterator from a stream position."""
 
     stream: grain.MapDataset  # global sample stream, one element per sample
@@ -91,7 +91,7 @@ class BatchIterator(Iterator[Batch]):
     """Per-process batches ``{"image": [b, H, W, C], "label": [b], ("mask": [b])}``, where
     ``b = global_batch_size / process_count``. Checkpointable with ``get_state``/``set_state``."""
 
-    def __init__(self, plan: _Plan, start_sample: int) -> None:
+    def __init__(self, plan: Plan, start_sample: int) -> None:
         self._plan = plan
         self._it: grain.DatasetIterator | None = None
         self._open(start_sample)
@@ -230,7 +230,7 @@ def _allow_grain_workers() -> None:
         flags.FLAGS.mark_as_parsed()
 
 
-def _check_batch(source: ImageSource, global_batch_size: int, process_count: int) -> None:
+def check_batch(source: ImageSource, global_batch_size: int, process_count: int) -> None:
     if global_batch_size < 1 or global_batch_size % process_count:
         raise ValueError(
             f"global_batch_size must be a positive multiple of process_count={process_count}, "
@@ -280,10 +280,10 @@ def build_train_iterator(
       read_threads: threads per process, each preparing one batch.
       prefetch_batches: batches buffered ahead per process or worker.
     """
-    process_index, process_count = _process(process_index, process_count)
-    _check_batch(source, global_batch_size, process_count)
+    process_index, process_count = process_of(process_index, process_count)
+    check_batch(source, global_batch_size, process_count)
     stream = _train_stream(source, seed, image_size, dtype, num_epochs, shuffle, augment)
-    plan = _Plan(
+    plan = Plan(
         stream=stream,
         stream_length=None if num_epochs is None else len(stream),
         num_records=len(source),
@@ -309,7 +309,7 @@ def _train_stream(
     augment: bool,
 ) -> grain.MapDataset:
     """The records shuffled, repeated, decoded (augmented) and converted to outputs."""
-    shuffle_seed, augment_seed = _seeds(seed)
+    shuffle_seed, augment_seed = seeds_of(seed)
     stream = grain.MapDataset.source(source)
     if shuffle:
         stream = stream.shuffle(seed=shuffle_seed)
@@ -337,8 +337,8 @@ def build_eval_iterator(
     """One pass over ``source`` in stored order: resize + centre crop, padded with
     ``mask=False`` zero images to a multiple of ``global_batch_size``. Arguments as for
     :func:`build_train_iterator`."""
-    process_index, process_count = _process(process_index, process_count)
-    _check_batch(source, global_batch_size, process_count)
+    process_index, process_count = process_of(process_index, process_count)
+    check_batch(source, global_batch_size, process_count)
     stream = grain.MapDataset.source(source)
     if source.encoded:
         stream = stream.map(DecodeEval(image_size))
@@ -347,7 +347,7 @@ def build_eval_iterator(
     if padding:
         pad = grain.MapDataset.range(padding).map(Padding(image_shape(source, image_size), dtype))
         stream = grain.MapDataset.concatenate([stream, pad])
-    plan = _Plan(
+    plan = Plan(
         stream=stream,
         stream_length=len(stream),
         num_records=len(source),

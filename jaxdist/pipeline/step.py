@@ -65,7 +65,7 @@ from jaxdist.training.batches import (
     split_micro_batches,
 )
 from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_scaled_step
-from jaxdist.training.step_options import check_allreduce, donation_default
+from jaxdist.training.step_options import check_allreduce, check_optimizer, donation_default
 from jaxdist.training.train_step import NO_ALLREDUCE
 
 __all__ = ["PipelineLossFn", "PipelineState", "PipelineStep"]
@@ -125,6 +125,7 @@ class PipelineStep:
         zero1: bool = False,
     ):
         refuse_unsupported(allreduce, sfb_layers, links, accumulation_steps, zero1)
+        check_optimizer(optimizer)
         asynchronous.check_options(schedule, loss_scale, skip_nonfinite, chunks)
         self.data_axes = stage_data_axes(mesh, stage_axis)
         self.num_stages = mesh.shape[stage_axis]

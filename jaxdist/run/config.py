@@ -43,7 +43,8 @@ Fields:
     pairs run before ``batch_size`` (see :func:`batch_stages`).
   max_per_device_batch: larger per-device batches are split into accumulation steps.
   num_epochs: training length; the LR schedule ends there.
-  optimizer: ``name`` (``sgd``/``lars``) and its hyperparameters.
+  optimizer: ``name`` (``sgd``/``lars``/``adamw``) and its hyperparameters (``momentum``,
+    ``nesterov``, ``weight_decay``, ``trust_coefficient``, ``eps``, Adam's ``b1``, ``b2``).
   lr: ``kind`` and arguments of :func:`jaxdist.training.optim.lr_schedule` (in epochs).
   label_smoothing: for the cross-entropy.
   eval_every_epochs, eval_batch_size: periodic top-1/top-5 on the held-out split.
@@ -83,7 +84,7 @@ import ast
 import contextlib
 import difflib
 import importlib.util
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,7 @@ __all__ = [
     "base_config",
     "batch_stages",
     "load_recipe",
+    "recipe_task",
 ]
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -155,9 +157,12 @@ def resolve_recipe_path(recipe: str | Path) -> Path:
     return path
 
 
-def load_recipe(recipe: str | Path) -> ml_collections.ConfigDict:
-    """Import the recipe file and return its ``get_config()``, checked for required keys."""
-    path = resolve_recipe_path(recipe)
+def _import_recipe(path: Path) -> Any:
+    """The recipe file's module, run once per process (its ``get_config`` and ``get_task``
+    are read from the same module)."""
+    key = (str(path.resolve()), path.stat().st_mtime_ns)
+    if key in _RECIPE_MODULES:
+        return _RECIPE_MODULES[key]
     spec = importlib.util.spec_from_file_location(f"jaxdist_recipe_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -167,6 +172,27 @@ def load_recipe(recipe: str | Path) -> ml_collections.ConfigDict:
         raise ConfigError(
             f"recipe {path}: invalid Python at line {err.lineno}: {err.msg}: {line!r}"
         ) from err
+    _RECIPE_MODULES[key] = module
+    return module
+
+
+_RECIPE_MODULES: dict[tuple[str, int], Any] = {}
+
+
+def recipe_task(recipe: str | Path) -> Callable[..., Any] | None:
+    """The recipe's ``get_task(config, replicas)`` (:mod:`jaxdist.tasks`), or ``None`` for a
+    recipe that trains the default image classification task."""
+    path = resolve_recipe_path(recipe)
+    get_task = getattr(_import_recipe(path), "get_task", None)
+    if get_task is not None and not callable(get_task):
+        raise ConfigError(f"recipe {path}: get_task must be a function (config, replicas) -> Task")
+    return get_task
+
+
+def load_recipe(recipe: str | Path) -> ml_collections.ConfigDict:
+    """Import the recipe file and return its ``get_config()``, checked for required keys."""
+    path = resolve_recipe_path(recipe)
+    module = _import_recipe(path)
     if not callable(getattr(module, "get_config", None)):
         raise ConfigError(f"recipe {path} defines no get_config() function")
     try:
@@ -310,6 +336,8 @@ def base_config() -> ml_collections.ConfigDict:
             weight_decay=1e-4,
             trust_coefficient=0.001,
             eps=0.0,
+            b1=0.9,
+            b2=0.999,
         )
     )
     c.lr = _lr_fields()

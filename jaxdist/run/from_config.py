@@ -1,5 +1,5 @@
-"""The pieces a recipe's config names, built: the mesh, the model with cross-replica
-BatchNorm, the learning-rate schedule, the optimizer, and what a train step is built from.
+"""The pieces a recipe's config names, built: the mesh, the learning-rate schedule, the
+optimizer, and what a train step is built from.
 Each raises ``ValueError`` naming the config field when a value cannot work.
 
 A field set away from its default that does nothing with the rest of the config (``lr.power``
@@ -9,35 +9,30 @@ own all-reduce) is refused too: the run would silently ignore it."""
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import optax
 from jax.sharding import Mesh
 
-from jaxdist import meshes, models
-from jaxdist.data.transforms import normalize
+from jaxdist import meshes
 from jaxdist.run.config import base_config
+from jaxdist.tasks import Task
 from jaxdist.training import optim
-from jaxdist.training.batchnorm import CrossReplicaBatchNorm
 
 __all__ = [
     "StepParts",
     "build_lr_schedule",
     "build_mesh",
-    "build_model",
     "build_optimizer",
     "step_options",
 ]
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Optimizer hyperparameters each optimizer takes from config.optimizer.
 OPTIMIZER_FIELDS = {
     "sgd": ("momentum", "nesterov", "weight_decay"),
+    "adamw": ("b1", "b2", "eps", "weight_decay"),
     "lars": ("momentum", "nesterov", "weight_decay", "trust_coefficient", "eps"),
 }
 
@@ -47,38 +42,6 @@ def build_mesh(name: str) -> Mesh:
     if not name:
         return meshes.ring(jax.device_count(), axis_name="data")
     return meshes.build(meshes.load(name))
-
-
-def build_model(
-    cfg: ml_collections.ConfigDict, num_classes: int, axis_name: Any, num_replicas: int
-):
-    """The recipe's model with cross-replica BatchNorm over ``axis_name`` (``num_replicas``
-    devices) in groups of ``cfg.bn_group_size``."""
-    group = cfg.bn_group_size
-    if group is not None and (group < 1 or num_replicas % group):
-        raise ValueError(
-            f"model.bn_group_size={group} must divide the {num_replicas} data-parallel "
-            "devices (None: BatchNorm statistics over all of them)"
-        )
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {cfg.dtype!r}")
-    norm = functools.partial(
-        CrossReplicaBatchNorm,
-        axis_name=axis_name,
-        group_size=group,
-        momentum=cfg.bn_momentum,
-        epsilon=cfg.bn_epsilon,
-    )
-    return models.create(
-        cfg.name,
-        num_classes=num_classes,
-        width=cfg.width,
-        stem=cfg.stem,
-        dtype=DTYPES[cfg.dtype],
-        zero_init_last_bn_scale=cfg.zero_init_last_bn_scale,
-        pointwise_matmul=cfg.pointwise_matmul,
-        norm=norm,
-    )
 
 
 # Schedule fields each lr.kind reads beyond kind, peak, warmup_epochs and init_lr.
@@ -138,16 +101,6 @@ def build_optimizer(
     )
 
 
-class NormalizeOnDevice:
-    """A model whose ``apply`` first normalises uint8 images (for ``data.dtype="uint8"``)."""
-
-    def __init__(self, model, mean, std) -> None:
-        self.model, self.mean, self.std = model, mean, std
-
-    def apply(self, variables, images, **kwargs):
-        return self.model.apply(variables, normalize(images, self.mean, self.std), **kwargs)
-
-
 def sfb_layers_setting(text: str) -> str | tuple[str, ...] | None:
     """``config.sfb_layers`` as :class:`~jaxdist.training.train_step.TrainStep` takes it:
     ``""`` -> None (none; every dense layer a candidate for ``auto``), ``"none"`` -> ``()``,
@@ -168,22 +121,13 @@ class StepParts:
     """What a recipe's step is built from.
 
     Attributes:
-      model: the flax classifier, its BatchNorm over the data axes.
-      applied: ``model`` as applied to a batch's images (normalising uint8 images first).
-      model_inputs: ``batch -> images`` as the model takes them.
-      num_classes, label_smoothing: the classifier loss.
+      task: what is trained (:class:`~jaxdist.tasks.Task`): its loss, or its pipeline stages.
       optimizer: the recipe's optimizer.
-      example: one input image batch ``(1, *image_shape)``, to trace shapes with.
       options: the recipe's gradient options, as both steps take them (:func:`step_options`).
     """
 
-    model: Any
-    applied: Any
-    model_inputs: Callable[[Any], Any]
-    num_classes: int
-    label_smoothing: float
+    task: Task
     optimizer: optax.GradientTransformation
-    example: Any
     options: dict
 
 

@@ -54,7 +54,7 @@ def report(loop: Loop, log: RunLog, total_steps: int) -> list[dict]:
     eta = (total_steps - loop.step) * window / loop.window_steps
     log.progress(
         f"step {loop.step}/{total_steps} | epoch {loop.epoch:.2f} | "
-        f"{record['images_per_sec']:.0f} img/s | loss {means['loss']:.4f} | "
+        f"{record['images_per_sec']:.0f} samples/s | loss {means['loss']:.4f} | "
         f"lr {loop.lr:.4g} | batch {loop.batch_size} | "
         f"{format_duration(now - loop.started)} elapsed, eta {format_duration(eta)}"
     )

@@ -112,10 +112,11 @@ def log_run_start(log: Any, trainer: Any, step: int, changes: list, init_ms: int
         log.event("config_change", key, old=old, new=new)
 
 
-def log_run_stop(log: Any, loop: Any, schedule: Any, total_steps: int, target: float) -> None:
+def log_run_stop(log: Any, loop: Any, schedule: Any, total_steps: int, shortfall: str) -> None:
     """``run_stop`` of a run that ends without an error: ``aborted`` when SIGTERM stopped it;
-    else, after the last ``epoch_stop``, ``success`` if top-1 reached ``target`` at an
-    evaluation, otherwise ``aborted`` (MLPerf's status for a run that did not converge)."""
+    else, after the last ``epoch_stop``, ``success`` if the headline metric reached the target
+    at an evaluation, otherwise ``aborted`` (MLPerf's status for a run that did not converge)
+    with ``shortfall`` as the reason."""
     where = {"step": loop.step, "epoch": loop.epoch}
     if loop.preempted:
         log.event(keys.RUN_STOP, status=keys.ABORTED, reason="preempted (SIGTERM)", **where)
@@ -124,26 +125,25 @@ def log_run_stop(log: Any, loop: Any, schedule: Any, total_steps: int, target: f
     if loop.reached_target:
         log.event(keys.RUN_STOP, status=keys.SUCCESS, **where)
     else:
-        reason = f"top-1 stayed below target_accuracy {target}"
-        log.event(keys.RUN_STOP, status=keys.ABORTED, reason=reason, **where)
+        log.event(keys.RUN_STOP, status=keys.ABORTED, reason=shortfall, **where)
 
 
 def header_events(trainer: Any, init_ms: int) -> list[tuple[str, Any, dict]]:
     """``(key, value, metadata)`` of every event between ``cache_clear`` and ``init_stop``."""
     cfg, final = trainer.config, trainer.plans[-1]  # the plan of the recipe's batch_size
-    group = cfg.model.bn_group_size or trainer.num_replicas
+    group = cfg.model.get("bn_group_size") or trainer.num_replicas
     events = [
         (keys.CACHE_CLEAR, bool(cfg.mlperf.cache_cleared), {"time_ms": init_ms}),
         (keys.INIT_START, None, {"time_ms": init_ms}),
-        (keys.SUBMISSION_BENCHMARK, cfg.mlperf.benchmark or _benchmark(cfg), {}),
+        (keys.SUBMISSION_BENCHMARK, cfg.mlperf.benchmark or _benchmark(trainer.task.name), {}),
         (keys.SUBMISSION_ORG, cfg.mlperf.org, {}),
         (keys.SUBMISSION_DIVISION, cfg.mlperf.division, {}),
         (keys.SUBMISSION_STATUS, cfg.mlperf.status, {}),
         (keys.SUBMISSION_PLATFORM, cfg.mlperf.platform or _platform(), {}),
         (keys.SEED, cfg.seed, {}),
         (keys.GLOBAL_BATCH_SIZE, cfg.batch_size, {"batch_ramp": [list(r) for r in cfg.batch_ramp]}),
-        (keys.TRAIN_SAMPLES, trainer.pipeline.num_train_examples, {}),
-        (keys.EVAL_SAMPLES, trainer.pipeline.num_eval_examples, {}),
+        (keys.TRAIN_SAMPLES, trainer.data.num_train_examples, {}),
+        (keys.EVAL_SAMPLES, trainer.data.num_eval_examples, {}),
         (keys.GRADIENT_ACCUMULATION_STEPS, final.accumulation_steps, {}),
         (keys.MODEL_BN_SPAN, final.per_device_batch * group, {}),
         (keys.OPT_NAME, cfg.optimizer.name, {}),
@@ -180,10 +180,10 @@ def _optimizer_keys(cfg: Any, decay_steps: int) -> list[tuple[str, Any]]:
     return named
 
 
-def _benchmark(cfg: Any) -> str:
+def _benchmark(model_name: str) -> str:
     """MLPerf's name for the task: ``resnet`` is ResNet-50 (on ImageNet); anything else is
     named by its model."""
-    return keys.RESNET if cfg.model.name == "resnet50" else cfg.model.name
+    return keys.RESNET if model_name == "resnet50" else model_name
 
 
 def _platform() -> str:

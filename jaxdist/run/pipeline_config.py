@@ -17,15 +17,13 @@ from jax.sharding import Mesh
 from jaxdist.comm import hybrid
 from jaxdist.comm.cost_model import Link
 from jaxdist.meshes import STAGE_AXIS
-from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.pipeline.options import stage_data_axes
 from jaxdist.pipeline.partition import Partition, partition
 from jaxdist.pipeline.profile import Profile, layer_sizes, measure_profile, read_profile
 from jaxdist.pipeline.step import PipelineStep
 from jaxdist.run.from_config import StepParts
-from jaxdist.training.optim import smoothed_cross_entropy
 
-__all__ = ["Pipeline", "auto_partition", "enabled", "stage_modules"]
+__all__ = ["Pipeline", "auto_partition", "enabled", "stage_parts", "virtual_stages"]
 
 RESOLVED_KEY = "pipeline_boundaries"  # config.json's devices entry of an "auto" cut
 
@@ -35,22 +33,23 @@ def enabled(config: ml_collections.ConfigDict) -> bool:
     return "pipeline" in config and config.pipeline.stages > 0
 
 
-def stage_modules(
-    config: ml_collections.ConfigDict, model: Any, boundaries: Any = None
-) -> list[Any]:
-    """The model cut into ``stages x chunks`` virtual stages: equal, or at ``boundaries``
-    (default: the recipe's, which must then be a tuple)."""
+def virtual_stages(config: ml_collections.ConfigDict) -> int:
+    """Stages times model chunks per device (interleaved)."""
     p = config.pipeline
-    boundaries = p.boundaries if boundaries is None else boundaries
-    virtual = p.stages * (p.chunks if p.schedule == "interleaved" else 1)
-    if boundaries:
-        if len(boundaries) != virtual:
-            raise ValueError(
-                f"pipeline.boundaries has {len(boundaries)} entries; it needs one per "
-                f"virtual stage ({virtual}): the first layer of each"
-            )
-        return pipeline_stages.split_module(model, boundaries=tuple(boundaries))
-    return pipeline_stages.split_module(model, stages=virtual)
+    return p.stages * (p.chunks if p.schedule == "interleaved" else 1)
+
+
+def stage_parts(config: ml_collections.ConfigDict, task: Any, boundaries: Any = None) -> Any:
+    """The task's model cut into ``stages x chunks`` virtual stages: equal, or at
+    ``boundaries`` (default: the recipe's, which must then be a tuple)."""
+    boundaries = config.pipeline.boundaries if boundaries is None else boundaries
+    virtual = virtual_stages(config)
+    if boundaries and len(boundaries) != virtual:
+        raise ValueError(
+            f"pipeline.boundaries has {len(boundaries)} entries; it needs one per "
+            f"virtual stage ({virtual}): the first layer of each"
+        )
+    return task.pipeline_parts(virtual, tuple(boundaries) if boundaries else None)
 
 
 class Pipeline:
@@ -109,16 +108,9 @@ class Pipeline:
                 )
 
     def build(self, parts: StepParts, accumulation_steps: int) -> PipelineStep:
-        """The recipe's :class:`PipelineStep`: the model cut into stages, the classifier loss
-        on the last one, initialised from the whole model's variables."""
+        """The recipe's :class:`PipelineStep`: the task's model cut into stages, its loss on
+        the last one, initialised from the whole model's variables."""
         p = self.config.pipeline
-        num_classes, smoothing = parts.num_classes, parts.label_smoothing
-
-        def loss_fn(logits, micro_batch):
-            labels = micro_batch["label"]
-            loss = smoothed_cross_entropy(logits, labels, num_classes, smoothing).mean()
-            return loss, {"accuracy": (jnp.argmax(logits, -1) == labels).mean()}
-
         options = dict(parts.options)
         if options.pop("wait_free", False):
             raise ValueError("wait_free=True paces a data-parallel step's gradient buckets; a "
@@ -128,12 +120,11 @@ class Pipeline:
         if p.boundaries == "auto":
             boundaries = self._auto_boundaries(parts)
             options["links"] = None  # they priced the sends between stages, not a gradient plan
-        modules = stage_modules(self.config, parts.model, boundaries)
+        cut = stage_parts(self.config, parts.task, boundaries)
         return PipelineStep(
-            pipeline_stages.flax_stages(modules), loss_fn, parts.optimizer, self.mesh,
+            cut.stages, cut.loss, parts.optimizer, self.mesh,
             microbatches=p.microbatches, schedule=p.schedule, chunks=p.chunks,
-            stage_axis=STAGE_AXIS, inputs=parts.model_inputs,
-            split=pipeline_stages.variable_splitter(modules, parts.example),
+            stage_axis=STAGE_AXIS, inputs=cut.inputs, split=cut.split,
             accumulation_steps=accumulation_steps, **options,
         )  # fmt: skip
 
@@ -163,14 +154,18 @@ def stage_link(config: ml_collections.ConfigDict) -> tuple[Link, str]:
 def profile_for(config: ml_collections.ConfigDict, parts: StepParts, micro: int) -> Profile:
     """The recipe's ``pipeline.profile`` checked against its model, or one measured now on
     this machine at ``micro`` images per micro-batch."""
-    example = jax.ShapeDtypeStruct((micro, *parts.example.shape[1:]), parts.example.dtype)
-    description = model_description(config)
+    task = parts.task
+    if not hasattr(task, "model") or not hasattr(task, "example"):
+        raise ValueError(f"pipeline.boundaries='auto' profiles a flax model's layers, and the "
+                         f"{task.name} task has none to profile: give pipeline.boundaries")  # fmt: skip
+    example = jax.ShapeDtypeStruct((micro, *task.example.shape[1:]), task.example.dtype)
+    description = task.describe()
     if config.pipeline.profile:
         profile = read_profile(config.pipeline.profile)
-        profile.check_matches(description, micro, layer_sizes(parts.model, example))
+        profile.check_matches(description, micro, layer_sizes(task.model, example))
         return profile
     return measure_profile(
-        local_statistics(parts.model), jnp.zeros(example.shape, example.dtype),
+        local_statistics(task.model), jnp.zeros(example.shape, example.dtype),
         parts.optimizer, description=description,
     )  # fmt: skip
 
@@ -197,10 +192,3 @@ def auto_partition(config: ml_collections.ConfigDict, parts: StepParts, micro: i
               f"{cut.slowest_s * 1e3:.2f} ms per micro-batch, bubble {cut.bubble():.3f}",
               flush=True)  # fmt: skip
     return cut
-
-
-def model_description(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """What a profile records of the model it was made for."""
-    m = config.model
-    return {"name": m.name, "width": m.width, "stem": m.stem, "dtype": m.dtype,
-            "image_size": config.data.image_size}  # fmt: skip

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from jaxdist.run import pipeline_config
 from jaxdist.run.from_config import StepParts, refuse_unused
-from jaxdist.training.train_step import TrainStep, classifier_loss
+from jaxdist.training.train_step import TrainStep
 
 __all__ = ["DataParallel", "for_recipe"]
 
@@ -33,12 +33,9 @@ class DataParallel:
         """Any global batch works: the batch plan splits it into accumulation steps."""
 
     def build(self, parts: StepParts, accumulation_steps: int) -> TrainStep:
-        """The recipe's :class:`TrainStep`: the classifier loss on the whole model."""
-        loss_fn = classifier_loss(
-            parts.applied, num_classes=parts.num_classes, label_smoothing=parts.label_smoothing
-        )
+        """The recipe's :class:`TrainStep`: the task's loss on the whole model."""
         return TrainStep(
-            loss_fn,
+            parts.task.loss,
             parts.optimizer,
             self.mesh,
             data_axes=self.data_axes,

@@ -19,7 +19,10 @@ Each step:
 3. the step runs with an RNG folded from the seed and the step number, so a resumed run draws
    the same numbers as an uninterrupted one.
 
-Around the steps: periodic evaluation (top-1/top-5 on the held-out split), progress lines,
+What is trained is the recipe's task (:mod:`jaxdist.tasks`): its variables, loss, evaluation
+and data; everything here is the same for every task.
+
+Around the steps: periodic evaluation (the task's metrics on the held-out split), progress lines,
 ``metrics.jsonl``, the MLPerf event log (``events.log``, :mod:`jaxdist.run.mlperf`: one
 ``run_start`` ... ``run_stop`` across resumes) and checkpoints (:mod:`jaxdist.run.checkpoint`)
 every N steps, at the end and on SIGTERM. Only process 0 writes logs; every process takes
@@ -34,7 +37,6 @@ steps before; a process stuck on one activity is reported and ended
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -45,18 +47,14 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import Mesh
 
-from jaxdist.data import DataConfig, DatasetError, make_pipeline
-from jaxdist.data.transforms import normalize
-from jaxdist.models import init_variables
+from jaxdist.data import DatasetError
 from jaxdist.run import rerun, steps
 from jaxdist.run.checkpoint import Checkpointer
 from jaxdist.run.config import batch_stages, config_problems
 from jaxdist.run.from_config import (
-    NormalizeOnDevice,
     StepParts,
     build_lr_schedule,
     build_mesh,
-    build_model,
     build_optimizer,
     step_options,
 )
@@ -69,19 +67,25 @@ from jaxdist.run.profile import StepProfiler
 from jaxdist.run.tensorboard import check_mode
 from jaxdist.run.watchdog import Watchdog
 from jaxdist.run.workdir_lock import WorkdirLock
+from jaxdist.tasks import Replicas, Task
+from jaxdist.tasks.image_classification import ImageClassification
 from jaxdist.training.batch_schedule import BatchSchedule
 from jaxdist.training.batches import data_axes_of
-from jaxdist.training.eval_step import EvalStep, classifier_eval
+from jaxdist.training.eval_step import EvalStep
 from jaxdist.training.protocol import Step
 from jaxdist.training.train_step import TrainState
 
-__all__ = ["Trainer"]
+__all__ = ["TaskFactory", "Trainer"]
+
+# A recipe's ``get_task``: the task of a config, on the replicas the mesh gives it.
+TaskFactory = Callable[[ml_collections.ConfigDict, Replicas], Task]
 
 
 class Trainer:
     """Train ``config`` (a recipe's ConfigDict, see :func:`jaxdist.run.config.base_config`),
     writing logs and checkpoints under ``workdir``; :meth:`run` resumes from the newest
-    checkpoint there, if any. ``mesh`` replaces the recipe's (a mesh of compile-only devices,
+    checkpoint there, if any. ``task`` builds what is trained from the config (a recipe's
+    ``get_task``, see :mod:`jaxdist.tasks`; default: image classification). ``mesh`` replaces the recipe's (a mesh of compile-only devices,
     :mod:`jaxdist.aot`, lets its steps be compiled but not run). ``profile_steps=(first,
     last)`` traces those steps into ``WORKDIR/profile`` (:mod:`jaxdist.run.profile`)."""
 
@@ -91,6 +95,7 @@ class Trainer:
         workdir: str | Path,
         *,
         allow_config_change: bool = False,
+        task: TaskFactory | None = None,
         mesh: Mesh | None = None,
         profile_steps: tuple[int, int] | None = None,
     ) -> None:
@@ -98,6 +103,7 @@ class Trainer:
         self.config = config
         self.workdir = Path(workdir)
         self.allow_config_change = allow_config_change
+        self.task_factory = task or ImageClassification
         self.profiler = StepProfiler(profile_steps, self.workdir)
         with config_problems():
             self._build(config, mesh)
@@ -112,9 +118,10 @@ class Trainer:
         names = self.step_kind.data_axes
         self.data_axes = data_axes_of(self.mesh, names)  # one name, or a tuple of several
         self.num_replicas = math.prod(self.mesh.shape[a] for a in names)
-        self.pipeline = make_pipeline(DataConfig.from_dict(config.data.to_dict()))
+        self.task = self.task_factory(config, Replicas(self.data_axes, self.num_replicas))
+        self.data = self.task.data
         self.schedule = BatchSchedule(
-            batch_stages(config), dataset_size=self.pipeline.num_train_examples
+            batch_stages(config), dataset_size=self.data.num_train_examples
         )
         self.plans = self.schedule.device_plans(self.num_replicas, config.max_per_device_batch)
         self.step_kind.check_batches([b for _, b in batch_stages(config)], self.num_replicas)
@@ -130,25 +137,13 @@ class Trainer:
                 f"{self.num_replicas} data-parallel devices"
             )
 
-        self.model = build_model(config.model, self.pipeline.num_classes, self.data_axes,
-                                 self.num_replicas)  # fmt: skip
-        applied, model_inputs = self.model, lambda batch: batch["image"]
-        if config.data.dtype == "uint8":
-            applied = NormalizeOnDevice(self.model, self.pipeline.mean, self.pipeline.std)
-            mean, std = self.pipeline.mean, self.pipeline.std
-            model_inputs = lambda batch: normalize(batch["image"], mean, std)  # noqa: E731
         self.lr_fn = jax.jit(build_lr_schedule(config))
         self._parts = StepParts(
-            model=self.model,
-            applied=applied,
-            model_inputs=model_inputs,
-            num_classes=self.pipeline.num_classes,
-            label_smoothing=config.label_smoothing,
+            task=self.task,
             optimizer=build_optimizer(config.optimizer, float(self.lr_fn(0.0))),
-            example=jnp.zeros((1, *self.pipeline.image_shape), jnp.float32),
             options=step_options(config),
         )
-        self.eval_step = EvalStep(classifier_eval(applied), self.mesh, data_axes=self.data_axes)
+        self.eval_step = EvalStep(self.task.eval_sums, self.mesh, data_axes=self.data_axes)
         self._train_steps: dict[int, Step] = {}
         self._compiled_steps: list[Step] = []  # steps that ran once (compiling is not watched)
         # Steps that choose routes (auto) or send factors print their plan after a first step.
@@ -176,25 +171,23 @@ class Trainer:
         pay for the parameters the checkpoint replaces."""
         return self.train_step_for(0).abstract_init(*self._variables(abstract=True))
 
-    def _variables(self, abstract: bool) -> tuple[Any, dict]:
-        init = functools.partial(init_variables, self.model, images=self._parts.example)
+    def _variables(self, abstract: bool) -> tuple[Any, Any]:
         key = jax.random.key(self.config.seed)
-        variables = jax.eval_shape(init, key) if abstract else init(key)
-        return variables.pop("params"), dict(variables)
+        init = self.task.init_variables
+        return jax.eval_shape(init, key) if abstract else init(key)
 
     def evaluate(self, state: Any) -> dict[str, float]:
-        """Top-1 / top-5 accuracy over the whole held-out split."""
+        """The task's metrics over the whole held-out split."""
         step = self.train_step_for(0)
         params, model_state = step.whole_variables(state)
         whole = TrainState(state.step, params, model_state, opt_state=None)
         totals = None
-        with self.pipeline.eval_iterator(self.config.eval_batch_size) as batches:
+        with self.data.eval_iterator(self.config.eval_batch_size) as batches:
             for batch in batches:
                 sums = self.eval_step(whole, step.shard_batch(batch))
                 totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-        totals = jax.device_get(totals)
-        count = float(totals["count"])
-        return {"top1": float(totals["top1"]) / count, "top5": float(totals["top5"]) / count}
+        totals = {k: float(v) for k, v in jax.device_get(totals).items()}
+        return self.task.eval_metrics(totals)
 
     # ------------------------------------------------------------------ the loop
 
@@ -298,7 +291,7 @@ class Trainer:
         try:
             if self.schedule.stage_index_at(step) != loop.stage:
                 loop.stage = self.schedule.stage_index_at(step)
-                loop.iterator = open_iterator(self.pipeline, self.schedule, step, loop)
+                loop.iterator = open_iterator(self.data, self.schedule, step, loop)
                 loop.data_state = None
             batch = next(loop.iterator)
         except DatasetError as err:
@@ -370,8 +363,8 @@ class Trainer:
         return DatasetError(f"{err}; the run stopped at step {loop.step} ({ckpt.kept()})")
 
     def _evaluate_when_due(self, loop: Loop, log: RunLog) -> None:
-        """Top-1/top-5 every ``eval_every_epochs`` and at the end; the first eval at or above
-        ``target_accuracy`` is logged as reached."""
+        """The task's metrics every ``eval_every_epochs`` and at the end; the first eval whose
+        headline metric reaches ``target_accuracy`` is logged as reached."""
         every = self.config.eval_every_epochs
         previous = self.schedule.epoch_at(loop.step - 1)
         due = every > 0 and math.floor(loop.epoch / every) > math.floor(previous / every)
@@ -382,18 +375,24 @@ class Trainer:
         log.event("eval_start", epoch_num=epoch)
         loop.last_eval = self.evaluate(loop.state)
         log.event("eval_stop", epoch_num=epoch)
-        top1 = loop.last_eval["top1"]
+        headline = loop.last_eval[self.task.headline]
         log.metrics({"kind": "eval", "step": loop.step, "epoch": epoch, **loop.last_eval})
-        log.event("eval_accuracy", top1, epoch_num=epoch, step=loop.step)
-        log.progress(f"eval at epoch {epoch:.2f}: top-1 {top1:.4f}, "
-                     f"top-5 {loop.last_eval['top5']:.4f}", final=True)  # fmt: skip
-        if top1 >= self.config.target_accuracy and not loop.reached_target:
+        log.event("eval_accuracy", headline, epoch_num=epoch, step=loop.step)
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in loop.last_eval.items())
+        log.progress(f"eval at epoch {epoch:.2f}: {shown}", final=True)
+        target = self.config.target_accuracy
+        reached = headline >= target if self.task.higher_is_better else headline <= target
+        if reached and not loop.reached_target:
             loop.reached_target = True
-            log.event("target_reached", top1, epoch_num=epoch)
+            log.event("target_reached", headline, epoch_num=epoch)
 
     def _finish(self, loop: Loop, ckpt: Checkpointer, log: RunLog) -> None:
         """The final checkpoint and the ``run_stop`` event."""
         if loop.step > 0 and loop.iterator is not None:
             self._save(loop, ckpt, force=True)
             ckpt.wait()
-        log_run_stop(log, loop, self.schedule, self.total_steps, self.config.target_accuracy)
+        side = "below" if self.task.higher_is_better else "above"
+        shortfall = (
+            f"{self.task.headline} stayed {side} target_accuracy {self.config.target_accuracy}"
+        )
+        log_run_stop(log, loop, self.schedule, self.total_steps, shortfall)

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import optax
 
 __all__ = [
+    "adamw",
     "get_learning_rate",
     "lars",
     "lr_schedule",
@@ -323,7 +324,33 @@ def sgd_momentum(
     )
 
 
+def _masked_adamw(
+    learning_rate: float, b1: float, b2: float, eps: float, weight_decay: float
+) -> optax.GradientTransformation:
+    return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                       mask=decay_mask)  # fmt: skip
+
+
+def adamw(
+    learning_rate: float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-4,
+) -> optax.GradientTransformationExtraArgs:
+    """``optax.adamw`` with decoupled weight decay on ``ndim > 1`` parameters only (kernels
+    and embeddings; not norms or biases). ``learning_rate`` is the initial value of an injected hyperparameter (see the module
+    docstring)."""
+    _check_initial_learning_rate(learning_rate)
+    if eps <= 0:
+        raise ValueError(f"adamw needs eps > 0 (it divides by sqrt(v) + eps), got {eps}")
+    return optax.inject_hyperparams(_masked_adamw)(
+        learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay
+    )
+
+
 OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformationExtraArgs]] = {
+    "adamw": adamw,
     "lars": lars,
     "sgd": sgd_momentum,
 }
@@ -332,7 +359,7 @@ OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformationExtraArgs]] = {
 def make_optimizer(
     name: str, learning_rate: float, **kwargs: Any
 ) -> optax.GradientTransformationExtraArgs:
-    """Build the optimizer registered as ``name`` (``"lars"`` or ``"sgd"``); ``kwargs`` are
+    """Build the optimizer registered as ``name`` (``"adamw"``, ``"lars"`` or ``"sgd"``); ``kwargs`` are
     that optimizer's keyword arguments."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}")

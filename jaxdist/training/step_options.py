@@ -1,5 +1,6 @@
-"""What both train steps check and default alike: whether an allreduce can run over the data
-axes with its options, and whether a step donates its state."""
+"""What both train steps check and default alike: whether the optimizer is one a step can
+carry, whether an allreduce can run over the data axes with its options, and whether a step
+donates its state."""
 
 from __future__ import annotations
 
@@ -11,7 +12,27 @@ from jax.sharding import Mesh
 
 from jaxdist.comm import collectives
 
-__all__ = ["WAIT_FREE_UNROLL_LIMIT", "check_allreduce", "check_wait_free", "donation_default"]
+__all__ = [
+    "WAIT_FREE_UNROLL_LIMIT",
+    "check_allreduce",
+    "check_optimizer",
+    "check_wait_free",
+    "donation_default",
+]
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Refuse what is not an optax transformation (such as an ``nnx.Optimizer``, which holds
+    its model and state itself; the step keeps the optimizer state, so it takes the optax
+    transformation inside)."""
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return
+    kind = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+    hint = ""
+    if hasattr(optimizer, "tx"):
+        hint = " (for an nnx.Optimizer(model, tx), pass tx: the step keeps the optimizer state)"
+    raise TypeError(f"optimizer must be an optax GradientTransformation with init and update, "
+                    f"got {kind}{hint}")  # fmt: skip
 
 
 def donation_default(mesh: Mesh) -> bool:

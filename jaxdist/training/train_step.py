@@ -58,6 +58,7 @@ from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_sca
 from jaxdist.training.step_options import (
     WAIT_FREE_UNROLL_LIMIT,
     check_allreduce,
+    check_optimizer,
     check_wait_free,
     donation_default,
 )
@@ -163,6 +164,7 @@ class TrainStep:
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
         check_wait_free(wait_free, allreduce, zero1, sfb_layers)
+        check_optimizer(optimizer)
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.mesh = mesh

@@ -1,0 +1,132 @@
+"""A byte-level causal language model: a flax NNX :class:`~jaxdist.models.transformer.Transformer`
+trained to predict the next byte of text (:mod:`jaxdist.data.byte_corpus`; by default the
+Python standard library's sources), evaluated by held-out bits per byte beside the baseline of
+the training bytes' frequencies.
+
+Recipe fields it reads: ``model.num_layers``, ``d_model``, ``num_heads``, ``mlp_ratio``,
+``dropout``, ``dtype``; ``data.root`` (``""``: the standard library), ``pattern``,
+``seq_len``, ``held_out_every``, ``max_train_bytes``, ``max_eval_bytes``, ``seed`` (the
+shuffle); ``seed`` (the initial weights). ``recipes/transformer_lm.py`` is its recipe.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from jaxdist.data.byte_corpus import ByteCorpus, unigram_bits_per_byte
+from jaxdist.data.records import RecordData
+from jaxdist.models.nnx_model import NnxModel
+from jaxdist.models.transformer import Transformer
+from jaxdist.tasks.image_classification import DTYPES
+from jaxdist.tasks.task import Replicas, Task
+
+__all__ = ["LanguageModel", "data_fields", "model_fields"]
+
+VOCAB = 256  # bytes
+
+
+def model_fields() -> ml_collections.ConfigDict:
+    """The ``model`` section of a language-model recipe, with defaults."""
+    return ml_collections.ConfigDict(
+        dict(
+            name="transformer_lm",
+            num_layers=2,
+            d_model=128,
+            num_heads=4,
+            mlp_ratio=4,
+            dropout=0.0,
+            dtype="float32",
+        )  # fmt: skip
+    )
+
+
+def data_fields() -> ml_collections.ConfigDict:
+    """The ``data`` section of a language-model recipe, with defaults."""
+    return ml_collections.ConfigDict(
+        dict(
+            root="",
+            pattern="*.py",
+            seq_len=128,
+            held_out_every=20,
+            max_train_bytes=0,
+            max_eval_bytes=0,
+            seed=0,
+        )  # fmt: skip
+    )
+
+
+class LanguageModel(Task):
+    """Next-byte prediction with a decoder-only NNX transformer.
+
+    Attributes:
+      corpus: the text, split into train and held-out windows.
+      model: the transformer as pure functions (:class:`~jaxdist.models.nnx_model.NnxModel`).
+      baseline_bits_per_byte: the held-out bits per byte of the training byte frequencies.
+    """
+
+    headline = "bits_per_byte"
+    higher_is_better = False
+
+    def __init__(self, config: ml_collections.ConfigDict, replicas: Replicas) -> None:
+        m, d = config.model, config.data
+        if m.dtype not in DTYPES:
+            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {m.dtype!r}")
+        if m.d_model % m.num_heads:
+            raise ValueError(
+                f"model.d_model={m.d_model} must divide by model.num_heads={m.num_heads}"
+            )
+        self.name = m.name
+        self.corpus = ByteCorpus(d.root or None, pattern=d.pattern, seq_len=d.seq_len,
+                                 held_out_every=d.held_out_every, max_train_bytes=d.max_train_bytes,
+                                 max_eval_bytes=d.max_eval_bytes)  # fmt: skip
+        self.data = RecordData(self.corpus.records("train"), self.corpus.records("eval"),
+                               seed=d.seed)  # fmt: skip
+        targets = self.corpus.windows(self.corpus.eval_bytes)[:, 1:]
+        self.baseline_bits_per_byte = unigram_bits_per_byte(self.corpus.train_bytes, targets)
+        self._make = lambda key: Transformer(
+            vocab_size=VOCAB, max_len=d.seq_len, num_layers=m.num_layers, d_model=m.d_model,
+            num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, dropout=m.dropout,
+            dtype=DTYPES[m.dtype], rngs=nnx.Rngs(key),
+        )  # fmt: skip
+        self.model = NnxModel(nnx.eval_shape(lambda: self._make(jax.random.key(0))))
+
+    def init_variables(self, rng: jax.Array) -> tuple[Any, Any]:
+        return jax.jit(lambda key: NnxModel(self._make(key)).variables())(rng)
+
+    def _nll(self, params, model_state, tokens, rng, train):
+        tokens = tokens.astype(jnp.int32)
+        logits, model_state = self.model.apply(
+            params, model_state, tokens[:, :-1], rng=rng, train=train
+        )
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        return nll, model_state
+
+    def loss(self, params, model_state, batch, rng):
+        nll, model_state = self._nll(params, model_state, batch["tokens"], rng, train=True)
+        loss = nll.mean()
+        return loss, (model_state, {"bits_per_byte": loss / math.log(2)})
+
+    def eval_sums(self, params, model_state, batch):
+        nll, _ = self._nll(params, model_state, batch["tokens"], None, train=False)
+        mask = batch["mask"].astype(jnp.float32)
+        return {"nll": jnp.sum(nll.sum(-1) * mask), "count": jnp.sum(mask) * nll.shape[-1]}
+
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        return {
+            "bits_per_byte": totals["nll"] / totals["count"] / math.log(2),
+            "unigram_bits_per_byte": self.baseline_bits_per_byte,
+        }
+
+    def batch_spec(self, global_batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
+        return {"tokens": jax.ShapeDtypeStruct((global_batch_size, self.corpus.seq_len + 1),
+                                               jnp.uint8)}  # fmt: skip
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "seq_len": self.corpus.seq_len}

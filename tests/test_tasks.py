@@ -1,0 +1,183 @@
+"""Tasks that are not image classification through the whole trainer: the NNX byte-level
+language model (data-parallel steps equal one-device training, a resume is bitwise exact) and
+a recipe that defines its own task inline; NNX modules with dropout and BatchNorm in a step."""
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxdist import meshes
+from jaxdist.data.byte_corpus import ByteCorpus, stdlib_root, unigram_bits_per_byte
+from jaxdist.models.nnx_model import NnxModel
+from jaxdist.run.config import load_recipe, recipe_task
+from jaxdist.run.trainer import Trainer
+from jaxdist.tasks import Replicas
+from jaxdist.tasks.language_model import LanguageModel
+from jaxdist.training.train_step import TrainStep
+from tests._procs import JAXDIST, clean_env
+
+ROOT = Path(__file__).resolve().parents[1]
+LM_RECIPE = ROOT / "recipes" / "transformer_lm.py"
+
+
+@pytest.fixture(scope="module")
+def corpus_root(tmp_path_factory):
+    """A few small text files: a corpus that reads in no time."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "x", "y", "(", ")"]
+    for i in range(24):
+        lines = [" ".join(rng.choice(words, 8)) for _ in range(40)]
+        (root / f"module_{i:02d}.py").write_text("\n".join(lines))
+    return root
+
+
+def lm_config(corpus_root, **overrides):
+    config = load_recipe(LM_RECIPE)
+    config.data.root = str(corpus_root)
+    config.data.held_out_every = 4
+    config.data.seq_len = 16
+    config.data.max_train_bytes = config.data.max_eval_bytes = 0
+    config.model.num_layers, config.model.d_model, config.model.num_heads = 1, 32, 2
+    config.batch_size = 8
+    config.eval_batch_size = 16
+    config.max_steps = 6
+    config.checkpoint.every_steps = 3
+    config.checkpoint.async_save = False
+    config.log_every_steps = 2
+    config.eval_every_epochs = 0.0
+    for key, value in overrides.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+    return config
+
+
+def test_the_corpus_split_is_fixed_by_file_names_and_the_baseline_is_the_byte_entropy(
+    corpus_root,
+):
+    corpus = ByteCorpus(corpus_root, seq_len=16, held_out_every=4)
+    again = ByteCorpus(corpus_root, seq_len=16, held_out_every=4)
+    np.testing.assert_array_equal(corpus.train_bytes, again.train_bytes)
+    assert 0 < len(corpus.eval_bytes) < len(corpus.train_bytes)
+    windows = corpus.windows(corpus.train_bytes)
+    assert windows.shape[1] == 17 and windows.size <= len(corpus.train_bytes)
+    # One byte value only: the baseline is log2 of the smoothed probability of that value.
+    data = np.full(1000, 65, np.uint8)
+    expected = -math.log2(1001 / (1000 + 256))
+    assert unigram_bits_per_byte(data, data[:10]) == pytest.approx(expected)
+    assert stdlib_root().joinpath("os.py").is_file()  # the default corpus is where we look
+
+
+def test_the_language_model_data_parallel_step_equals_one_device_training(corpus_root):
+    """Two devices with the ring schedule and one device, the same global batches: the
+    gradients are means over equal shards, so the parameters agree to float rounding. (SGD:
+    Adam's first step scales each gradient to +-lr, also the attention key bias's, whose
+    gradient is zero but for rounding.)"""
+    config = lm_config(corpus_root)
+    task = LanguageModel(config, Replicas("data", 2))
+    params, model_state = task.init_variables(jax.random.key(0))
+    it = task.data.train_iterator(8)
+    batches = [next(it) for _ in range(3)]
+    it.close()
+
+    def train(mesh, **options):
+        step = TrainStep(task.loss, optax.sgd(0.5, momentum=0.9), mesh, **options)
+        state = step.init(params, model_state)
+        for batch in batches:
+            state, metrics = step(state, step.shard_batch(batch), jax.random.key(1))
+        return state, metrics
+
+    one, _ = train(meshes.ring(1, axis_name="data"))
+    two, metrics = train(meshes.ring(2, axis_name="data"), allreduce="ring", bucket_bytes=4096)
+    for a, b in zip(jax.tree.leaves(two.params), jax.tree.leaves(one.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-6)
+    assert np.isfinite(float(metrics["loss"])) and "bits_per_byte" in metrics
+
+
+def test_the_language_model_resumes_bitwise_and_reports_bits_per_byte(corpus_root, tmp_path):
+    """A run stopped after step 4 (checkpoint at 3) and resumed ends with the bits of an
+    uninterrupted run; the eval reports bits per byte beside the unigram baseline."""
+    config = lm_config(corpus_root, allreduce="ring")
+    task = recipe_task(LM_RECIPE)
+    whole = Trainer(config, tmp_path / "whole", task=task)
+    summary = whole.run()
+    assert 0 < summary["bits_per_byte"] < 9  # six steps: far from trained, but finite
+    assert summary["unigram_bits_per_byte"] == pytest.approx(whole.task.baseline_bits_per_byte)
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_4(step, state):
+        if step == 4:
+            raise Stop
+
+    with pytest.raises(Stop):
+        Trainer(config, tmp_path / "resumed", task=task).run(on_step=stop_at_4)
+    resumed = Trainer(config, tmp_path / "resumed", task=task)
+    resumed.run()
+    for a, b in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(whole.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    evals = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").open()]
+    assert [e for e in evals if e["kind"] == "eval"][-1]["bits_per_byte"] > 0
+
+
+class TinyNet(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 3, rngs=rngs)
+        self.norm = nnx.BatchNorm(3, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.norm(self.dense(x)))
+
+
+def test_an_nnx_module_with_dropout_and_batchnorm_trains_in_a_step():
+    """Its RNG streams stay out of the state (no key-typed arrays for the step to place), the
+    step's rng drives dropout, and the BatchNorm statistics come back as model state."""
+    model = NnxModel(TinyNet(nnx.Rngs(0)))
+    params, model_state = model.variables()
+
+    def loss_fn(params, model_state, batch, rng):
+        out, model_state = model.apply(params, model_state, batch["x"], rng=rng)
+        return jnp.mean(out**2), (model_state, {})
+
+    step = TrainStep(loss_fn, optax.sgd(0.1), meshes.ring(2, axis_name="data"))
+    state = step.init(params, model_state)
+    batch = {"x": np.arange(32, dtype=np.float32).reshape(8, 4) / 32}
+    state, _ = step(state, step.shard_batch(batch), jax.random.key(1))
+    assert not np.allclose(state.model_state["norm"]["mean"], 0)
+    a, _ = model.apply(state.params, state.model_state, batch["x"], rng=jax.random.key(1))
+    b, _ = model.apply(state.params, state.model_state, batch["x"], rng=jax.random.key(2))
+    assert not np.array_equal(a, b)  # dropout follows the rng it is given
+    evaluated, _ = model.apply(state.params, state.model_state, batch["x"], train=False)
+    assert np.all(np.asarray(evaluated) != 0)  # no dropout in eval mode
+    with pytest.raises(TypeError, match=r"optax GradientTransformation.*pass tx"):
+        TrainStep(loss_fn, nnx.Optimizer(TinyNet(nnx.Rngs(0)), optax.sgd(0.1), wrt=nnx.Param),
+                  meshes.ring(2, axis_name="data"))  # fmt: skip
+
+
+def test_a_recipe_with_its_own_task_trains_with_jaxdist_train(tmp_path):
+    """The README's bring-your-own-model recipe, outside the package, through the command."""
+    proc = subprocess.run(
+        [*JAXDIST, "--cpu-devices", "2", "train", str(ROOT / "examples" / "own_task.py"),
+         "--workdir", str(tmp_path), "--set", "num_epochs=5.0", "--set", "eval_every_epochs=5.0"],
+        env=clean_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "done: step 320, epoch 5.00; mse" in proc.stdout
+    evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    mse = [e["mse"] for e in evals if e["kind"] == "eval"][-1]
+    assert mse < 0.1  # sin(3x) has variance ~0.4: the MLP fitted it
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model"]["name"] == "sine_mlp"
