@@ -43,7 +43,7 @@ def model_fields() -> ml_collections.ConfigDict:
             mlp_ratio=4,
             dropout=0.0,
             dtype="float32",
-        )  # fmt: skip
+        )
     )
 
 
@@ -58,7 +58,7 @@ def data_fields() -> ml_collections.ConfigDict:
             max_train_bytes=0,
             max_eval_bytes=0,
             seed=0,
-        )  # fmt: skip
+        )
     )
 
 
