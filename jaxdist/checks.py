@@ -18,3 +18,24 @@ def positive_int(value: object, what: str, expected: str = "a positive integer")
     if not is_integer(value) or value < 1:
         raise ValueError(f"{what} must be {expected}, got {value!r}")
     return int(value)
+
+
+class MissingExtraError(ImportError):
+    """A feature needs a package that a ``jaxdist[extra]`` installs, and it is missing."""
+
+    exit_code = 1
+
+
+def pyplot(what: str):
+    """``matplotlib.pyplot`` drawing to files (the Agg backend), or one line naming the
+    extra that installs it."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise MissingExtraError(
+            f"{what} draws with matplotlib, which is not installed: pip install 'jaxdist[plot]'"
+        ) from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

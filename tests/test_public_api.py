@@ -145,3 +145,32 @@ def test_unknown_attribute_is_an_attribute_error():
 if __name__ == "__main__":
     API_DOC.write_text(api_reference())
     print(f"wrote {API_DOC}")
+
+
+def test_the_install_pulls_only_what_training_needs():
+    """No package that only a plot, a checker or a bundled dataset would need is a hard
+    dependency, and every third-party package jaxdist imports at module level is declared."""
+    import ast
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    names = {d.split(">")[0].split("[")[0].split("=")[0].strip().lower()
+             for d in project["dependencies"]}  # fmt: skip
+    assert not names & {"mlxtend", "scikit-learn", "pandas", "scipy", "matplotlib",
+                        "mlperf-logging"}, names  # fmt: skip
+    distribution = {"absl": "absl-py", "ml_collections": "ml-collections",
+                    "array_record": "array-record", "orbax": "orbax-checkpoint",
+                    "PIL": "pillow"}  # fmt: skip
+    imported = set()
+    for path in (root / "jaxdist").rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:  # module level: what every import needs
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = {m for m in imported if m not in sys.stdlib_module_names and m != "jaxdist"}
+    undeclared = {m for m in third_party if distribution.get(m, m).replace("_", "-") not in names}
+    assert undeclared == set(), undeclared

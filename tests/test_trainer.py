@@ -17,7 +17,7 @@ from jaxdist.training.protocol import Step
 from jaxdist.training.train_step import TrainStep
 from tests._procs import JAXDIST, clean_env
 
-# A tiny run on scikit-learn digits (1,438 train images of 8x8): 16 images per step until
+# A tiny run on the 8x8 digits (1,438 train images of 8x8): 16 images per step until
 # 0.05 epochs (72 samples: steps 0-4), then 32 per step from step 5.
 TINY = {
     "model.name": "resnet18",

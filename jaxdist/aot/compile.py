@@ -128,10 +128,12 @@ def _cost_analysis(compiled, lowered) -> dict:
     cost = cost[0] if isinstance(cost, list) else cost
     if cost:
         return cost
-    from jax._src.lib import _jax  # the analysis jax's CPU backend exposes
-
-    module = lowered.compiler_ir("hlo").get_hlo_module()
-    return _jax.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module)
+    cost = lowered.cost_analysis()  # XLA's generic analysis of the program as lowered
+    cost = cost[0] if isinstance(cost, list) else cost
+    if not cost:
+        raise RuntimeError("neither the compiler nor XLA's analysis of the lowered program "
+                           "counted this step's FLOPs")  # fmt: skip
+    return cost
 
 
 def _step_flops(counted: float, accumulation_steps: int) -> float:

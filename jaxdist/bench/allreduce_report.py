@@ -62,10 +62,9 @@ def save_json(result: Result, path: str) -> None:
 
 def plot(result: Result, path: str) -> None:
     """busbw against size, one line per algorithm."""
-    import matplotlib
+    from jaxdist.checks import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the allreduce benchmark's figure")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for algorithm in collectives.ALGORITHMS:

