@@ -115,11 +115,9 @@ def _call_site() -> dict[str, Any]:
     frame = inspect.currentframe()
     for _ in range(3):
         frame = frame.f_back if frame.f_back is not None else frame
-    path = Path(frame.f_code.co_filename)
-    try:
-        path = path.resolve().relative_to(_ROOT)
-    except ValueError:
-        pass
+    path = Path(frame.f_code.co_filename).resolve()
+    if path.is_relative_to(_ROOT):
+        path = path.relative_to(_ROOT)
     return {"file": str(path), "lineno": frame.f_lineno}
 
 
