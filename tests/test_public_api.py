@@ -31,31 +31,35 @@ def library_modules() -> list[str]:
 
 
 def api_reference() -> str:
-    """docs/api.md as the modules define it: per module its summary line and ``__all__``."""
+    """docs/api.md as the modules define it: per package, each module that exports names,
+    its summary line and its ``__all__``."""
     lines = [
         "# API reference",
         "",
-        "Every module of `jaxdist` that exports names (its `__all__`): what research code",
-        "should use. Everything else, including the modules not listed (the command line and",
-        "building blocks of the package's own modules), is internal and may change. The short names",
-        "`jaxdist.collectives`, `jaxdist.meshes`, `jaxdist.train_step`, ... resolve to the modules",
-        "below (`import jaxdist; jaxdist.collectives.allreduce`). This page is generated from the",
-        "code by `python tests/test_public_api.py`, and a test keeps the two in step.",
-        "",
+        "The modules of `jaxdist` that export names (their `__all__`), by package: what research",
+        "code should use, each under its one name (`from jaxdist.comm import collectives`).",
+        "Everything else (the command line, the modules not listed) is internal and may change.",
+        "Generated from the code by `python tests/test_public_api.py`; a test keeps the two in",
+        "step.",
     ]
     modules = {name: importlib.import_module(name) for name in library_modules()}
-    exporting = [name for name, module in modules.items() if module.__all__]
+    package = None
     for name, module in modules.items():
-        # A package is listed for the modules under it that export names; a module that
-        # exports nothing is internal.
-        if name == "jaxdist" or not (
-            name in exporting or any(e.startswith(name + ".") for e in exporting)
-        ):
-            continue
-        summary = _markdown((module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " "))
-        exported = ", ".join(f"`{n}`" for n in module.__all__) or "(none: see its submodules)"
-        lines += [f"## `{name}`", "", summary, "", exported, ""]
-    return "\n".join(lines)
+        if name == "jaxdist" or not module.__all__:
+            continue  # a module that exports nothing is internal
+        top = ".".join(name.split(".")[:2])
+        if top != package:
+            package = top
+            summary = _markdown(_summary(modules[top]))
+            lines += ["", f"## `{top}`", "", summary, ""]
+        exported = ", ".join(f"`{n}`" for n in module.__all__)
+        lines.append(f"- `{name}`: {_markdown(_summary(module))} {exported}")
+    return "\n".join(lines) + "\n"
+
+
+def _summary(module) -> str:
+    """A module docstring's first paragraph on one line."""
+    return (module.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
 
 
 def _markdown(rst: str) -> str:
@@ -81,70 +85,27 @@ def test_api_doc_lists_exactly_the_exported_names():
     )
 
 
-def test_short_names_resolve_lazily_to_the_modules():
+def test_modules_have_one_name_and_import_jaxdist_imports_nothing_else():
+    """No import hook and no second names: ``jaxdist.collectives`` is not a module, and
+    ``import jaxdist`` leaves JAX unimported."""
     code = (
         "import sys, jaxdist\n"
         "assert 'jax' not in sys.modules, 'import jaxdist imported jax'\n"
-        "from jaxdist import collectives, meshes, train_step as ts\n"
-        "import jaxdist.comm.collectives as canonical\n"
-        "assert jaxdist.collectives is canonical\n"
-        "assert jaxdist.collectives.allreduce is canonical.allreduce\n"
-        "assert ts.TrainStep.__module__ == 'jaxdist.training.train_step'\n"
-        "print('ok')\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False
-    )
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
-
-
-def test_every_short_name_imports_in_every_form():
-    """``import jaxdist.X`` and ``from jaxdist.X import name`` reach the same module as
-    ``jaxdist.X``, for every short name the package documents."""
-    code = (
-        "import importlib, sys, jaxdist\n"
-        "for short, real in jaxdist._MODULES.items():\n"
-        "    module = importlib.import_module('jaxdist.' + short)\n"
-        "    assert module is importlib.import_module(real), short\n"
-        "    assert getattr(jaxdist, short) is module, short\n"
-        "import jaxdist.distributed\n"
-        "from jaxdist.config import load_recipe\n"
-        "from jaxdist.trainer import Trainer\n"
-        "assert Trainer.__module__ == 'jaxdist.run.trainer'\n"
-        "assert load_recipe.__module__ == 'jaxdist.run.config'\n"
-        "assert jaxdist.distributed.initialize.__module__ == 'jaxdist.runtime.distributed'\n"
+        "assert not any(type(f).__module__.startswith('jaxdist') for f in sys.meta_path)\n"
         "try:\n"
-        "    import jaxdist.colectives\n"
+        "    import jaxdist.collectives\n"
         "except ModuleNotFoundError as err:\n"
-        "    assert err.name == 'jaxdist.colectives'\n"
+        "    assert err.name == 'jaxdist.collectives'\n"
         "else:\n"
-        "    raise AssertionError('a misspelt short name imported')\n"
+        "    raise AssertionError('a second name imported')\n"
+        "from jaxdist.comm import collectives\n"
+        "assert collectives.__name__ == 'jaxdist.comm.collectives'\n"
         "print('ok')\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=False
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
-
-
-def test_a_short_name_imports_as_the_module_it_stands_for():
-    from jaxdist.checkpoint import Checkpointer
-
-    short = importlib.import_module("jaxdist.checkpoint")
-    assert short is importlib.import_module("jaxdist.run.checkpoint") is jaxdist.checkpoint
-    assert Checkpointer is short.Checkpointer
-    with pytest.raises(ModuleNotFoundError, match=r"jaxdist\.colectives"):
-        importlib.import_module("jaxdist.colectives")
-
-
-def test_unknown_attribute_is_an_attribute_error():
-    with pytest.raises(AttributeError, match="no attribute 'colectives'"):
-        jaxdist.colectives  # noqa: B018
-
-
-if __name__ == "__main__":
-    API_DOC.write_text(api_reference())
-    print(f"wrote {API_DOC}")
 
 
 def test_the_install_pulls_only_what_training_needs():
@@ -174,3 +135,8 @@ def test_the_install_pulls_only_what_training_needs():
     third_party = {m for m in imported if m not in sys.stdlib_module_names and m != "jaxdist"}
     undeclared = {m for m in third_party if distribution.get(m, m).replace("_", "-") not in names}
     assert undeclared == set(), undeclared
+
+
+if __name__ == "__main__":
+    API_DOC.write_text(api_reference())
+    print(f"wrote {API_DOC}")

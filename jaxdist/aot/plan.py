@@ -146,9 +146,11 @@ def check_mesh_matches(spec: meshes.MeshSpec, topology: Topology) -> None:
 
 def stand_in_data(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, str]:
     """The config with a synthetic source in place of one read from disk."""
-    if config.data.get("source") not in _READS_FROM_DISK:
-        return config, f"the recipe's {config.data.source!r} data"
-    source = config.data.source
+    source = config.data.get("source")
+    if source is None:
+        return config, "the task's own data"
+    if source not in _READS_FROM_DISK:
+        return config, f"the recipe's {source!r} data"
     config = copy.deepcopy(config)
     config.data.source = "synthetic"
     config.data.root = None

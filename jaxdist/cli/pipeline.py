@@ -18,8 +18,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show = actions.add_parser(
         "show",
         help="draw a schedule's timeline: which stage runs which micro-batch at each tick",
-        description="Build the table of a pipeline schedule (GPipe, 1F1B or interleaved "
-        "1F1B) for STAGES devices and MICROBATCHES micro-batches, print it (F3: forward of "
+        description="Build the table of a pipeline schedule (GPipe, 1F1B, interleaved 1F1B, "
+        "or the asynchronous PipeDream and PipeDream-2BW, which run 1F1B's table) for STAGES devices and MICROBATCHES micro-batches, print it (F3: forward of "
         "micro-batch 3, B3.1: backward of micro-batch 3 on the device's model chunk 1, '.': "
         "idle), its bubble fraction against the formula, the most activations each "
         "stage keeps at once, and what the pipeline step's program makes of it: inputs "
@@ -27,7 +27,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     show.add_argument("--stages", type=int, required=True, help="pipeline stages (devices)")
     show.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
-    show.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or interleaved")
+    show.add_argument(
+        "--schedule", default="1f1b",
+        help="gpipe, 1f1b, interleaved, pipedream or pipedream_2bw",
+    )  # fmt: skip
     show.add_argument(
         "--chunks",
         type=int,
@@ -70,10 +73,27 @@ def show_schedule(args: argparse.Namespace) -> int:
           f"{program.messages_per_step} permutes per step "
           f"({int(program.sends_forward.sum())} forward, {int(program.sends_backward.sum())} "
           f"backward; one activation-sized message from every device in each)")  # fmt: skip
+    if schedule.name in schedules.ASYNCHRONOUS:
+        print(asynchronous_versions(schedule.name, schedule.stages))
     if args.plot:
         plot_timeline(schedule, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def asynchronous_versions(name: str, stages: int) -> str:
+    """What an asynchronous schedule keeps per stage: weight versions, and how many updates
+    old its gradients are when applied (docs/pipeline.md)."""
+    if name == "pipedream":
+        rows = [f"  stage {s}: {stages - s} weight version(s), gradients {stages - s - 1} "
+                "update(s) old" for s in range(stages)]  # fmt: skip
+        head = "pipedream: 1F1B's table, each stage updating after every backward on the " \
+               "weights stashed at its forward"  # fmt: skip
+    else:
+        rows = [f"  stage {s}: 2 weight versions, gradients 1 step old" for s in range(stages)]
+        head = "pipedream_2bw: 1F1B's table, every micro-batch on the weights one step older, " \
+               "one update per step"  # fmt: skip
+    return "\n".join([head, *rows])
 
 
 def plot_timeline(schedule, path: str) -> None:

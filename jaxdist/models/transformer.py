@@ -8,8 +8,9 @@ causal self-attention and an MLP, a final norm and a linear head over the vocabu
     logits = model(tokens)                    # [batch, length] int -> [batch, length, vocab]
 
 Layers are kept as a list (``blocks``), so spans of them can run on their own
-(:meth:`Transformer.run_span`): the embedding is layer 0, block ``i`` layer ``i + 1`` and the
-head the last layer, the convention the pipeline's stage cuts use.
+(:class:`TransformerSpan`, :meth:`Transformer.span`): the embedding is layer 0, block ``i``
+layer ``i + 1`` and the final norm with the head the last layer, the convention the
+pipeline's stage cuts use.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Block", "Transformer"]
+__all__ = ["Block", "Transformer", "TransformerSpan"]
 
 
 class Block(nnx.Module):
@@ -70,17 +71,43 @@ class Transformer(nnx.Module):
         """Layers a stage cut counts: the embedding, each block, the head."""
         return len(self.blocks) + 2
 
-    def run_span(self, x: jax.Array, start: int, stop: int) -> jax.Array:
-        """Layers ``[start, stop)``: tokens in when ``start == 0``, logits out when ``stop``
-        is :attr:`num_layers`, the residual stream in between."""
-        if start == 0:
-            positions = jnp.arange(x.shape[-1])
-            x = self.token_embed(x) + self.position_embed(positions)
-        for block in self.blocks[max(start - 1, 0) : stop - 1]:
-            x = block(x)
-        if stop == self.num_layers:
-            x = self.head(self.norm(x)).astype(jnp.float32)
-        return x
+    def span(self, start: int, stop: int) -> TransformerSpan:
+        """Layers ``[start, stop)`` as a module of their own, sharing this one's layers."""
+        return TransformerSpan(self, start, stop)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.run_span(tokens, 0, self.num_layers)
+        return _run(self, tokens, 0, self.num_layers, self.num_layers)
+
+
+class TransformerSpan(nnx.Module):
+    """Layers ``[start, stop)`` of a :class:`Transformer`: tokens in when ``start == 0``,
+    logits out when ``stop`` is the last layer, the residual stream in between. Its
+    parameters are named as in the whole model, but for ``blocks``, counted from the span's
+    first block."""
+
+    def __init__(self, model: Transformer, start: int, stop: int) -> None:
+        if not 0 <= start < stop <= model.num_layers:
+            raise ValueError(f"a span of layers [{start}, {stop}) of a transformer with "
+                             f"{model.num_layers} layers")  # fmt: skip
+        self.start, self.stop, self.total = start, stop, model.num_layers
+        if start == 0:
+            self.token_embed, self.position_embed = model.token_embed, model.position_embed
+        self.blocks = nnx.List(list(model.blocks[max(start - 1, 0) : stop - 1]))
+        if stop == model.num_layers:
+            self.norm, self.head = model.norm, model.head
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _run(self, x, self.start, self.stop, self.total)
+
+
+def _run(layers: Transformer | TransformerSpan, x: jax.Array, start: int, stop: int,
+         total: int) -> jax.Array:  # fmt: skip
+    """Layers ``[start, stop)`` of ``total``, from what ``layers`` holds of them."""
+    if start == 0:
+        positions = jnp.arange(x.shape[-1])
+        x = layers.token_embed(x) + layers.position_embed(positions)
+    for block in layers.blocks:
+        x = block(x)
+    if stop == total:
+        x = layers.head(layers.norm(x)).astype(jnp.float32)
+    return x

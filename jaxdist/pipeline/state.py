@@ -11,7 +11,7 @@ variables and the learning rate written each step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -56,16 +56,49 @@ def unstack(layout: FlatLayout, array: Any, stages: int, count: int) -> list[Any
 
 
 def join_stages(params: Sequence[dict], model_states: Sequence[dict]) -> tuple[dict, dict]:
-    """The whole model's ``(params, model_state)`` from its stages' parts, joined by name:
-    each stage owns the top-level names of its layers, under each model-state collection."""
-    whole_params: dict = {}
-    whole_state: dict = {}
-    for part in params:
-        whole_params.update(part)
-    for part in model_states:
-        for collection, tree in part.items():
-            whole_state.setdefault(collection, {}).update(tree)
-    return whole_params, whole_state
+    """The whole model's ``(params, model_state)`` from its stages' parts, joined by name at
+    every depth (stage 0's ``{"blocks": {0: ...}}`` and stage 1's ``{"blocks": {1: ...}}``
+    make ``{"blocks": {0: ..., 1: ...}}``). Two stages holding the same name, or a stage whose
+    part is not a dict, is an error: joined, one would silently replace the other."""
+    return _joined(params, "parameters"), _joined(model_states, "model state")
+
+
+def _joined(parts: Sequence[Any], what: str) -> dict:
+    whole: dict = {}
+    owner: dict[tuple, int] = {}
+
+    def merge(into: dict, part: Any, path: tuple, stage: int) -> None:
+        for key, value in part.items():
+            here = (*path, key)
+            if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+                merge(into[key], value, here, stage)
+            elif key in into:
+                name = "/".join(map(str, here))
+                first = next(owner[here[:i]] for i in range(len(here), 0, -1) if here[:i] in owner)
+                raise ValueError(
+                    f"pipeline stages {first} and {stage} both "
+                    f"hold {what} named {name!r}: name each stage's layers apart (for example "
+                    "by their index in the whole model) so the stages join into one model"
+                )
+            else:
+                into[key] = _copied(value)
+                owner[here] = stage
+
+    for stage, part in enumerate(parts):
+        if not isinstance(part, Mapping):
+            raise ValueError(
+                f"pipeline stage {stage}'s {what} are a {type(part).__name__}; the stages' "
+                "parts join into the whole model by name, so each must be a dict"
+            )
+        merge(whole, part, (), stage)
+    return whole
+
+
+def _copied(value: Any) -> Any:
+    """Dicts copied (later stages merge into them), leaves as they are."""
+    if isinstance(value, Mapping):
+        return {k: _copied(v) for k, v in value.items()}
+    return value
 
 
 def hyperparameter_positions(

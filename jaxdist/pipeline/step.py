@@ -71,6 +71,11 @@ from jaxdist.training.train_step import NO_ALLREDUCE
 __all__ = ["PipelineLossFn", "PipelineState", "PipelineStep"]
 
 
+def _image_of(batch: Any) -> jax.Array:
+    """The first stage's input when the step is given no ``inputs=``."""
+    return batch["image"]
+
+
 PipelineLossFn = Callable[[jax.Array, Any], tuple[jax.Array, dict]]
 
 
@@ -110,7 +115,7 @@ class PipelineStep:
         schedule: str = "1f1b",
         chunks: int = 1,
         stage_axis: str = "stage",
-        inputs: Callable[[Any], jax.Array] = lambda batch: batch["image"],
+        inputs: Callable[[Any], jax.Array] | None = None,
         allreduce: str = "native",
         allreduce_options: Mapping[str, Any] | None = None,
         bucket_bytes: int | None = bucketing.DEFAULT_BUCKET_BYTES,
@@ -146,7 +151,7 @@ class PipelineStep:
         self.stage_axis = stage_axis
         self.microbatches = microbatches
         self.chunks = chunks
-        self.inputs = inputs
+        self.inputs = _image_of if inputs is None else inputs
         self.allreduce = allreduce
         self.allreduce_options = dict(allreduce_options or {})
         self.bucket_bytes = bucket_bytes
@@ -310,6 +315,10 @@ class PipelineStep:
         self, state: PipelineState, batch: Any, rng: jax.Array
     ) -> tuple[PipelineState, dict]:
         check_batch_sizes(batch)
+        if self.inputs is _image_of and "image" not in batch:
+            raise ValueError(f"PipelineStep takes the first stage's input from batch['image'] "
+                             f"unless given inputs=; this batch has {sorted(batch)}: pass "
+                             "inputs=lambda batch: batch[...]")  # fmt: skip
         check_micro_batches(batch, self.microbatches, self.num_replicas)
         if self._compiled is None:
             self._compiled = self._build(state)

@@ -23,7 +23,8 @@ Fields:
     ``bn_momentum``, ``bn_epsilon`` and ``bn_group_size`` (devices per statistics group:
     ``None`` = the whole data axis, 1 = per-device BN).
   data: :class:`jaxdist.data.DataConfig` fields.
-  mesh: a preset in ``meshes/`` or a path to a mesh TOML; ``""`` = one axis over all devices.
+  mesh: a preset in ``meshes/`` or a path to a mesh TOML; ``""`` = one axis over all devices
+    (``data x stage`` over all of them when ``pipeline.stages`` is set).
   allreduce, bucket_bytes: gradient averaging (:class:`jaxdist.training.train_step.TrainStep`);
     ``allreduce="auto"`` chooses a schedule per bucket and sufficient factors per dense
     layer by the cost model on ``links``.

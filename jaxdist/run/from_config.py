@@ -37,11 +37,24 @@ OPTIMIZER_FIELDS = {
 }
 
 
-def build_mesh(name: str) -> Mesh:
-    """The recipe's mesh preset (or TOML path); ``""``: one ``data`` axis over all devices."""
-    if not name:
-        return meshes.ring(jax.device_count(), axis_name="data")
-    return meshes.build(meshes.load(name))
+def build_mesh(name: str, stages: int = 0) -> Mesh:
+    """The recipe's mesh preset (or TOML path); ``""``: all devices, as one ``data`` axis, or
+    with ``stages`` pipeline stages as ``data x stage`` (neighbouring stages on neighbouring
+    devices)."""
+    if name:
+        return meshes.build(meshes.load(name))
+    count = jax.device_count()
+    if not stages:
+        return meshes.ring(count, axis_name="data")
+    if count % stages:
+        raise ValueError(f"pipeline.stages={stages} does not divide the {count} devices; give "
+                         "a stage count that does, or a mesh (--set mesh=...)")  # fmt: skip
+    spec = meshes.from_dict({
+        "name": f"pipeline-{count // stages}x{stages}", "layout": "pipeline",
+        "axes": [{"name": "data", "size": count // stages},
+                 {"name": meshes.STAGE_AXIS, "size": stages}],
+    })  # fmt: skip
+    return meshes.build(spec)
 
 
 # Schedule fields each lr.kind reads beyond kind, peak, warmup_epochs and init_lr.

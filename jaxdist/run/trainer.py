@@ -112,7 +112,8 @@ class Trainer:
     def _build(self, config: ml_collections.ConfigDict, mesh: Mesh | None) -> None:
         """Everything the config describes: mesh, data, batch plan, model, loss, optimizer and
         the train step of every stage, so that a bad value fails here, before any training."""
-        self.mesh = build_mesh(config.mesh) if mesh is None else mesh
+        stages = config.pipeline.stages if "pipeline" in config else 0
+        self.mesh = build_mesh(config.mesh, stages) if mesh is None else mesh
         recorded = rerun.recorded_devices(self.workdir)  # e.g. a pipeline's "auto" cut
         self.step_kind = steps.for_recipe(config, self.mesh, recorded)  # the one choice of step
         names = self.step_kind.data_axes

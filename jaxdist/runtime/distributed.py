@@ -55,7 +55,7 @@ DEFAULT_HEARTBEAT_TIMEOUT_S = 60
 
 
 BACKEND_STARTED = (
-    "jaxdist.distributed.initialize() must run before JAX starts a backend, but one is already "
+    "jaxdist.runtime.distributed.initialize() must run before JAX starts a backend, but one is already "
     "running (something called jax.devices() or ran a computation first)"
 )
 

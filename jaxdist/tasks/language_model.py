@@ -12,6 +12,7 @@ shuffle); ``seed`` (the initial weights). ``recipes/transformer_lm.py`` is its r
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -24,8 +25,9 @@ from jaxdist.data.byte_corpus import ByteCorpus, unigram_bits_per_byte
 from jaxdist.data.records import RecordData
 from jaxdist.models.nnx_model import NnxModel
 from jaxdist.models.transformer import Transformer
+from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.tasks.image_classification import DTYPES
-from jaxdist.tasks.task import Replicas, Task
+from jaxdist.tasks.task import PipelineParts, Replicas, Task
 
 __all__ = ["LanguageModel", "data_fields", "model_fields"]
 
@@ -60,6 +62,44 @@ def data_fields() -> ml_collections.ConfigDict:
             seed=0,
         )
     )
+
+
+class _SpanStage:
+    """A pipeline stage of the transformer: layers ``[start, stop)``, called as
+    ``(params, model_state, x, rng) -> (y, model_state)`` on its part of the whole model's
+    trees (named as in the whole model, so the parts join back by name)."""
+
+    def __init__(self, whole: Transformer, start: int, stop: int) -> None:
+        span = whole.span(start, stop)
+        self.model = NnxModel(span)
+        self.first_block = max(start - 1, 0)
+        self.blocks = range(self.first_block, self.first_block + len(span.blocks))
+        self.names = {"token_embed", "position_embed"} if start == 0 else set()
+        if stop == whole.num_layers:
+            self.names |= {"norm", "head"}
+
+    def part(self, tree: dict) -> dict:
+        """The stage's part of a whole-model tree, block indices as in the whole model."""
+        own = {name: tree[name] for name in self.names if name in tree}
+        blocks = {i: tree["blocks"][i] for i in self.blocks if i in tree.get("blocks", {})}
+        return {**own, "blocks": blocks} if blocks else own
+
+    def _relative(self, tree: dict) -> dict:
+        if "blocks" not in tree:
+            return tree
+        blocks = {i - self.first_block: v for i, v in tree["blocks"].items()}
+        return {**tree, "blocks": blocks}
+
+    def _absolute(self, tree: dict) -> dict:
+        if "blocks" not in tree:
+            return tree
+        blocks = {i + self.first_block: v for i, v in tree["blocks"].items()}
+        return {**tree, "blocks": blocks}
+
+    def __call__(self, params, model_state, x, rng):
+        y, model_state = self.model.apply(self._relative(params), self._relative(model_state),
+                                          x, rng=rng)  # fmt: skip
+        return y, self._absolute(model_state)
 
 
 class LanguageModel(Task):
@@ -123,6 +163,31 @@ class LanguageModel(Task):
             "bits_per_byte": totals["nll"] / totals["count"] / math.log(2),
             "unigram_bits_per_byte": self.baseline_bits_per_byte,
         }
+
+    def pipeline_parts(
+        self, virtual_stages: int, boundaries: Sequence[int] | None
+    ) -> PipelineParts:
+        """The transformer cut into spans of layers (embedding, blocks, norm and head); the
+        next-byte cross-entropy on the last stage's logits."""
+        whole = nnx.eval_shape(lambda: self._make(jax.random.key(0)))
+        cuts = pipeline_stages.spans(whole.num_layers, None if boundaries else virtual_stages,
+                                     boundaries)  # fmt: skip
+        stages = [_SpanStage(whole, start, stop) for start, stop in cuts]
+
+        def loss(logits, micro_batch):
+            targets = micro_batch["tokens"][:, 1:].astype(jnp.int32)
+            value = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+            return value, {"bits_per_byte": value / math.log(2)}
+
+        def split(params, model_state):
+            return [s.part(params) for s in stages], [s.part(model_state) for s in stages]
+
+        return PipelineParts(
+            stages=stages,
+            loss=loss,
+            inputs=lambda batch: batch["tokens"][:, :-1].astype(jnp.int32),
+            split=split,
+        )
 
     def batch_spec(self, global_batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
         return {"tokens": jax.ShapeDtypeStruct((global_batch_size, self.corpus.seq_len + 1),

@@ -30,8 +30,8 @@ fuse a device's own division by the count into the addition, as XLA:CPU does wit
 multiply-add), and backward transposes each collective into one of the same size.
 
 Running statistics are updated from the group's statistics, so with groups (or per-device BN)
-they differ between devices; :func:`jaxdist.training.train_step.make_train_step` averages them over the
-data axes after every step so that evaluation sees one consistent set. Averaging every step
+they differ between devices; :class:`jaxdist.training.train_step.TrainStep` averages them over
+the data axes after every step so that evaluation sees one consistent set. Averaging every step
 equals averaging once before evaluation, because the running average is linear.
 
 Variable names (``batch_stats/mean``, ``batch_stats/var``, ``params/scale``, ``params/bias``)
