@@ -1,6 +1,6 @@
 """How long a checkpoint save of a replicated ResNet-50 train state takes in one process, with
 orbax's replica-parallel writing and without it (what jaxdist's checkpointer uses in one
-process).
+process), and what the digest of every array that jaxdist's checkpointer saves with it adds.
 
     python benchmarks/checkpoint_save.py [--rounds 3] [--devices 8] [--saves 3]
 
@@ -22,10 +22,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-SETTINGS = {"replica-parallel": True, "one writer per array": False}
+# name -> (replica-parallel writing, digests computed before the save)
+SETTINGS = {
+    "replica-parallel": (True, False),
+    "one writer per array": (False, False),
+    "one writer per array, with digests": (False, True),
+}
 
 
-def child(replica_parallel: bool, devices: int, saves: int) -> list[float]:
+def child(replica_parallel: bool, digests: bool, devices: int, saves: int) -> list[float]:
     """Seconds of each of ``saves`` saves of the state, in this (fresh) process."""
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -38,6 +43,7 @@ def child(replica_parallel: bool, devices: int, saves: int) -> list[float]:
 
     from jaxdist.models import init_variables, resnet50
     from jaxdist.run.checkpoint import state_type_handlers
+    from jaxdist.run.checkpoint_digest import array_digests
 
     model = resnet50(num_classes=1000)
     variables = init_variables(model, jax.random.key(0), np.zeros((1, 224, 224, 3), np.float32))
@@ -56,6 +62,8 @@ def child(replica_parallel: bool, devices: int, saves: int) -> list[float]:
     with tempfile.TemporaryDirectory() as folder, ocp.Checkpointer(handler) as checkpointer:
         for i in range(saves):
             start = time.perf_counter()
+            if digests:
+                array_digests(state)
             checkpointer.save(Path(folder) / str(i), args=ocp.args.PyTreeSave(state))
             seconds.append(time.perf_counter() - start)
     return seconds
@@ -67,18 +75,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write every figure to this file")
-    parser.add_argument("--child", choices=["on", "off"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=list(SETTINGS), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(args.child == "on", args.devices, args.saves)))
+        print(json.dumps(child(*SETTINGS[args.child], args.devices, args.saves)))
         return 0
 
     runs: dict[str, list[list[float]]] = {name: [] for name in SETTINGS}
     for r in range(args.rounds):
         order = list(SETTINGS) if r % 2 == 0 else list(reversed(SETTINGS))
         for name in order:
-            flag = "on" if SETTINGS[name] else "off"
-            command = [sys.executable, __file__, "--child", flag,
+            command = [sys.executable, __file__, "--child", name,
                        "--devices", str(args.devices), "--saves", str(args.saves)]  # fmt: skip
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode != 0:
@@ -92,14 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         later = statistics.median(x for s in runs[name] for x in s[1:])
         return first, later
 
-    on, off = medians("replica-parallel"), medians("one writer per array")
+    base = medians("one writer per array")
     print(f"ResNet-50 train state replicated over {args.devices} CPU devices, one process, "
           f"median of {args.rounds} rounds")  # fmt: skip
-    print("| writing | first save (s) | later saves (s) |")
-    print("|---|---|---|")
-    for name, (first, later) in (("replica-parallel", on), ("one writer per array", off)):
-        print(f"| {name} | {first:.2f} | {later:.2f} |")
-    print(f"| ratio | {on[0] / off[0]:.1f}x | {on[1] / off[1]:.1f}x |")
+    print("| writing | first save (s) | later saves (s) | against one writer per array |")
+    print("|---|---|---|---|")
+    for name in SETTINGS:
+        first, later = medians(name)
+        print(f"| {name} | {first:.2f} | {later:.2f} | "
+              f"{first / base[0]:.2f}x / {later / base[1]:.2f}x |")  # fmt: skip
     if args.json:
         record = {"devices": args.devices, "rounds": args.rounds, "seconds": runs}
         args.json.write_text(json.dumps(record, indent=2) + "\n")

@@ -214,6 +214,32 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_step
     assert_same_as_uninterrupted(workdir, uninterrupted)
 
 
+def test_os_errors_at_start_are_one_line_and_leave_no_temporary_file(recipe, tmp_path):
+    """A workdir that is a file, one under a file, and a file-size limit hit while writing
+    config.json: one line each naming the path and the reason, exit 1, nothing half-written.
+    (Permissions cannot be tried as root, which these tests may run as.)"""
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    done = train(recipe, afile)
+    assert done.returncode == 1, done.stderr
+    one_line(done.stderr, f"the workdir {afile} is a file")
+    done = train(recipe, afile / "run")
+    assert done.returncode == 1, done.stderr
+    one_line(done.stderr, f"cannot use the workdir {afile / 'run'}", "[ENOTDIR]")
+
+    workdir = tmp_path / "limited"
+
+    def limit_file_size():  # the lock file fits, config.json does not
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+
+    env = clean_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1e9")
+    done = train(recipe, workdir, env=env, preexec_fn=limit_file_size)
+    assert done.returncode == 1, done.stderr
+    one_line(done.stderr, f"cannot use the workdir {workdir}", "config.json", "[EFBIG]")
+    assert not list(workdir.glob("*.tmp")), list(workdir.iterdir())
+
+
 def test_a_non_finite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(
     recipe, tmp_path, capsys
 ):
@@ -374,6 +400,34 @@ def test_a_missing_peer_or_coordinator_is_one_line_within_the_timeout(recipe, pr
         in proc.stderr
     ), proc.stderr[-2000:]
     assert elapsed < 45, f"expected to give up soon after the 3 s timeout, took {elapsed:.1f} s"
+
+
+DISAGREEING_RECIPE = RECIPE.replace(
+    "    return c",
+    "    import os\n"
+    "    if os.environ.get('JAXDIST_PROCESS_ID') == '1':\n"
+    "        c.optimizer.weight_decay = 1e-3\n"
+    "    return c",
+)
+
+
+@pytest.mark.multiprocess
+def test_processes_given_different_configs_stop_before_training(tmp_path):
+    """Two processes of one run, one with another weight decay: both stop in one line
+    naming the key and the process, exit 2, nothing trained or saved."""
+    recipe = tmp_path / "disagree.py"
+    recipe.write_text(DISAGREEING_RECIPE)
+    workdir = tmp_path / "run"
+    done = subprocess.run(
+        [*JAXDIST, "launch", "--processes", "2", "--devices-per-process", "1", "--",
+         *JAXDIST, "train", str(recipe), "--workdir", str(workdir)],
+        env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-3000:]
+    refusals = [line for line in done.stdout.splitlines() if "differ from process 0" in line]
+    assert len(refusals) == 2, done.stdout[-3000:]  # one line from each process
+    assert all("process 1: config.optimizer.weight_decay" in line for line in refusals)
+    assert not (workdir / "checkpoints").exists() and not (workdir / "metrics.jsonl").exists()
 
 
 MULTI_RECIPE = RECIPE.replace("c.max_steps = 8", "c.max_steps = 24")

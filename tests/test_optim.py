@@ -220,7 +220,7 @@ def test_learning_rate_is_set_per_step_inside_jit(name):
     """The train-step pattern: LR from the epoch schedule, written into the state under jit,
     also through optax.MultiSteps (gradient accumulation)."""
     schedule = optim.lr_schedule("poly", 4.0, 1.0, 3.0, end_lr=0.0, power=1.0)
-    kwargs = {"weight_decay": 0.0, "momentum": 0.0}
+    kwargs = {"weight_decay": 0.0} | ({} if name == "adamw" else {"momentum": 0.0})
     tx = optax.MultiSteps(optim.make_optimizer(name, float(schedule(0.0)), **kwargs), 1)
     params = _params()
     state = tx.init(params)
@@ -242,9 +242,33 @@ def test_learning_rate_is_set_per_step_inside_jit(name):
 
 
 def test_make_optimizer_errors():
-    with pytest.raises(ValueError, match="unknown optimizer 'adamw'"):
-        optim.make_optimizer("adamw", 0.1)
+    with pytest.raises(ValueError, match="unknown optimizer 'adam'; expected one of"):
+        optim.make_optimizer("adam", 0.1)
+    with pytest.raises(ValueError, match=r"adamw needs eps > 0"):
+        optim.make_optimizer("adamw", 0.1, eps=0.0)
     with pytest.raises(TypeError, match="learning_rate must be a number"):
         optim.make_optimizer("lars", lambda count: 0.1, weight_decay=0.0)
     with pytest.raises(KeyError, match="no 'learning_rate'"):
         optim.set_learning_rate(optax.sgd(0.1).init(_params()), 0.2)
+
+
+def test_steps_that_shard_the_optimizer_refuse_updates_that_need_the_whole():
+    """ZeRO-1 gives each device a slice of one flat vector; a pipeline gives each stage its
+    own layers. An optimizer whose update would change is refused in one line, not run."""
+    from jaxdist import meshes
+    from jaxdist.training.step_options import check_shardable
+    from jaxdist.training.train_step import TrainStep
+
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    for element_wise in (optax.sgd(0.1, 0.9), optax.adam(1e-3), optax.adamw(1e-3)):
+        check_shardable(element_wise, by="elements")
+    for per_layer in (optim.lars(0.1, 1e-4), optim.sgd_momentum(0.1), optax.adam(1e-3)):
+        check_shardable(per_layer, by="stages")
+    for whole in (clipped, optim.lars(0.1, 1e-4), optim.adamw(1e-3, weight_decay=1e-2)):
+        with pytest.raises(ValueError, match=r"ZeRO-1 .* must be element-wise"):
+            check_shardable(whole, by="elements")
+    with pytest.raises(ValueError, match=r"a pipeline updates each stage's layers on their own"):
+        check_shardable(clipped, by="stages")
+    with pytest.raises(ValueError, match=r"changes when it sees the parameters in parts") as err:
+        TrainStep(lambda *a: None, clipped, meshes.ring(2, axis_name="data"), zero1=True)
+    assert "\n" not in str(err.value)

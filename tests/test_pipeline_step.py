@@ -325,3 +325,24 @@ def test_cross_replica_batchnorm_over_the_data_axis_equals_data_parallel_trainin
     got_params, got_states = step.unstack(state)
     assert_trees_close((got_params, got_states), (want.params, want.model_state))
     np.testing.assert_allclose(metrics["loss"], want_metrics["loss"], rtol=1e-5)
+
+
+def test_a_stateless_stage_may_be_a_function_of_params_and_input():
+    """``(params, x) -> y`` stages with no model state or randomness: two dense layers as
+    plain functions train as the one-device model does."""
+    rng = np.random.default_rng(0)
+    params = [{"w": jnp.asarray(rng.standard_normal((6, 8)) * 0.3, jnp.float32)},
+              {"w": jnp.asarray(rng.standard_normal((8, WIDTHS[-1])) * 0.3, jnp.float32)}]  # fmt: skip
+    stages = [lambda p, x: jnp.tanh(x @ p["w"]), lambda p, x: x @ p["w"]]
+    batch = data(n=8)
+    step = PipelineStep(stages, cross_entropy, optax.sgd(0.5), stage_mesh(2), microbatches=2,
+                        inputs=lambda b: b["x"])  # fmt: skip
+    state = step.init(params, [{}, {}])
+    state, _ = step(state, step.shard_batch(batch), jax.random.key(0))
+
+    def whole(params):
+        return cross_entropy(stages[1](params[1], stages[0](params[0], batch["x"])), batch)[0]
+
+    want = jax.tree.map(lambda p, g: p - 0.5 * g, params, jax.grad(whole)(params))
+    for got, expected in zip(step.unstack(state)[0], want, strict=True):
+        np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(expected["w"]), atol=2e-6)

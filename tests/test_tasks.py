@@ -231,3 +231,36 @@ def test_stages_join_by_name_at_every_depth_and_refuse_what_would_be_lost():
         ValueError, match=r"stage 1's parameters are a list; .* each must be a dict"
     ):
         join_stages([{"a": 1}, [1, 2, 3]], [{}, {}])
+
+
+def test_the_nnx_language_model_trains_with_zero1_and_in_bfloat16(corpus_root):
+    """ZeRO-1 (an element-wise optimizer, state sharded over 2 devices) gives the parameters
+    of the replicated update; ``model.dtype=bfloat16`` computes in bfloat16 and keeps
+    float32 parameters."""
+    config = lm_config(corpus_root)
+    task = LanguageModel(config, Replicas("data", 2))
+    params, _ = task.init_variables(jax.random.key(0))
+    it = task.data.train_iterator(8)
+    batches = [next(it) for _ in range(2)]
+    it.close()
+    mesh = meshes.ring(2, axis_name="data")
+
+    def train(task, **options):
+        step = TrainStep(task.loss, optax.sgd(0.5, momentum=0.9), mesh, allreduce="ring", **options)
+        state = step.init(*task.init_variables(jax.random.key(0)))
+        for batch in batches:
+            state, metrics = step(state, step.shard_batch(batch), jax.random.key(1))
+        return state, metrics
+
+    replicated, _ = train(task)
+    sharded, _ = train(task, zero1=True)
+    for a, b in zip(
+        jax.tree.leaves(sharded.params), jax.tree.leaves(replicated.params), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-6)
+
+    half = LanguageModel(lm_config(corpus_root, **{"model.dtype": "bfloat16"}), Replicas("data", 2))
+    state, metrics = train(half)
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {jnp.float32}
+    assert np.isfinite(float(metrics["loss"]))
+    assert len(params) == len(state.params)

@@ -268,3 +268,22 @@ def test_cli_inspects_both(hf_dir, tfds_dir, capsys):
     assert "train: 15 images" in text and "verified: all 21 images decode" in text
     assert cli_main(["data", "inspect", "tfds:no_such_set", "--root", str(tfds_dir)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_damaged_save_to_disk_folder_is_one_line(tmp_path):
+    """A save_to_disk folder whose split lost its .arrow file: one line naming the dataset."""
+    root = tmp_path / "damaged"
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=["a"])}
+    )
+    table = datasets.Dataset.from_dict(
+        {"image": [np.zeros((8, 8, 3), np.uint8)], "label": [0]}, features=features
+    )
+    datasets.DatasetDict({"train": table}).save_to_disk(str(root))
+    for arrow in root.rglob("*.arrow"):
+        arrow.unlink()
+    with pytest.raises(
+        DatasetError, match=r"damaged \(a save_to_disk folder\) cannot be read: \w+"
+    ) as err:
+        HuggingFaceSource(str(root), "train")
+    assert "\n" not in str(err.value)

@@ -149,7 +149,11 @@ def get_config():
 
 
 @pytest.mark.multiprocess
-def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
+@pytest.mark.parametrize(
+    ("signum", "code", "said"),
+    [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "stopped by Ctrl-C")],
+)
+def test_sigterm_and_ctrl_c_save_a_checkpoint_before_exit(tmp_path, signum, code, said):
     recipe = tmp_path / "tiny.py"
     recipe.write_text(SIGTERM_RECIPE)
     workdir = tmp_path / "run"
@@ -169,12 +173,10 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
             break
         time.sleep(0.5)
     assert proc.poll() is None, f"training exited early:\n{proc.communicate()[0]}"
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     output, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 143, (
-        f"expected exit 143 after SIGTERM, got {proc.returncode}:\n{output}"
-    )
-    assert "stopped by SIGTERM" in output
+    assert proc.returncode == code, f"expected exit {code}, got {proc.returncode}:\n{output}"
+    assert said in output and "Traceback" not in output, output
     steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
     assert steps, f"no checkpoint written; output:\n{output}"
     logged = max(json.loads(x)["step"] for x in metrics.read_text().splitlines())
@@ -183,6 +185,7 @@ def test_sigterm_saves_a_checkpoint_before_exit(tmp_path):
     assert meta["step"] == steps[-1] and meta["samples_seen"] == 16 * steps[-1]
     stop = json.loads((workdir / "events.log").read_text().splitlines()[-1].split(" ", 1)[1])
     assert stop["key"] == "run_stop" and stop["metadata"]["status"] == "aborted"
+    assert stop["metadata"]["reason"] == f"preempted ({signal.Signals(signum).name})"
 
 
 def test_a_finished_run_rerun_says_so_and_appends_nothing(tmp_path, capsys):
@@ -215,3 +218,32 @@ def test_cli_names_the_workdir_and_what_to_run_next(tmp_path):
     text = where_results_are(tmp_path / "run")
     for part in ("metrics.jsonl", "events.log", "checkpoints/", f"jaxdist plot {tmp_path}/run"):
         assert part in text, text
+
+
+def test_the_config_travels_with_the_checkpoint(tmp_path, capsys):
+    """config.json deleted or replaced after a checkpoint: the rerun is compared with what the
+    checkpoint was trained with, refused in one line when it differs, and config.json is
+    written again from the checkpoint when it does not."""
+    from jaxdist.run.rerun import ConfigChangedError
+
+    workdir = tmp_path / "run"
+    with pytest.raises(Crash):
+        Trainer(tiny_config(), workdir).run(on_step=_crash_at(4))
+    recorded = (workdir / "config.json").read_text()
+
+    (workdir / "config.json").unlink()
+    with pytest.raises(
+        ConfigChangedError, match=r"the checkpoints in .*\(lr\.peak: 0\.2 -> 0\.3\)"
+    ):
+        Trainer(tiny_config(**{"lr.peak": 0.3}), workdir).run()
+    assert not (workdir / "config.json").exists()  # nothing written by the refused rerun
+
+    (workdir / "config.json").write_text(recorded.replace('"peak": 0.2', '"peak": 0.3'))
+    with pytest.raises(ConfigChangedError, match=r"lr\.peak: 0\.2 -> 0\.3"):
+        Trainer(tiny_config(**{"lr.peak": 0.3}), workdir).run()
+    capsys.readouterr()
+    summary = Trainer(tiny_config(), workdir).run()
+    out = capsys.readouterr().out
+    assert "config.json differed from what the checkpoints were trained with" in out
+    assert "resumed from step 3" in out and summary["step"] == 7
+    assert json.loads((workdir / "config.json").read_text()) == json.loads(recorded)

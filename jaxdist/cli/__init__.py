@@ -152,9 +152,16 @@ def run_subcommand(args: argparse.Namespace) -> int:
     """Run the parsed subcommand. An error the toolkit knows (its class has an ``exit_code``:
     2 for a bad command or config, 1 for a failure at run time) prints one line naming the
     problem and exits with that code; with ``JAXDIST_TRACEBACK=1`` it raises with its stack.
-    Anything else is a bug and keeps its traceback."""
+    Ctrl-C that reaches here (a second one during training, or one elsewhere) is one line and
+    exit 130. Anything else is a bug and keeps its traceback."""
     try:
         return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+            raise
+        print(f"\njaxdist {args.command}: stopped by Ctrl-C; what was saved before it is kept",
+              file=sys.stderr)  # fmt: skip
+        return 130
     except Exception as err:
         code = getattr(err, "exit_code", None)
         if code is None or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):

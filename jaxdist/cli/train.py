@@ -11,6 +11,7 @@ __all__: list[str] = []
 # Exit status of a run stopped by SIGTERM after saving its checkpoint (128 + 15, the shell's
 # convention), so a job scheduler sees that it did not finish.
 PREEMPTED_EXIT_CODE = 143
+INTERRUPTED_EXIT_CODE = 130  # Ctrl-C (SIGINT): 128 + 2
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -71,15 +72,19 @@ def run_train(args: argparse.Namespace) -> int:
 
     workdir = Path(args.workdir or Path("runs") / path.stem)
     trainer = Trainer(config, workdir, allow_config_change=args.allow_config_change,
-                      task=config_lib.recipe_task(path), profile_steps=steps)  # fmt: skip
+                      task=config_lib.recipe_task(path), recipe=path,
+                      profile_steps=steps)  # fmt: skip
     if args.print_config:
         print(config)
         return 0
     summary = trainer.run()
     if summary["preempted"]:
-        print(f"jaxdist train: stopped by SIGTERM at step {summary['step']}; checkpoint saved")
-        return PREEMPTED_EXIT_CODE
-    skip = ("step", "epoch", "preempted", "already_finished")
+        by = summary.get("stopped_by") or "SIGTERM"
+        shown = "Ctrl-C" if by == "SIGINT" else by
+        print(f"jaxdist train: stopped by {shown} at step {summary['step']}; checkpoint saved; "
+              "rerun the same command to resume")  # fmt: skip
+        return INTERRUPTED_EXIT_CODE if by == "SIGINT" else PREEMPTED_EXIT_CODE
+    skip = ("step", "epoch", "preempted", "stopped_by", "already_finished")
     evals = ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if k not in skip)
     done = "already finished" if summary.get("already_finished") else "done"
     print(f"{done}: step {summary['step']}, epoch {summary['epoch']:.2f}"

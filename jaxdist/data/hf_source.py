@@ -112,7 +112,11 @@ def _open_split(datasets: Any, dataset: str, split: str, cache_dir: str | None) 
     """``(the dataset's split name, its Dataset)``, or one line on what is wrong."""
     where = f"hf dataset {dataset}"
     if (Path(dataset) / "dataset_dict.json").is_file():  # written by DatasetDict.save_to_disk
-        splits = datasets.load_from_disk(dataset)
+        try:
+            splits = datasets.load_from_disk(dataset)
+        except Exception as err:  # a split folder with a missing or damaged .arrow file, ...
+            raise DatasetError(f"{where} (a save_to_disk folder) cannot be read: "
+                               f"{first_line(err)}") from err  # fmt: skip
         name = dataset_split(list(splits), split, where)
         return name, splits[name]
     try:

@@ -34,6 +34,7 @@ __all__ = [
     "StageFn",
     "cut",
     "flax_stages",
+    "full_stage",
     "init_flax_stages",
     "spans",
     "split_module",
@@ -42,6 +43,25 @@ __all__ = [
 ]
 
 StageFn = Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+
+def full_stage(fn: Callable) -> StageFn:
+    """``fn`` as a :data:`StageFn`: a stateless ``(params, x) -> y`` (two positional
+    parameters) gets the model state and rng it ignores; any other ``fn`` is one already."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a C function): take it as it is
+        return fn
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) != 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters):
+        return fn
+
+    def stage(params, model_state, x, rng):
+        return fn(params, x), model_state
+
+    return stage
 
 
 class FlatLayout:

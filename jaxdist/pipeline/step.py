@@ -55,7 +55,7 @@ from jaxdist.pipeline.options import (
 )
 from jaxdist.pipeline.passes import activation_layout, mean_over_data_axes, run_schedule, update
 from jaxdist.pipeline.program import Program, compile_schedule
-from jaxdist.pipeline.stages import ActivationLayout, FlatLayout, StageFn
+from jaxdist.pipeline.stages import ActivationLayout, FlatLayout, StageFn, full_stage
 from jaxdist.pipeline.state import PipelineState
 from jaxdist.runtime import dispatch
 from jaxdist.training.batches import (
@@ -65,7 +65,12 @@ from jaxdist.training.batches import (
     split_micro_batches,
 )
 from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_scaled_step
-from jaxdist.training.step_options import check_allreduce, check_optimizer, donation_default
+from jaxdist.training.step_options import (
+    check_allreduce,
+    check_optimizer,
+    check_shardable,
+    donation_default,
+)
 from jaxdist.training.train_step import NO_ALLREDUCE
 
 __all__ = ["PipelineLossFn", "PipelineState", "PipelineStep"]
@@ -83,10 +88,13 @@ class PipelineStep:
     """A jitted pipeline-parallel train step on ``mesh``; see the module docstring.
 
     Args:
-      stages: one function per virtual stage, ``stages * chunks`` of them in pipeline order.
+      stages: one function per virtual stage, ``stages * chunks`` of them in pipeline order:
+        ``(params, model_state, x, rng) -> (y, model_state)``, or ``(params, x) -> y`` for a
+        stage without model state or randomness.
       loss_fn: ``(outputs, micro_batch) -> (loss, metrics)``, the mean loss of a micro-batch.
       optimizer: any optax transformation; it sees one stage's parameter tree at a time, so
-        per-layer rules (LARS) work.
+        per-layer rules (LARS) work, and rules over all layers (global-norm clipping) are
+        refused in one line.
       mesh: a mesh with a ``stage_axis``; its other axes are data axes.
       microbatches: micro-batches per device per step; the per-device batch must divide by it.
       schedule: one of :data:`jaxdist.pipeline.schedules.SCHEDULES`.
@@ -131,6 +139,7 @@ class PipelineStep:
     ):
         refuse_unsupported(allreduce, sfb_layers, links, accumulation_steps, zero1)
         check_optimizer(optimizer)
+        check_shardable(optimizer, by="stages")
         asynchronous.check_options(schedule, loss_scale, skip_nonfinite, chunks)
         self.data_axes = stage_data_axes(mesh, stage_axis)
         self.num_stages = mesh.shape[stage_axis]
@@ -144,7 +153,7 @@ class PipelineStep:
         if allreduce != NO_ALLREDUCE and self.data_axes:
             check_allreduce(mesh, self.reduce_axes, allreduce, dict(allreduce_options or {}))
         self.schedule = schedule
-        self.stages = list(stages)
+        self.stages = [full_stage(fn) for fn in stages]
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.mesh = mesh

@@ -7,7 +7,9 @@ with three items per step:
   statistics, optimizer state with its injected learning rate, loss scale), written by every
   process for its own shards and restored straight onto the mesh's shardings;
 * ``data`` -- the input iterator's :meth:`~jaxdist.data.BatchIterator.get_state` (JSON);
-* ``meta`` -- where the run is: step, samples seen, epoch, batch-size stage (JSON).
+* ``meta`` -- where the run is: step, samples seen, epoch, batch-size stage, and the config
+  record it was trained with (``config.json``'s content, so a workdir whose ``config.json`` is
+  missing or replaced is still compared with what its checkpoints were trained with) (JSON).
 
 Saves are asynchronous (orbax copies the arrays to host memory before ``save`` returns and
 writes them in a background thread, so the next step may donate the device buffers), happen
@@ -24,6 +26,7 @@ would differ alike. A preemption (SIGTERM) saves through :mod:`jaxdist.run.preem
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import warnings
@@ -36,6 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxdist.run.checkpoint_digest import array_digests, check_digests
 from jaxdist.run.checkpoint_noise import failures_reported, unawaited_coroutine_warnings_hidden
 from jaxdist.run.log import describe_error
 
@@ -160,10 +164,11 @@ class Checkpointer:
         if step in self.manager.all_steps():
             return False  # already saved (e.g. the grid step was also the last one)
         self.wait()  # the previous save's failure is reported as its own
+        digests = array_digests(state)  # before the save: the state may be donated after it
         args = ocp.args.Composite(
             state=ocp.args.PyTreeSave(state),
             data=ocp.args.JsonSave(dict(data_state)),
-            meta=ocp.args.JsonSave({**meta, "step": int(step)}),
+            meta=ocp.args.JsonSave({**meta, "step": int(step), "digests": digests}),
         )
         self._writing = step
         try:
@@ -222,7 +227,8 @@ class Checkpointer:
         step, restored = found
         if failures:
             self._move_aside([s for s, _ in failures], restored_step=step)
-        return step, restored.state, dict(restored.data), dict(restored.meta)
+        meta = {k: v for k, v in dict(restored.meta).items() if k != "digests"}  # ours to check
+        return step, restored.state, dict(restored.data), meta
 
     @property
     def unreadable_directory(self) -> Path:
@@ -245,6 +251,7 @@ class Checkpointer:
         )
         if dict(restored.meta).get("step") != step:
             raise ValueError(f"meta says step {restored.meta.get('step')}, folder says {step}")
+        check_digests(restored.state, dict(restored.meta).get("digests"))
         return restored
 
     def _check_same_arrays(self, step: int, abstract_state: Any) -> None:
@@ -332,6 +339,21 @@ class Checkpointer:
             f"cannot write the checkpoint of step {step} to {self.directory} "
             f"({_os_error(err)}); {kept}"
         )
+
+
+def newest_config_record(directory: Path) -> tuple[int, dict] | None:
+    """``(step, config record)`` saved in the meta of the newest complete checkpoint under
+    ``directory``, read without restoring anything; ``None`` when there is none (or it
+    predates config records, or cannot be read: the restore then decides)."""
+    steps = sorted((int(p.name) for p in Path(directory).glob("*") if p.name.isdigit()),
+                   reverse=True) if Path(directory).is_dir() else []  # fmt: skip
+    for step in steps:
+        try:
+            meta = json.loads((Path(directory) / str(step) / "meta" / "metadata").read_text())
+        except (OSError, ValueError):
+            continue
+        return (step, meta["config"]) if isinstance(meta.get("config"), dict) else None
+    return None
 
 
 def _os_error(err: Exception) -> str:

@@ -13,8 +13,26 @@ from jaxdist.run.tensorboard import SummaryWriter
 
 __all__ = [
     "RunLog",
+    "WorkdirError",
     "read_metrics",
 ]
+
+
+class WorkdirError(RuntimeError):
+    """The run's files cannot be created, read or written (permissions, a read-only or full
+    file system, a file-size limit, a workdir that is a file): one line, exit 1."""
+
+    exit_code = 1
+
+    @classmethod
+    def from_os_error(cls, err: OSError, workdir: Path) -> WorkdirError:
+        """What failed, where, and the operating system's reason."""
+        import errno as errno_names
+
+        code = errno_names.errorcode.get(err.errno, "") if err.errno else ""
+        reason = f"{err.strerror or err} [{code}]" if code else str(err.strerror or err)
+        where = f"{err.filename}: " if err.filename else ""
+        return cls(f"cannot use the workdir {workdir}: {where}{reason}")
 
 
 def format_duration(seconds: float) -> str:

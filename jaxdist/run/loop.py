@@ -37,6 +37,7 @@ class Loop:
     last_eval: dict = dataclasses.field(default_factory=dict)
     reached_target: bool = False
     preempted: bool = False
+    stopped_by: str = ""  # the signal that preempted the run: SIGTERM or SIGINT (Ctrl-C)
 
 
 def report(loop: Loop, log: RunLog, total_steps: int) -> list[dict]:

@@ -166,7 +166,8 @@ def log_run_stop(log: Any, loop: Any, schedule: Any, total_steps: int, shortfall
     with ``shortfall`` as the reason."""
     where = {"step": loop.step, "epoch": loop.epoch}
     if loop.preempted:
-        log.event(keys.RUN_STOP, status=keys.ABORTED, reason="preempted (SIGTERM)", **where)
+        reason = f"preempted ({loop.stopped_by or 'SIGTERM'})"
+        log.event(keys.RUN_STOP, status=keys.ABORTED, reason=reason, **where)
         return
     epoch_events(log, schedule, loop.step, total_steps)
     if loop.reached_target:

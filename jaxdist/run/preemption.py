@@ -1,5 +1,7 @@
-"""Preemption: SIGTERM becomes a flag that the training loop checks after each step, so that
-the checkpoint is written from a consistent state and not from inside a signal handler."""
+"""Preemption and Ctrl-C: SIGTERM, or a first Ctrl-C (SIGINT), becomes a flag that the training
+loop checks after each step, so that the checkpoint is written from a consistent state and
+not from inside a signal handler. A second Ctrl-C stops at once (``KeyboardInterrupt``); the
+checkpoints written before it are kept."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ log = logging.getLogger(__name__)
 
 
 class PreemptionGuard:
-    """Turns SIGTERM into ``preempted`` being true at the next step boundary.
+    """Turns SIGTERM, or a first Ctrl-C, into ``preempted`` being true at the next step
+    boundary; ``signal_name`` says which.
 
     With several processes a signal reaches them at different steps, so they would stop at
     different steps and the save would hang; there orbax's ``reached_preemption`` (JAX's
@@ -27,20 +30,29 @@ class PreemptionGuard:
     def __init__(self, manager: ocp.CheckpointManager | None = None) -> None:
         self._manager = manager
         self._signalled = False
-        self._previous = None
+        self._previous: dict[int, Any] = {}
+        self.signal_name = "SIGTERM"
 
     def __enter__(self) -> PreemptionGuard:
         if jax.process_count() == 1:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
 
     def _handle(self, signum: int, frame: Any) -> None:
-        log.warning("SIGTERM received: saving a checkpoint after this step, then stopping")
+        self.signal_name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            # The next Ctrl-C is Python's own: it stops at once, older checkpoints kept.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            print("\nCtrl-C: finishing this step and saving a checkpoint, then stopping "
+                  "(Ctrl-C again to stop at once)", flush=True)  # fmt: skip
+        else:
+            log.warning("SIGTERM received: saving a checkpoint after this step, then stopping")
         self._signalled = True
 
     def preempted(self, step: int) -> bool:

@@ -32,6 +32,9 @@ from jaxdist.run.config import ConfigError, base_config
 __all__ = [
     "ConfigChangedError",
     "check_rerun",
+    "config_record",
+    "record_note",
+    "recorded_config",
 ]
 
 CONFIG_FILE = "config.json"
@@ -145,6 +148,36 @@ def recorded_devices(workdir: str | Path) -> dict[str, Any]:
         return {}
 
 
+def config_record(config: ml_collections.ConfigDict, devices: dict[str, Any] | None) -> dict:
+    """What ``config.json`` holds: the config, and the ``devices`` the run resolved."""
+    return {**config.to_dict(), **({RESOLVED: dict(devices)} if devices else {})}
+
+
+def recorded_config(workdir: str | Path) -> dict[str, Any] | None:
+    """``config.json`` of ``workdir`` flattened, or ``None`` when it is missing or is not
+    a config jaxdist wrote."""
+    path = Path(workdir) / CONFIG_FILE
+    try:
+        return flatten(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+        return None
+
+
+def record_note(workdir: str | Path, trained_with: dict[str, Any], step: int) -> str | None:
+    """The line to print when ``config.json`` is missing, or differs from the record the
+    checkpoint of ``step`` was trained with in more than what a rerun may change (and so is
+    rewritten from it), else ``None``."""
+    found = recorded_config(workdir)
+    if found is not None and all(map(_is_safe, differences(flatten(trained_with), found))):
+        return None
+    what = (
+        "was missing" if found is None else "differed from what the checkpoints were trained with"
+    )
+    return f"{CONFIG_FILE} {what}; compared with the checkpoint of step {step} and written from it"
+
+
 def check_rerun(
     workdir: str | Path,
     config: ml_collections.ConfigDict,
@@ -152,6 +185,7 @@ def check_rerun(
     allow_change: bool = False,
     write: bool = True,
     devices: dict[str, Any] | None = None,
+    trained_with: dict[str, Any] | None = None,
 ) -> list[Difference]:
     """Record ``config`` in a new workdir, or check it against the recorded one.
 
@@ -162,14 +196,21 @@ def check_rerun(
     ``write=False`` checks without writing (the processes other than 0). ``devices`` is what
     the run resolved on this machine (``{"mesh": "data=8"}``), recorded and compared as the
     ``devices`` section.
+
+    ``trained_with`` is the record saved in the workdir's newest checkpoint (:func:`config_record`):
+    when given, ``config`` is compared against it rather than against ``config.json``, and a
+    ``config.json`` that is missing or says otherwise is rewritten (:func:`record_note`
+    says so in one line).
     """
     workdir = Path(workdir)
     path = workdir / CONFIG_FILE
-    record = {**config.to_dict(), **({RESOLVED: dict(devices)} if devices else {})}
+    record = config_record(config, devices)
     new = flatten(record)
     accepted: list[Difference] = []
     compared = path.exists() and _has_progress(workdir)
-    if compared:
+    if trained_with is not None:
+        recorded, compared = flatten(trained_with), True
+    elif compared:
         try:
             recorded = flatten(json.loads(path.read_text()))
         except (json.JSONDecodeError, AttributeError) as err:
@@ -177,15 +218,18 @@ def check_rerun(
                 f"{path} is not a config written by jaxdist ({err}); move it aside to record "
                 "this run's config afresh"
             ) from err
+    if compared:
         accepted = differences(recorded, new)
         refused = [d for d in accepted if not _is_safe(d)]
         if refused and not allow_change:
+            holder = "the checkpoints in " if trained_with is not None else ""
             raise ConfigChangedError(
-                f"{workdir} holds a run started with another config ({_describe(refused)}); "
+                f"{holder}{workdir} holds a run started with another config ({_describe(refused)}); "
                 "resuming would mix the two: use a new --workdir, or pass "
                 "--allow-config-change to continue and record the change"
             )
-    if write and (accepted or not compared):  # an unchanged rerun leaves the record as it is
+    stale = trained_with is not None and recorded_config(workdir) != new
+    if write and (accepted or not compared or stale):  # an unchanged rerun leaves it as it is
         workdir.mkdir(parents=True, exist_ok=True)
         if accepted:
             change = {
@@ -195,6 +239,11 @@ def check_rerun(
             with open(workdir / CHANGES_FILE, "a") as changes:
                 changes.write(json.dumps(change) + "\n")
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        tmp.replace(path)
+        try:
+            tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+            tmp.replace(path)
+        except OSError as err:  # a failed write names the file (write() alone does not)
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        finally:  # a failed write (no space, a file-size limit) leaves no partial file
+            tmp.unlink(missing_ok=True)
     return accepted

@@ -49,7 +49,8 @@ from jax.sharding import Mesh
 
 from jaxdist.data import DatasetError
 from jaxdist.run import rerun, steps
-from jaxdist.run.checkpoint import Checkpointer
+from jaxdist.run.agreement import check_same_everywhere, run_facts
+from jaxdist.run.checkpoint import Checkpointer, newest_config_record
 from jaxdist.run.config import batch_stages, config_problems
 from jaxdist.run.from_config import (
     StepParts,
@@ -58,7 +59,7 @@ from jaxdist.run.from_config import (
     build_optimizer,
     step_options,
 )
-from jaxdist.run.log import RunLog, describe_error, last_eval
+from jaxdist.run.log import RunLog, WorkdirError, describe_error, last_eval
 from jaxdist.run.loop import Loop, open_iterator, report
 from jaxdist.run.mlperf import epoch_events, log_run_start, log_run_stop, now_ms
 from jaxdist.run.nonfinite import NonFiniteGuard
@@ -85,7 +86,8 @@ class Trainer:
     """Train ``config`` (a recipe's ConfigDict, see :func:`jaxdist.run.config.base_config`),
     writing logs and checkpoints under ``workdir``; :meth:`run` resumes from the newest
     checkpoint there, if any. ``task`` builds what is trained from the config (a recipe's
-    ``get_task``, see :mod:`jaxdist.tasks`; default: image classification). ``mesh`` replaces the recipe's (a mesh of compile-only devices,
+    ``get_task``, see :mod:`jaxdist.tasks`; default: image classification); ``recipe`` is its
+    file, which every process must have alike (:mod:`jaxdist.run.agreement`). ``mesh`` replaces the recipe's (a mesh of compile-only devices,
     :mod:`jaxdist.aot`, lets its steps be compiled but not run). ``profile_steps=(first,
     last)`` traces those steps into ``WORKDIR/profile`` (:mod:`jaxdist.run.profile`)."""
 
@@ -96,6 +98,7 @@ class Trainer:
         *,
         allow_config_change: bool = False,
         task: TaskFactory | None = None,
+        recipe: str | Path | None = None,
         mesh: Mesh | None = None,
         profile_steps: tuple[int, int] | None = None,
     ) -> None:
@@ -104,6 +107,7 @@ class Trainer:
         self.workdir = Path(workdir)
         self.allow_config_change = allow_config_change
         self.task_factory = task or ImageClassification
+        self.recipe = recipe
         self.profiler = StepProfiler(profile_steps, self.workdir)
         with config_problems():
             self._build(config, mesh)
@@ -114,7 +118,10 @@ class Trainer:
         the train step of every stage, so that a bad value fails here, before any training."""
         stages = config.pipeline.stages if "pipeline" in config else 0
         self.mesh = build_mesh(config.mesh, stages) if mesh is None else mesh
-        recorded = rerun.recorded_devices(self.workdir)  # e.g. a pipeline's "auto" cut
+        try:
+            recorded = rerun.recorded_devices(self.workdir)  # e.g. a pipeline's "auto" cut
+        except OSError as err:
+            raise WorkdirError.from_os_error(err, self.workdir) from err
         self.step_kind = steps.for_recipe(config, self.mesh, recorded)  # the one choice of step
         names = self.step_kind.data_axes
         self.data_axes = data_axes_of(self.mesh, names)  # one name, or a tuple of several
@@ -200,13 +207,22 @@ class Trainer:
         ``already_finished`` when the workdir held a finished run (then nothing is trained or
         written, and the eval is the one recorded in its ``metrics.jsonl``).
         """
-        with WorkdirLock(self.workdir), self.watchdog:
-            return self._run(on_step)
+        check_same_everywhere(run_facts(self.config, self.mesh, self.recipe))
+        if self.workdir.exists() and not self.workdir.is_dir():
+            raise WorkdirError(f"the workdir {self.workdir} is a file, not a folder: give "
+                               "another --workdir")  # fmt: skip
+        try:
+            with WorkdirLock(self.workdir), self.watchdog:
+                return self._run(on_step)
+        except OSError as err:  # a save's own failures are CheckpointWriteError already
+            raise WorkdirError.from_os_error(err, self.workdir) from err
 
     def _run(self, on_step: Callable[[int, TrainState], None] | None) -> dict[str, Any]:
         cfg = self.config
         writer = jax.process_index() == 0
-        changes = self._check_config(write=False)  # recorded once the checkpoint is read
+        saved = newest_config_record(self.workdir / "checkpoints")
+        # Compared now, before anything is read or written; recorded once the checkpoint is read.
+        changes = self._check_config(write=False, trained_with=saved and saved[1])
         log = RunLog(self.workdir, enabled=writer, tensorboard=cfg.tensorboard)
         ckpt = Checkpointer(
             self.workdir / "checkpoints",
@@ -228,6 +244,7 @@ class Trainer:
                     if on_step is not None:
                         on_step(loop.step, loop.state)
                     loop.preempted = guard.preempted(loop.step)
+                    loop.stopped_by = guard.signal_name if loop.preempted else ""
             self._finish(loop, ckpt, log)
         except BaseException as err:  # KeyboardInterrupt too: the event log says why it stopped
             failure = describe_error(err)
@@ -241,17 +258,21 @@ class Trainer:
             log.close(aborted_by=failure)
         self.state = loop.state
         return {"step": loop.step, "epoch": loop.epoch, "preempted": loop.preempted,
-                **loop.last_eval}  # fmt: skip
+                "stopped_by": loop.stopped_by, **loop.last_eval}  # fmt: skip
 
     def _resume(self, ckpt: Checkpointer, log: RunLog, changes: list) -> Loop:
         """The loop's state: from the newest checkpoint, or fresh from the seed; the event log
         records the start and any accepted config change."""
-        step, data_state = 0, None
+        step, data_state, trained_with = 0, None, None
         if ckpt.steps():
             step, state, data_state, meta = ckpt.restore(self.abstract_state())
+            trained_with = meta.get("config")  # absent from checkpoints of older versions
         else:
             state = self.initial_state()
-        self._check_config(write=jax.process_index() == 0)
+        note = trained_with and rerun.record_note(self.workdir, trained_with, step)
+        self._check_config(write=jax.process_index() == 0, trained_with=trained_with)
+        if note:
+            log.progress(note, final=True)
         self.profiler.check(step + 1, self.total_steps)
         if 0 < step < self.total_steps:
             log.progress(f"resumed from step {step} (epoch {meta['epoch']:.3f})", final=True)
@@ -265,11 +286,17 @@ class Trainer:
                 log.progress(f"config changed: {key} {old!r} -> {new!r}", final=True)
         return loop
 
-    def _check_config(self, write: bool) -> list:
-        """The accepted differences from the workdir's recorded config (and devices)."""
-        mesh = ",".join(f"{axis}={size}" for axis, size in self.mesh.shape.items())
+    def _check_config(self, write: bool, trained_with: dict | None = None) -> list:
+        """The accepted differences from the config the workdir's checkpoints were trained
+        with (``trained_with``), else from its recorded ``config.json``."""
         return rerun.check_rerun(self.workdir, self.config, allow_change=self.allow_config_change,
-                                 write=write, devices={"mesh": mesh, **self.step_kind.resolved})  # fmt: skip
+                                 write=write, devices=self._devices(),
+                                 trained_with=trained_with)  # fmt: skip
+
+    def _devices(self) -> dict[str, Any]:
+        """What the run resolved on this machine: the mesh, and a pipeline's "auto" cut."""
+        mesh = ",".join(f"{axis}={size}" for axis, size in self.mesh.shape.items())
+        return {"mesh": mesh, **self.step_kind.resolved}
 
     def _already_finished(self, loop: Loop, log: RunLog) -> dict[str, Any]:
         """A rerun of a finished run: say so, train nothing, append nothing."""
@@ -349,6 +376,7 @@ class Trainer:
         self.nonfinite.check_steps(loop.step, jax.device_get(loop.pending), ckpt.kept())
         self.nonfinite.check_params(loop.step, loop.state.params, ckpt.kept())
         meta = {"epoch": loop.epoch, "stage": loop.stage,
+                "config": rerun.config_record(self.config, self._devices()),
                 "samples_seen": loop.iterator.next_sample}  # fmt: skip
         if data_state is None:
             data_state = loop.iterator.get_state()

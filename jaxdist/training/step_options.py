@@ -16,6 +16,7 @@ __all__ = [
     "WAIT_FREE_UNROLL_LIMIT",
     "check_allreduce",
     "check_optimizer",
+    "check_shardable",
     "check_wait_free",
     "donation_default",
 ]
@@ -82,3 +83,56 @@ def check_wait_free(wait_free: bool, allreduce: str, zero1: bool, sfb_layers: An
     if problem:
         raise ValueError(f"wait_free=True paces buckets of whole gradients beside backward; "
                          f"it does not combine with {problem}")  # fmt: skip
+
+
+def _probe_update(optimizer: Any, params: Any, grads: Any) -> Any:
+    """Two updates of ``optimizer`` from fresh state (the second sees state the first left)."""
+    state = optimizer.init(params)
+    first, state = optimizer.update(grads, state, params)
+    second, _ = optimizer.update(grads, state, params)
+    return first, second
+
+
+def _probe_trees() -> tuple[dict, dict]:
+    """Parameters and gradients to probe with: a kernel (``ndim > 1``, as masks see it) and a
+    bias, of unequal norms."""
+    rng = np.random.default_rng(0)
+    params = {"bias": rng.standard_normal(4), "kernel": rng.standard_normal((3, 4))}
+    grads = {"bias": 3 * rng.standard_normal(4), "kernel": rng.standard_normal((3, 4))}
+    as32 = lambda tree: {k: np.asarray(v, np.float32) for k, v in tree.items()}  # noqa: E731
+    return as32(params), as32(grads)
+
+
+def check_shardable(optimizer: Any, by: str) -> None:
+    """Refuse an optimizer whose update changes when it sees the parameters in parts, as a
+    step that shards it does: ``by="elements"`` (ZeRO-1: one flat float32 vector per device,
+    so the update must be element-wise, without masks by shape) or ``by="stages"`` (a
+    pipeline: one stage's layers at a time, so per-layer rules such as LARS work, but a
+    global gradient norm does not). Probed on a small kernel and bias, on the host."""
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        params, grads = _probe_trees()
+        whole = _probe_update(optimizer, params, grads)
+        if by == "elements":
+            flat = lambda tree: np.concatenate([np.ravel(tree[k]) for k in sorted(tree)])  # noqa: E731
+            p, g = flat(params), flat(grads)
+            halves = [_probe_update(optimizer, p[s], g[s]) for s in (slice(0, 8), slice(8, None))]
+            parts = [np.concatenate([np.asarray(h[i]) for h in halves]) for i in range(2)]
+            expected = [flat(jax.device_get(u)) for u in whole]
+            what = ("ZeRO-1 updates each device's slice of one flat vector of all parameters, "
+                    "so the optimizer must be element-wise (SGD, momentum, Adam; no "
+                    "global-norm clipping, no per-layer trust ratios, no masks by shape)")  # fmt: skip
+        else:
+            alone = {k: _probe_update(optimizer, {k: params[k]}, {k: grads[k]}) for k in params}
+            parts = [np.concatenate([np.ravel(alone[k][i][k]) for k in sorted(params)])
+                     for i in range(2)]  # fmt: skip
+            expected = [np.concatenate([np.ravel(u[k]) for k in sorted(params)]) for u in whole]
+            what = ("a pipeline updates each stage's layers on their own, so the update of a "
+                    "layer must not depend on the others (per-layer rules such as LARS work; "
+                    "a global gradient norm does not: clip per layer, or train data-parallel)")  # fmt: skip
+    for got, want in zip(parts, expected, strict=True):
+        # Relative to the update's size: a weight decay dropped by a mask is small beside it.
+        if not np.allclose(got, want, rtol=0, atol=1e-6 * np.max(np.abs(want))):
+            raise ValueError(f"this optimizer's update changes when it sees the parameters in "
+                             f"parts, and {what}")  # fmt: skip

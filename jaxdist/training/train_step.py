@@ -59,6 +59,7 @@ from jaxdist.training.step_options import (
     WAIT_FREE_UNROLL_LIMIT,
     check_allreduce,
     check_optimizer,
+    check_shardable,
     check_wait_free,
     donation_default,
 )
@@ -115,8 +116,9 @@ class TrainStep:
         allreduce; the per-device batch must divide by it.
       zero1: shard optimizer state and the update across the data axes (ZeRO stage 1). The
         optimizer then sees one flat float32 vector per device, so it must be element-wise
-        (SGD, momentum, Adam, ...): per-layer rules (LARS trust ratios, masks by ndim) need the
-        whole layer and are not supported with it.
+        (SGD, momentum, Adam, ...): per-layer rules (LARS trust ratios, masks by ndim) and
+        global-norm clipping need more than a slice, and are refused in one line (the
+        update is probed on the host when the step is built).
       wait_free: run each gradient bucket's schedule beside the rest of the backward pass,
         one message step per matrix product, in the compiled program's own order
         (:mod:`jaxdist.training.wait_free`); the same arithmetic. With accumulation, beside
@@ -165,6 +167,8 @@ class TrainStep:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
         check_wait_free(wait_free, allreduce, zero1, sfb_layers)
         check_optimizer(optimizer)
+        if zero1:
+            check_shardable(optimizer, by="elements")
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.mesh = mesh
