@@ -56,11 +56,28 @@ def checkpoint_finite(tree: Any) -> Any:
 def array_digests(state: Any) -> dict[str, int]:
     """Dotted path -> digest of every array of ``state``: saved in a checkpoint's meta and
     checked at restore, so bytes changed after the save are found before they are trained
-    on."""
-    leaves = jax.tree_util.tree_flatten_with_path(checkpoint_digests(state))[0]
-    values = jax.device_get([leaf for _, leaf in leaves])
+    on. A replicated array is digested once, from its first local copy, not on every device
+    that holds one; the others in one program over the mesh."""
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    paths, leaves = [path for path, _ in flat], [leaf for _, leaf in flat]
+    one_copy = [_replicated_copy(leaf) for leaf in leaves]
+    local = {i: copy for i, copy in enumerate(one_copy) if copy is not None}
+    spread = {i: leaf for i, leaf in enumerate(leaves) if one_copy[i] is None}
+    digests = {**checkpoint_digests(local), **checkpoint_digests(spread)}
+    values = jax.device_get([digests[i] for i in range(len(leaves))])
     return {jax.tree_util.keystr(path, simple=True, separator="."): int(value)
-            for (path, _), value in zip(leaves, values, strict=True)}  # fmt: skip
+            for path, value in zip(paths, values, strict=True)}  # fmt: skip
+
+
+def _replicated_copy(leaf: Any) -> jax.Array | None:
+    """The first local copy of an array replicated over several devices, else ``None``."""
+    if (
+        isinstance(leaf, jax.Array)
+        and leaf.is_fully_replicated
+        and len(leaf.sharding.device_set) > 1
+    ):
+        return leaf.addressable_shards[0].data
+    return None
 
 
 class CorruptCheckpointError(ValueError):
