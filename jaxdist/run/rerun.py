@@ -222,9 +222,10 @@ def check_rerun(
         accepted = differences(recorded, new)
         refused = [d for d in accepted if not _is_safe(d)]
         if refused and not allow_change:
-            holder = "the checkpoints in " if trained_with is not None else ""
+            holder = (f"the checkpoints in {workdir} were trained with" if trained_with is not None
+                      else f"{workdir} holds a run started with")  # fmt: skip
             raise ConfigChangedError(
-                f"{holder}{workdir} holds a run started with another config ({_describe(refused)}); "
+                f"{holder} another config ({_describe(refused)}); "
                 "resuming would mix the two: use a new --workdir, or pass "
                 "--allow-config-change to continue and record the change"
             )
