@@ -111,7 +111,7 @@ def check_shardable(optimizer: Any, by: str) -> None:
     global gradient norm does not). Probed on a small kernel and bias, on the host."""
     import jax
 
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's own
         params, grads = _probe_trees()
         whole = _probe_update(optimizer, params, grads)
         if by == "elements":
