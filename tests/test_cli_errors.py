@@ -45,7 +45,10 @@ def _one_line(capsys, code, expected_code, *parts):
         (["allreduce=foo"], "unknown allreduce 'foo'; expected one of"),
         (["allreduce=torus2d"], "allreduce 'torus2d' needs two data axes"),
         (["model.bn_group_size=3"], "model.bn_group_size=3 must divide the 2 data-parallel"),
-        (["optimizer.name=adam"], "optimizer.name must be one of ['adamw', 'lars', 'sgd'], got 'adam'"),
+        (
+            ["optimizer.name=adam"],
+            "optimizer.name must be one of ['adamw', 'lars', 'sgd'], got 'adam'",
+        ),
         # A field the rest of the config leaves unread is refused, never ignored.
         (
             ["pipeline.microbatches=4"],
