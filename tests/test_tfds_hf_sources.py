@@ -287,3 +287,13 @@ def test_a_damaged_save_to_disk_folder_is_one_line(tmp_path):
     ) as err:
         HuggingFaceSource(str(root), "train")
     assert "\n" not in str(err.value)
+
+
+def test_the_datasets_progress_bars_stay_out_of_a_run_unless_asked_for(hf_dir, tmp_path, capfd):
+    """Preparing a fresh cache draws "Generating ... split" bars: not when a run opens the
+    dataset, and when `jaxdist data inspect` does (it passes show_progress=True)."""
+    HuggingFaceSource(str(hf_dir), "train", cache_dir=str(tmp_path / "quiet"))
+    assert "Generating" not in capfd.readouterr().err
+    HuggingFaceSource(str(hf_dir), "train", cache_dir=str(tmp_path / "shown"), show_progress=True)
+    assert "Generating train split" in capfd.readouterr().err
+    assert not datasets.are_progress_bars_disabled()  # left as it was

@@ -180,7 +180,7 @@ def _open_splits(path: str, root: str | None) -> tuple[str, dict[str, tuple[Any,
                 source = ImageFolderSource(path, split)
                 labels = source.labels.tolist()
             elif kind == "hf":
-                source = HuggingFaceSource(name, split, cache_dir=root)
+                source = HuggingFaceSource(name, split, cache_dir=root, show_progress=True)
                 labels = source.labels().tolist()
             else:
                 if kind == "tfds":

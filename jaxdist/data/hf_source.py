@@ -12,10 +12,16 @@ there), a local folder of the Hub layout (``data/train-*.parquet``,
 recipe's ``val`` split is the dataset's ``validation`` (or ``val``); class names are the
 ``label`` column's ``ClassLabel`` names and the image column must be called ``image``. Needs
 the ``hf`` extra: ``pip install 'jaxdist[hf]'``.
+
+``datasets`` draws progress bars while it prepares the cache ("Generating train split");
+they stay out of a training run's output (``show_progress=True``, as ``jaxdist data inspect``
+passes, keeps them).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +50,18 @@ class HuggingFaceSource:
     mean = IMAGENET_MEAN
     std = IMAGENET_STD
 
-    def __init__(self, dataset: str, split: str, cache_dir: str | None = None) -> None:
+    def __init__(
+        self, dataset: str, split: str, cache_dir: str | None = None, show_progress: bool = False
+    ) -> None:
         datasets = import_extra("datasets", "hf", "the hf data source")
         self.dataset = dataset
-        self.split, table = _open_split(datasets, dataset, split, cache_dir)
-        where = f"hf dataset {dataset}"
+        with _progress_bars(datasets, show_progress):
+            self.split, table = _open_split(datasets, dataset, split, cache_dir)
+            self._open_table(datasets, table)
+
+    def _open_table(self, datasets: Any, table: Any) -> None:
+        """Check the split's columns and labels and keep it, its images as stored bytes."""
+        where = f"hf dataset {self.dataset}"
         require_image_and_label(list(table.features), where, "column")
         label = table.features["label"]
         if not isinstance(label, datasets.ClassLabel):
@@ -106,6 +119,23 @@ class HuggingFaceSource:
             f"HuggingFaceSource({self.dataset!r}, {self.split!r}, {len(self)} images, "
             f"{len(self.classes)} classes)"
         )
+
+
+@contextlib.contextmanager
+def _progress_bars(datasets: Any, show: bool) -> Iterator[None]:
+    """``datasets``' progress bars on (``show``) or off inside the block, as they were after."""
+    were_disabled = datasets.are_progress_bars_disabled()
+    if show:
+        datasets.enable_progress_bars()
+    else:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if were_disabled:
+            datasets.disable_progress_bars()
+        else:
+            datasets.enable_progress_bars()
 
 
 def _open_split(datasets: Any, dataset: str, split: str, cache_dir: str | None) -> tuple[str, Any]:
