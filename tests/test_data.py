@@ -377,3 +377,21 @@ def test_cli_convert_refuses_an_existing_output_before_it_says_converting(folder
     captured = capsys.readouterr()
     assert "converting" not in captured.out, captured.out
     assert "metadata.json" in captured.err or "exists" in captured.err, captured.err
+
+
+def test_inspect_fails_where_training_would_refuse_the_dataset(folder, tmp_path, capsys):
+    """A folder without its held-out split: the train counts, then one line and exit 1, as
+    `jaxdist train` exits on it; a folder that is not there: one line, exit 1."""
+    import shutil
+
+    root = tmp_path / "train_only"
+    shutil.copytree(folder / "train", root / "train")
+    assert cli_main(["data", "inspect", str(root)]) == 1
+    captured = capsys.readouterr()
+    assert "train: 18 images, 3 of 3 classes" in captured.out
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "jaxdist data: training would refuse this dataset: "
+    )
+    assert cli_main(["data", "inspect", str(tmp_path / "none")]) == 1
+    assert capsys.readouterr().err.count("\n") == 1

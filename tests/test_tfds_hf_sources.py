@@ -266,7 +266,9 @@ def test_cli_inspects_both(hf_dir, tfds_dir, capsys):
     assert cli_main(argv) == 0
     text = capsys.readouterr().out
     assert "train: 15 images" in text and "verified: all 21 images decode" in text
-    assert cli_main(["data", "inspect", "tfds:no_such_set", "--root", str(tfds_dir)]) == 2
+    assert (
+        cli_main(["data", "inspect", "tfds:no_such_set", "--root", str(tfds_dir)]) == 1
+    )  # as train
     assert "does not exist" in capsys.readouterr().err
 
 

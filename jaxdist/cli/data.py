@@ -133,12 +133,15 @@ def convert_dataset(args: argparse.Namespace) -> int:
 
 
 def inspect_dataset(args: argparse.Namespace) -> int:
+    """Counts per split and class; exits as ``jaxdist train`` would on the dataset (1, in one
+    line, where training would refuse it: missing, malformed, no usable held-out split)."""
     from jaxdist.data.sources import DatasetError
 
     try:
-        kind, splits = _open_splits(args.path, args.root)
+        kind, splits, refusal = _open_splits(args.path, args.root)
     except DatasetError as err:
-        return _fail(err)
+        print(f"jaxdist data: {err}", file=sys.stderr)
+        return err.exit_code
     print(f"{args.path} ({kind})")
     bad: list[str] = []
     for split, (source, counts) in splits.items():
@@ -148,6 +151,9 @@ def inspect_dataset(args: argparse.Namespace) -> int:
             print(f"    {name:<24s} {counts.get(label, 0):>8,d}")
         if args.verify:
             bad += undecodable_images(source, split)
+    if refusal is not None:
+        print(f"jaxdist data: training would refuse this dataset: {refusal}", file=sys.stderr)
+        return refusal.exit_code
     if not args.verify:
         return 0
     checked = sum(sum(counts.values()) for _, counts in splits.values())
@@ -160,9 +166,11 @@ def inspect_dataset(args: argparse.Namespace) -> int:
     return 1
 
 
-def _open_splits(path: str, root: str | None) -> tuple[str, dict[str, tuple[Any, Counter]]]:
-    """``(kind, {split: (source, images per label)})`` of the dataset ``path`` names; a
-    missing held-out split is left out, a missing train split is an error."""
+def _open_splits(
+    path: str, root: str | None
+) -> tuple[str, dict[str, tuple[Any, Counter]], Exception | None]:
+    """``(kind, {split: (source, images per label)}, why the held-out split cannot be used or
+    None)`` of the dataset ``path`` names; a train split that cannot be read is an error."""
     from jaxdist.data.arrayrecord import METADATA, ArrayRecordSource
     from jaxdist.data.hf_source import HuggingFaceSource
     from jaxdist.data.sources import DatasetError, ImageFolderSource
@@ -171,10 +179,8 @@ def _open_splits(path: str, root: str | None) -> tuple[str, dict[str, tuple[Any,
     kind, _, name = path.partition(":") if path.startswith(("tfds:", "hf:")) else ("", "", path)
     if not kind:
         kind = "arrayrecord" if (Path(path) / METADATA).exists() else "folder"
-    splits = {}
+    splits, refusal = {}, None
     for split in ("train", "val"):
-        if kind == "folder" and split != "train" and not (Path(path) / split).is_dir():
-            continue
         try:
             if kind == "folder":
                 source = ImageFolderSource(path, split)
@@ -188,12 +194,13 @@ def _open_splits(path: str, root: str | None) -> tuple[str, dict[str, tuple[Any,
                 else:
                     source = ArrayRecordSource(path, split)
                 labels = [source[i]["label"] for i in range(len(source))]
-        except DatasetError:
+        except DatasetError as err:
             if split == "train":
                 raise
+            refusal = err
             continue
         splits[split] = (source, Counter(labels))
-    return kind, splits
+    return kind, splits, refusal
 
 
 def undecodable_images(source, split: str) -> list[str]:
