@@ -25,6 +25,7 @@ from jaxdist.data import (
     build_eval_iterator,
     build_train_iterator,
     make_pipeline,
+    open_source,
 )
 from jaxdist.data.fake import write_image_folder
 from jaxdist.run.config import base_config
@@ -299,3 +300,32 @@ def test_the_datasets_progress_bars_stay_out_of_a_run_unless_asked_for(hf_dir, t
     HuggingFaceSource(str(hf_dir), "train", cache_dir=str(tmp_path / "shown"), show_progress=True)
     assert "Generating train split" in capfd.readouterr().err
     assert not datasets.are_progress_bars_disabled()  # left as it was
+
+
+def test_columns_by_other_common_names_are_found_or_given(folder, tmp_path):
+    """cifar100's layout (img, fine_label): found by its common names; given explicitly with
+    data.image_key / data.label_key; a name that is not there is one line naming what is."""
+    classes, records = folder_records(folder, "train")
+    features = datasets.Features(
+        {"img": datasets.Image(), "coarse": datasets.ClassLabel(names=["x", "y"]),
+         "fine_label": datasets.ClassLabel(names=list(classes))}
+    )  # fmt: skip
+    table = datasets.Dataset.from_dict(
+        {"img": [{"bytes": r["jpeg"], "path": Path(r["name"]).name} for r in records],
+         "coarse": [0] * len(records), "fine_label": [r["label"] for r in records]},
+        features=features,
+    )  # fmt: skip
+    root = tmp_path / "cifar100_like"
+    datasets.DatasetDict({"train": table}).save_to_disk(str(root))
+    found = HuggingFaceSource(str(root), "train")
+    assert found.classes == tuple(classes) and len(found) == len(records)
+    assert found[3]["jpeg"] == records[3]["jpeg"] and found[3]["label"] == records[3]["label"]
+    given = HuggingFaceSource(str(root), "train", image_key="img", label_key="coarse")
+    assert given.classes == ("x", "y") and given[3]["label"] == 0
+    with pytest.raises(
+        DatasetError,
+        match=r"has no 'picture' column \(data\.image_key\); it has \['coarse', 'fine_label', 'img'\]",
+    ):
+        HuggingFaceSource(str(root), "train", image_key="picture")
+    config = DataConfig(source="hf", dataset=str(root), label_key="coarse")
+    assert open_source(config, "train").classes == ("x", "y")

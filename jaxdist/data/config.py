@@ -58,6 +58,9 @@ class DataConfig:
       prefetch_batches: batches buffered ahead.
       synthetic_train_examples, synthetic_eval_examples, num_classes: synthetic data size.
       val_fraction: held-out share of the small datasets.
+      image_key, label_key: the ``tfds`` features or ``hf`` columns holding the images and
+        labels (``""``: the first common name the dataset has, such as ``image``/``img`` and
+        ``label``/``fine_label``).
     """
 
     source: str = "synthetic"
@@ -73,6 +76,8 @@ class DataConfig:
     synthetic_eval_examples: int = 50_000
     num_classes: int = 1000
     val_fraction: float = 0.2
+    image_key: str = ""
+    label_key: str = ""
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -103,9 +108,11 @@ def open_source(config: DataConfig, split: str) -> ImageSource:
     if config.source == "arrayrecord":
         return ArrayRecordSource(config.root, split)
     if config.source == "tfds":
-        return TfdsSource(config.dataset, split, data_dir=config.root or None)
+        return TfdsSource(config.dataset, split, data_dir=config.root or None,
+                          image_key=config.image_key, label_key=config.label_key)  # fmt: skip
     if config.source == "hf":
-        return HuggingFaceSource(config.dataset, split, cache_dir=config.root or None)
+        return HuggingFaceSource(config.dataset, split, cache_dir=config.root or None,
+                                 image_key=config.image_key, label_key=config.label_key)  # fmt: skip
     if config.source == "synthetic":
         count = (
             config.synthetic_train_examples if split == "train" else config.synthetic_eval_examples

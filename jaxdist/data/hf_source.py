@@ -9,8 +9,10 @@ jaxdist's reduced-scale decode and crops apply to them.
 ``dataset`` is a Hub name (read through the cache, so ``HF_HUB_OFFLINE=1`` works once it is
 there), a local folder of the Hub layout (``data/train-*.parquet``,
 ``data/validation-*.parquet``) or a folder written by ``DatasetDict.save_to_disk``. The
-recipe's ``val`` split is the dataset's ``validation`` (or ``val``); class names are the
-``label`` column's ``ClassLabel`` names and the image column must be called ``image``. Needs
+recipe's ``val`` split is the dataset's ``validation`` (or ``val``); the image and label
+columns are ``image_key`` and ``label_key``, or the first common names the dataset has
+(:func:`~jaxdist.data.sources.image_and_label`); class names are the label column's
+``ClassLabel`` names. Needs
 the ``hf`` extra: ``pip install 'jaxdist[hf]'``.
 
 ``datasets`` draws progress bars while it prepares the cache ("Generating train split");
@@ -34,8 +36,8 @@ from jaxdist.data.sources import (
     checked_label,
     dataset_split,
     first_line,
+    image_and_label,
     import_extra,
-    require_image_and_label,
     require_jpeg,
 )
 
@@ -51,10 +53,17 @@ class HuggingFaceSource:
     std = IMAGENET_STD
 
     def __init__(
-        self, dataset: str, split: str, cache_dir: str | None = None, show_progress: bool = False
+        self,
+        dataset: str,
+        split: str,
+        cache_dir: str | None = None,
+        show_progress: bool = False,
+        image_key: str = "",
+        label_key: str = "",
     ) -> None:
         datasets = import_extra("datasets", "hf", "the hf data source")
         self.dataset = dataset
+        self._keys = (image_key, label_key)
         with _progress_bars(datasets, show_progress):
             self.split, table = _open_split(datasets, dataset, split, cache_dir)
             self._open_table(datasets, table)
@@ -62,13 +71,15 @@ class HuggingFaceSource:
     def _open_table(self, datasets: Any, table: Any) -> None:
         """Check the split's columns and labels and keep it, its images as stored bytes."""
         where = f"hf dataset {self.dataset}"
-        require_image_and_label(list(table.features), where, "column")
-        label = table.features["label"]
+        image, label_name = image_and_label(list(table.features), where, "column", *self._keys)
+        label = table.features[label_name]
         if not isinstance(label, datasets.ClassLabel):
-            raise DatasetError(f"{where}: 'label' is {label!r}, not a ClassLabel with names")
-        if not isinstance(table.features["image"], datasets.Image):
-            raise DatasetError(f"{where}: 'image' is {table.features['image']!r}, not an Image")
+            raise DatasetError(f"{where}: {label_name!r} is {label!r}, not a ClassLabel with names")
+        if not isinstance(table.features[image], datasets.Image):
+            raise DatasetError(f"{where}: {image!r} is {table.features[image]!r}, not an Image")
         self.classes = tuple(label.names)
+        table = table.rename_columns({image: "image", label_name: "label"}) if (
+            (image, label_name) != ("image", "label")) else table  # fmt: skip
         self._table = table.cast_column("image", datasets.Image(decode=False))
         if len(self._table) == 0:
             raise DatasetError(f"{where}: split {self.split!r} has no records")

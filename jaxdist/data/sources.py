@@ -276,14 +276,35 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
-def require_image_and_label(names: Sequence[str], where: str, noun: str) -> None:
-    """Refuse a dataset whose ``noun``s (features, columns) lack ``image`` or ``label``."""
-    missing = [key for key in ("image", "label") if key not in names]
-    if missing:
-        raise DatasetError(
-            f"{where} has no {' or '.join(missing)} {noun}; jaxdist reads 'image' and "
-            f"'label', and it has {sorted(names)}"
-        )
+# The names published datasets give their image and label columns, in the order tried
+# (Hugging Face's cifar10 calls them img and label, cifar100 img and fine_label).
+IMAGE_KEYS = ("image", "img", "jpg", "jpeg")
+LABEL_KEYS = ("label", "labels", "fine_label", "class", "target")
+
+
+def image_and_label(
+    names: Sequence[str], where: str, noun: str, image_key: str = "", label_key: str = ""
+) -> tuple[str, str]:
+    """The ``noun``s (features, columns) of a dataset that hold its images and labels: the
+    ones given (``data.image_key``, ``data.label_key``), else the first of the common names
+    the dataset has; a name that is not there is refused in one line naming what is."""
+    chosen = []
+    for given, common, kind, field in ((image_key, IMAGE_KEYS, "image", "data.image_key"),
+                                       (label_key, LABEL_KEYS, "label", "data.label_key")):  # fmt: skip
+        if given:
+            if given not in names:
+                raise DatasetError(f"{where} has no {given!r} {noun} ({field}); it has "
+                                   f"{sorted(names)}")  # fmt: skip
+            chosen.append(given)
+            continue
+        found = [name for name in common if name in names]
+        if not found:
+            raise DatasetError(
+                f"{where} has no {kind} {noun} by a common name ({', '.join(common)}); it has "
+                f"{sorted(names)}: set {field}"
+            )
+        chosen.append(found[0])
+    return chosen[0], chosen[1]
 
 
 def dataset_split(available: Sequence[str], split: str, dataset: str) -> str:

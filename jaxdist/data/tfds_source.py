@@ -11,8 +11,10 @@ The dataset must be prepared in ArrayRecord format::
         --data_dir /data/tfds
 
 and is then ``DataConfig(source="tfds", dataset="imagenet2012", root="/data/tfds")``. The
-recipe's ``val`` split is the dataset's ``validation`` (or ``val``); class names are the
-dataset's ``label`` names, and the image feature must be called ``image``. Needs the ``tfds``
+recipe's ``val`` split is the dataset's ``validation`` (or ``val``); the image and label
+features are ``image_key`` and ``label_key``, or the first common names the dataset has
+(:func:`~jaxdist.data.sources.image_and_label`); class names are the label's names. Needs
+the ``tfds``
 extra: ``pip install 'jaxdist[tfds]'``.
 """
 
@@ -27,8 +29,8 @@ from jaxdist.data.sources import (
     checked_label,
     dataset_split,
     first_line,
+    image_and_label,
     import_extra,
-    require_image_and_label,
     require_jpeg,
 )
 
@@ -45,23 +47,32 @@ class TfdsSource:
     mean = IMAGENET_MEAN
     std = IMAGENET_STD
 
-    def __init__(self, name: str, split: str, data_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        split: str,
+        data_dir: str | None = None,
+        image_key: str = "",
+        label_key: str = "",
+    ) -> None:
         tfds = import_extra("tensorflow_datasets", "tfds", "the tfds data source")
         self.name = name
         builder = _prepared_builder(tfds, name, data_dir)
         self.data_dir = str(builder.data_dir)
         features = builder.info.features
-        require_image_and_label(list(features), f"tfds dataset {name}", "feature")
-        names = getattr(features["label"], "names", None)
+        image, label = image_and_label(list(features), f"tfds dataset {name}", "feature",
+                                       image_key, label_key)  # fmt: skip
+        self._image_key, self._label_key = image, label
+        names = getattr(features[label], "names", None)
         if not names:
             raise DatasetError(
-                f"tfds dataset {name}: 'label' is {type(features['label']).__name__}, "
+                f"tfds dataset {name}: {label!r} is {type(features[label]).__name__}, "
                 f"not a ClassLabel with class names"
             )
         self.classes = tuple(names)
         self.split = dataset_split(list(builder.info.splits), split, f"tfds dataset {name}")
         skip = tfds.decode.SkipDecoding()
-        self._records = builder.as_data_source(split=self.split, decoders={"image": skip})
+        self._records = builder.as_data_source(split=self.split, decoders={image: skip})
         if len(self._records) == 0:
             raise DatasetError(f"tfds dataset {name}: split {self.split!r} has no records")
         self[0]  # the first record's image and label are checked before any training
@@ -73,8 +84,8 @@ class TfdsSource:
         where = f"tfds:{self.name}/{self.split}[{index}]"
         record = self._records[index]
         return {
-            "jpeg": require_jpeg(record["image"], where),
-            "label": checked_label(record["label"], len(self.classes), where),
+            "jpeg": require_jpeg(record[self._image_key], where),
+            "label": checked_label(record[self._label_key], len(self.classes), where),
             "name": where,
         }
 

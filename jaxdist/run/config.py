@@ -409,6 +409,8 @@ def _data_fields() -> ml_collections.ConfigDict:
             synthetic_eval_examples=50_000,
             num_classes=1000,
             val_fraction=0.2,
+            image_key="",
+            label_key="",
         )
     )
 
