@@ -46,6 +46,7 @@ __all__ = [
     "describe",
     "hierarchical",
     "load",
+    "pipeline",
     "presets",
     "ring",
     "summary",
@@ -355,6 +356,15 @@ def hierarchical(
         "hierarchical",
         tuple(zip(axis_names, (hosts, devices_per_host))),
         devices_per_host=devices_per_host,
+    )
+    return build(spec, devices)
+
+
+def pipeline(replicas: int, stages: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """``replicas`` data-parallel copies (outer axis ``data``) of a ``stages``-stage pipeline
+    (inner axis ``stage``): neighbouring stages are neighbouring devices."""
+    spec = MeshSpec(
+        f"pipeline-{replicas}x{stages}", "pipeline", (("data", replicas), (STAGE_AXIS, stages))
     )
     return build(spec, devices)
 

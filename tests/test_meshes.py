@@ -313,3 +313,9 @@ def test_tpu_meshes_fold_rings_on_slices_without_wraparound(topology, shape, lon
     else:
         for axis in range(len(shape)):
             assert ring_order.longest_hop(grid, axis) <= longest
+
+
+def test_the_pipeline_builder_lays_devices_as_its_preset():
+    built = meshes.pipeline(2, 4)
+    assert dict(built.shape) == {"data": 2, meshes.STAGE_AXIS: 4}
+    assert built.devices.tolist() == meshes.build("pipeline-2x4").devices.tolist()

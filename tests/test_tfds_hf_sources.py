@@ -329,3 +329,9 @@ def test_columns_by_other_common_names_are_found_or_given(folder, tmp_path):
         HuggingFaceSource(str(root), "train", image_key="picture")
     config = DataConfig(source="hf", dataset=str(root), label_key="coarse")
     assert open_source(config, "train").classes == ("x", "y")
+    # A column called label beside the one chosen is left alone, not overwritten.
+    both = tmp_path / "with_label_too"
+    datasets.DatasetDict({"train": table.rename_column("fine_label", "label")}).save_to_disk(
+        str(both)
+    )
+    assert HuggingFaceSource(str(both), "train", label_key="coarse")[3]["label"] == 0

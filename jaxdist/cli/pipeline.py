@@ -19,7 +19,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "show",
         help="draw a schedule's timeline: which stage runs which micro-batch at each tick",
         description="Build the table of a pipeline schedule (GPipe, 1F1B, interleaved 1F1B, "
-        "or the asynchronous PipeDream and PipeDream-2BW, which run 1F1B's table) for STAGES devices and MICROBATCHES micro-batches, print it (F3: forward of "
+        "or the asynchronous PipeDream and PipeDream-2BW, which run 1F1B's table) for STAGES "
+        "devices and MICROBATCHES micro-batches, print it (F3: forward of "
         "micro-batch 3, B3.1: backward of micro-batch 3 on the device's model chunk 1, '.': "
         "idle), its bubble fraction against the formula, the most activations each "
         "stage keeps at once, and what the pipeline step's program makes of it: inputs "
@@ -87,12 +88,12 @@ def asynchronous_versions(name: str, stages: int) -> str:
     if name == "pipedream":
         rows = [f"  stage {s}: {stages - s} weight version(s), gradients {stages - s - 1} "
                 "update(s) old" for s in range(stages)]  # fmt: skip
-        head = "pipedream: 1F1B's table, each stage updating after every backward on the " \
-               "weights stashed at its forward"  # fmt: skip
+        head = ("pipedream: 1F1B's table, each stage updating after every backward on the "
+                "weights stashed at its forward")  # fmt: skip
     else:
         rows = [f"  stage {s}: 2 weight versions, gradients 1 step old" for s in range(stages)]
-        head = "pipedream_2bw: 1F1B's table, every micro-batch on the weights one step older, " \
-               "one update per step"  # fmt: skip
+        head = ("pipedream_2bw: 1F1B's table, every micro-batch on the weights one step older, "
+                "one update per step")  # fmt: skip
     return "\n".join([head, *rows])
 
 

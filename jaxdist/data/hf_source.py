@@ -78,8 +78,10 @@ class HuggingFaceSource:
         if not isinstance(table.features[image], datasets.Image):
             raise DatasetError(f"{where}: {image!r} is {table.features[image]!r}, not an Image")
         self.classes = tuple(label.names)
-        table = table.rename_columns({image: "image", label_name: "label"}) if (
-            (image, label_name) != ("image", "label")) else table  # fmt: skip
+        # Only the two columns, under the names the records use (a dataset may have another
+        # column called label beside the one chosen).
+        table = table.select_columns([image, label_name])
+        table = table.rename_columns({image: "image", label_name: "label"})
         self._table = table.cast_column("image", datasets.Image(decode=False))
         if len(self._table) == 0:
             raise DatasetError(f"{where}: split {self.split!r} has no records")

@@ -322,6 +322,17 @@ def _train_stream(
     return stream.map(ToOutput(dtype, source.mean, source.std))
 
 
+def padded_to_batches(
+    stream: grain.MapDataset, global_batch_size: int, blank: grain.MapTransform
+) -> grain.MapDataset:
+    """``stream`` followed by ``blank`` records (``mask=False``) up to a multiple of
+    ``global_batch_size``, so every process runs the same number of full eval batches."""
+    padding = -len(stream) % global_batch_size
+    if not padding:
+        return stream
+    return grain.MapDataset.concatenate([stream, grain.MapDataset.range(padding).map(blank)])
+
+
 def build_eval_iterator(
     source: ImageSource,
     global_batch_size: int,
@@ -343,10 +354,8 @@ def build_eval_iterator(
     if source.encoded:
         stream = stream.map(DecodeEval(image_size))
     stream = stream.map(ToOutput(dtype, source.mean, source.std, with_mask=True))
-    padding = -len(source) % global_batch_size
-    if padding:
-        pad = grain.MapDataset.range(padding).map(Padding(image_shape(source, image_size), dtype))
-        stream = grain.MapDataset.concatenate([stream, pad])
+    stream = padded_to_batches(stream, global_batch_size,
+                               Padding(image_shape(source, image_size), dtype))  # fmt: skip
     plan = Plan(
         stream=stream,
         stream_length=len(stream),

@@ -19,7 +19,14 @@ from typing import Any
 import grain.python as grain
 import numpy as np
 
-from jaxdist.data.pipeline import BatchIterator, Plan, check_batch, process_of, seeds_of
+from jaxdist.data.pipeline import (
+    BatchIterator,
+    Plan,
+    check_batch,
+    padded_to_batches,
+    process_of,
+    seeds_of,
+)
 from jaxdist.data.sources import DatasetError
 
 __all__ = ["ArrayRecords", "RecordData"]
@@ -122,9 +129,6 @@ class RecordData:
         """One pass over the held-out records in stored order, padded with ``mask=False``
         records to a multiple of ``global_batch_size``; a context manager."""
         stream = grain.MapDataset.source(self.eval).map(_WithMask())
-        padding = -len(self.eval) % global_batch_size
-        if padding:
-            blank = grain.MapDataset.range(padding).map(_Blank(self.eval[0]))
-            stream = grain.MapDataset.concatenate([stream, blank])
+        stream = padded_to_batches(stream, global_batch_size, _Blank(self.eval[0]))
         plan = self._plan(stream, global_batch_size, len(stream), len(self.eval), 0)
         return BatchIterator(plan, 0)

@@ -16,6 +16,7 @@ initialises them one after the other on an example input.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,8 +49,6 @@ StageFn = Callable[[Any, Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
 def full_stage(fn: Callable) -> StageFn:
     """``fn`` as a :data:`StageFn`: a stateless ``(params, x) -> y`` (two positional
     parameters) gets the model state and rng it ignores; any other ``fn`` is one already."""
-    import inspect
-
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # no signature to read (a C function): take it as it is

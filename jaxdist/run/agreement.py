@@ -23,7 +23,7 @@ from jaxdist import __version__
 from jaxdist.run.config import ConfigError
 from jaxdist.run.rerun import MISSING, flatten
 
-__all__ = ["ProcessesDisagreeError", "check_same_everywhere", "run_facts"]
+__all__ = ["ProcessesDisagreeError", "check_same_everywhere", "run_facts", "text_from_process_0"]
 
 
 class ProcessesDisagreeError(ConfigError):
@@ -44,6 +44,18 @@ def run_facts(
     return facts
 
 
+def text_from_process_0(text: str) -> str:
+    """Process 0's ``text``, on every process (a collective: every process calls it)."""
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(text.encode(), np.uint8)
+    size = int(np.asarray(multihost_utils.broadcast_one_to_all(np.int32(len(data)))))
+    buffer = np.zeros(max(size, 1), np.uint8)  # every process sends a buffer of one size
+    buffer[: min(len(data), size)] = data[:size]
+    shared = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+    return bytes(shared[:size].astype(np.uint8)).decode()
+
+
 def check_same_everywhere(facts: dict[str, Any]) -> None:
     """A collective: every process calls it. Raises :class:`ProcessesDisagreeError` on every
     process, naming the processes and keys that differ from process 0's, when any does."""
@@ -51,12 +63,7 @@ def check_same_everywhere(facts: dict[str, Any]) -> None:
         return
     from jax.experimental import multihost_utils
 
-    blob = np.frombuffer(json.dumps(facts, sort_keys=True).encode(), np.uint8)
-    lengths = np.asarray(multihost_utils.process_allgather(np.array([len(blob)], np.int64)))
-    buffer = np.zeros(int(lengths.max()), np.uint8)
-    buffer[: len(blob)] = blob
-    shared = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
-    reference = json.loads(bytes(shared[: int(lengths.ravel()[0])]).decode())
+    reference = json.loads(text_from_process_0(json.dumps(facts, sort_keys=True)))
     keys = sorted(reference)
     differs = [reference[k] != facts.get(k, MISSING) for k in keys]
     differs.append(bool(set(facts) - set(reference)))  # keys process 0 does not have

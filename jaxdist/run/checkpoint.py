@@ -39,7 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxdist.run.checkpoint_digest import array_digests, check_digests
+from jaxdist.run.checkpoint_digest import array_digests, check_digests, dotted_name
 from jaxdist.run.checkpoint_noise import failures_reported, unawaited_coroutine_warnings_hidden
 from jaxdist.run.log import describe_error
 
@@ -341,8 +341,8 @@ class Checkpointer:
         )
 
 
-def newest_config_record(directory: Path) -> tuple[int, dict] | None:
-    """``(step, config record)`` saved in the meta of the newest complete checkpoint under
+def newest_config_record(directory: Path) -> dict | None:
+    """The config record saved in the meta of the newest complete checkpoint under
     ``directory``, read without restoring anything; ``None`` when there is none (or it
     predates config records, or cannot be read: the restore then decides)."""
     steps = sorted((int(p.name) for p in Path(directory).glob("*") if p.name.isdigit()),
@@ -352,7 +352,7 @@ def newest_config_record(directory: Path) -> tuple[int, dict] | None:
             meta = json.loads((Path(directory) / str(step) / "meta" / "metadata").read_text())
         except (OSError, ValueError):
             continue
-        return (step, meta["config"]) if isinstance(meta.get("config"), dict) else None
+        return meta["config"] if isinstance(meta.get("config"), dict) else None
     return None
 
 
@@ -377,7 +377,7 @@ def _free_name(path: Path) -> Path:
 def _array_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     """Dotted path -> shape of every array leaf (live, abstract or orbax metadata)."""
     return {
-        jax.tree_util.keystr(path, simple=True, separator="."): tuple(leaf.shape)
+        dotted_name(path): tuple(leaf.shape)
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
         if hasattr(leaf, "shape")
     }

@@ -18,7 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["CorruptCheckpointError", "array_digests", "check_digests"]
+__all__ = ["CorruptCheckpointError", "array_digests", "check_digests", "dotted_name"]
+
+
+def dotted_name(path: Any) -> str:
+    """A tree path as checkpoints and their messages name arrays: ``params.head.kernel``."""
+    return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
 def _as_words(x: jax.Array) -> jax.Array:
@@ -65,7 +70,7 @@ def array_digests(state: Any) -> dict[str, int]:
     spread = {i: leaf for i, leaf in enumerate(leaves) if one_copy[i] is None}
     digests = {**checkpoint_digests(local), **checkpoint_digests(spread)}
     values = jax.device_get([digests[i] for i in range(len(leaves))])
-    return {jax.tree_util.keystr(path, simple=True, separator="."): int(value)
+    return {dotted_name(path): int(value)
             for path, value in zip(paths, values, strict=True)}  # fmt: skip
 
 
@@ -99,8 +104,7 @@ def check_digests(state: Any, saved: Mapping[str, int] | None) -> None:
     finite = jax.tree_util.tree_flatten_with_path(checkpoint_finite(_floating(state)))[0]
     for path, ok in finite:
         if not bool(ok):
-            name = jax.tree_util.keystr(path, simple=True, separator=".")
-            raise CorruptCheckpointError(f"array {name} holds non-finite values")
+            raise CorruptCheckpointError(f"array {dotted_name(path)} holds non-finite values")
 
 
 def _floating(state: Any) -> Any:

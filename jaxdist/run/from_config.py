@@ -49,12 +49,7 @@ def build_mesh(name: str, stages: int = 0) -> Mesh:
     if count % stages:
         raise ValueError(f"pipeline.stages={stages} does not divide the {count} devices; give "
                          "a stage count that does, or a mesh (--set mesh=...)")  # fmt: skip
-    spec = meshes.from_dict({
-        "name": f"pipeline-{count // stages}x{stages}", "layout": "pipeline",
-        "axes": [{"name": "data", "size": count // stages},
-                 {"name": meshes.STAGE_AXIS, "size": stages}],
-    })  # fmt: skip
-    return meshes.build(spec)
+    return meshes.pipeline(count // stages, stages)
 
 
 # Schedule fields each lr.kind reads beyond kind, peak, warmup_epochs and init_lr.

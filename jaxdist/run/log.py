@@ -3,6 +3,7 @@ lines (rewritten in place on a terminal), on process 0 only."""
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from pathlib import Path
@@ -27,9 +28,7 @@ class WorkdirError(RuntimeError):
     @classmethod
     def from_os_error(cls, err: OSError, workdir: Path) -> WorkdirError:
         """What failed, where, and the operating system's reason."""
-        import errno as errno_names
-
-        code = errno_names.errorcode.get(err.errno, "") if err.errno else ""
+        code = errno.errorcode.get(err.errno, "") if err.errno else ""
         reason = f"{err.strerror or err} [{code}]" if code else str(err.strerror or err)
         where = f"{err.filename}: " if err.filename else ""
         return cls(f"cannot use the workdir {workdir}: {where}{reason}")

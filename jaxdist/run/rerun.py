@@ -159,9 +159,7 @@ def recorded_config(workdir: str | Path) -> dict[str, Any] | None:
     path = Path(workdir) / CONFIG_FILE
     try:
         return flatten(json.loads(path.read_text()))
-    except FileNotFoundError:
-        return None
-    except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
+    except (FileNotFoundError, json.JSONDecodeError, AttributeError, UnicodeDecodeError):
         return None
 
 

@@ -87,8 +87,9 @@ class Trainer:
     writing logs and checkpoints under ``workdir``; :meth:`run` resumes from the newest
     checkpoint there, if any. ``task`` builds what is trained from the config (a recipe's
     ``get_task``, see :mod:`jaxdist.tasks`; default: image classification); ``recipe`` is its
-    file, which every process must have alike (:mod:`jaxdist.run.agreement`). ``mesh`` replaces the recipe's (a mesh of compile-only devices,
-    :mod:`jaxdist.aot`, lets its steps be compiled but not run). ``profile_steps=(first,
+    file, which every process must have alike (:mod:`jaxdist.run.agreement`). ``mesh``
+    replaces the recipe's (a mesh of compile-only devices, :mod:`jaxdist.aot`, lets its steps
+    be compiled but not run). ``profile_steps=(first,
     last)`` traces those steps into ``WORKDIR/profile`` (:mod:`jaxdist.run.profile`)."""
 
     def __init__(
@@ -220,9 +221,9 @@ class Trainer:
     def _run(self, on_step: Callable[[int, TrainState], None] | None) -> dict[str, Any]:
         cfg = self.config
         writer = jax.process_index() == 0
-        saved = newest_config_record(self.workdir / "checkpoints")
         # Compared now, before anything is read or written; recorded once the checkpoint is read.
-        changes = self._check_config(write=False, trained_with=saved and saved[1])
+        trained_with = newest_config_record(self.workdir / "checkpoints")
+        changes = self._check_config(write=False, trained_with=trained_with)
         log = RunLog(self.workdir, enabled=writer, tensorboard=cfg.tensorboard)
         ckpt = Checkpointer(
             self.workdir / "checkpoints",

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import jax
 
+from jaxdist.run.agreement import text_from_process_0
+
 __all__ = ["WorkdirInUseError", "WorkdirLock"]
 
 LOCK_FILE = "run.lock"
@@ -43,7 +45,7 @@ class WorkdirLock:
     def __enter__(self) -> WorkdirLock:
         holder = self._acquire() if jax.process_index() == 0 else None
         if jax.process_count() > 1:
-            holder = _shared_from_process_0(holder)
+            holder = text_from_process_0(holder or "") or None  # process 0's verdict
         if holder is not None:
             raise WorkdirInUseError(
                 f"{self.path.parent} is in use by another run ({holder}); wait for it to end, "
@@ -82,16 +84,3 @@ def _describe_holder(raw: bytes) -> str:
         return f"pid {record['pid']} on host {record['host']}, started {record['started']}"
     except (ValueError, KeyError, TypeError):
         return "a process that left no record"
-
-
-def _shared_from_process_0(holder: str | None) -> str | None:
-    """Process 0's verdict on every process (a collective: all processes call it)."""
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    text = (holder or "").encode()[:255]
-    buffer = np.zeros(256, np.uint8)
-    buffer[: len(text)] = np.frombuffer(text, np.uint8)
-    shared = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
-    found = bytes(shared[shared != 0].astype(np.uint8)).decode(errors="replace")
-    return found or None

@@ -64,6 +64,18 @@ def data_fields() -> ml_collections.ConfigDict:
     )
 
 
+def inputs_of(tokens: jax.Array) -> jax.Array:
+    """What the model reads of a window: every byte but the last."""
+    return tokens[:, :-1].astype(jnp.int32)
+
+
+def next_byte_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Negative log-likelihood (nats) of each next byte of the windows ``tokens`` under the
+    model's ``logits`` for its inputs."""
+    targets = tokens[:, 1:].astype(jnp.int32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+
+
 class _SpanStage:
     """A pipeline stage of the transformer: layers ``[start, stop)``, called as
     ``(params, model_state, x, rng) -> (y, model_state)`` on its part of the whole model's
@@ -84,22 +96,19 @@ class _SpanStage:
         blocks = {i: tree["blocks"][i] for i in self.blocks if i in tree.get("blocks", {})}
         return {**own, "blocks": blocks} if blocks else own
 
-    def _relative(self, tree: dict) -> dict:
+    @staticmethod
+    def _blocks_shifted(tree: dict, offset: int) -> dict:
+        """``tree`` with its block indices moved by ``offset``: whole-model numbering to the
+        span's (``-first_block``) and back (``+first_block``)."""
         if "blocks" not in tree:
             return tree
-        blocks = {i - self.first_block: v for i, v in tree["blocks"].items()}
-        return {**tree, "blocks": blocks}
-
-    def _absolute(self, tree: dict) -> dict:
-        if "blocks" not in tree:
-            return tree
-        blocks = {i + self.first_block: v for i, v in tree["blocks"].items()}
-        return {**tree, "blocks": blocks}
+        return {**tree, "blocks": {i + offset: v for i, v in tree["blocks"].items()}}
 
     def __call__(self, params, model_state, x, rng):
-        y, model_state = self.model.apply(self._relative(params), self._relative(model_state),
-                                          x, rng=rng)  # fmt: skip
-        return y, self._absolute(model_state)
+        own = -self.first_block
+        y, model_state = self.model.apply(self._blocks_shifted(params, own),
+                                          self._blocks_shifted(model_state, own), x, rng=rng)  # fmt: skip
+        return y, self._blocks_shifted(model_state, self.first_block)
 
 
 class LanguageModel(Task):
@@ -135,18 +144,17 @@ class LanguageModel(Task):
             num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, dropout=m.dropout,
             dtype=DTYPES[m.dtype], rngs=nnx.Rngs(key),
         )  # fmt: skip
-        self.model = NnxModel(nnx.eval_shape(lambda: self._make(jax.random.key(0))))
+        self._abstract = nnx.eval_shape(lambda: self._make(jax.random.key(0)))  # structure only
+        self.model = NnxModel(self._abstract)
 
     def init_variables(self, rng: jax.Array) -> tuple[Any, Any]:
         return jax.jit(lambda key: NnxModel(self._make(key)).variables())(rng)
 
     def _nll(self, params, model_state, tokens, rng, train):
-        tokens = tokens.astype(jnp.int32)
         logits, model_state = self.model.apply(
-            params, model_state, tokens[:, :-1], rng=rng, train=train
+            params, model_state, inputs_of(tokens), rng=rng, train=train
         )
-        nll = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-        return nll, model_state
+        return next_byte_nll(logits, tokens), model_state
 
     def loss(self, params, model_state, batch, rng):
         nll, model_state = self._nll(params, model_state, batch["tokens"], rng, train=True)
@@ -169,14 +177,13 @@ class LanguageModel(Task):
     ) -> PipelineParts:
         """The transformer cut into spans of layers (embedding, blocks, norm and head); the
         next-byte cross-entropy on the last stage's logits."""
-        whole = nnx.eval_shape(lambda: self._make(jax.random.key(0)))
+        whole = self._abstract
         cuts = pipeline_stages.spans(whole.num_layers, None if boundaries else virtual_stages,
                                      boundaries)  # fmt: skip
         stages = [_SpanStage(whole, start, stop) for start, stop in cuts]
 
         def loss(logits, micro_batch):
-            targets = micro_batch["tokens"][:, 1:].astype(jnp.int32)
-            value = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+            value = next_byte_nll(logits, micro_batch["tokens"]).mean()
             return value, {"bits_per_byte": value / math.log(2)}
 
         def split(params, model_state):
@@ -185,7 +192,7 @@ class LanguageModel(Task):
         return PipelineParts(
             stages=stages,
             loss=loss,
-            inputs=lambda batch: batch["tokens"][:, :-1].astype(jnp.int32),
+            inputs=lambda batch: inputs_of(batch["tokens"]),
             split=split,
         )
 

@@ -7,7 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
 from jaxdist.comm import collectives
@@ -109,30 +112,26 @@ def check_shardable(optimizer: Any, by: str) -> None:
     so the update must be element-wise, without masks by shape) or ``by="stages"`` (a
     pipeline: one stage's layers at a time, so per-layer rules such as LARS work, but a
     global gradient norm does not). Probed on a small kernel and bias, on the host."""
-    import jax
-
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's own
         params, grads = _probe_trees()
-        whole = _probe_update(optimizer, params, grads)
-        if by == "elements":
-            flat = lambda tree: np.concatenate([np.ravel(tree[k]) for k in sorted(tree)])  # noqa: E731
-            p, g = flat(params), flat(grads)
-            halves = [_probe_update(optimizer, p[s], g[s]) for s in (slice(0, 8), slice(8, None))]
-            parts = [np.concatenate([np.asarray(h[i]) for h in halves]) for i in range(2)]
-            expected = [flat(jax.device_get(u)) for u in whole]
+        expected = [ravel_pytree(update)[0] for update in _probe_update(optimizer, params, grads)]
+        if by == "elements":  # the whole as one flat vector, updated in two slices
+            flat_params, flat_grads = ravel_pytree(params)[0], ravel_pytree(grads)[0]
+            halves = [_probe_update(optimizer, flat_params[s], flat_grads[s])
+                      for s in (slice(0, 8), slice(8, None))]  # fmt: skip
+            parts = [jnp.concatenate([half[i] for half in halves]) for i in range(2)]
             what = ("ZeRO-1 updates each device's slice of one flat vector of all parameters, "
                     "so the optimizer must be element-wise (SGD, momentum, Adam; no "
                     "global-norm clipping, no per-layer trust ratios, no masks by shape)")  # fmt: skip
-        else:
+        else:  # each layer updated on its own
             alone = {k: _probe_update(optimizer, {k: params[k]}, {k: grads[k]}) for k in params}
-            parts = [np.concatenate([np.ravel(alone[k][i][k]) for k in sorted(params)])
-                     for i in range(2)]  # fmt: skip
-            expected = [np.concatenate([np.ravel(u[k]) for k in sorted(params)]) for u in whole]
+            parts = [ravel_pytree({k: alone[k][i][k] for k in params})[0] for i in range(2)]
             what = ("a pipeline updates each stage's layers on their own, so the update of a "
                     "layer must not depend on the others (per-layer rules such as LARS work; "
                     "a global gradient norm does not: clip per layer, or train data-parallel)")  # fmt: skip
     for got, want in zip(parts, expected, strict=True):
         # Relative to the update's size: a weight decay dropped by a mask is small beside it.
+        got, want = np.asarray(got), np.asarray(want)
         if not np.allclose(got, want, rtol=0, atol=1e-6 * np.max(np.abs(want))):
             raise ValueError(f"this optimizer's update changes when it sees the parameters in "
                              f"parts, and {what}")  # fmt: skip
