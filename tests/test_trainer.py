@@ -1,5 +1,6 @@
 """The trainer: exact resume (also across a batch-size stage boundary), SIGTERM, logs."""
 
+import contextlib
 import json
 import re
 import signal
@@ -12,6 +13,7 @@ import pytest
 
 from jaxdist.run.checkpoint import abstract_like
 from jaxdist.run.config import base_config
+from jaxdist.run.hooks import Hook
 from jaxdist.run.trainer import Trainer
 from jaxdist.training.protocol import Step
 from jaxdist.training.train_step import TrainStep
@@ -247,3 +249,83 @@ def test_the_config_travels_with_the_checkpoint(tmp_path, capsys):
     assert "config.json differed from what the checkpoints were trained with" in out
     assert "resumed from step 3" in out and summary["step"] == 7
     assert json.loads((workdir / "config.json").read_text()) == json.loads(recorded)
+
+
+class _Recorder(Hook):
+    """Writes down each moment the loop calls, and asks to stop after step ``stop_after``."""
+
+    def __init__(self, stop_after):
+        self.stop_after = stop_after
+        self.moments = []
+
+    def __enter__(self):
+        self.moments.append("enter")
+        return self
+
+    def __exit__(self, *exc):
+        self.moments.append("exit")
+
+    def resumed(self, loop, meta):
+        self.moments.append(f"resumed {loop.step}")
+
+    def run_started(self, loop):
+        self.moments.append("run_started")
+
+    def step_starting(self, loop):
+        self.moments.append(f"step_starting {loop.step + 1}")
+
+    def step_calling(self, loop, compiled):
+        self.moments.append(f"step_calling compiled={compiled}")
+
+    @contextlib.contextmanager
+    def around_step(self, loop):
+        self.moments.append("around_step in")
+        yield
+        self.moments.append("around_step out")
+
+    def step_done(self, loop):
+        self.moments.append(f"step_done {loop.step}")
+
+    def reported(self, loop, fetched):
+        self.moments.append(f"reported {loop.step} ({len(fetched)} steps)")
+
+    def recorded(self, loop, record):
+        self.moments.append(f"recorded {record['kind']}")
+
+    def evaluating(self, loop):
+        self.moments.append("evaluating")
+
+    def evaluated(self, loop):
+        self.moments.append(f"evaluated top1={'top1' in loop.last_eval}")
+
+    def saving(self, loop):
+        self.moments.append(f"saving {loop.step}")
+
+    def stop_requested(self, loop):
+        return "told to" if loop.step == self.stop_after else ""
+
+    def run_ended(self, loop, failure):
+        self.moments.append(f"run_ended {loop.step} failure={failure}")
+
+
+def test_a_users_hook_sees_every_moment_and_may_stop_the_run(tmp_path):
+    recorder = _Recorder(stop_after=3)
+    config = tiny_config(**{"checkpoint.every_steps": 2, "eval_every_epochs": 0.03})
+    summary = Trainer(config, tmp_path, hooks=[recorder]).run()
+    assert summary["stopped_by"] == "told to" and summary["preempted"] and summary["step"] == 3
+    step = ["around_step in", "around_step out"]
+    assert recorder.moments == [
+        "enter", "resumed 0", "run_started",
+        "step_starting 1", "step_calling compiled=False", *step, "step_done 1",
+        "step_starting 2", "step_calling compiled=True", *step,
+        "recorded train", "reported 2 (2 steps)", "saving 2", "step_done 2",
+        # 3 x 16 samples pass 0.03 epochs of 1,438: an evaluation
+        "step_starting 3", "step_calling compiled=True", *step,
+        "evaluating", "evaluated top1=True", "recorded eval", "step_done 3",
+        "saving 3", "run_ended 3 failure=None", "exit",
+    ]  # fmt: skip
+    events = [json.loads(line.removeprefix(":::MLLOG "))
+              for line in (tmp_path / "events.log").read_text().splitlines()]  # fmt: skip
+    assert events[-1]["key"] == "run_stop"
+    assert events[-1]["metadata"]["reason"] == "preempted (told to)"
+    assert Trainer(config, tmp_path).run()["step"] == 3 + 4  # resumed at step 3, on to 7

@@ -1,5 +1,6 @@
-"""What a training run writes: ``metrics.jsonl``, the MLPerf ``events.log`` and progress
-lines (rewritten in place on a terminal), on process 0 only."""
+"""What a training run writes itself: ``metrics.jsonl`` and progress lines (rewritten in place
+on a terminal), on process 0 only. The event log and TensorBoard's summaries are hooks of the
+loop (:mod:`jaxdist.run.hooks`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,8 @@ import errno
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
-from jaxdist.run.mlperf import EventLog
-from jaxdist.run.tensorboard import SummaryWriter
+from jaxdist.run.mlperf import end_with_newline
 
 __all__ = [
     "RunLog",
@@ -76,67 +75,35 @@ def read_metrics(workdir: str | Path) -> dict[str, list[dict]]:
 
 
 def last_eval(workdir: str | Path) -> dict[str, float]:
-    """The last evaluation recorded in ``workdir``'s ``metrics.jsonl`` (empty if none)."""
+    """The task's metrics at the last evaluation recorded in ``workdir``'s ``metrics.jsonl``
+    (empty if none)."""
     if not (Path(workdir) / "metrics.jsonl").is_file():
         return {}
     evals = read_metrics(workdir)["eval"]
-    return {k: evals[-1][k] for k in ("top1", "top5") if k in evals[-1]} if evals else {}
-
-
-def _end_with_newline(path: Path) -> None:
-    """Finish a line cut short by a killed run, so the next record starts on its own line."""
-    if path.exists() and path.stat().st_size:
-        with open(path, "rb+") as f:
-            f.seek(-1, 2)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
+    bookkeeping = ("kind", "step", "epoch")
+    return {k: v for k, v in evals[-1].items() if k not in bookkeeping} if evals else {}
 
 
 class RunLog:
-    """``metrics.jsonl``, ``events.log`` (MLPerf ``:::MLLOG`` lines, :mod:`jaxdist.run.mlperf`)
-    and progress output; everything is a no-op on processes other than 0."""
+    """``metrics.jsonl`` and progress output; everything is a no-op on processes other than 0.
+    Files are opened by :meth:`open`, once the run's hooks have checked the workdir."""
 
-    def __init__(self, workdir: Path, enabled: bool, tensorboard: str = "auto") -> None:
+    def __init__(self, workdir: Path, enabled: bool) -> None:
+        self.workdir = workdir
         self.enabled = enabled
         self.tty = sys.stdout.isatty()
-        self.running = False  # between run_start and run_stop
-        self._metrics = self._events = self._tensorboard = None
-        if enabled:
-            workdir.mkdir(parents=True, exist_ok=True)
-            _end_with_newline(workdir / "metrics.jsonl")  # after a kill mid-line
-            _end_with_newline(workdir / "events.log")
-            self._metrics = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115
-            self._events = EventLog(workdir / "events.log")
-            # JSONL is the record; TensorBoard's summaries are a view of it.
-            self._tensorboard = SummaryWriter(workdir / "tensorboard", tensorboard)
+        self._metrics = None
 
-    @property
-    def resumes_run(self) -> bool:
-        """Whether the workdir's event log already holds this run's ``run_start``."""
-        return self._events is not None and self._events.started
-
-    def event(
-        self, key: str, value: Any = None, time_ms: int | None = None, **metadata: Any
-    ) -> None:
-        """One MLPerf event (:class:`~jaxdist.run.mlperf.EventLog`), stamped now unless
-        ``time_ms`` says when it happened."""
-        if not self.enabled:
-            return
-        self._events.log(key, value, time_ms=time_ms, **metadata)
-        if key in ("run_start", "run_resumed", "run_stop"):
-            self.running = key != "run_stop"
+    def open(self) -> None:
+        if self.enabled:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            end_with_newline(self.workdir / "metrics.jsonl")  # after a kill mid-line
+            self._metrics = open(self.workdir / "metrics.jsonl", "a")  # noqa: SIM115
 
     def metrics(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
-        self._tensorboard.scalars(record)
-
-    def hyperparameters(self, config: dict[str, Any]) -> None:
-        """The run's flattened config, for TensorBoard's HParams dashboard."""
-        if self.enabled:
-            self._tensorboard.hyperparameters(config)
+        if self._metrics is not None:
+            self._metrics.write(json.dumps(record) + "\n")
+            self._metrics.flush()
 
     def progress(self, line: str, final: bool = False) -> None:
         """One status line: rewritten in place on a terminal, appended otherwise."""
@@ -147,13 +114,7 @@ class RunLog:
         else:
             print(line, flush=True)
 
-    def close(self, aborted_by: str | None = None) -> None:
-        """Close the files; a run still open gets its ``run_stop`` with status ``aborted`` and
-        the reason, so the event log never ends inside a run."""
-        if self.running:
-            self.event("run_stop", status="aborted", reason=aborted_by or "stopped")
-        for f in (self._metrics, self._events):
-            if f is not None:
-                f.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+    def close(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None

@@ -33,7 +33,9 @@ from typing import Any
 
 import jax
 
-__all__ = ["EventLog", "epoch_events", "log_run_start", "log_run_stop", "now_ms"]
+from jaxdist.run.hooks import Hook
+
+__all__ = ["EventLog", "MlperfLog", "epoch_events", "now_ms"]
 
 
 class keys:
@@ -61,6 +63,9 @@ class keys:
     OPT_LR_WARMUP_EPOCHS = "opt_learning_rate_warmup_epochs"
     LARS_EPSILON = "lars_epsilon"
     LARS_OPT_LEARNING_RATE_WARMUP_EPOCHS = "lars_opt_learning_rate_warmup_epochs"
+    EVAL_START = "eval_start"
+    EVAL_STOP = "eval_stop"
+    EVAL_ACCURACY = "eval_accuracy"
     RESNET = "resnet"
     SUCCESS = "success"
     ABORTED = "aborted"
@@ -85,7 +90,7 @@ class EventLog:
 
     def log(self, key: str, value: Any = None, time_ms: int | None = None, **metadata) -> None:
         """One event; ``*_start`` keys open an interval and ``*_stop`` keys close it. The
-        metadata records the call site of ``RunLog.event``'s caller, as mllog does."""
+        metadata records the call site of ``MlperfLog.event``'s caller, as mllog does."""
         if key.endswith("_start"):
             event_type = "INTERVAL_START"
         elif key.endswith("_stop"):
@@ -111,7 +116,7 @@ class EventLog:
 
 def _call_site() -> dict[str, Any]:
     """File (relative to the repository) and line of the code that logged the event: three
-    frames up, through this module's ``log`` and ``RunLog.event``."""
+    frames up, through :meth:`EventLog.log` and :meth:`MlperfLog.event`."""
     frame = inspect.currentframe()
     for _ in range(3):
         frame = frame.f_back if frame.f_back is not None else frame
@@ -141,39 +146,108 @@ def _has_run_start(path: Path) -> bool:
     return False
 
 
-def log_run_start(log: Any, trainer: Any, step: int, changes: list, init_ms: int) -> None:
-    """The events that open a run (its first start) or continue it (a resume from ``step``).
+class MlperfLog(Hook):
+    """``WORKDIR/events.log`` as a hook of the training loop (on process 0; a no-op elsewhere).
 
-    ``log`` is the run's :class:`~jaxdist.run.log.RunLog`; ``trainer`` the
-    :class:`~jaxdist.run.trainer.Trainer`, read for what it resolved (dataset sizes, the
-    batch plan, the schedule); ``init_ms`` when it began building the run.
+    ``trainer`` is the :class:`~jaxdist.run.trainer.Trainer`, read for what it resolved
+    (dataset sizes, the batch plan, the schedule, the task's headline metric); ``init_ms`` is
+    when it began building the run.
     """
-    if log.resumes_run:
-        log.event("run_resumed", step=step)
-    else:
-        for key, value, metadata in header_events(trainer, init_ms):
-            log.event(key, value, **metadata)
-        log.event(keys.INIT_STOP)
-        log.event(keys.RUN_START)
-    for key, old, new in changes:
-        log.event("config_change", key, old=old, new=new)
+
+    def __init__(self, trainer: Any, workdir: Path, *, enabled: bool, init_ms: int) -> None:
+        self.trainer = trainer
+        self.path = Path(workdir) / "events.log"
+        self.enabled = enabled
+        self.init_ms = init_ms
+        self.running = False  # between run_start (or run_resumed) and run_stop
+        self._log: EventLog | None = None
+        self._target_logged = False
+
+    def event(self, key: str, value: Any = None, time_ms: int | None = None, **metadata) -> None:
+        """One event, stamped now unless ``time_ms`` says when it happened."""
+        if self._log is None:
+            return
+        self._log.log(key, value, time_ms=time_ms, **metadata)
+        if key in (keys.RUN_START, "run_resumed", keys.RUN_STOP):
+            self.running = key != keys.RUN_STOP
+
+    def __enter__(self) -> MlperfLog:
+        if self.enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            end_with_newline(self.path)  # after a kill mid-line
+            self._log = EventLog(self.path)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.running:  # the event log never ends inside a run
+            self.event(keys.RUN_STOP, status=keys.ABORTED, reason="stopped")
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def run_started(self, loop: Any) -> None:
+        """The events that open a run (its first start) or continue it (a resume), then each
+        accepted ``config_change``."""
+        if self._log is None:
+            return
+        if self._log.started:
+            self.event("run_resumed", step=loop.step)
+        else:
+            for key, value, metadata in header_events(self.trainer, self.init_ms):
+                self.event(key, value, **metadata)
+            self.event(keys.INIT_STOP)
+            self.event(keys.RUN_START)
+        for key, old, new in loop.config_changes:
+            self.event("config_change", key, old=old, new=new)
+
+    def step_starting(self, loop: Any) -> None:
+        epoch_events(self, self.trainer.schedule, loop.step, loop.total_steps)
+
+    def evaluating(self, loop: Any) -> None:
+        self.event(keys.EVAL_START, epoch_num=loop.epoch)
+
+    def evaluated(self, loop: Any) -> None:
+        headline = loop.last_eval[self.trainer.task.headline]
+        self.event(keys.EVAL_STOP, epoch_num=loop.epoch)
+        self.event(keys.EVAL_ACCURACY, headline, epoch_num=loop.epoch, step=loop.step)
+        if loop.reached_target and not self._target_logged:
+            self._target_logged = True
+            self.event("target_reached", headline, epoch_num=loop.epoch)
+
+    def run_ended(self, loop: Any, failure: str | None) -> None:
+        """``run_stop``: ``aborted`` with the error that stopped the run, or the signal that
+        preempted it; else, after the last ``epoch_stop``, ``success`` if the headline metric
+        reached the target at an evaluation, otherwise ``aborted`` (MLPerf's status for a run
+        that did not converge) naming the shortfall."""
+        if not self.running:
+            return
+        where = {"step": loop.step, "epoch": loop.epoch}
+        if failure is not None:
+            self.event(keys.RUN_STOP, status=keys.ABORTED, reason=failure, **where)
+            return
+        if loop.stopped_by:
+            reason = f"preempted ({loop.stopped_by})"
+            self.event(keys.RUN_STOP, status=keys.ABORTED, reason=reason, **where)
+            return
+        epoch_events(self, self.trainer.schedule, loop.step, loop.total_steps)
+        if loop.reached_target:
+            self.event(keys.RUN_STOP, status=keys.SUCCESS, **where)
+            return
+        task = self.trainer.task
+        side = "below" if task.higher_is_better else "above"
+        shortfall = (
+            f"{task.headline} stayed {side} target_accuracy {self.trainer.config.target_accuracy}"
+        )
+        self.event(keys.RUN_STOP, status=keys.ABORTED, reason=shortfall, **where)
 
 
-def log_run_stop(log: Any, loop: Any, schedule: Any, total_steps: int, shortfall: str) -> None:
-    """``run_stop`` of a run that ends without an error: ``aborted`` when SIGTERM stopped it;
-    else, after the last ``epoch_stop``, ``success`` if the headline metric reached the target
-    at an evaluation, otherwise ``aborted`` (MLPerf's status for a run that did not converge)
-    with ``shortfall`` as the reason."""
-    where = {"step": loop.step, "epoch": loop.epoch}
-    if loop.preempted:
-        reason = f"preempted ({loop.stopped_by or 'SIGTERM'})"
-        log.event(keys.RUN_STOP, status=keys.ABORTED, reason=reason, **where)
-        return
-    epoch_events(log, schedule, loop.step, total_steps)
-    if loop.reached_target:
-        log.event(keys.RUN_STOP, status=keys.SUCCESS, **where)
-    else:
-        log.event(keys.RUN_STOP, status=keys.ABORTED, reason=shortfall, **where)
+def end_with_newline(path: Path) -> None:
+    """Finish a line cut short by a killed run, so the next record starts on its own line."""
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb+") as f:
+            f.seek(-1, 2)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
 
 
 def header_events(trainer: Any, init_ms: int) -> list[tuple[str, Any, dict]]:

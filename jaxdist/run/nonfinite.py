@@ -16,11 +16,12 @@ saving, the parameters themselves are checked, so a checkpoint never holds them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
+from jaxdist.run.hooks import Hook
 from jaxdist.training.loss_scale import all_finite
 
 __all__ = ["NonFiniteError", "NonFiniteGuard"]
@@ -35,19 +36,20 @@ class NonFiniteError(RuntimeError):
 _params_finite = jax.jit(all_finite)
 
 
-class NonFiniteGuard:
-    """Checks the per-step metrics and the state before a save.
+class NonFiniteGuard(Hook):
+    """Checks the per-step metrics when the loop reports them and the state before a save.
 
     Args:
       skip_limit: 0 to stop at the first non-finite loss; N > 0 when the steps skip such
         updates themselves (their metrics carry ``skipped``), to stop after N in a row.
-      advice: what the user can do, appended to the error (names the config field).
+      kept: says which checkpoint survives a stop now (for the error's last words).
     """
 
-    def __init__(self, skip_limit: int) -> None:
+    def __init__(self, skip_limit: int, kept: Callable[[], str] = lambda: "no checkpoint") -> None:
         if skip_limit < 0:
             raise ValueError(f"skip_nonfinite_steps must be >= 0, got {skip_limit}")
         self.skip_limit = skip_limit
+        self.kept = kept
         self.skipped_in_a_row = 0
         self.skipped = 0
         self._checked_to = 0  # steps up to this one were looked at
@@ -88,3 +90,12 @@ class NonFiniteGuard:
                 f"the parameters are not finite after step {step}; stopped without saving "
                 f"them ({kept}): lower the learning rate"
             )
+
+    # As a hook of the training loop.
+
+    def reported(self, loop: Any, fetched: list[dict]) -> None:
+        self.check_steps(loop.step, fetched, self.kept())
+
+    def saving(self, loop: Any) -> None:
+        self.check_steps(loop.step, jax.device_get(loop.pending), self.kept())
+        self.check_params(loop.step, loop.state.params, self.kept())

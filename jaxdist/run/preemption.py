@@ -12,19 +12,22 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from jaxdist.run.hooks import Hook
+
 __all__ = ["PreemptionGuard"]
 
 log = logging.getLogger(__name__)
 
 
-class PreemptionGuard:
+class PreemptionGuard(Hook):
     """Turns SIGTERM, or a first Ctrl-C, into ``preempted`` being true at the next step
     boundary; ``signal_name`` says which.
 
     With several processes a signal reaches them at different steps, so they would stop at
     different steps and the save would hang; there orbax's ``reached_preemption`` (JAX's
     preemption sync point, agreed through the coordination service) decides instead.
-    Use as a context manager; the previous handler is restored on exit.
+    Use as a context manager (or a hook of the training loop, whose ``stop_requested`` names
+    the signal); the previous handler is restored on exit.
     """
 
     def __init__(self, manager: ocp.CheckpointManager | None = None) -> None:
@@ -60,3 +63,6 @@ class PreemptionGuard:
         if jax.process_count() > 1 and self._manager is not None:
             return bool(self._manager.reached_preemption(step))
         return self._signalled
+
+    def stop_requested(self, loop: Any) -> str:
+        return self.signal_name if self.preempted(loop.step) else ""

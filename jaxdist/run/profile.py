@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from jaxdist.run.config import ConfigError
+from jaxdist.run.hooks import Hook
 
 __all__ = ["StepProfiler", "parse_profile_steps"]
 
@@ -36,7 +37,7 @@ def parse_profile_steps(text: str) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
-class StepProfiler:
+class StepProfiler(Hook):
     """Starts and stops the trace around the steps ``first..last``; without steps it only
     annotates them (an annotation costs nothing while no trace is running)."""
 
@@ -75,3 +76,14 @@ class StepProfiler:
         if self.tracing:
             jax.profiler.stop_trace()
             self.tracing = False
+
+    # As a hook of the training loop.
+
+    def resumed(self, loop: Any, meta: dict) -> None:
+        self.check(loop.step + 1, loop.total_steps)
+
+    def around_step(self, loop: Any) -> contextlib.AbstractContextManager:
+        return self.step(loop.step + 1, lambda: loop.state)
+
+    def run_ended(self, loop: Any, failure: str | None) -> None:
+        self.stop()

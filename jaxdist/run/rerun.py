@@ -27,7 +27,9 @@ from typing import Any
 
 import ml_collections
 
+from jaxdist.run.checkpoint import newest_config_record
 from jaxdist.run.config import ConfigError, base_config
+from jaxdist.run.hooks import Hook
 
 __all__ = [
     "ConfigChangedError",
@@ -246,3 +248,47 @@ def check_rerun(
         finally:  # a failed write (no space, a file-size limit) leaves no partial file
             tmp.unlink(missing_ok=True)
     return accepted
+
+
+class RerunCheck(Hook):
+    """The rerun comparison as a hook of the training loop: before anything is read or written,
+    the config is compared with what the workdir's newest checkpoint was trained with (else its
+    ``config.json``) and a refused change stops the run (:func:`check_rerun`); once the
+    checkpoint is read, the config is recorded (on process 0) and the accepted changes are
+    printed and put in ``loop.config_changes`` for the event log.
+
+    ``devices`` returns what the run resolved on this machine (the mesh, a pipeline's cut);
+    ``progress`` prints one line.
+    """
+
+    def __init__(self, workdir: str | Path, config: ml_collections.ConfigDict, *,
+                 allow_change: bool, devices: Any, progress: Any, write: bool) -> None:  # fmt: skip
+        self.workdir = Path(workdir)
+        self.config = config
+        self.allow_change = allow_change
+        self.devices = devices
+        self.progress = progress
+        self.write = write
+        self.changes: list[Difference] = []
+
+    def _check(self, write: bool, trained_with: dict | None) -> list[Difference]:
+        return check_rerun(self.workdir, self.config, allow_change=self.allow_change,
+                           write=write, devices=self.devices(),
+                           trained_with=trained_with)  # fmt: skip
+
+    def __enter__(self) -> RerunCheck:
+        trained_with = newest_config_record(self.workdir / "checkpoints")
+        self.changes = self._check(write=False, trained_with=trained_with)
+        return self
+
+    def resumed(self, loop: Any, meta: dict) -> None:
+        trained_with = meta.get("config")  # absent from checkpoints of older versions
+        note = trained_with and record_note(self.workdir, trained_with, loop.step)
+        self._check(write=self.write, trained_with=trained_with)
+        if note:
+            self.progress(note, final=True)
+        loop.config_changes = list(self.changes)
+
+    def run_started(self, loop: Any) -> None:
+        for key, old, new in self.changes:
+            self.progress(f"config changed: {key} {old!r} -> {new!r}", final=True)

@@ -5,81 +5,121 @@
     config = jaxdist.run.config.load_recipe("recipes/mnist_small_batch.py")
     summary = Trainer(config, workdir="runs/mnist").run()
 
-Each step:
+What is trained is the recipe's task (:mod:`jaxdist.tasks`): its variables, loss, evaluation
+and data. The step is a :class:`~jaxdist.training.train_step.TrainStep` (data parallel), or a
+:class:`~jaxdist.pipeline.step.PipelineStep` when the recipe has pipeline stages. Each step:
 
 1. the batch-size schedule names the step's stage; at a stage boundary the data iterator is
-   rebuilt at the stream position reached (nothing dropped or repeated) and the stage's
-   train step (one per accumulation setting: a data-parallel
-   :class:`~jaxdist.training.train_step.TrainStep`, or a
-   :class:`~jaxdist.pipeline.step.PipelineStep` when the recipe has pipeline stages) compiles
-   once for the new batch shape;
+   rebuilt at the stream position reached (nothing dropped or repeated) and the stage's train
+   step (one per accumulation setting) compiles once for the new batch shape;
 2. the learning rate is the epoch schedule at the *fractional epoch* (samples seen / dataset
    size), written into the optimizer state before the call, so it follows the samples and not
    the step count, and a changing value never recompiles;
 3. the step runs with an RNG folded from the seed and the step number, so a resumed run draws
    the same numbers as an uninterrupted one.
 
-What is trained is the recipe's task (:mod:`jaxdist.tasks`): its variables, loss, evaluation
-and data; everything here is the same for every task.
-
-Around the steps: periodic evaluation (the task's metrics on the held-out split), progress lines,
-``metrics.jsonl``, the MLPerf event log (``events.log``, :mod:`jaxdist.run.mlperf`: one
-``run_start`` ... ``run_stop`` across resumes) and checkpoints (:mod:`jaxdist.run.checkpoint`)
-every N steps, at the end and on SIGTERM. Only process 0 writes logs; every process takes
+Around the steps, in this loop: resume from the newest checkpoint, progress lines and
+``metrics.jsonl`` every ``log_every_steps``, the task's metrics on the held-out split every
+``eval_every_epochs``, checkpoints every ``checkpoint.every_steps`` and at the end. Everything
+else is a hook (:mod:`jaxdist.run.hooks`) that the loop calls at fixed moments: the workdir lock,
+the rerun comparison, the watchdog, preemption (SIGTERM, Ctrl-C), the profiler, the non-finite
+guard, TensorBoard and the MLPerf event log. Only process 0 writes logs; every process takes
 part in checkpoints.
-
-What stops a run early keeps what it did: the workdir is locked against a second run
-(:mod:`~jaxdist.run.workdir_lock`); a non-finite loss stops it before anything non-finite is saved
-(:mod:`~jaxdist.run.nonfinite`); an unreadable data file stops it with a checkpoint of the
-steps before; a process stuck on one activity is reported and ended
-(:mod:`~jaxdist.run.watchdog`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from jax.sharding import Mesh
 
 from jaxdist.data import DatasetError
-from jaxdist.run import rerun, steps
+from jaxdist.run import pipeline_config, rerun
 from jaxdist.run.agreement import check_same_everywhere, run_facts
-from jaxdist.run.checkpoint import Checkpointer, newest_config_record
+from jaxdist.run.checkpoint import Checkpointer
 from jaxdist.run.config import batch_stages, config_problems
 from jaxdist.run.from_config import (
     StepParts,
     build_lr_schedule,
     build_mesh,
     build_optimizer,
+    refuse_unused,
     step_options,
 )
-from jaxdist.run.log import RunLog, WorkdirError, describe_error, last_eval
-from jaxdist.run.loop import Loop, open_iterator, report
-from jaxdist.run.mlperf import epoch_events, log_run_start, log_run_stop, now_ms
+from jaxdist.run.hooks import Hook, OnStep
+from jaxdist.run.log import RunLog, WorkdirError, describe_error, format_duration, last_eval
+from jaxdist.run.mlperf import now_ms
 from jaxdist.run.nonfinite import NonFiniteGuard
-from jaxdist.run.preemption import PreemptionGuard
 from jaxdist.run.profile import StepProfiler
+from jaxdist.run.standard_hooks import standard_hooks
 from jaxdist.run.tensorboard import check_mode
 from jaxdist.run.watchdog import Watchdog
-from jaxdist.run.workdir_lock import WorkdirLock
 from jaxdist.tasks import Replicas, Task
 from jaxdist.tasks.image_classification import ImageClassification
 from jaxdist.training.batch_schedule import BatchSchedule
 from jaxdist.training.batches import data_axes_of
 from jaxdist.training.eval_step import EvalStep
 from jaxdist.training.protocol import Step
-from jaxdist.training.train_step import TrainState
+from jaxdist.training.train_step import TrainState, TrainStep
 
-__all__ = ["TaskFactory", "Trainer"]
+__all__ = ["DataParallel", "Loop", "TaskFactory", "Trainer"]
 
 # A recipe's ``get_task``: the task of a config, on the replicas the mesh gives it.
 TaskFactory = Callable[[ml_collections.ConfigDict, Replicas], Task]
+
+
+@dataclasses.dataclass
+class Loop:
+    """What the training loop carries from one step to the next; hooks read it."""
+
+    state: TrainState
+    step: int  # steps done, counted from 1
+    total_steps: int
+    base_rng: jax.Array
+    data_state: dict | None = None  # the checkpoint's data position, until the iterator opens
+    stage: int = -1  # the batch schedule's stage
+    iterator: Any = None
+    epoch: float = 0.0
+    lr: float = 0.0
+    batch_size: int = 0
+    pending: list = dataclasses.field(default_factory=list)  # metrics since the last report
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    window_start: float = dataclasses.field(default_factory=time.perf_counter)
+    window_samples: int = 0
+    window_steps: int = 0
+    last_eval: dict = dataclasses.field(default_factory=dict)
+    reached_target: bool = False
+    stopped_by: str = ""  # why the run stopped early: e.g. SIGTERM or SIGINT (Ctrl-C)
+    config_changes: list = dataclasses.field(default_factory=list)  # accepted on resume
+
+
+class DataParallel:
+    """The kind of step a recipe without pipeline stages trains: the whole model on every
+    device, every mesh axis splitting the batch."""
+
+    def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh) -> None:
+        refuse_unused("pipeline", config.pipeline, ("stages",), "pipeline.stages=0")
+        self.mesh = mesh
+        self.data_axes: tuple[str, ...] = tuple(mesh.axis_names)
+        self.resolved: dict = {}  # nothing left to the machine beyond the mesh
+
+    def check_batches(self, batches: list[int], replicas: int) -> None:
+        """Any global batch works: the batch plan splits it into accumulation steps."""
+
+    def build(self, parts: StepParts, accumulation_steps: int) -> TrainStep:
+        """The recipe's :class:`TrainStep`: the task's loss on the whole model."""
+        return TrainStep(parts.task.loss, parts.optimizer, self.mesh, data_axes=self.data_axes,
+                         accumulation_steps=accumulation_steps, **parts.options)  # fmt: skip
 
 
 class Trainer:
@@ -89,8 +129,9 @@ class Trainer:
     ``get_task``, see :mod:`jaxdist.tasks`; default: image classification); ``recipe`` is its
     file, which every process must have alike (:mod:`jaxdist.run.agreement`). ``mesh``
     replaces the recipe's (a mesh of compile-only devices, :mod:`jaxdist.aot`, lets its steps
-    be compiled but not run). ``profile_steps=(first,
-    last)`` traces those steps into ``WORKDIR/profile`` (:mod:`jaxdist.run.profile`)."""
+    be compiled but not run). ``profile_steps=(first, last)`` traces those steps into
+    ``WORKDIR/profile`` (:mod:`jaxdist.run.profile`). ``hooks`` are called after the trainer's
+    own (:mod:`jaxdist.run.hooks`)."""
 
     def __init__(
         self,
@@ -102,17 +143,18 @@ class Trainer:
         recipe: str | Path | None = None,
         mesh: Mesh | None = None,
         profile_steps: tuple[int, int] | None = None,
+        hooks: Sequence[Hook] = (),
     ) -> None:
-        self._init_ms = now_ms()  # MLPerf's init_start: building the run is initialisation
+        self.init_ms = now_ms()  # MLPerf's init_start: building the run is initialisation
         self.config = config
         self.workdir = Path(workdir)
         self.allow_config_change = allow_config_change
         self.task_factory = task or ImageClassification
         self.recipe = recipe
-        self.profiler = StepProfiler(profile_steps, self.workdir)
+        self.profile_steps = profile_steps
+        self.user_hooks = list(hooks)
         with config_problems():
             self._build(config, mesh)
-        self.profiler.check(1, self.total_steps)
 
     def _build(self, config: ml_collections.ConfigDict, mesh: Mesh | None) -> None:
         """Everything the config describes: mesh, data, batch plan, model, loss, optimizer and
@@ -123,7 +165,11 @@ class Trainer:
             recorded = rerun.recorded_devices(self.workdir)  # e.g. a pipeline's "auto" cut
         except OSError as err:
             raise WorkdirError.from_os_error(err, self.workdir) from err
-        self.step_kind = steps.for_recipe(config, self.mesh, recorded)  # the one choice of step
+        # The one choice of step; from here on the loop sees only the Step interface.
+        if pipeline_config.enabled(config):
+            self.step_kind = pipeline_config.Pipeline(config, self.mesh, recorded)
+        else:
+            self.step_kind = DataParallel(config, self.mesh)
         names = self.step_kind.data_axes
         self.data_axes = data_axes_of(self.mesh, names)  # one name, or a tuple of several
         self.num_replicas = math.prod(self.mesh.shape[a] for a in names)
@@ -137,9 +183,11 @@ class Trainer:
         self.total_steps = self.schedule.steps_for_epochs(config.num_epochs)
         if config.max_steps:
             self.total_steps = min(self.total_steps, config.max_steps)
-        self.nonfinite = NonFiniteGuard(config.skip_nonfinite_steps)
+        # The hooks' settings, checked now; the hooks themselves are new for every run.
+        NonFiniteGuard(config.skip_nonfinite_steps)
+        Watchdog(config.watchdog_s, self.workdir)
+        StepProfiler(self.profile_steps, self.workdir).check(1, self.total_steps)
         check_mode(config.tensorboard)
-        self.watchdog = Watchdog(config.watchdog_s, self.workdir)
         if config.eval_batch_size % self.num_replicas:
             raise ValueError(
                 f"eval_batch_size={config.eval_batch_size} must be a multiple of the "
@@ -171,7 +219,7 @@ class Trainer:
         return self._train_steps[accumulation]
 
     def initial_state(self) -> Any:
-        """Parameters and BatchNorm statistics from the seed, placed on the mesh."""
+        """The task's variables from the seed, placed on the mesh."""
         return self.train_step_for(0).init(*self._variables(abstract=False))
 
     def abstract_state(self) -> Any:
@@ -198,106 +246,90 @@ class Trainer:
         totals = {k: float(v) for k, v in jax.device_get(totals).items()}
         return self.task.eval_metrics(totals)
 
+    def resolved_devices(self) -> dict[str, Any]:
+        """What the run resolved on this machine: the mesh, and a pipeline's "auto" cut."""
+        mesh = ",".join(f"{axis}={size}" for axis, size in self.mesh.shape.items())
+        return {"mesh": mesh, **self.step_kind.resolved}
+
     # ------------------------------------------------------------------ the loop
 
     def run(self, on_step: Callable[[int, TrainState], None] | None = None) -> dict[str, Any]:
         """Train to ``num_epochs`` (or ``max_steps``), resuming if a checkpoint exists.
 
-        ``on_step(step, state)`` is called after every step (steps counted from 1).
-        Returns a summary: final step and epoch, last eval, whether it was preempted, and
+        ``on_step(step, state)`` is called after every step (steps counted from 1), after its
+        checkpoint if one was due. Returns a summary: final step and epoch, the last
+        evaluation's metrics, whether it was preempted (and by what), and
         ``already_finished`` when the workdir held a finished run (then nothing is trained or
-        written, and the eval is the one recorded in its ``metrics.jsonl``).
+        written, and the metrics are those recorded in its ``metrics.jsonl``).
         """
         check_same_everywhere(run_facts(self.config, self.mesh, self.recipe))
         if self.workdir.exists() and not self.workdir.is_dir():
             raise WorkdirError(f"the workdir {self.workdir} is a file, not a folder: give "
                                "another --workdir")  # fmt: skip
         try:
-            with WorkdirLock(self.workdir), self.watchdog:
-                return self._run(on_step)
+            return self._run(on_step)
         except OSError as err:  # a save's own failures are CheckpointWriteError already
             raise WorkdirError.from_os_error(err, self.workdir) from err
 
-    def _run(self, on_step: Callable[[int, TrainState], None] | None) -> dict[str, Any]:
+    def _run(self, on_step: Callable | None) -> dict[str, Any]:
         cfg = self.config
-        writer = jax.process_index() == 0
-        # Compared now, before anything is read or written; recorded once the checkpoint is read.
-        trained_with = newest_config_record(self.workdir / "checkpoints")
-        changes = self._check_config(write=False, trained_with=trained_with)
-        log = RunLog(self.workdir, enabled=writer, tensorboard=cfg.tensorboard)
-        ckpt = Checkpointer(
-            self.workdir / "checkpoints",
-            every_steps=cfg.checkpoint.every_steps,
-            keep=cfg.checkpoint.keep,
-            async_save=cfg.checkpoint.async_save,
-        )
+        log = RunLog(self.workdir, enabled=jax.process_index() == 0)
+        ckpt = Checkpointer(self.workdir / "checkpoints", every_steps=cfg.checkpoint.every_steps,
+                            keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)  # fmt: skip
+        hooks = standard_hooks(self, log, ckpt) + self.user_hooks
+        hooks += [OnStep(on_step)] if on_step is not None else []
         loop, failure = None, None
-        try:
-            loop = self._resume(ckpt, log, changes)
-            if loop.step >= self.total_steps:
-                return self._already_finished(loop, log)
-            with PreemptionGuard(ckpt.manager) as guard:
-                while loop.step < self.total_steps and not loop.preempted:
-                    self._train_one_step(loop, log, ckpt)
-                    self._report_progress(loop, log, ckpt)
-                    self._evaluate_when_due(loop, log)
-                    self._save(loop, ckpt)
-                    if on_step is not None:
-                        on_step(loop.step, loop.state)
-                    loop.preempted = guard.preempted(loop.step)
-                    loop.stopped_by = guard.signal_name if loop.preempted else ""
-            self._finish(loop, ckpt, log)
-        except BaseException as err:  # KeyboardInterrupt too: the event log says why it stopped
-            failure = describe_error(err)
-            raise
-        finally:
-            self.watchdog.pause()
-            self.profiler.stop()
-            ckpt.close()
-            if loop is not None and loop.iterator is not None:
-                loop.iterator.close()
-            log.close(aborted_by=failure)
+        with contextlib.ExitStack() as held:
+            try:
+                for hook in hooks:  # the lock and the rerun check come first
+                    held.enter_context(hook)
+                log.open()
+                loop = self._resume(ckpt, log, hooks)
+                if loop.step >= self.total_steps:
+                    return self._already_finished(loop, log)
+                _call(hooks, "run_started", loop)
+                while loop.step < self.total_steps and not loop.stopped_by:
+                    self._train_one_step(loop, log, ckpt, hooks)
+                    if loop.step % cfg.log_every_steps == 0 or loop.step == self.total_steps:
+                        self._report(loop, log, hooks)
+                    if self._eval_due(loop):
+                        self._evaluate(loop, log, hooks)
+                    ckpt.check()  # a failed background save stops the run at the step after it
+                    if ckpt.should_save(loop.step):
+                        self._save(loop, ckpt, hooks)
+                    _call(hooks, "step_done", loop)
+                    loop.stopped_by = next(
+                        filter(None, (h.stop_requested(loop) for h in hooks)), ""
+                    )
+                self._finish(loop, ckpt, hooks)
+            except BaseException as err:  # KeyboardInterrupt too: the event log says why
+                failure = describe_error(err)
+                raise
+            finally:
+                if loop is not None:
+                    _call(hooks, "run_ended", loop, failure)
+                ckpt.close()
+                if loop is not None and loop.iterator is not None:
+                    loop.iterator.close()
+                log.close()
         self.state = loop.state
-        return {"step": loop.step, "epoch": loop.epoch, "preempted": loop.preempted,
+        return {"step": loop.step, "epoch": loop.epoch, "preempted": bool(loop.stopped_by),
                 "stopped_by": loop.stopped_by, **loop.last_eval}  # fmt: skip
 
-    def _resume(self, ckpt: Checkpointer, log: RunLog, changes: list) -> Loop:
-        """The loop's state: from the newest checkpoint, or fresh from the seed; the event log
-        records the start and any accepted config change."""
-        step, data_state, trained_with = 0, None, None
+    def _resume(self, ckpt: Checkpointer, log: RunLog, hooks: list[Hook]) -> Loop:
+        """The loop's state: from the newest checkpoint, or fresh from the seed."""
+        step, data_state, meta = 0, None, {}
         if ckpt.steps():
             step, state, data_state, meta = ckpt.restore(self.abstract_state())
-            trained_with = meta.get("config")  # absent from checkpoints of older versions
         else:
             state = self.initial_state()
-        note = trained_with and rerun.record_note(self.workdir, trained_with, step)
-        self._check_config(write=jax.process_index() == 0, trained_with=trained_with)
-        if note:
-            log.progress(note, final=True)
-        self.profiler.check(step + 1, self.total_steps)
+        loop = Loop(state=state, step=step, total_steps=self.total_steps,
+                    base_rng=jax.random.PRNGKey(self.config.seed), data_state=data_state,
+                    epoch=self.schedule.epoch_at(step))  # fmt: skip
+        _call(hooks, "resumed", loop, meta)
         if 0 < step < self.total_steps:
             log.progress(f"resumed from step {step} (epoch {meta['epoch']:.3f})", final=True)
-        base_rng = jax.random.PRNGKey(self.config.seed)
-        loop = Loop(state=state, step=step, base_rng=base_rng, data_state=data_state)
-        loop.epoch = self.schedule.epoch_at(step)
-        if step < self.total_steps:
-            log_run_start(log, self, step, changes, self._init_ms)
-            log.hyperparameters(rerun.flatten(self.config))
-            for key, old, new in changes:
-                log.progress(f"config changed: {key} {old!r} -> {new!r}", final=True)
         return loop
-
-    def _check_config(self, write: bool, trained_with: dict | None = None) -> list:
-        """The accepted differences from the config the workdir's checkpoints were trained
-        with (``trained_with``), else from its recorded ``config.json``."""
-        return rerun.check_rerun(self.workdir, self.config, allow_change=self.allow_config_change,
-                                 write=write, devices=self._devices(),
-                                 trained_with=trained_with)  # fmt: skip
-
-    def _devices(self) -> dict[str, Any]:
-        """What the run resolved on this machine: the mesh, and a pipeline's "auto" cut."""
-        mesh = ",".join(f"{axis}={size}" for axis, size in self.mesh.shape.items())
-        return {"mesh": mesh, **self.step_kind.resolved}
 
     def _already_finished(self, loop: Loop, log: RunLog) -> dict[str, Any]:
         """A rerun of a finished run: say so, train nothing, append nothing."""
@@ -310,32 +342,31 @@ class Trainer:
         return {"step": loop.step, "epoch": loop.epoch, "preempted": False,
                 "already_finished": True, **last_eval(self.workdir)}  # fmt: skip
 
-    def _train_one_step(self, loop: Loop, log: RunLog, ckpt: Checkpointer) -> None:
+    def _train_one_step(self, loop: Loop, log: RunLog, ckpt: Checkpointer, hooks: list) -> None:
         """One step: a new stage's iterator and step if the step starts one, the epoch's LR,
         the step's RNG."""
         step = loop.step
-        epoch = self.schedule.epoch_at(step)
-        epoch_events(log, self.schedule, step, self.total_steps)
-        self.watchdog.watch(step + 1, "reading the input batch of")
+        _call(hooks, "step_starting", loop)
         try:
             if self.schedule.stage_index_at(step) != loop.stage:
                 loop.stage = self.schedule.stage_index_at(step)
-                loop.iterator = open_iterator(self.data, self.schedule, step, loop)
-                loop.data_state = None
+                if loop.iterator is not None:
+                    loop.iterator.close()
+                loop.iterator = self.schedule.open_iterator(self.data, step, loop.data_state)
+                loop.data_state = None  # the stream continues from here
             batch = next(loop.iterator)
         except DatasetError as err:
-            raise self._stopped_by_data(err, loop, ckpt) from err
+            raise self._stopped_by_data(err, loop, ckpt, hooks) from err
         train_step = self.train_step_for(loop.stage)
         batch = train_step.shard_batch(batch)
-        loop.lr = float(self.lr_fn(epoch))
+        loop.lr = float(self.lr_fn(self.schedule.epoch_at(step)))
         loop.state = train_step.set_learning_rate(loop.state, loop.lr)
         rng = jax.random.fold_in(loop.base_rng, step)
         compiled = train_step in self._compiled_steps
-        if compiled:
-            self.watchdog.watch(step + 1, "running")
-        else:  # the first call compiles: its time grows with the model, not with a hang
-            self.watchdog.pause()
-        with self.profiler.step(step + 1, lambda: loop.state):
+        _call(hooks, "step_calling", loop, compiled)
+        with contextlib.ExitStack() as around:
+            for hook in hooks:
+                around.enter_context(hook.around_step(loop))
             loop.state, metrics = train_step(loop.state, batch, rng)
         if not compiled:
             self._compiled_steps.append(train_step)
@@ -357,72 +388,83 @@ class Trainer:
         for line in train_step.plan().table().splitlines():
             log.progress(line, final=True)
 
-    def _report_progress(self, loop: Loop, log: RunLog, ckpt: Checkpointer) -> None:
-        """Every ``log_every_steps``: :func:`~jaxdist.run.loop.report`; a non-finite loss stops
-        the run here (after its record is written)."""
-        if loop.step % self.config.log_every_steps == 0 or loop.step == self.total_steps:
-            fetched = report(loop, log, self.total_steps)
-            self.nonfinite.check_steps(loop.step, fetched, ckpt.kept())
+    def _report(self, loop: Loop, log: RunLog, hooks: list[Hook]) -> None:
+        """The mean metrics since the last report to ``metrics.jsonl`` and a progress line with
+        the elapsed time and an ETA from the recent step rate."""
+        fetched = jax.device_get(loop.pending)
+        means = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+        now = time.perf_counter()
+        window = now - loop.window_start
+        record = {"kind": "train", "step": loop.step, "epoch": loop.epoch, "lr": loop.lr,
+                  "batch_size": loop.batch_size,
+                  "images_per_sec": loop.window_samples / window, **means}  # fmt: skip
+        log.metrics(record)
+        eta = (self.total_steps - loop.step) * window / loop.window_steps
+        log.progress(
+            f"step {loop.step}/{self.total_steps} | epoch {loop.epoch:.2f} | "
+            f"{record['images_per_sec']:.0f} samples/s | loss {means['loss']:.4f} | "
+            f"lr {loop.lr:.4g} | batch {loop.batch_size} | "
+            f"{format_duration(now - loop.started)} elapsed, eta {format_duration(eta)}"
+        )
+        loop.pending, loop.window_start = [], now
+        loop.window_samples = loop.window_steps = 0
+        _call(hooks, "recorded", loop, record)
+        _call(hooks, "reported", loop, fetched)  # the non-finite guard may stop the run here
 
-    def _save(
-        self, loop: Loop, ckpt: Checkpointer, force: bool = False, data_state: dict | None = None
-    ) -> None:
-        """A checkpoint when one is due (or ``force``), of finite steps and parameters only;
-        a failed background save stops the run at the step after it. ``data_state`` replaces
-        the iterator's own state."""
+    def _eval_due(self, loop: Loop) -> bool:
+        """Every ``eval_every_epochs`` (at the first step past each multiple) and at the end."""
+        every = self.config.eval_every_epochs
+        previous = self.schedule.epoch_at(loop.step - 1)
+        due = every > 0 and math.floor(loop.epoch / every) > math.floor(previous / every)
+        return due or loop.step == self.total_steps
+
+    def _evaluate(self, loop: Loop, log: RunLog, hooks: list[Hook]) -> None:
+        """The task's metrics now; the first whose headline metric reaches ``target_accuracy``
+        marks the target reached."""
+        _call(hooks, "evaluating", loop)
+        loop.last_eval = self.evaluate(loop.state)
+        headline = loop.last_eval[self.task.headline]
+        target = self.config.target_accuracy
+        loop.reached_target |= (
+            headline >= target if self.task.higher_is_better else headline <= target
+        )
+        _call(hooks, "evaluated", loop)
+        record = {"kind": "eval", "step": loop.step, "epoch": loop.epoch, **loop.last_eval}
+        log.metrics(record)
+        _call(hooks, "recorded", loop, record)
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in loop.last_eval.items())
+        log.progress(f"eval at epoch {loop.epoch:.2f}: {shown}", final=True)
+
+    def _save(self, loop: Loop, ckpt: Checkpointer, hooks: list[Hook], force: bool = False,
+              data_state: dict | None = None) -> None:  # fmt: skip
+        """A checkpoint now (the hooks may refuse one, e.g. of non-finite parameters);
+        ``data_state`` replaces the iterator's own state."""
         ckpt.check()
-        if not (force or ckpt.should_save(loop.step)):
-            return
-        self.watchdog.watch(loop.step, "saving the checkpoint of")
-        self.nonfinite.check_steps(loop.step, jax.device_get(loop.pending), ckpt.kept())
-        self.nonfinite.check_params(loop.step, loop.state.params, ckpt.kept())
+        _call(hooks, "saving", loop)
         meta = {"epoch": loop.epoch, "stage": loop.stage,
-                "config": rerun.config_record(self.config, self._devices()),
+                "config": rerun.config_record(self.config, self.resolved_devices()),
                 "samples_seen": loop.iterator.next_sample}  # fmt: skip
         if data_state is None:
             data_state = loop.iterator.get_state()
         ckpt.save(loop.step, loop.state, data_state, meta, force=force)
 
-    def _stopped_by_data(self, err: DatasetError, loop: Loop, ckpt: Checkpointer):
+    def _stopped_by_data(self, err: DatasetError, loop: Loop, ckpt: Checkpointer, hooks: list):
         """The error to stop with when the input cannot be read: with one process, after a
         checkpoint of the steps done, so that a rerun resumes there once the data is fixed
         (with several, the others cannot join this save: the newest saved step is kept)."""
         if jax.process_count() == 1 and loop.step > 0 and loop.iterator is not None:
-            self._save(loop, ckpt, force=True, data_state=loop.iterator.position_state())
+            self._save(loop, ckpt, hooks, force=True, data_state=loop.iterator.position_state())
             ckpt.wait()
         return DatasetError(f"{err}; the run stopped at step {loop.step} ({ckpt.kept()})")
 
-    def _evaluate_when_due(self, loop: Loop, log: RunLog) -> None:
-        """The task's metrics every ``eval_every_epochs`` and at the end; the first eval whose
-        headline metric reaches ``target_accuracy`` is logged as reached."""
-        every = self.config.eval_every_epochs
-        previous = self.schedule.epoch_at(loop.step - 1)
-        due = every > 0 and math.floor(loop.epoch / every) > math.floor(previous / every)
-        if not (loop.step == self.total_steps or due):
-            return
-        self.watchdog.pause()
-        epoch = loop.epoch
-        log.event("eval_start", epoch_num=epoch)
-        loop.last_eval = self.evaluate(loop.state)
-        log.event("eval_stop", epoch_num=epoch)
-        headline = loop.last_eval[self.task.headline]
-        log.metrics({"kind": "eval", "step": loop.step, "epoch": epoch, **loop.last_eval})
-        log.event("eval_accuracy", headline, epoch_num=epoch, step=loop.step)
-        shown = ", ".join(f"{k} {v:.4f}" for k, v in loop.last_eval.items())
-        log.progress(f"eval at epoch {epoch:.2f}: {shown}", final=True)
-        target = self.config.target_accuracy
-        reached = headline >= target if self.task.higher_is_better else headline <= target
-        if reached and not loop.reached_target:
-            loop.reached_target = True
-            log.event("target_reached", headline, epoch_num=epoch)
-
-    def _finish(self, loop: Loop, ckpt: Checkpointer, log: RunLog) -> None:
-        """The final checkpoint and the ``run_stop`` event."""
+    def _finish(self, loop: Loop, ckpt: Checkpointer, hooks: list[Hook]) -> None:
+        """The final checkpoint, written before the run is called ended."""
         if loop.step > 0 and loop.iterator is not None:
-            self._save(loop, ckpt, force=True)
+            self._save(loop, ckpt, hooks, force=True)
             ckpt.wait()
-        side = "below" if self.task.higher_is_better else "above"
-        shortfall = (
-            f"{self.task.headline} stayed {side} target_accuracy {self.config.target_accuracy}"
-        )
-        log_run_stop(log, loop, self.schedule, self.total_steps, shortfall)
+
+
+def _call(hooks: Sequence[Hook], moment: str, *args: Any) -> None:
+    """Call every hook at ``moment`` (a :class:`~jaxdist.run.hooks.Hook` method), in order."""
+    for hook in hooks:
+        getattr(hook, moment)(*args)

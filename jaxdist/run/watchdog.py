@@ -18,8 +18,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
+
+from jaxdist.run.hooks import Hook
 
 __all__ = ["STUCK_EXIT_CODE", "Watchdog"]
 
@@ -27,7 +30,7 @@ __all__ = ["STUCK_EXIT_CODE", "Watchdog"]
 STUCK_EXIT_CODE = 124
 
 
-class Watchdog:
+class Watchdog(Hook):
     """``with Watchdog(timeout_s, workdir) as dog:`` then ``dog.watch(step, activity)`` before
     each wait and ``dog.pause()`` around what is exempt. ``timeout_s = 0`` disables it."""
 
@@ -47,6 +50,26 @@ class Watchdog:
     def pause(self) -> None:
         """Nothing is watched until the next :meth:`watch`."""
         self._current = None
+
+    # As a hook of the training loop: what the loop waits for next.
+
+    def step_starting(self, loop: Any) -> None:
+        self.watch(loop.step + 1, "reading the input batch of")
+
+    def step_calling(self, loop: Any, compiled: bool) -> None:
+        if compiled:
+            self.watch(loop.step + 1, "running")
+        else:  # the first call compiles: its time grows with the model, not with a hang
+            self.pause()
+
+    def evaluating(self, loop: Any) -> None:
+        self.pause()
+
+    def saving(self, loop: Any) -> None:
+        self.watch(loop.step, "saving the checkpoint of")
+
+    def run_ended(self, loop: Any, failure: str | None) -> None:
+        self.pause()
 
     def __enter__(self) -> Watchdog:
         if self.timeout_s > 0:

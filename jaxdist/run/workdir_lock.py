@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 
 from jaxdist.run.agreement import text_from_process_0
+from jaxdist.run.hooks import Hook
 
 __all__ = ["WorkdirInUseError", "WorkdirLock"]
 
@@ -31,8 +32,9 @@ class WorkdirInUseError(RuntimeError):
     exit_code = 1
 
 
-class WorkdirLock:
-    """``with WorkdirLock(workdir):`` -- the run's claim on ``workdir``.
+class WorkdirLock(Hook):
+    """``with WorkdirLock(workdir):`` -- the run's claim on ``workdir``; the training loop's
+    first hook, held for the whole run.
 
     Raises :class:`WorkdirInUseError` on entry if another live run holds it. The lock file stays
     behind (it names the last holder); only the lock on it is released.

@@ -28,6 +28,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 from jaxdist.checks import positive_int
 
@@ -206,6 +207,21 @@ class BatchSchedule:
             self.stage_start_samples[k]
             + (num_steps - self.stage_start_steps[k]) * self.stages[k].global_batch_size
         )
+
+    def open_iterator(self, data: Any, step: int, data_state: dict | None = None) -> Any:
+        """``data``'s train iterator for the stage ``step`` is in, at the stream position the
+        schedule reaches there (``samples_seen(step)``), restored from a checkpoint's
+        ``data_state`` if given; a state at another position is refused."""
+        start = self.samples_seen(step)
+        iterator = data.train_iterator(self.batch_size_at(step), start_sample=start)
+        if data_state is not None:
+            iterator.set_state(data_state)
+        if iterator.next_sample != start:
+            raise RuntimeError(
+                f"data position {iterator.next_sample} does not match the batch schedule's "
+                f"{start} samples at step {step}; the checkpoint belongs to another schedule"
+            )
+        return iterator
 
     def epoch_at(self, step: int) -> float:
         """Fractional epoch at the start of step ``step``: ``samples_seen(step) / dataset_size``.
