@@ -333,7 +333,9 @@ def test_empty_train_folder_names_the_folder(tmp_path):
     ):
         make_pipeline(DataConfig(source="folder", root=str(tmp_path)))
     (tmp_path / "train" / "cat").mkdir()
-    with pytest.raises(DatasetError, match=rf"class folder {tmp_path}/train/cat has no JPEG files"):
+    with pytest.raises(
+        DatasetError, match=rf"class folder {tmp_path}/train/cat has no image files"
+    ):
         ImageFolderSource(tmp_path, "train")
 
 

@@ -57,6 +57,21 @@ def test_safe_changes_and_a_longer_schedule_continue(tmp_path):
         rerun.check_rerun(workdir, shorter)
 
 
+def test_a_class_count_recorded_by_an_older_version_continues(tmp_path):
+    """Older versions recorded data.num_classes 1000 whatever the dataset held (the model took
+    the dataset's count then too); the resolved count now recorded is the same run."""
+    old = base_config()
+    old.data.source, old.data.num_classes = "digits", 1000
+    workdir = _workdir_with_progress(tmp_path, old)
+    now = base_config()
+    now.data.source, now.data.num_classes = "digits", 10
+    assert rerun.check_rerun(workdir, now) == []
+    old.data.source = now.data.source = "synthetic"  # synthetic data made 1000: a real change
+    workdir = _workdir_with_progress(tmp_path / "synthetic", old)
+    with pytest.raises(rerun.ConfigChangedError, match=r"\(data.num_classes: 1000 -> 10\)"):
+        rerun.check_rerun(workdir, now)
+
+
 def test_a_field_added_after_the_run_started_continues_at_its_default(tmp_path):
     workdir = _workdir_with_progress(tmp_path, base_config())
     recorded = json.loads((workdir / rerun.CONFIG_FILE).read_text())

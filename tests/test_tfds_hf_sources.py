@@ -7,6 +7,9 @@ names, the split mapping (``validation`` for ``val``), shuffling and resume.
 
 from __future__ import annotations
 
+import io
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -14,6 +17,8 @@ import datasets
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from array_record.python.array_record_module import ArrayRecordReader
+from PIL import Image
 
 from jaxdist.cli import main as cli_main
 from jaxdist.data import (
@@ -28,7 +33,11 @@ from jaxdist.data import (
     open_source,
 )
 from jaxdist.data.fake import write_image_folder
+from jaxdist.data.tfrecord import write_tfrecord
+from jaxdist.data.transforms import decode
 from jaxdist.run.config import base_config
+from jaxdist.run.trainer import Trainer
+from tests.test_trainer import tiny_config
 
 SIZE = 32
 
@@ -212,7 +221,7 @@ def test_a_dataset_that_does_not_exist_is_one_line(tmp_path):
 def test_a_catalog_dataset_not_prepared_says_how_to_prepare_it(tmp_path):
     with pytest.raises(
         DatasetError,
-        match=r"not prepared in .*; prepare it with `tfds build mnist --file_format=array_record",
+        match=r"not prepared in .*; prepare it with `tfds build mnist --data_dir",
     ) as err:
         TfdsSource("mnist", "train", data_dir=str(tmp_path))
     assert "\n" not in str(err.value)
@@ -231,17 +240,157 @@ def test_labels_out_of_range_name_the_record(folder, tmp_path):
         HuggingFaceSource(str(root), "train", cache_dir=str(tmp_path / "c"))
 
 
-def test_images_that_are_not_jpeg_are_refused(tmp_path):
-    png = tmp_path / "png"
+def png_bytes(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def three_modes(size=(12, 10)):
+    """The same pixels as an RGB, a grayscale (L) and a palette (P) image."""
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8))
+    return [rgb, rgb.convert("L"), rgb.convert("P")]
+
+
+def test_png_grayscale_and_palette_images_come_out_as_rgb(tmp_path):
+    images = three_modes()
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])}
+    )
+    table = datasets.Dataset.from_dict(
+        {"image": [{"bytes": png_bytes(i), "path": f"{n}.png"} for n, i in enumerate(images)],
+         "label": [0, 1, 2]}, features=features)  # fmt: skip
+    datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "png"))
+    source = HuggingFaceSource(str(tmp_path / "png"), "train")
+    for index, image in enumerate(images):
+        stored = source[index]["jpeg"]
+        assert stored == png_bytes(image)
+        np.testing.assert_array_equal(decode(stored), np.asarray(image.convert("RGB")))
+    pipeline = make_pipeline(DataConfig(source="hf", dataset=str(tmp_path / "png"), image_size=8,
+                                        train_split="train[:1]", eval_split="train[1:]"))  # fmt: skip
+    assert next(iter(pipeline.eval_iterator(2)))["image"].shape == (2, 8, 8, 3)
+
+
+def test_bytes_that_are_no_image_are_one_line(tmp_path):
     features = datasets.Features(
         {"image": datasets.Image(), "label": datasets.ClassLabel(names=["a"])}
     )
     table = datasets.Dataset.from_dict(
-        {"image": [np.zeros((8, 8, 3), np.uint8)], "label": [0]}, features=features
+        {"image": [{"bytes": b"not an image", "path": "x.png"}], "label": [0]}, features=features
     )
-    datasets.DatasetDict({"train": table}).save_to_disk(str(png))
-    with pytest.raises(DatasetError, match=r"the image is PNG; jaxdist reads datasets of JPEG"):
-        HuggingFaceSource(str(png), "train")
+    datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(DatasetError, match=r"cannot decode image .*not a JPEG or other image"):
+        HuggingFaceSource(str(tmp_path / "bad"), "train")
+
+
+def write_tfds_png(data_dir, name="tiny_gray_png", splits=(("train", 8), ("test", 4))):
+    """MNIST's layout in TFDS: grayscale PNG images of shape (H, W, 1), train and test only."""
+
+    class TinyPng(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            features = tfds.features.FeaturesDict({
+                "image": tfds.features.Image(shape=(None, None, 1), encoding_format="png"),
+                "label": tfds.features.ClassLabel(names=["zero", "one"]),
+            })  # fmt: skip
+            return tfds.core.DatasetInfo(builder=self, features=features)
+
+        def _split_generators(self, dl_manager):
+            return {split: self._generate_examples(split, n) for split, n in splits}
+
+        def _generate_examples(self, split, count):
+            rng = np.random.default_rng(len(split))
+            for i in range(count):
+                pixels = rng.integers(0, 255, (10, 12), dtype=np.uint8)
+                yield i, {"image": png_bytes(Image.fromarray(pixels)), "label": i % 2}
+
+    TinyPng.name = name
+    TinyPng(data_dir=str(data_dir), file_format="array_record").download_and_prepare()
+    return name
+
+
+def as_tfrecord(prepared: Path) -> None:
+    """What ``tfds build`` without ``--file_format`` leaves: the same serialized examples in
+    TFRecord files, and ``fileFormat: tfrecord`` in the dataset's info."""
+    for path in prepared.glob("*.array_record-*"):
+        reader = ArrayRecordReader(str(path))
+        write_tfrecord(str(path).replace(".array_record-", ".tfrecord-"), reader.read_all())
+        reader.close()
+        path.unlink()
+    info_path = prepared / "dataset_info.json"
+    info = json.loads(info_path.read_text())
+    info_path.write_text(json.dumps({**info, "fileFormat": "tfrecord"}))
+
+
+def test_a_tfrecord_prepared_dataset_reads_as_its_array_record_twin(folder, tmp_path, monkeypatch):
+    write_tfds(tmp_path / "ar", folder)
+    shutil.copytree(tmp_path / "ar", tmp_path / "tfr")
+    as_tfrecord(tmp_path / "tfr" / "tiny_imagenet_jpegs" / "1.0.0")
+    for split in ("train", "val"):
+        twin = TfdsSource("tiny_imagenet_jpegs", split, data_dir=str(tmp_path / "ar"))
+        source = TfdsSource("tiny_imagenet_jpegs", split, data_dir=str(tmp_path / "tfr"))
+        assert len(source) == len(twin) and source.classes == twin.classes
+        for i in range(len(twin)):
+            assert source[i]["jpeg"] == twin[i]["jpeg"] and source[i]["label"] == twin[i]["label"]
+    common = {"source": "tfds", "dataset": "tiny_imagenet_jpegs", "image_size": SIZE, "seed": 5}
+    want = make_pipeline(DataConfig(root=str(tmp_path / "ar"), **common))
+    got = make_pipeline(DataConfig(root=str(tmp_path / "tfr"), **common))
+    assert_same(take(want.train_iterator(4, start_sample=4), 3),
+                take(got.train_iterator(4, start_sample=4), 3))  # fmt: skip
+    # The index is built once, kept beside the files, and read from there after.
+    prepared = tmp_path / "tfr" / "tiny_imagenet_jpegs" / "1.0.0"
+    assert len(list(prepared.glob(".jaxdist-index-*.npz"))) == 2
+    monkeypatch.setattr("jaxdist.data.tfrecord.scan", lambda path: pytest.fail("scanned again"))
+    assert len(TfdsSource("tiny_imagenet_jpegs", "train", data_dir=str(tmp_path / "tfr"))) == 15
+
+
+def test_a_damaged_tfrecord_file_is_one_line_and_verify_finds_a_changed_byte(tmp_path, capsys):
+    name = write_tfds_png(tmp_path)
+    prepared = tmp_path / name / "1.0.0"
+    as_tfrecord(prepared)
+    (shard,) = prepared.glob("*-test.tfrecord-*")
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF  # inside the last record's image bytes: found by --verify only
+    shard.write_bytes(bytes(data))
+    source = TfdsSource(name, "test", data_dir=str(tmp_path))
+    assert [source.verify_record(i) for i in range(len(source))] == [True] * 3 + [False]
+    argv = ["data", "inspect", f"tfds:{name}", "--root", str(tmp_path), "--eval-split", "test"]
+    assert cli_main([*argv, "--verify"]) == 1
+    err = capsys.readouterr().err
+    assert f"tfds:{name}/test[3]: its bytes do not match their checksum" in err
+    assert "1 of 12 images cannot be decoded" in err
+    shard.write_bytes(bytes(data[:-3]))  # cut short, as a copy that stopped
+    with pytest.raises(
+        DatasetError, match=r"-test.tfrecord-00000-of-00001: truncated in the record"
+    ):
+        TfdsSource(name, "test", data_dir=str(tmp_path))
+
+
+def test_recipes_train_on_png_tfrecord_train_test_and_renamed_columns(folder, tmp_path):
+    """The layouts a user brings: MNIST-like PNG TFDS in TFRecord with train and test only, and
+    an HF dataset whose columns are img and fine_label."""
+    name = write_tfds_png(tmp_path / "tfds")
+    as_tfrecord(tmp_path / "tfds" / name / "1.0.0")
+    classes, records = folder_records(folder, "train")
+    features = datasets.Features(
+        {"img": datasets.Image(), "fine_label": datasets.ClassLabel(names=list(classes))}
+    )
+    table = datasets.Dataset.from_dict(
+        {"img": [{"bytes": r["jpeg"], "path": Path(r["name"]).name} for r in records],
+         "fine_label": [r["label"] for r in records]}, features=features)  # fmt: skip
+    datasets.DatasetDict({"train": table, "test": table}).save_to_disk(str(tmp_path / "hf"))
+    runs = {
+        "tfds": {"data.source": "tfds", "data.dataset": name, "data.root": str(tmp_path / "tfds")},
+        "hf": {"data.source": "hf", "data.dataset": str(tmp_path / "hf")},
+    }
+    for kind, data in runs.items():
+        config = tiny_config(**data, **{"data.eval_split": "test", "data.image_size": 16,
+                                        "batch_ramp": (), "batch_size": 8, "eval_batch_size": 8, "num_epochs": 4.0,
+                                        "max_steps": 2})  # fmt: skip
+        summary = Trainer(config, tmp_path / f"run-{kind}").run()
+        assert summary["step"] == 2 and 0 <= summary["top1"] <= 1, kind
 
 
 def test_a_missing_extra_names_it(monkeypatch):
@@ -335,3 +484,21 @@ def test_columns_by_other_common_names_are_found_or_given(folder, tmp_path):
         str(both)
     )
     assert HuggingFaceSource(str(both), "train", label_key="coarse")[3]["label"] == 0
+
+
+def test_a_tfds_root_one_level_off_or_a_missing_version_says_what_is_there(tfds_dir, tmp_path):
+    name = "tiny_imagenet_jpegs"
+    for dataset, data_dir, hint in [
+        (f"{name}:2.0.0", tfds_dir, rf"{tfds_dir}/{name} holds version\(s\) 1.0.0: name one, "
+                                    rf"e.g. dataset='{name}:1.0.0'"),
+        (name, tfds_dir / name, rf"{tfds_dir}/{name} is a dataset's own folder: give its "
+                                rf"parent {tfds_dir} as the root"),
+    ]:  # fmt: skip
+        with pytest.raises(DatasetError, match=hint) as err:
+            TfdsSource(dataset, "train", data_dir=str(data_dir))
+        assert "\n" not in str(err.value)
+    (tmp_path / "above").mkdir()
+    (tmp_path / "above" / "tfds").symlink_to(tfds_dir)
+    with pytest.raises(DatasetError, match=rf"{tmp_path}/above/tfds/{name} is there: give "
+                       rf"{tmp_path}/above/tfds as the root"):  # fmt: skip
+        TfdsSource(name, "train", data_dir=str(tmp_path / "above"))

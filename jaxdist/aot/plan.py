@@ -30,6 +30,7 @@ from jaxdist.aot.compile import CompiledStep, DoesNotFitError, compile_train_ste
 from jaxdist.aot.predict import StepTime, predict_step, time_to_train
 from jaxdist.aot.topology import Topology
 from jaxdist.comm import cost_model
+from jaxdist.data.config import SYNTHETIC_CLASSES
 from jaxdist.training.batch_schedule import DevicePlan
 
 __all__ = [
@@ -158,7 +159,7 @@ def stand_in_data(config: ml_collections.ConfigDict) -> tuple[ml_collections.Con
     note = (
         f"synthetic stand-in for the recipe's {source} data: "
         f"{config.data.synthetic_train_examples:,} images {size}x{size}x3, "
-        f"{config.data.num_classes} classes (nothing is read)"
+        f"{config.data.num_classes or SYNTHETIC_CLASSES} classes (nothing is read)"
     )
     return config, note
 

@@ -61,6 +61,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="decode every image and name each one that cannot be decoded (exit 1 if any)",
     )
+    inspect.add_argument(
+        "--train-split",
+        default="train",
+        metavar="SPLIT",
+        help="what training reads, as data.train_split says it (default train; e.g. "
+        "'train[:90%%]')",
+    )
+    inspect.add_argument(
+        "--eval-split",
+        default="val",
+        metavar="SPLIT",
+        help="what evaluation reads, as data.eval_split says it (default val, the dataset's "
+        "held-out split; e.g. test, 'train[90%%:]')",
+    )
     inspect.set_defaults(func=inspect_dataset)
 
     _add_bench_and_fake(actions)
@@ -138,7 +152,7 @@ def inspect_dataset(args: argparse.Namespace) -> int:
     from jaxdist.data.sources import DatasetError
 
     try:
-        kind, splits, refusal = _open_splits(args.path, args.root)
+        kind, splits, refusal = _open_splits(args)
     except DatasetError as err:
         print(f"jaxdist data: {err}", file=sys.stderr)
         return err.exit_code
@@ -167,51 +181,67 @@ def inspect_dataset(args: argparse.Namespace) -> int:
 
 
 def _open_splits(
-    path: str, root: str | None
+    args: argparse.Namespace,
 ) -> tuple[str, dict[str, tuple[Any, Counter]], Exception | None]:
     """``(kind, {split: (source, images per label)}, why the held-out split cannot be used or
-    None)`` of the dataset ``path`` names; a train split that cannot be read is an error."""
-    from jaxdist.data.arrayrecord import METADATA, ArrayRecordSource
-    from jaxdist.data.hf_source import HuggingFaceSource
-    from jaxdist.data.sources import DatasetError, ImageFolderSource
-    from jaxdist.data.tfds_source import TfdsSource
+    None)`` of the dataset ``args.path`` names, opened as training opens it (the same split
+    strings, class checks and overlap check); a train split that cannot be read is an error."""
+    from jaxdist.data.arrayrecord import METADATA
+    from jaxdist.data.config import DataConfig, Pipeline
+    from jaxdist.data.sources import DatasetError
 
+    path = args.path
     kind, _, name = path.partition(":") if path.startswith(("tfds:", "hf:")) else ("", "", path)
     if not kind:
         kind = "arrayrecord" if (Path(path) / METADATA).exists() else "folder"
-    splits, refusal = {}, None
-    for split in ("train", "val"):
-        try:
-            if kind == "folder":
-                source = ImageFolderSource(path, split)
-                labels = source.labels.tolist()
-            elif kind == "hf":
-                source = HuggingFaceSource(name, split, cache_dir=root, show_progress=True)
-                labels = source.labels().tolist()
-            else:
-                if kind == "tfds":
-                    source = TfdsSource(name, split, data_dir=root)
-                else:
-                    source = ArrayRecordSource(path, split)
-                labels = [source[i]["label"] for i in range(len(source))]
-        except DatasetError as err:
-            if split == "train":
-                raise
-            refusal = err
-            continue
-        splits[split] = (source, Counter(labels))
-    return kind, splits, refusal
+    where = {"dataset": name, "root": args.root} if kind in ("tfds", "hf") else {"root": path}
+    try:
+        config = DataConfig(source=kind, train_split=args.train_split,
+                            eval_split=args.eval_split, **where)  # fmt: skip
+    except ValueError as err:
+        raise DatasetError(str(err)) from err
+    pipeline = Pipeline(config, show_progress=True)
+    splits = {args.train_split: (pipeline.train_source, Counter(labels_of(pipeline.train_source)))}
+    try:
+        held_out = pipeline.eval_source
+    except DatasetError as err:
+        return kind, splits, err
+    splits[args.eval_split] = (held_out, Counter(labels_of(held_out)))
+    return kind, splits, None
+
+
+def labels_of(source: Any) -> list[int]:
+    """Every record's label, from a label list where the source has one (no image is read)."""
+    from jaxdist.data.splits import SplitSource
+
+    if isinstance(source, SplitSource):
+        labels = []
+        for piece, records in source.pieces:
+            whole = labels_of(piece)
+            labels += [whole[i] for i in records]
+        return labels
+    labels = getattr(source, "labels", None)
+    if labels is not None:
+        return (labels() if callable(labels) else labels).tolist()
+    return [source[i]["label"] for i in range(len(source))]
 
 
 def undecodable_images(source, split: str) -> list[str]:
-    """``"NAME: reason"`` for every image of ``source`` that cannot be decoded."""
+    """``"NAME: reason"`` for every image of ``source`` that cannot be decoded, or whose
+    stored bytes fail their checksum (TFRecord files keep one per record)."""
     from jaxdist.data.sources import DatasetError
+    from jaxdist.data.splits import SplitSource
     from jaxdist.data.transforms import decode
 
     bad = []
     for index in range(len(source)):
         record = source[index]
         name = record.get("name", f"{split} record {index}")
+        origin, inner = source.locate(index) if isinstance(source, SplitSource) else (source, index)
+        verify = getattr(origin, "verify_record", None)
+        if verify is not None and not verify(inner):
+            bad.append(f"{name}: its bytes do not match their checksum (changed after writing)")
+            continue
         try:
             decode(record["jpeg"], name)
         except DatasetError:

@@ -24,8 +24,9 @@ from jaxdist.data.pipeline import (
     build_train_iterator,
     image_shape,
 )
-from jaxdist.data.small_datasets import load_digits, load_mnist5k
-from jaxdist.data.sources import ImageFolderSource, ImageSource, SyntheticSource
+from jaxdist.data.small_datasets import VAL_FRACTION, load_digits, load_mnist5k
+from jaxdist.data.sources import DatasetError, ImageFolderSource, ImageSource, SyntheticSource
+from jaxdist.data.splits import open_split, overlap, parse_split
 from jaxdist.data.tfds_source import TfdsSource
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "make_pipeline",
 ]
 
+# Synthetic data's classes when data.num_classes does not say (ImageNet's).
+SYNTHETIC_CLASSES = 1000
 SOURCES = ("folder", "arrayrecord", "tfds", "hf", "synthetic", "digits", "mnist5k")
 
 
@@ -56,8 +59,15 @@ class DataConfig:
       worker_count: grain worker processes (0 = decode in threads of this process).
       read_threads: threads per process or worker, each preparing one batch.
       prefetch_batches: batches buffered ahead.
-      synthetic_train_examples, synthetic_eval_examples, num_classes: synthetic data size.
-      val_fraction: held-out share of the small datasets.
+      synthetic_train_examples, synthetic_eval_examples: synthetic data size.
+      num_classes: the classes. Every source but ``synthetic`` has its own (class folders,
+        the ClassLabel's names), which a non-zero value must equal; ``synthetic`` makes this
+        many (0: ImageNet's 1000).
+      train_split, eval_split: what to train on and what to evaluate on, as split strings
+        (:mod:`~jaxdist.data.splits`): ``train``, ``train[:90%]``, ``train+validation``,
+        ``test``; ``val`` is the dataset's held-out split by its usual name. Their records
+        must not overlap.
+      val_fraction: held-out share of ``digits`` and ``mnist5k`` (their ``val`` split).
       image_key, label_key: the ``tfds`` features or ``hf`` columns holding the images and
         labels (``""``: the first common name the dataset has, such as ``image``/``img`` and
         ``label``/``fine_label``).
@@ -74,8 +84,10 @@ class DataConfig:
     prefetch_batches: int = 2
     synthetic_train_examples: int = 1_281_167
     synthetic_eval_examples: int = 50_000
-    num_classes: int = 1000
+    num_classes: int = 0
     val_fraction: float = 0.2
+    train_split: str = "train"
+    eval_split: str = "val"
     image_key: str = ""
     label_key: str = ""
 
@@ -86,6 +98,14 @@ class DataConfig:
             raise ValueError(f"data source {self.source!r} needs root=<dataset folder>")
         if self.source in ("tfds", "hf") and not self.dataset:
             raise ValueError(f"data source {self.source!r} needs dataset=<dataset name>")
+        if self.source not in ("digits", "mnist5k") and self.val_fraction != VAL_FRACTION:
+            raise ValueError(
+                f"data.val_fraction holds out a share of digits and mnist5k only; for "
+                f"{self.source!r} use split strings: data.train_split='train[:80%]' "
+                "data.eval_split='train[80%:]'"
+            )
+        parse_split(self.train_split, "data.train_split")
+        parse_split(self.eval_split, "data.eval_split")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> DataConfig:
@@ -99,10 +119,15 @@ class DataConfig:
         return cls(**values)
 
 
-def open_source(config: DataConfig, split: str) -> ImageSource:
-    """The source for ``split`` (``train`` or ``val``) named by ``config``."""
-    if split not in ("train", "val"):
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+def open_source(config: DataConfig, split: str, field: str = "split") -> ImageSource:
+    """The source of split string ``split`` (:mod:`~jaxdist.data.splits`, e.g. ``train`` or
+    ``train[:90%]``) of the dataset ``config`` names; ``field`` names it in errors."""
+    return open_split(split, lambda name: _open_named(config, name), field)
+
+
+def _open_named(config: DataConfig, split: str, show_progress: bool = False) -> ImageSource:
+    """One named split of the dataset ``config`` names (``show_progress``: the ``datasets``
+    library's bars while it prepares its cache)."""
     if config.source == "folder":
         return ImageFolderSource(config.root, split)
     if config.source == "arrayrecord":
@@ -112,31 +137,62 @@ def open_source(config: DataConfig, split: str) -> ImageSource:
                           image_key=config.image_key, label_key=config.label_key)  # fmt: skip
     if config.source == "hf":
         return HuggingFaceSource(config.dataset, split, cache_dir=config.root or None,
-                                 image_key=config.image_key, label_key=config.label_key)  # fmt: skip
+                                 image_key=config.image_key, label_key=config.label_key,
+                                 show_progress=show_progress)  # fmt: skip
     if config.source == "synthetic":
+        if split not in ("train", "val"):
+            raise DatasetError(f"synthetic data has the splits 'train' and 'val', not {split!r}")
         count = (
             config.synthetic_train_examples if split == "train" else config.synthetic_eval_examples
         )
         # A different seed per split, so eval images are not the train images.
         seed = config.seed * 2 + (split == "val")
         shape = (config.image_size, config.image_size, 3)
-        return SyntheticSource(count, shape, config.num_classes, seed)
+        return SyntheticSource(count, shape, config.num_classes or SYNTHETIC_CLASSES, seed)
     loader = load_digits if config.source == "digits" else load_mnist5k
     return loader(split, val_fraction=config.val_fraction)
 
 
 class Pipeline:
-    """Train and eval sources of one dataset plus the settings to iterate them."""
+    """Train and eval sources of one dataset plus the settings to iterate them.
+    ``show_progress``: third-party progress bars while a dataset is prepared (off in runs)."""
 
-    def __init__(self, config: DataConfig) -> None:
+    def __init__(self, config: DataConfig, show_progress: bool = False) -> None:
         self.config = config
-        self.train_source = open_source(config, "train")
+        self.show_progress = show_progress
+        self._named: dict[str, ImageSource] = {}  # each named split opened once
+        self.train_source = open_split(config.train_split, self._open, "data.train_split")
         self._eval_source: ImageSource | None = None
+        found = len(self.train_source.classes)
+        if config.num_classes and config.num_classes != found:
+            names = ", ".join(map(str, self.train_source.classes[:3]))
+            raise DatasetError(
+                f"data.num_classes={config.num_classes}, but the {config.source} dataset has "
+                f"{found} classes ({names}{', ...' if found > 3 else ''}); the model takes the "
+                "dataset's: leave data.num_classes at 0"
+            )
+
+    def _open(self, name: str) -> ImageSource:
+        if name not in self._named:
+            self._named[name] = _open_named(self.config, name, self.show_progress)
+        return self._named[name]
 
     @property
     def eval_source(self) -> ImageSource:
+        """The held-out records (opened when first asked for); refused if they overlap the
+        train records."""
         if self._eval_source is None:
-            self._eval_source = open_source(self.config, "val")
+            c = self.config
+            source = open_split(c.eval_split, self._open, "data.eval_split")
+            sizes = {name: len(self._open(name)) for name in _shared_names(c)}
+            shared = overlap(c.train_split, c.eval_split, sizes)
+            if shared:
+                raise DatasetError(
+                    f"data.eval_split {c.eval_split!r} and data.train_split {c.train_split!r} "
+                    f"share {shared}: held-out metrics would be measured on training data; "
+                    "choose disjoint ranges, e.g. 'train[:90%]' and 'train[90%:]'"
+                )
+            self._eval_source = source
         return self._eval_source
 
     @property
@@ -211,6 +267,14 @@ class Pipeline:
             process_count=process_count,
             **self._options(),
         )
+
+
+def _shared_names(config: DataConfig) -> set[str]:
+    """The split names both the train and the eval split strings read from."""
+    names = [
+        {p.name for p in parse_split(text)} for text in (config.train_split, config.eval_split)
+    ]
+    return names[0] & names[1]
 
 
 def make_pipeline(config: DataConfig | Mapping[str, Any]) -> Pipeline:

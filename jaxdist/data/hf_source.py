@@ -35,11 +35,12 @@ from jaxdist.data.sources import (
     DatasetError,
     checked_label,
     dataset_split,
+    encoded_image,
     first_line,
     image_and_label,
     import_extra,
-    require_jpeg,
 )
+from jaxdist.data.transforms import stored_size
 
 __all__ = ["HuggingFaceSource"]
 
@@ -86,7 +87,8 @@ class HuggingFaceSource:
         if len(self._table) == 0:
             raise DatasetError(f"{where}: split {self.split!r} has no records")
         self._check_labels()
-        self[0]  # the first record's image is checked before any training
+        first = self[0]  # the first record's image is checked before any training
+        stored_size(first["jpeg"], first["name"])  # decodes, whatever the format
 
     def _check_labels(self) -> None:
         """Every label in range, read from the label column alone (no image is touched)."""
@@ -122,7 +124,7 @@ class HuggingFaceSource:
             except OSError as err:
                 raise DatasetError(f"cannot read {image['path']}: {err}") from err
         return {
-            "jpeg": require_jpeg(data, where),
+            "jpeg": encoded_image(data, where),
             "label": checked_label(record["label"], len(self.classes), where),
             "name": where,
         }

@@ -20,7 +20,7 @@ import importlib.resources
 
 import numpy as np
 
-from jaxdist.data.sources import ArraySource
+from jaxdist.data.sources import ArraySource, DatasetError
 
 __all__ = [
     "load_digits",
@@ -89,5 +89,5 @@ def load_mnist5k(
 
 def _pick(splits: dict[str, ArraySource], split: str, name: str) -> ArraySource:
     if split not in splits:
-        raise ValueError(f"{name}: split must be one of {sorted(splits)}, got {split!r}")
+        raise DatasetError(f"{name} has the splits {sorted(splits)}, not {split!r}")
     return splits[split]

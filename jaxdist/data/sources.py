@@ -1,10 +1,11 @@
-"""Random-access data sources: an ImageNet-style JPEG folder, synthetic images, in-memory arrays.
+"""Random-access data sources: an ImageNet-style image folder, synthetic images, in-memory arrays.
 
 A source is what grain calls a ``RandomAccessDataSource``: ``len(source)`` and
 ``source[i] -> record``. Records come in two kinds, told apart by ``source.encoded``:
 
-* encoded: ``{"jpeg": bytes, "label": int, "name": str}`` -- ``name`` is the file the bytes came
-  from, so a decode error can say which file is broken;
+* encoded: ``{"jpeg": bytes, "label": int, "name": str}`` -- the bytes of a JPEG, PNG or any
+  image Pillow reads (the key keeps its name: JPEG is what a fast decode is for); ``name`` is
+  the file the bytes came from, so a decode error can say which file is broken;
 * decoded: ``{"image": uint8[H, W, C], "label": int}``.
 
 Sources know nothing about shuffling, sharding or batching; :mod:`jaxdist.data.pipeline` does
@@ -38,12 +39,46 @@ IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
 JPEG_SUFFIXES = (".jpeg", ".jpg")
+# What the folder source lists: JPEG (decoded at reduced scale) and what else Pillow reads.
+IMAGE_SUFFIXES = (*JPEG_SUFFIXES, ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
 SPLITS = ("train", "val")
 
 
 def folder_layout(root: str | os.PathLike) -> str:
-    """The expected folder layout, for error messages."""
-    return f"expected {root}/train/<class>/*.JPEG and {root}/val/<class>/*.JPEG"
+    """The expected folder layout and what is there instead, for error messages: a root one
+    level too deep (a split folder) or too high (a folder holding the dataset) is named."""
+    expected = f"expected {root}/train/<class>/*.JPEG and {root}/val/<class>/*.JPEG"
+    return expected + found_under(Path(root))
+
+
+def found_under(root: Path) -> str:
+    """``"; <what root holds>"``: the hint that ends a "not found" message."""
+    if not root.is_dir():
+        parent = root.parent
+        names = _folders(parent) if parent.is_dir() else []
+        return f"; {parent} has {names[:8]}" if names else ""
+    names = _folders(root)
+    if not names:
+        return f"; {root} holds no folders"
+    if any(_holds_images(root / name) for name in names[:3]):
+        return f"; {root} looks like one split (its folders hold images): give its parent {root.parent}"
+    holding = [name for name in names if (root / name / "train").is_dir()]
+    if holding:
+        return f"; {root / holding[0]} has a train folder: give that as the root"
+    return f"; {root} has {names[:8]}{' ...' if len(names) > 8 else ''}"
+
+
+def _folders(path: Path) -> list[str]:
+    return sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+
+
+def _holds_images(path: Path) -> bool:
+    for count, entry in enumerate(os.scandir(path)):
+        if entry.is_file() and os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES:
+            return True
+        if count > 20:
+            break
+    return False
 
 
 class DatasetError(ValueError):
@@ -107,11 +142,11 @@ def list_image_folder(
         names = sorted(
             e.name
             for e in os.scandir(class_dir)
-            if e.is_file() and os.path.splitext(e.name)[1].lower() in JPEG_SUFFIXES
+            if e.is_file() and os.path.splitext(e.name)[1].lower() in IMAGE_SUFFIXES
         )
         if not names:
             raise DatasetError(
-                f"class folder {class_dir} has no JPEG files (*.JPEG, *.jpeg, *.jpg); "
+                f"class folder {class_dir} has no image files (*.JPEG, *.jpg, *.png, ...); "
                 f"{folder_layout(root)}"
             )
         files.extend(f"{split}/{name}/{n}" for n in names)
@@ -257,7 +292,6 @@ class ArraySource:
 
 # Names the recipes' held-out split goes by in published datasets, in the order tried.
 EVAL_SPLIT_NAMES = ("validation", "val", "valid")
-JPEG_MAGIC = b"\xff\xd8\xff"
 
 
 def import_extra(module: str, extra: str, what: str) -> Any:
@@ -308,9 +342,9 @@ def image_and_label(
 
 
 def dataset_split(available: Sequence[str], split: str, dataset: str) -> str:
-    """The dataset's name for the recipe's ``split``: ``train`` is ``train``; ``val`` is the first
-    of :data:`EVAL_SPLIT_NAMES` the dataset has."""
-    wanted = (split,) if split == "train" else EVAL_SPLIT_NAMES
+    """The dataset's name for the split named ``split``: ``val`` is the first of
+    :data:`EVAL_SPLIT_NAMES` the dataset has; any other name is itself."""
+    wanted = EVAL_SPLIT_NAMES if split == "val" else (split,)
     for name in wanted:
         if name in available:
             return name
@@ -319,19 +353,16 @@ def dataset_split(available: Sequence[str], split: str, dataset: str) -> str:
     )
 
 
-def require_jpeg(data: Any, where: str) -> bytes:
-    """``data`` if it is JPEG bytes; otherwise one line saying what the record holds."""
+def encoded_image(data: Any, where: str) -> bytes:
+    """``data`` if it is an encoded image (JPEG, PNG or any format Pillow reads); otherwise one
+    line saying what the record holds. Whether the bytes decode is checked when they are."""
     if not isinstance(data, bytes):
         raise DatasetError(
             f"{where}: the image is {type(data).__name__}, not encoded bytes; jaxdist reads "
-            f"JPEG bytes and decodes them itself"
+            f"encoded images (JPEG, PNG, ...) and decodes them itself"
         )
-    if not data.startswith(JPEG_MAGIC):
-        kind = "PNG" if data.startswith(b"\x89PNG") else f"not JPEG (starts {data[:4]!r})"
-        raise DatasetError(
-            f"{where}: the image is {kind}; jaxdist reads datasets of JPEG images, "
-            f"convert the images to JPEG first"
-        )
+    if not data:
+        raise DatasetError(f"{where}: the image is empty (0 bytes)")
     return data
 
 

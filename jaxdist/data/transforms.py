@@ -37,9 +37,9 @@ EVAL_CROP_FRACTION = 0.875  # 224 of 256: resize the short side to size/0.875, c
 Box = tuple[float, float, float, float]  # (top, left, height, width) in stored-image pixels
 
 
-def jpeg_size(data: bytes, name: str = "<bytes>") -> tuple[int, int]:
-    """``(height, width)`` from the JPEG header; a non-JPEG falls back to PIL (e.g. ImageNet's
-    one PNG-in-disguise)."""
+def stored_size(data: bytes, name: str = "<bytes>") -> tuple[int, int]:
+    """``(height, width)`` of an encoded image: from a JPEG's header, or from Pillow's decode of
+    any other format (PNG, ImageNet's few CMYK JPEGs)."""
     try:
         height, width, _, _ = simplejpeg.decode_jpeg_header(data)
         return int(height), int(width)
@@ -126,8 +126,8 @@ def decode_crop_resize(
     """Decode ``data`` (reduced-size where the crop allows), cut ``box`` out, resize to
     ``size x size`` with antialiased bilinear filtering. Returns uint8 ``[size, size, 3]``.
 
-    ``stored_size`` is ``jpeg_size(data)`` when the caller already has it."""
-    height, width = stored_size or jpeg_size(data, name)
+    ``stored_size`` is ``stored_size(data)`` when the caller already has it."""
+    height, width = stored_size or stored_size(data, name)
     top, left, crop_h, crop_w = box
     # Smallest decoded size that keeps the crop >= size x size.
     min_h = min(height, math.ceil(height * size / crop_h))
@@ -177,7 +177,7 @@ class DecodeTrain(grain.RandomMapTransform):
         self.flip = flip
 
     def random_map(self, record: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
-        height, width = jpeg_size(record["jpeg"], record["name"])
+        height, width = stored_size(record["jpeg"], record["name"])
         box = random_resized_crop_box(height, width, rng, self.area_range, self.aspect_range)
         image = decode_crop_resize(
             record["jpeg"], box, self.image_size, record["name"], (height, width)
@@ -195,7 +195,7 @@ class DecodeEval(grain.MapTransform):
         self.crop_fraction = crop_fraction
 
     def map(self, record: dict[str, Any]) -> dict[str, Any]:
-        height, width = jpeg_size(record["jpeg"], record["name"])
+        height, width = stored_size(record["jpeg"], record["name"])
         box = center_crop_box(height, width, self.crop_fraction)
         image = decode_crop_resize(
             record["jpeg"], box, self.image_size, record["name"], (height, width)

@@ -407,8 +407,10 @@ def _data_fields() -> ml_collections.ConfigDict:
             prefetch_batches=2,
             synthetic_train_examples=1_281_167,
             synthetic_eval_examples=50_000,
-            num_classes=1000,
+            num_classes=0,
             val_fraction=0.2,
+            train_split="train",
+            eval_split="val",
             image_key="",
             label_key="",
         )

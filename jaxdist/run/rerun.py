@@ -103,6 +103,16 @@ def differences(recorded: dict[str, Any], new: dict[str, Any]) -> list[Differenc
     ]
 
 
+def _as_recorded_now(recorded: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A record of an older version, in what its fields mean now. ``data.num_classes`` was
+    1000 whatever a dataset on disk held (the model took the dataset's count, as it does
+    now); it now records that count."""
+    old_default = recorded.get("data.num_classes") == 1000
+    if old_default and recorded.get("data.source") not in ("synthetic", None):
+        return {**recorded, "data.num_classes": new.get("data.num_classes", 1000)}
+    return recorded
+
+
 def _is_safe(difference: Difference) -> bool:
     key, old, new = difference
     if key in SAFE_TO_CHANGE or _added_at_its_default(difference):
@@ -219,7 +229,7 @@ def check_rerun(
                 "this run's config afresh"
             ) from err
     if compared:
-        accepted = differences(recorded, new)
+        accepted = differences(_as_recorded_now(recorded, new), new)
         refused = [d for d in accepted if not _is_safe(d)]
         if refused and not allow_change:
             holder = (f"the checkpoints in {workdir} were trained with" if trained_with is not None

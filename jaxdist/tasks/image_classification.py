@@ -87,6 +87,8 @@ class ImageClassification(Task):
         self.data = make_pipeline(DataConfig.from_dict(config.data.to_dict()))
         self.name = config.model.name
         self.num_classes = self.data.num_classes
+        # The run's config (printed, recorded in config.json) holds the dataset's real count.
+        config.data.num_classes = self.num_classes
         self.label_smoothing = config.label_smoothing
         self.model = build_model(config.model, self.num_classes, replicas.axis_names,
                                  replicas.count)  # fmt: skip
