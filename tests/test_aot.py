@@ -422,6 +422,7 @@ def test_plan_command_prints_memory_overlap_time_to_train_and_the_links_given(ca
     links = plan["links"]
     assert (links["fast"]["latency_s"], links["fast"]["bytes_per_s"]) == pytest.approx((1e-3, 1e9))
     assert links["sources"]["fast"] == "given: 1ms:1GB/s"
+    assert plan["mlperf_reference"] is None  # MLPerf's reference points are ResNet-50's
 
 
 @needs_libtpu

@@ -180,3 +180,19 @@ def test_checkpoint_save_times_both_writings(tmp_path):
     assert {name: [len(run) for run in runs] for name, runs in seconds.items()} == {
         "replica-parallel": [2], "one writer per array": [2]
     }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_device_check_runs_its_small_mode_on_cpu(tmp_path):
+    """The GPU check's every part on CPU: both steps timed, the chip's predicted step (asked
+    for by name: a CPU has no entry in the chip table), the input pipeline."""
+    out = tmp_path / "device_check.json"
+    text = _run([sys.executable, str(BENCHMARKS / "device_check.py"), "--small", "--batches",
+                 "4", "--chip", "h100", "--out", str(out)], timeout=600)  # fmt: skip
+    result = json.loads(out.read_text())
+    (row,) = result["steps"]
+    assert row["per_device_batch"] == 4 and row["chip"] == "h100"
+    assert row["jaxdist_images_per_s"] > 0 and row["flax_example_images_per_s"] > 0
+    assert row["flops_per_step"] > 0 and row["predicted_step_ms"] > 0
+    assert result["input_pipeline"]["images_per_s"] > 0 and result["dtype"] == "bfloat16"
+    assert "jaxdist img/s" in text

@@ -190,6 +190,19 @@ CHIPS: dict[str, Chip] = {
         torus_dims=0,
         source="https://www.nvidia.com/en-us/data-center/h100/",
     ),
+    "h200": Chip(
+        name="NVIDIA H200 SXM",
+        peak_flops=989e12,
+        peak_flops_fp32=67e12,
+        hbm_bytes=141 * GB,
+        hbm_bandwidth=4800 * GB,
+        link_bandwidth=900 * GB / 2,
+        link_ports=1,
+        host_network=400 * GBIT,  # DGX H200: 8 x 400 Gb/s NDR per node
+        chips_per_host=8,
+        torus_dims=0,
+        source="https://www.nvidia.com/en-us/data-center/h200/",
+    ),
 }
 
 

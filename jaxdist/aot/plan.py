@@ -25,6 +25,7 @@ import jax
 import ml_collections
 
 from jaxdist import meshes
+from jaxdist.aot import rcp
 from jaxdist.aot.chips import network_for
 from jaxdist.aot.compile import CompiledStep, DoesNotFitError, compile_train_step
 from jaxdist.aot.predict import StepTime, predict_step, time_to_train
@@ -90,6 +91,8 @@ class Plan:
     # What compiling another batch size needs (see largest_fitting_batch_of).
     trainer: object = field(default=None, repr=False)
     variable_shapes: tuple = field(default=(), repr=False)
+    # For a ResNet-50 recipe: MLPerf's reference epochs at its batch (see reference_for).
+    reference: dict | None = None
 
     @property
     def total_seconds(self) -> float:
@@ -220,10 +223,37 @@ def plan_recipe(
                 config.num_epochs, wait_free=config.wait_free, link_sources=link_sources,
                 trainer=trainer,
                 variable_shapes=(params, model_state))  # fmt: skip
-    plan.time_rows = time_to_train(
-        trainer.schedule, config.num_epochs, [s.step_time.total for s in stages]
-    )
+    step_seconds = [s.step_time.total for s in stages]
+    plan.time_rows = time_to_train(trainer.schedule, config.num_epochs, step_seconds)
+    plan.reference = reference_for(config, trainer, step_seconds)
     return plan
+
+
+def reference_for(config: ml_collections.ConfigDict, trainer, step_seconds: list) -> dict | None:
+    """For a ResNet-50 recipe (MLPerf's benchmark), the reference convergence point at its
+    global batch (:mod:`jaxdist.aot.rcp`): the epochs MLPerf expects, how they were found,
+    the time to train at them, and the hyperparameters the recipe sets otherwise than the
+    reference runs at the nearest reference batch. ``None`` for any other model."""
+    if trainer.task.name != "resnet50":
+        return None
+    found = rcp.epochs_to_converge(config.batch_size)
+    final = trainer.plans[-1]
+    bn_span = final.per_device_batch * (config.model.get("bn_group_size") or trainer.num_replicas)
+    rows = [] if found.epochs is None else time_to_train(trainer.schedule, found.epochs,
+                                                         step_seconds)  # fmt: skip
+    differences = rcp.hyperparameter_differences(config, found.nearest, bn_span)
+    return {
+        "source": f"{rcp.RULESET} reference convergence points",
+        "target": rcp.TARGET,
+        "batch": config.batch_size,
+        "epochs": found.epochs,
+        "how": found.how,
+        "recipe_epochs": config.num_epochs,
+        "compared_with_batch": found.nearest.batch,
+        "differences": [list(d) for d in differences],
+        "time_rows": rows,
+        "total_seconds": sum(row["seconds"] for row in rows),
+    }
 
 
 def _plan_stage(

@@ -118,7 +118,33 @@ def plan_text(plan: Plan, efficiency_note: str) -> str:
             f"({row['images_per_second']:,.0f} images/s)"
         )
     lines.append(f"  total: {format_duration(plan.total_seconds)}")
+    lines += _reference_lines(plan.reference)
     return "\n".join(lines)
+
+
+def _reference_lines(ref: dict | None) -> list[str]:
+    """MLPerf's reference epochs at the recipe's batch, the time at them, and the recipe's
+    hyperparameters that differ from the reference runs'."""
+    if ref is None:
+        return []
+    head = f"MLPerf reference ({ref['source']}) at global batch {ref['batch']:,}: "
+    if ref["epochs"] is None:
+        return [
+            "",
+            head + f"none ({ref['how']}); the recipe's num_epochs: {ref['recipe_epochs']:g}",
+        ]
+    lines = [
+        "",
+        head + f"{ref['epochs']:.1f} epochs to {ref['target']} ({ref['how']}); "
+        f"the recipe's num_epochs: {ref['recipe_epochs']:g}",
+        f"  time to train at {ref['epochs']:.1f} epochs: {format_duration(ref['total_seconds'])}",
+    ]
+    if ref["differences"]:
+        shown = "; ".join(f"{name} {mine} (reference {theirs})"
+                          for name, mine, theirs in ref["differences"])  # fmt: skip
+        lines.append(f"  set otherwise than the reference runs at {ref['compared_with_batch']:,}: "
+                     f"{shown}")  # fmt: skip
+    return lines
 
 
 def _link_json(link) -> dict:
@@ -166,4 +192,5 @@ def plan_json(plan: Plan, efficiency_note: str) -> dict:
         "stages": stages,
         "time_to_train": plan.time_rows,
         "total_seconds": plan.total_seconds,
+        "mlperf_reference": plan.reference,
     }

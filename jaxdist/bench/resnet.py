@@ -53,10 +53,11 @@ class _FlaxBottleneck(nn.Module):
     filters: int
     strides: tuple[int, int]
     norm: functools.partial
+    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x):
-        conv = functools.partial(nn.Conv, use_bias=False, dtype=jnp.float32)
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
         residual = x
         y = nn.relu(self.norm()(conv(self.filters, (1, 1))(x)))
         y = nn.relu(self.norm()(conv(self.filters, (3, 3), self.strides)(y)))
@@ -69,10 +70,12 @@ class _FlaxBottleneck(nn.Module):
 
 
 class FlaxExampleResNet50(nn.Module):
-    """flax ``examples/imagenet`` ResNet50 (stage sizes 3, 4, 6, 3)."""
+    """flax ``examples/imagenet`` ResNet50 (stage sizes 3, 4, 6, 3); ``dtype`` is the
+    example's ``half_precision`` (bfloat16 computation, float32 parameters)."""
 
     num_classes: int = 1000
     width: int = 64
+    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x, train: bool = True):
@@ -81,16 +84,19 @@ class FlaxExampleResNet50(nn.Module):
             use_running_average=not train,
             momentum=0.9,
             epsilon=1e-5,
+            dtype=self.dtype,
             axis_name="batch",
         )
-        x = nn.Conv(self.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False)(x)
+        x = nn.Conv(self.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False,
+                    dtype=self.dtype)(x)  # fmt: skip
         x = nn.relu(norm(name="bn_init")(x))
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
         for i, block_size in enumerate((3, 4, 6, 3)):
             for j in range(block_size):
                 strides = (2, 2) if i > 0 and j == 0 else (1, 1)
-                x = _FlaxBottleneck(self.width * 2**i, strides, norm)(x)
-        return nn.Dense(self.num_classes)(jnp.mean(x, axis=(1, 2)))
+                x = _FlaxBottleneck(self.width * 2**i, strides, norm, self.dtype)(x)
+        x = nn.Dense(self.num_classes, dtype=self.dtype)(jnp.mean(x, axis=(1, 2)))
+        return jnp.asarray(x, jnp.float32)
 
 
 def flax_example_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh):
@@ -155,11 +161,13 @@ FLAX_EXAMPLE = "flax example (jit+pmean)"
 
 
 def _jaxdist_runner(
-    mesh: Mesh, images: np.ndarray, labels: np.ndarray, width: int, pointwise_matmul: bool
-) -> Callable[[], Any]:
+    mesh: Mesh, images: np.ndarray, labels: np.ndarray, width: int, pointwise_matmul: bool,
+    dtype: Any = jnp.float32,
+) -> Callable[[], Any]:  # fmt: skip
     """The trainer's TrainStep, model and optimizer, as one step on a fixed batch."""
     norm = functools.partial(CrossReplicaBatchNorm, axis_name="data")
-    model = models.resnet50(width=width, norm=norm, pointwise_matmul=pointwise_matmul)
+    model = models.resnet50(width=width, norm=norm, pointwise_matmul=pointwise_matmul,
+                            dtype=dtype)  # fmt: skip
     dummy = jnp.zeros((1, *images.shape[1:]), jnp.float32)
     variables = model.init(jax.random.key(0), dummy, train=False)
     step = TrainStep(
@@ -178,10 +186,10 @@ def _jaxdist_runner(
 
 
 def _flax_example_runner(
-    mesh: Mesh, images: np.ndarray, labels: np.ndarray, width: int
+    mesh: Mesh, images: np.ndarray, labels: np.ndarray, width: int, dtype: Any = jnp.float32
 ) -> Callable[[], Any]:
     """The flax imagenet example's model, optimizer and jit + pmean step."""
-    flax_model = FlaxExampleResNet50(width=width)
+    flax_model = FlaxExampleResNet50(width=width, dtype=dtype)
     dummy = jnp.zeros((1, *images.shape[1:]), jnp.float32)
     variables = flax_model.init(jax.random.key(0), dummy, train=False)
     tx = optax.sgd(0.1, momentum=0.9, nesterov=True)
@@ -215,18 +223,24 @@ def measure(
     width: int = 64,
     rounds: int = 3,
     conv_1x1_variant: bool = True,
+    dtype: Any = jnp.float32,
+    devices: Any = None,
 ) -> list[StepRate]:
     """Images/s of jaxdist's step and the flax example's on all devices, on the same random
     batch. ``conv_1x1_variant`` adds jaxdist's step with its 1x1 convolutions as ``nn.Conv``
-    (``ResNet.pointwise_matmul=False``), which tells the model's share of the difference."""
-    devices = np.asarray(jax.devices())
+    (``ResNet.pointwise_matmul=False``), which tells the model's share of the difference.
+    ``dtype`` is both models' computation (``jnp.bfloat16``: mixed precision, parameters
+    float32). ``devices``: the devices to run on (default: all)."""
+    devices = np.asarray(jax.devices() if devices is None else devices)
     rng = np.random.default_rng(0)
     images = rng.standard_normal((batch_size, image_size, image_size, 3), np.float32)
     labels = rng.integers(0, 1000, batch_size).astype(np.int32)
 
     data_mesh = Mesh(devices, ("data",))
-    runners = {JAXDIST: _jaxdist_runner(data_mesh, images, labels, width, True)}
+    runners = {JAXDIST: _jaxdist_runner(data_mesh, images, labels, width, True, dtype)}
     if conv_1x1_variant:
-        runners[JAXDIST_CONV_1X1] = _jaxdist_runner(data_mesh, images, labels, width, False)
-    runners[FLAX_EXAMPLE] = _flax_example_runner(Mesh(devices, ("batch",)), images, labels, width)
+        runners[JAXDIST_CONV_1X1] = _jaxdist_runner(data_mesh, images, labels, width, False,
+                                                    dtype)  # fmt: skip
+    runners[FLAX_EXAMPLE] = _flax_example_runner(Mesh(devices, ("batch",)), images, labels,
+                                                 width, dtype)  # fmt: skip
     return _time_interleaved(runners, batch_size, steps, warmup, rounds)

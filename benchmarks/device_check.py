@@ -1,0 +1,175 @@
+"""One real accelerator, checked in a few minutes: ResNet-50 training speed, the input pipeline,
+memory, and what ``jaxdist plan``'s time model predicts for the chip.
+
+On a GPU machine (``pip install "jax[cuda12]"`` and jaxdist), from the repository::
+
+    python benchmarks/device_check.py                 # about 5 minutes on one H100
+    python benchmarks/device_check.py --out benchmarks/results/device_check_h100.json
+
+It measures, on the first device:
+
+* the train step's images/s of ResNet-50 in bfloat16 (parameters float32) at per-device
+  batches 128 and 256: jaxdist's ``TrainStep`` against the flax ImageNet example's step,
+  timed in alternating rounds (:mod:`jaxdist.bench.resnet`), and the ratio;
+* the input pipeline's images/s (JPEG decode, random crop, flip) with a worker process per
+  host core, on a folder of fake ImageNet-sized JPEGs;
+* the device's peak memory in use (what the runtime reports) and the compiled step's memory;
+* the time model's step for the chip (FLOPs at peak times the calibrated efficiency of
+  :mod:`jaxdist.aot.published`, as ``jaxdist plan`` prices it), beside the measured step.
+
+``--small`` runs the same on a narrow ResNet-50 at 32x32 pixels and per-device batches 4 and
+8, on any machine (the tests run it on CPU, with ``--batches 4``); ``--chip`` names the chip table entry to predict for when
+the device's name does not say (a CPU has none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdist import models
+from jaxdist.aot import published
+from jaxdist.aot.chips import CHIPS, network_for
+from jaxdist.aot.compile import compile_train_step
+from jaxdist.aot.predict import predict_step
+from jaxdist.bench import data as data_bench
+from jaxdist.bench import resnet as resnet_bench
+from jaxdist.data import DataConfig
+from jaxdist.data.fake import write_image_folder
+from jaxdist.training import optim
+from jaxdist.training.train_step import TrainStep, classifier_loss
+
+# Device names as the runtime reports them (device_kind) -> the chip table's entry.
+KINDS = {"H200": "h200", "H100": "h100", "A100": "a100", "V100": "v100"}
+
+
+def chip_for(device_kind: str, given: str | None) -> str | None:
+    if given:
+        if given not in CHIPS:
+            raise SystemExit(f"device_check: --chip {given!r} is not in the chip table "
+                             f"({', '.join(sorted(CHIPS))})")  # fmt: skip
+        return given
+    return next((name for key, name in KINDS.items() if key in device_kind), None)
+
+
+def step_rates(per_device: int, size: int, width: int, steps: int, rounds: int) -> dict:
+    """jaxdist's step and the flax example's on one device, bfloat16, images/s."""
+    device = jax.devices()[:1]
+    with jax.default_device(device[0]):
+        rates = resnet_bench.measure(per_device, size, steps, warmup=1, width=width,
+                                     rounds=rounds, conv_1x1_variant=False,
+                                     dtype=jnp.bfloat16, devices=device)  # fmt: skip
+    found = {r.name: r for r in rates}
+    ours, theirs = found[resnet_bench.JAXDIST], found[resnet_bench.FLAX_EXAMPLE]
+    return {
+        "per_device_batch": per_device,
+        "jaxdist_images_per_s": ours.images_per_s,
+        "jaxdist_step_ms": ours.step_ms,
+        "flax_example_images_per_s": theirs.images_per_s,
+        "flax_example_step_ms": theirs.step_ms,
+        "jaxdist_over_flax_example": ours.images_per_s / theirs.images_per_s,
+    }
+
+
+def predicted(per_device: int, size: int, width: int, chip: str) -> dict:
+    """The compiled jaxdist step on this device, priced for ``chip`` as ``jaxdist plan``
+    prices it: its FLOPs at peak x the calibrated efficiency (one device: no collectives)."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
+    model = models.resnet50(width=width, dtype=jnp.bfloat16)
+    example = jnp.zeros((1, size, size, 3))
+    shapes = jax.eval_shape(lambda key: model.init(key, example, train=False), jax.random.key(0))
+    params, model_state = shapes["params"], {k: v for k, v in shapes.items() if k != "params"}
+    step = TrainStep(classifier_loss(model, num_classes=1000), optim.sgd_momentum(0.1), mesh,
+                     data_axes="data")  # fmt: skip
+    batch = {"image": ((per_device, size, size, 3), jnp.float32),
+             "label": ((per_device,), jnp.int32)}  # fmt: skip
+    compiled = compile_train_step(step, params, model_state, batch)
+    efficiency, note = published.calibrated_efficiency(chip)
+    seconds = predict_step(compiled, CHIPS[chip], efficiency=efficiency,
+                           network=network_for(CHIPS[chip])).total  # fmt: skip
+    return {"chip": chip, "efficiency": efficiency, "efficiency_note": note,
+            "flops_per_step": compiled.flops, "predicted_step_ms": seconds * 1e3,
+            "compiled_memory_bytes": compiled.memory.total}  # fmt: skip
+
+
+def pipeline_rate(size: int, batch: int, small: bool) -> dict:
+    """The training iterator's images/s with one worker process per host core."""
+    workers = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory() as tmp:
+        sizes = (40, 60) if small else (300, 500)
+        per_class = 8 if small else 64
+        root = write_image_folder(tmp, num_classes=4, train_per_class=per_class,
+                                  val_per_class=1, size_range=sizes)  # fmt: skip
+        config = DataConfig(source="folder", root=str(root), image_size=size, dtype="uint8",
+                            worker_count=0 if small else workers)  # fmt: skip
+        rate = data_bench.measure(config, batch, steps=2 if small else 20)
+    return {"workers": 0 if small else workers, "images_per_s": rate.images_per_s}
+
+
+def peak_memory() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="a narrow model, 32x32, batches 4, 8")
+    parser.add_argument("--chip", default=None, help="chip table entry to predict for")
+    parser.add_argument(
+        "--batches",
+        default=None,
+        help="per-device batches, comma-separated (default 128,256; small 4,8)",
+    )
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    device = jax.devices()[0]
+    size, width = (32, 8) if args.small else (224, 64)
+    batches = (4, 8) if args.small else (128, 256)
+    if args.batches:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    steps, rounds = (1, 2) if args.small else (5, 3)
+    chip = chip_for(device.device_kind, args.chip)
+    result = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+              "model": "resnet50" + ("" if width == 64 else f" width {width}"),
+              "image_size": size, "dtype": "bfloat16", "steps": []}  # fmt: skip
+    for per_device in batches:
+        print(f"timing per-device batch {per_device} ...", file=sys.stderr, flush=True)
+        row = step_rates(per_device, size, width, steps, rounds)
+        if chip is not None:
+            row.update(predicted(per_device, size, width, chip))
+            row["measured_over_predicted"] = row["jaxdist_step_ms"] / row["predicted_step_ms"]
+        result["steps"].append(row)
+    result["peak_memory_bytes"] = peak_memory()
+    result["input_pipeline"] = pipeline_rate(size, batches[0], args.small)
+    result["seconds"] = time.perf_counter() - started
+    print(f"{device.device_kind} ({device.platform}), {result['model']} at {size}x{size}, "
+          f"bfloat16; input pipeline {result['input_pipeline']['images_per_s']:,.0f} images/s "
+          f"({result['input_pipeline']['workers']} workers)")  # fmt: skip
+    print(f"{'batch':>6} {'jaxdist img/s':>14} {'flax ex. img/s':>15} {'ratio':>6} "
+          f"{'predicted ms':>13} {'measured ms':>12}")  # fmt: skip
+    for row in result["steps"]:
+        guess = f"{row['predicted_step_ms']:.3g}" if "predicted_step_ms" in row else "-"
+        print(f"{row['per_device_batch']:>6} {row['jaxdist_images_per_s']:>14,.1f} "
+              f"{row['flax_example_images_per_s']:>15,.1f} "
+              f"{row['jaxdist_over_flax_example']:>6.3f} {guess:>13} "
+              f"{row['jaxdist_step_ms']:>12.1f}")  # fmt: skip
+    if result["peak_memory_bytes"] is not None:
+        print(f"peak memory in use: {result['peak_memory_bytes'] / 2**30:.2f} GiB")
+    print(f"took {result['seconds']:.0f} s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
