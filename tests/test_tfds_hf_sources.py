@@ -352,7 +352,7 @@ def test_a_damaged_tfrecord_file_is_one_line_and_verify_finds_a_changed_byte(tmp
     as_tfrecord(prepared)
     (shard,) = prepared.glob("*-test.tfrecord-*")
     data = bytearray(shard.read_bytes())
-    data[-10] ^= 0xFF  # inside the last record's image bytes: found by --verify only
+    data[data.rindex(b"IDAT") + 8] ^= 0xFF  # inside the last record's PNG: found by --verify only
     shard.write_bytes(bytes(data))
     source = TfdsSource(name, "test", data_dir=str(tmp_path))
     assert [source.verify_record(i) for i in range(len(source))] == [True] * 3 + [False]

@@ -192,6 +192,8 @@ class ArrayRecordSource:
     mean = IMAGENET_MEAN
     std = IMAGENET_STD
 
+    stored_by_class = True  # as the folder it was converted from (jaxdist.data.splits)
+
     def __init__(self, root: str | os.PathLike, split: str) -> None:
         self.root = Path(root)
         self.split = split

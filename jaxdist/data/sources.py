@@ -174,6 +174,7 @@ class ImageFolderSource:
     """
 
     encoded = True
+    stored_by_class = True  # split strings slice it in a fixed shuffle (jaxdist.data.splits)
     mean = IMAGENET_MEAN
     std = IMAGENET_STD
 

@@ -11,10 +11,13 @@
     test                      any split the dataset has (a dataset with only train and test)
 
 A bound in percent is rounded to the closest record (``round(pct * n / 100)``), as TFDS and
-``datasets`` round it, so the same string selects the same records in all three. The records
-keep the dataset's order (the train stream shuffles them per epoch itself), so a split is
-deterministic and resumes exactly. ``val`` means the dataset's held-out split by its usual name
-(``validation``, ``val`` or ``valid``).
+``datasets`` round it. TFDS and Hugging Face datasets are sliced in their stored order (TFDS
+shuffles records when it prepares them). A folder, and its ArrayRecord conversion, stores
+its records by class: it is sliced in a fixed shuffle of its records (:data:`SLICE_SEED`), so
+that ``train[:90%]`` holds about 90% of every class rather than the first 90% of the classes;
+the records selected keep the stored order. Either way a split is deterministic, the same
+for every process, and resumes exactly. ``val`` means the dataset's held-out split by its
+usual name (``validation``, ``val`` or ``valid``).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from jaxdist.data.sources import DatasetError, ImageSource
 
@@ -35,6 +40,7 @@ _PART = re.compile(
     rf"(?:\[\s*(?P<start>{_BOUND})?\s*:\s*(?P<stop>{_BOUND})?\s*\])?\s*"
 )
 FORMAT = "NAME or NAME[START:STOP] (records or percent), joined by '+', e.g. 'train[:90%]'"
+SLICE_SEED = 0  # the fixed shuffle a split stored by class is sliced in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +84,7 @@ def parse_split(text: str, field: str = "split") -> list[SplitPart]:
 class SplitSource:
     """The records a split string selects, from the sources of its named splits, in order."""
 
-    def __init__(self, pieces: list[tuple[ImageSource, range]], text: str) -> None:
+    def __init__(self, pieces: list[tuple[ImageSource, Sequence[int]]], text: str) -> None:
         first = pieces[0][0]
         for source, _ in pieces[1:]:
             if tuple(source.classes) != tuple(first.classes):
@@ -107,7 +113,7 @@ class SplitSource:
             raise IndexError(f"record {index} of split {self.text!r} ({self._len} records)")
         k = bisect.bisect_right(self._starts, index) - 1
         source, records = self.pieces[k]
-        return source, records[index - self._starts[k]]
+        return source, int(records[index - self._starts[k]])
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         source, inner = self.locate(index)
@@ -127,12 +133,22 @@ def open_split(text: str, open_named: Callable[[str], ImageSource], field: str) 
             opened[part.name] = open_named(part.name)
     if len(parts) == 1 and parts[0].start is None and parts[0].stop is None:
         return opened[parts[0].name]
-    pieces = [(opened[p.name], p.records(len(opened[p.name]))) for p in parts]
+    pieces = [(opened[p.name], selected(opened[p.name], p)) for p in parts]
     empty = [str(p) for p, (_, r) in zip(parts, pieces, strict=True) if not len(r)]
     if empty:
         sizes = ", ".join(f"{name} has {len(s)}" for name, s in opened.items())
         raise DatasetError(f"{field} {text!r}: {' and '.join(empty)} selects no records ({sizes})")
     return SplitSource(pieces, text)
+
+
+def selected(source: ImageSource, part: SplitPart) -> Sequence[int]:
+    """The indices of ``source`` that ``part`` selects: a range of the stored order, or for
+    a source stored by class (``stored_by_class``) a slice of its fixed shuffle, sorted."""
+    records = part.records(len(source))
+    if not getattr(source, "stored_by_class", False):
+        return records
+    order = np.random.default_rng(SLICE_SEED).permutation(len(source))
+    return np.sort(order[records.start : records.stop])
 
 
 def overlap(train: str, held_out: str, sizes: dict[str, int]) -> str:
@@ -144,5 +160,5 @@ def overlap(train: str, held_out: str, sizes: dict[str, int]) -> str:
                 continue
             both = set(a.records(sizes[a.name])) & set(b.records(sizes[b.name]))
             if both:
-                return f"{len(both)} records of {a.name!r} ({min(both)} to {max(both)})"
+                return f"{len(both)} records of {a.name!r}"
     return ""

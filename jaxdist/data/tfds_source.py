@@ -119,7 +119,8 @@ def _prepared_builder(tfds: Any, name: str, data_dir: str | None) -> Any:
     except tfds.core.registered.DatasetNotFoundError as err:
         raise DatasetError(
             f"tfds dataset {name!r} does not exist: it is neither a TFDS catalog name nor "
-            f"prepared under {data_dir or 'the TFDS data dir'}{_found(name, data_dir)}"
+            f"prepared under {data_dir or 'the TFDS data dir'}"
+            f"{_found(name, data_dir) or found_under(_data_root(data_dir))}"
         ) from err
     except Exception as err:  # a malformed name or unreadable metadata
         raise DatasetError(f"tfds dataset {name!r} cannot be opened: {first_line(err)}") from err
@@ -140,13 +141,17 @@ def _prepared_builder(tfds: Any, name: str, data_dir: str | None) -> Any:
     return builder
 
 
+def _data_root(data_dir: str | None) -> Path:
+    return Path(data_dir or os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets")).expanduser()
+
+
 def _found(name: str, data_dir: str | None) -> str:
     """What is prepared near where ``name`` was looked for: its other versions, or the
-    data dir one level off; ``""`` if nothing."""
-    root = Path(data_dir or os.environ.get("TFDS_DATA_DIR", "~/tensorflow_datasets")).expanduser()
+    data dir one level off; ``""`` if nothing of it."""
+    root = _data_root(data_dir)
     base = name.split(":")[0].split("/")[0]
     if not root.is_dir():
-        return found_under(root)
+        return ""
     versions = _versions(root / base)
     if versions:
         return (f"; {root / base} holds version(s) {', '.join(versions)}: name one, e.g. "
@@ -156,7 +161,7 @@ def _found(name: str, data_dir: str | None) -> str:
     for sub in sorted(p for p in root.iterdir() if p.is_dir()):
         if _versions(sub / base):
             return f"; {sub / base} is there: give {sub} as the root"
-    return found_under(root)
+    return ""
 
 
 def _versions(folder: Path) -> list[str]:
@@ -181,6 +186,7 @@ class _TfRecordExamples:
     def __init__(self, builder: Any, split: str, decoders: dict) -> None:
         info = builder.info.splits[split]
         where = f"tfds dataset {builder.name}/{split}"
+        self._where = f"tfds:{builder.name}/{split}"
         started = time.perf_counter()
 
         def progress(done: int, total: int, seconds: float) -> None:
@@ -198,7 +204,14 @@ class _TfRecordExamples:
         return len(self._records)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self._features.deserialize_example_np(self._records[index], decoders=self._decoders)
+        try:
+            return self._features.deserialize_example_np(self._records[index],
+                                                         decoders=self._decoders)  # fmt: skip
+        except Exception as err:  # protobuf's DecodeError and what a damaged record makes
+            raise DatasetError(
+                f"{self._where}[{index}]: the record cannot be parsed ({first_line(err)}); "
+                "`jaxdist data inspect --verify` checks every record's checksum"
+            ) from err
 
     def verify(self, index: int) -> bool:
         """Whether record ``index``'s bytes match their TFRecord checksum."""
