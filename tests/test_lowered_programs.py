@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
 from tests._procs import REPO
 
 
@@ -17,6 +19,7 @@ def _tool():
     return module
 
 
+@pytest.mark.slow  # lowers every schedule's 300+ programs twice (about 50 s)
 def test_lowering_is_repeatable_and_a_changed_program_is_named(tmp_path, capsys):
     tool = _tool()
     before, after = tmp_path / "before", tmp_path / "after"

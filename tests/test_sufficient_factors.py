@@ -136,6 +136,7 @@ def test_auto_mixes_factors_and_dense_gradients():
     assert sorted(layer.path for layer in step.plan().factored.values()) == ["fc1", "fc2"]
 
 
+@pytest.mark.slow  # full-width ResNet-50 three times (about 70 s); small models cover the rest
 def test_resnet50_classifier_as_factors():
     from jaxdist.models import init_variables, resnet50
 
