@@ -20,6 +20,11 @@ def _fit_line(total: int, capacity: float) -> str:
     return f"does not fit by {(total - capacity) / GIB:.2f} GiB"
 
 
+def _unit(plan: Plan) -> str:
+    """What the task calls one example (images, sequences, samples)."""
+    return getattr(getattr(plan.trainer, "task", None), "unit", "samples")
+
+
 def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
     chip = plan.topology.chip
     dp, mem, t = stage.device_plan, stage.compiled.memory, stage.step_time
@@ -28,7 +33,7 @@ def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
         f"stage {stage.index}: global batch {dp.global_batch_size:,} = {dp.num_devices} chips x "
         f"{dp.per_device_batch}{accumulation}; compiled in {stage.compiled.compile_seconds:.1f} s",
         f"  HBM per chip (GiB): parameters {_gib(mem.parameters)}, optimizer state "
-        f"{_gib(mem.optimizer_state)}, BatchNorm statistics {_gib(mem.model_state)} "
+        f"{_gib(mem.optimizer_state)}, model state {_gib(mem.model_state)} "
         f"(all arguments with the batch {_gib(mem.arguments)}); activations and temp "
         f"{_gib(mem.temp)}; outputs {_gib(mem.outputs)}; code {_gib(mem.code)}",
         f"  total {_gib(mem.total)} of {_gib(chip.hbm_bytes)} GiB: "
@@ -65,7 +70,7 @@ def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
         f"{t.efficiency:.2f}) + waiting for communication {t.exposed * 1e3:.1f} ms (gradients' "
         f"exposed {(t.communication - t.hidden) * 1e3:.1f} ms, other collectives "
         f"{t.other * 1e3:.1f} ms) = {t.total * 1e3:.1f} ms -> "
-        f"{dp.global_batch_size / t.total:,.0f} images/s",
+        f"{dp.global_batch_size / t.total:,.0f} {_unit(plan)}/s",
     ]
     if not plan.wait_free and plan.algorithm not in ("native", "auto") and t.communication:
         lines.append(
@@ -115,7 +120,7 @@ def plan_text(plan: Plan, efficiency_note: str) -> str:
         lines.append(
             f"  stage {row['stage']}: batch {row['global_batch']:>7,} x {row['steps']:>6,} steps "
             f"x {row['step_seconds'] * 1e3:7.1f} ms = {format_duration(row['seconds'])} "
-            f"({row['images_per_second']:,.0f} images/s)"
+            f"({row['images_per_second']:,.0f} {_unit(plan)}/s)"
         )
     lines.append(f"  total: {format_duration(plan.total_seconds)}")
     lines += _reference_lines(plan.reference)

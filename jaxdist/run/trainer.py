@@ -402,7 +402,7 @@ class Trainer:
         eta = (self.total_steps - loop.step) * window / loop.window_steps
         log.progress(
             f"step {loop.step}/{self.total_steps} | epoch {loop.epoch:.2f} | "
-            f"{record['images_per_sec']:.0f} samples/s | loss {means['loss']:.4f} | "
+            f"{record['images_per_sec']:.0f} {self.task.unit}/s | loss {means['loss']:.4f} | "
             f"lr {loop.lr:.4g} | batch {loop.batch_size} | "
             f"{format_duration(now - loop.started)} elapsed, eta {format_duration(eta)}"
         )

@@ -81,6 +81,7 @@ class ImageClassification(Task):
 
     headline = "top1"
     higher_is_better = True
+    unit = "images"
 
     def __init__(self, config: ml_collections.ConfigDict, replicas: Replicas) -> None:
         self.config = config

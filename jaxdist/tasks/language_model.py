@@ -122,6 +122,7 @@ class LanguageModel(Task):
 
     headline = "bits_per_byte"
     higher_is_better = False
+    unit = "sequences"
 
     def __init__(self, config: ml_collections.ConfigDict, replicas: Replicas) -> None:
         m, d = config.model, config.data

@@ -104,12 +104,14 @@ class Task(abc.ABC):
       headline: the evaluation metric the progress line shows first and ``target_accuracy``
         refers to.
       higher_is_better: whether a larger headline is better (accuracy) or worse (loss).
+      unit: what one example is called where throughput is shown (``images/s``).
       data: the task's :class:`Data`.
     """
 
     name: str = "model"
     headline: str = "loss"
     higher_is_better: bool = False
+    unit: str = "samples"
     data: Data
 
     @abc.abstractmethod
