@@ -82,3 +82,17 @@ def test_a_plan_of_the_mlperf_recipe_prices_the_reference_epochs():
     config.model.name = "resnet18"
     trainer.task.name = "resnet18"
     assert reference_for(config, trainer, step_seconds) is None
+
+
+def test_a_batch_beyond_the_table_has_no_reference_and_says_so():
+    from jaxdist.aot.report import _reference_lines
+
+    ref = {"source": "MLPerf Training 4.0.0 reference convergence points", "batch": 69_120,
+           "epochs": None, "how": rcp.epochs_to_converge(69_120).how, "recipe_epochs": 90}  # fmt: skip
+    assert _reference_lines(ref) == [
+        "",
+        (
+            "MLPerf reference (MLPerf Training 4.0.0 reference convergence points) at global batch "
+            "69,120: none (beyond the table's largest batch, 67,840); the recipe's num_epochs: 90"
+        ),
+    ]

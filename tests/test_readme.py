@@ -42,6 +42,7 @@ def test_the_readme_has_the_commands_this_test_runs():
 @pytest.mark.slow
 def test_readme_commands_run_in_order_as_written(tmp_path):
     (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    (tmp_path / "examples").symlink_to(REPO / "examples")  # the tour's own-task recipe
     env = clean_env()
     # What `. .venv/bin/activate` does for the commands: the environment's bin first on PATH.
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
