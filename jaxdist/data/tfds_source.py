@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +186,6 @@ class _TfRecordExamples:
         info = builder.info.splits[split]
         where = f"tfds dataset {builder.name}/{split}"
         self._where = f"tfds:{builder.name}/{split}"
-        started = time.perf_counter()
 
         def progress(done: int, total: int, seconds: float) -> None:
             if done == 1:
@@ -198,7 +196,6 @@ class _TfRecordExamples:
         self._records = TfRecords(info.filepaths, expected=info.shard_lengths, progress=progress)
         self._features = builder.info.features
         self._decoders = decoders
-        self.index_seconds = time.perf_counter() - started
 
     def __len__(self) -> int:
         return len(self._records)
