@@ -4,7 +4,7 @@ counts as hidden only for the time compute runs beside it."""
 import pytest
 
 from jaxdist.aot.schedule import Collective
-from jaxdist.aot.timeline import walk
+from jaxdist.aot.timeline import matrix_flops, walk
 
 PEAK, HBM = 1e12, 1e18  # matrix products bound by FLOPs, nothing by bytes
 DOT_FLOPS = 2 * 64 * 64 * 64  # one 64x64 by 64x64 product
@@ -102,3 +102,44 @@ def test_compute_is_spread_by_the_roofline():
     timeline = walk(_program(body), 1.0, lambda c, i: 0.0, peak_flops=PEAK, hbm_bandwidth=1e9)
     assert timeline.compute_seconds == pytest.approx(1.0)
     assert flops_time / (flops_time + bytes_time) < 1  # both weigh
+
+
+def test_library_calls_count_as_the_products_they_run():
+    # The three cuDNN passes of one 3x3 convolution x[8,32,32,64] * w[128,3,3,64] ->
+    # y[8,32,32,128] (each keeps the forward pass's dim_labels), a cuBLAS product, a loop
+    # whose body holds one product (counted once, as compilers count it), a strided
+    # convolution's input gradient.
+    y_w = "window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f"
+    conv_flops = 2 * (8 * 32 * 32 * 128) * (3 * 3 * 64)
+    text = (
+        "HloModule step\n\n"
+        "%body (b: f32[64,64]) -> f32[64,64] {\n"
+        "  %b = f32[64,64]{1,0} parameter(0)\n"
+        f"  ROOT {_dot('inner').replace('%p0', '%b')}\n"
+        "}\n\n"
+        "ENTRY %main (x: bf16[8,32,32,64]) -> bf16[8,32,32,64] {\n"
+        "  %x = bf16[8,32,32,64]{3,2,1,0} parameter(0)\n"
+        "  %w = bf16[128,3,3,64]{3,2,1,0} parameter(1)\n"
+        "  %p0 = f32[64,64]{1,0} parameter(2)\n"
+        f"  %fwd = (bf16[8,32,32,128]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%x, %w), {y_w}, "
+        'custom_call_target="__cudnn$convBiasActivationForward"\n'
+        "  %y = bf16[8,32,32,128]{3,2,1,0} get-tuple-element(%fwd), index=0\n"
+        f"  %dx = (bf16[8,32,32,64]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%y, %w), {y_w}, "
+        'custom_call_target="__cudnn$convBackwardInput"\n'
+        f"  %dw = (bf16[128,3,3,64]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%x, %y), {y_w}, "
+        'custom_call_target="__cudnn$convBackwardFilter"\n'
+        "  %mm = (f32[64,32]{1,0}, s8[0]{0}) custom-call(%p0, %p0), "
+        'custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":'
+        '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+        '"rhs_contracting_dimensions":["0"]}}}\n'
+        "  %loop = f32[64,64]{1,0} while(%p0), condition=%cond, body=%body\n"
+        # The input gradient of a stride-2 convolution as the TPU compiler writes it: over
+        # the output gradient dilated by the stride, a quarter of its taps on real values.
+        "  %dy = bf16[8,16,16,128]{3,2,1,0} parameter(3)\n"
+        "  %strided_dx = bf16[8,32,32,64]{3,2,1,0} convolution(%dy, %w), "
+        "window={size=3x3 pad=1_2x1_2 lhs_dilate=2x2 rhs_reversal=1x1}, dim_labels=b01f_i01o->b01f\n"
+        "  ROOT %out = bf16[8,32,32,64]{3,2,1,0} get-tuple-element(%dx), index=0\n"
+        "}\n"
+    )
+    strided_flops = 2 * (8 * 32 * 32 * 64) * (3 * 3 * 128) / 4
+    assert matrix_flops(text) == 3 * conv_flops + 2 * 64 * 32 * 64 + DOT_FLOPS + strided_flops

@@ -42,7 +42,7 @@ from jaxdist.aot.schedule import (
     role_of,
 )
 
-__all__ = ["Timeline", "walk"]
+__all__ = ["Timeline", "matrix_flops", "walk"]
 
 # Ops that move no data or only rename it: no time on the compute stream.
 _FREE = {
@@ -179,7 +179,13 @@ class _Weights:
         """FLOPs of the matrix products and convolutions an op runs (a fusion's included)."""
         if inst.opcode in ("dot", "convolution"):
             return _matmul_flops(inst, self._types[computation])
+        if inst.opcode == "custom-call":
+            return _library_flops(inst, self._types[computation])
         return sum(self._computation_flops(c) for c in inst.called)
+
+    def computation_flops(self, name: str) -> float:
+        """FLOPs of a computation's matrix products, a loop's body counted once."""
+        return self._computation_flops(name)
 
     def _computation_flops(self, name: str) -> float:
         if name not in self._flops:
@@ -215,7 +221,63 @@ def _matmul_flops(inst: Instruction, types: dict[str, str]) -> float:
     labels = re.search(r"dim_labels=\w+_(\w+)->", inst.rest)
     if not labels or not rhs or "o" not in labels.group(1):
         return 0.0
-    return 2.0 * out * math.prod(rhs) / rhs[labels.group(1).index("o")]
+    # An input gradient of a strided convolution runs over its output gradient dilated by
+    # the stride: the taps that land on the holes multiply zeros, and no device runs them.
+    holes = re.search(r"lhs_dilate=([\dx]+)", inst.rest)
+    dilation = math.prod(int(d) for d in holes.group(1).split("x")) if holes else 1
+    return 2.0 * out * math.prod(rhs) / rhs[labels.group(1).index("o")] / dilation
+
+
+# A library call's operands and result, named by the convolution they compute, y = x * w:
+# (where y is, where w is) for each cuDNN call. Every call keeps the forward convolution's
+# dim_labels, whichever of x, w and y it computes.
+_CUDNN_CONVOLUTIONS = {
+    "Forward": ("result", 1),
+    "BiasActivationForward": ("result", 1),
+    "BackwardInput": (0, 1),
+    "BackwardFilter": (1, "result"),
+}
+_LIBRARY_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+
+
+def _library_flops(inst: Instruction, types: dict[str, str]) -> float:
+    """FLOPs of a matrix product or convolution the GPU compiler hands to a library: a cuDNN
+    convolution, ``2 |y| |w| / (w's output features)`` whichever of its three passes it runs;
+    a cuBLAS product, as a dot with the contracting dimensions of its backend config."""
+    target = _LIBRARY_TARGET.search(inst.rest)
+    if not target:
+        return 0.0
+    name = target.group(1)
+    if "gemm" in name or "matmul" in name:
+        dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', inst.rest)
+        lhs = _shape(types.get(next(iter(_operands(inst)), ""), ""))
+        if not dims or not lhs:
+            return 0.0
+        contracted = [lhs[int(d.strip('" '))] for d in dims.group(1).split(",") if d.strip()]
+        return 2.0 * math.prod(_shape(inst.type_text)) * math.prod(contracted)
+    conv = _CUDNN_CONVOLUTIONS.get(name.removeprefix("__cudnn$conv"))
+    labels = re.search(r"dim_labels=\w+_(\w+)->", inst.rest)
+    if conv is None or not labels or "o" not in labels.group(1):
+        return 0.0
+    operands = _operands(inst)
+
+    def shape_at(where):
+        if where == "result":
+            return _shape(inst.type_text)
+        return _shape(types.get(operands[where], "")) if where < len(operands) else []
+
+    y, w = (shape_at(where) for where in conv)
+    if not y or not w:
+        return 0.0
+    return 2.0 * math.prod(y) * math.prod(w) / w[labels.group(1).index("o")]
+
+
+def matrix_flops(text: str) -> float:
+    """FLOPs of a compiled program's matrix products and convolutions (library calls
+    included), each loop's body counted once, as compilers' own cost analyses count it: the
+    count where the compiler offers none (the GPU compiler without a GPU)."""
+    computations, entry = computations_of(text)
+    return _Weights(computations, 1.0, 1.0).computation_flops(entry)
 
 
 @dataclass
