@@ -33,9 +33,13 @@ MIKAMI = "recipes/resnet50_imagenet_mikami.py"
 # name: (recipe, topology, --set overrides)
 TARGETS = {
     "v5e-16x16-torus2d": (MLPERF, "v5e:16x16", ["batch_size=8192", "wait_free=False"]),
-    "v5e-16x16-native": (MLPERF, "v5e:16x16", ["batch_size=8192", "allreduce=native"]),
+    "v5e-16x16-native": (
+        MLPERF,
+        "v5e:16x16",
+        ["batch_size=8192", "allreduce=native", "wait_free=False"],
+    ),
     "v5p-12x12x24-mikami": (MIKAMI, "v5p:12x12x24", ["unroll_limit=72", "wait_free=False"]),
-    "v5p-12x12x24-mikami-native": (MIKAMI, "v5p:12x12x24", ["allreduce=native"]),
+    "v5p-12x12x24-mikami-native": (MIKAMI, "v5p:12x12x24", ["allreduce=native", "wait_free=False"]),
     "v4-8x8x16-torus2d": (MLPERF, "v4:8x8x16", ["unroll_limit=32", "wait_free=False"]),
     "h100-4x8-torus2d": (
         MLPERF,
@@ -51,7 +55,13 @@ TARGETS = {
     "h100-4x8-native-4mib": (
         MLPERF,
         "h100:4x8",
-        ["batch_size=4096", "max_per_device_batch=128", "bucket_bytes=4194304", "allreduce=native"],
+        [
+            "batch_size=4096",
+            "max_per_device_batch=128",
+            "bucket_bytes=4194304",
+            "allreduce=native",
+            "wait_free=False",
+        ],
     ),
     "h100-4x8-torus2d-4mib": (
         MLPERF,
@@ -76,6 +86,17 @@ TARGETS = {
         MLPERF,
         "v4:8x8x16",
         ["mesh=", "allreduce=ring", "wait_free=True"],
+    ),
+    # The 3-D torus over the slice's own three dimensions: chains of 2 (X + Y + Z - 3) steps.
+    "v4-8x8x16-torus3d-wait-free": (
+        MLPERF,
+        "v4:8x8x16",
+        ["mesh=torus-2x2x2", "allreduce=torus3d", "wait_free=True"],
+    ),
+    "v5p-12x12x24-mikami-torus3d-wait-free": (
+        MIKAMI,
+        "v5p:12x12x24",
+        ["mesh=torus-2x2x2", "allreduce=torus3d", "wait_free=True"],
     ),
     "h100-4x8-torus2d-wait-free": (
         MLPERF,

@@ -2,13 +2,13 @@
 
 A :class:`MeshSpec` names the mesh axes with their sizes, ordered from the least to the most
 communication-intensive (outer to inner), says which layout it stands for (``ring``,
-``torus2d``, ``hierarchical`` or ``pipeline``) and, optionally, how many devices share a host. Specs live as
+``torus2d``, ``torus3d``, ``hierarchical`` or ``pipeline``) and, optionally, how many devices share a host. Specs live as
 TOML files in ``meshes/`` and load by preset name or by path::
 
     spec = jaxdist.meshes.load("torus-4x2")
     mesh = jaxdist.meshes.build(spec)          # a jax.sharding.Mesh
 
-The builders :func:`ring`, :func:`torus2d` and :func:`hierarchical` make the same meshes from
+The builders :func:`ring`, :func:`torus2d`, :func:`torus3d` and :func:`hierarchical` make the same meshes from
 code. Turning a spec into an ordered grid of devices happens in one place, :func:`build`:
 
 * on TPU, ``jax.experimental.mesh_utils`` picks a physical-topology-aware order, and on
@@ -51,10 +51,17 @@ __all__ = [
     "ring",
     "summary",
     "torus2d",
+    "torus3d",
 ]
 
-LAYOUTS = ("ring", "torus2d", "hierarchical", "pipeline")
-_AXES_PER_LAYOUT = {"ring": (1,), "torus2d": (2,), "hierarchical": (2,), "pipeline": (2, 3)}
+LAYOUTS = ("ring", "torus2d", "torus3d", "hierarchical", "pipeline")
+_AXES_PER_LAYOUT = {
+    "ring": (1,),
+    "torus2d": (2,),
+    "torus3d": (3,),
+    "hierarchical": (2,),
+    "pipeline": (2, 3),
+}
 # The axis a pipeline mesh cuts the model along; its other axes are data axes.
 STAGE_AXIS = "stage"
 CPU_DEVICES_HINT = (
@@ -81,7 +88,8 @@ class MeshSpec:
 
     Attributes:
       name: preset or user-chosen name.
-      layout: ``ring`` (one axis), ``torus2d`` (two axes), ``hierarchical`` (two axes:
+      layout: ``ring`` (one axis), ``torus2d`` (two axes), ``torus3d`` (three axes, as the
+        chips of a TPU v4 or v5p slice are wired), ``hierarchical`` (two axes:
         hosts, then devices inside a host) or ``pipeline`` (one or two data axes and the
         axis named ``stage`` the model is cut along).
       axes: ``((axis_name, size), ...)`` ordered outer (least communication) to inner (most).
@@ -342,6 +350,20 @@ def torus2d(
     return build(
         MeshSpec(f"torus-{rows}x{cols}", "torus2d", tuple(zip(axis_names, (rows, cols)))), devices
     )
+
+
+def torus3d(
+    planes: int,
+    rows: int,
+    cols: int,
+    axis_names: tuple[str, str, str] = ("z", "y", "x"),
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A ``planes x rows x cols`` 3-D torus; each row (the inner axis) holds consecutive
+    devices."""
+    shape = (planes, rows, cols)
+    name = "torus-" + "x".join(map(str, shape))
+    return build(MeshSpec(name, "torus3d", tuple(zip(axis_names, shape))), devices)
 
 
 def hierarchical(

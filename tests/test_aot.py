@@ -298,12 +298,41 @@ def test_cpu_runs_never_load_the_tpu_compiler():
 
 
 @needs_libtpu
-@pytest.mark.parametrize("algorithm", collectives.ALGORITHMS)
+@pytest.mark.parametrize(
+    "algorithm", [a for a in collectives.ALGORITHMS if a not in collectives.THREE_LEVEL]
+)
 def test_every_allreduce_compiles_for_a_tpu_slice(torus_2x2, algorithm):
     report = compile_step(torus_2x2, allreduce=algorithm, data_axes=("y", "x"))
     grads = [c for c in report.schedule.collectives if c.role == "gradients"]
     assert grads, "no gradient collective in the compiled program"
     assert report.flops > 0 and report.memory.total > 0
+
+
+@needs_libtpu
+def test_the_3d_torus_is_laid_over_a_v4_slice_and_paced_beside_backward(capsys):
+    from jaxdist.cli import main
+
+    # The recipe's torus3d layout (a mesh of 8) over a slice of 16 chips: its dimensions,
+    # the last outermost; every ring step of every bucket a permute of the compiled step.
+    code = main(["plan", "mnist_small_batch", "--topology", "v4:2x2x4", "--efficiency", "0.3",
+                 "--set", "mesh=torus-2x2x2", "--set", "allreduce=torus3d",
+                 "--set", "wait_free=True", "--set", "eval_batch_size=1024",
+                 "--json"])  # fmt: skip
+    assert code == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["mesh"] == {"z": 4, "y": 2, "x": 2}
+    assert "torus3d layout over the slice" in plan["mesh_note"]
+    stage = plan["stages"][0]
+    grads = [c for c in stage["collectives"] if c["role"] == "gradients"]
+    assert {c["kind"] for c in grads} == {"collective-permute"}
+    assert 0 < stage["gradient_hidden_fraction"] <= 1
+    # A slice of two dimensions has no third to lay it over: one line, the usage exit code.
+    code = main(["plan", "mnist_small_batch", "--topology", "v5e:2x2",
+                 "--set", "mesh=torus-2x2x2", "--set", "allreduce=torus3d"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "laid over one TPU slice of three dimensions (v4, v5p), not v5e:2x2" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 @needs_libtpu

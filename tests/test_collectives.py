@@ -16,6 +16,8 @@ from jaxdist.comm.collectives import ring_steps, windows
 from jaxdist.comm.collectives import wire as wire_module
 
 ONE_D = ("native", "ring", "bidirectional_ring", "halving_doubling", "parameter_server")
+# Every algorithm that runs over the two axes of a 2-D mesh (torus3d needs three).
+ON_TWO_AXES = tuple(a for a in collectives.ALGORITHMS if a not in collectives.THREE_LEVEL)
 
 
 def per_device(mesh, fn, *xs):
@@ -98,13 +100,49 @@ def test_two_dimensional_meshes(shape):
     mesh = meshes.torus2d(*shape)
     p = mesh.size
     # halving_doubling needs a power-of-two device count
-    runnable = [a for a in collectives.ALGORITHMS if not (a == "halving_doubling" and p & (p - 1))]
+    runnable = [a for a in ON_TWO_AXES if not (a == "halving_doubling" and p & (p - 1))]
     x = random_rows(p, (3, 5, 7))  # a multi-dimensional leaf, 105 elements
     fns = {a: lambda v, a=a: collectives.allreduce(v, ("y", "x"), a) for a in runnable}
     out = per_device_each(mesh, fns, x)
     for algorithm in runnable:
         assert out[algorithm].shape == x.shape, algorithm
         assert_allreduced(out[algorithm], x, what=algorithm)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4), (2, 4, 1)])
+def test_torus3d_against_psum(shape):
+    # A plane of two runs the 2-D torus's pair form, a row of four a ring; an axis of one
+    # has nothing to send. Sum and mean, a prime size, nothing and one element.
+    mesh = meshes.torus3d(*shape)
+    xs = {size: random_rows(mesh.size, (size,), seed=size) for size in (0, 1, 10007)}
+    fns = {
+        (op, size, transfer): lambda v, o=op, s=size, t=transfer: collectives.allreduce(
+            v[s], ("z", "y", "x"), "torus3d", op=o, transfer_dtype=t
+        )
+        for op in ("sum", "mean")
+        for size in xs
+        for transfer in (None, jnp.bfloat16)
+    }
+    for (op, size, transfer), result in per_device_each(mesh, fns, xs).items():
+        what = f"torus3d {op} on {shape}, {size} elements, sent as {transfer}"
+        tolerance = {} if transfer is None else {"rtol": 2e-2, "atol": 5e-2}  # 8 mantissa bits
+        assert_allreduced(result, xs[size], op, what=what, **tolerance)
+        # Every device ends with the same bits, also when messages travel rounded.
+        np.testing.assert_array_equal(result, np.broadcast_to(result[0], result.shape), what)
+
+
+def test_torus3d_needs_three_axes():
+    mesh = meshes.torus2d(2, 4)
+    with pytest.raises(
+        ValueError, match=r"torus3d needs a tuple of three axis names \(outer, middle, inner\)"
+    ):
+        per_device(
+            mesh, lambda v: collectives.allreduce(v, ("y", "x"), "torus3d"), random_rows(8, (3,))
+        )
+    assert (
+        collectives.get("torus3d").unsupported((2, 4))
+        == "needs a 3-axis mesh, got axis sizes (2, 4)"
+    )
 
 
 def test_tiny_sizes():
@@ -143,8 +181,7 @@ def test_pytree_mixed_dtypes_and_mean():
         "half": random_rows(8, (17,), jnp.bfloat16, seed=4),
     }
     fns = {
-        a: lambda t, a=a: collectives.allreduce(t, ("y", "x"), a, op="mean")
-        for a in collectives.ALGORITHMS
+        a: lambda t, a=a: collectives.allreduce(t, ("y", "x"), a, op="mean") for a in ON_TWO_AXES
     }
     for algorithm, out in per_device_each(mesh, fns, tree).items():
         assert jax.tree.structure(out) == jax.tree.structure(tree), algorithm
@@ -375,7 +412,7 @@ def test_low_precision_transfer_leaves_every_device_the_same_bits(op):
     # the mean's division, done where each schedule writes its result, must not break that.
     for shape in ((2, 4), (4, 2), (3, 2)):  # 3 x 2 divides by 6: not exact in binary
         mesh = meshes.torus2d(*shape)
-        runnable = [a for a in collectives.ALGORITHMS if shape != (3, 2) or a != "halving_doubling"]
+        runnable = [a for a in ON_TWO_AXES if shape != (3, 2) or a != "halving_doubling"]
         x = random_rows(mesh.size, (999,))
         fns = {
             a: lambda v, a=a: collectives.allreduce(

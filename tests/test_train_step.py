@@ -109,6 +109,7 @@ MESHES = {
     "ring-8": (lambda: meshes.ring(8), "x"),
     "torus-4x2": (lambda: meshes.torus2d(4, 2), ("y", "x")),
     "hierarchical-2x4": (lambda: meshes.hierarchical(2, 4), ("host", "local")),
+    "torus-2x2x2": (lambda: meshes.torus3d(2, 2, 2), ("z", "y", "x")),
 }
 
 
@@ -123,6 +124,8 @@ def reference():
 def test_every_allreduce_matches_single_device_training(reference, algorithm, bucket_bytes):
     batches, (params, model_state) = reference
     mesh_name = "torus-4x2" if algorithm in collectives.TWO_LEVEL else "ring-8"
+    if algorithm in collectives.THREE_LEVEL:
+        mesh_name = "torus-2x2x2"
     make_mesh, axes = MESHES[mesh_name]
     state, metrics, step = distributed_training(
         make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches,
@@ -138,7 +141,8 @@ def test_every_allreduce_matches_single_device_training(reference, algorithm, bu
 @pytest.mark.parametrize(
     ("algorithm", "mesh_name", "accumulation_steps"),
     [("ring", "ring-8", 1), ("bidirectional_ring", "ring-8", 1), ("torus2d", "torus-4x2", 1),
-     ("hierarchical", "hierarchical-2x4", 1), ("torus2d", "torus-4x2", 2)],
+     ("hierarchical", "hierarchical-2x4", 1), ("torus2d", "torus-4x2", 2),
+     ("torus3d", "torus-2x2x2", 1)],
 )  # fmt: skip
 def test_wait_free_steps_are_the_serial_steps_bit_for_bit(
     reference, algorithm, mesh_name, accumulation_steps

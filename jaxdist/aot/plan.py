@@ -9,7 +9,8 @@ the slice, read its memory, FLOPs and schedule, and predict step time and time-t
 
 The recipe's own mesh is used when it has as many devices as the slice has chips; otherwise
 its layout is laid over the slice (``ring``: one axis of every chip; ``torus2d``: rows along
-the slice's first dimension; ``hierarchical``: rows of one host's chips). A recipe that
+the slice's first dimension; ``torus3d``: the three dimensions of a v4 or v5p slice, its
+first the inner axis; ``hierarchical``: rows of one host's chips). A recipe that
 reads a dataset from disk is planned on a synthetic stand-in of the same image size and
 ImageNet's size (1,281,167 images, 1000 classes), as nothing is read.
 """
@@ -114,6 +115,8 @@ def mesh_spec_for(config_mesh: str, topology: Topology) -> tuple[meshes.MeshSpec
     inner = _inner_axis(layout, topology)
     if layout == "ring":
         axes = ((names[0], chips),)
+    elif layout == "torus3d":
+        axes = tuple(zip(names, _torus3d_axes(topology, base)))
     else:
         axes = ((names[0], chips // inner), (names[1], inner))
     spec = meshes.MeshSpec(
@@ -136,6 +139,18 @@ def _inner_axis(layout: str, topology: Topology) -> int:
     if topology.network_groups > 1 or topology.is_gpu:
         return topology.chips_per_group
     return topology.chip.chips_per_host if layout == "hierarchical" else topology.shape[0]
+
+
+def _torus3d_axes(topology: Topology, base: meshes.MeshSpec) -> tuple[int, ...]:
+    """A 3-D torus over the dimensions of one TPU slice of three, outer to inner: the
+    slice's last dimension outermost (``v4:8x8x16`` -> 16 x 8 x 8)."""
+    if topology.is_gpu or topology.slices > 1 or len(topology.shape) != 3:
+        raise MeshMismatchError(
+            f"the recipe's torus3d layout (mesh {base.name!r}) is laid over one TPU slice of "
+            f"three dimensions (v4, v5p), not {topology.name}: give a mesh of "
+            f"{topology.num_chips} devices, or another layout"
+        )
+    return tuple(reversed(topology.shape))
 
 
 def check_mesh_matches(spec: meshes.MeshSpec, topology: Topology) -> None:

@@ -24,6 +24,8 @@ parameter_server       2(p-1)                      2(p-1)     (the server's link
 torus2d / hierarchical intra 2(X-1), inter 2(Y-1)  intra 2(X-1)/X, inter 2(Y-1)/(XY)
 ... crossed, Y = 2     intra 2X-1, inter 1         intra (2X-1)/X, inter 1/X
 ... X = 2, ring        intra 1 + Y, inter 2(Y-1)   intra 1, inter (Y-1)/Y
+torus3d (Z x Y x X)    intra 2(X-1) + torus2d's    intra 2(X-1)/X, then torus2d's on S/X
+                       Y x Z steps (Z inter)
 native (psum)          modelled as ring: XLA/NCCL use rings for large messages
 =====================  ==========================  ======================================
 

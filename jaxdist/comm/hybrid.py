@@ -58,8 +58,8 @@ DENSE = "dense"  # the route of a dense layer whose gradient joins the buckets
 @dataclass(frozen=True)
 class Links:
     """The links a step is priced on: ``flat`` prices the one-dimensional schedules and the
-    factor all-gather (every step over the slowest link crossed), ``axes`` the two-level
-    schedules (``None``: ``flat`` for both classes). ``source`` says where they came from.
+    factor all-gather (every step over the slowest link crossed), ``axes`` the schedules on
+    several axes (``None``: ``flat`` for both classes). ``source`` says where they came from.
     ``flops``: a device's float32 matrix-product rate, to price rebuilding a gradient from its
     factors (``None``: communication only, as Poseidon's rule)."""
 
@@ -73,8 +73,8 @@ class Links:
             raise ValueError(f"flops must be a finite, positive rate, got {self.flops!r}")
 
     def for_schedule(self, algorithm: str) -> cost_model.Link | cost_model.Network:
-        two_level = collectives.get(algorithm).two_level
-        return self.axes if two_level and self.axes is not None else self.flat
+        on_levels = collectives.get(algorithm).levels > 1
+        return self.axes if on_levels and self.axes is not None else self.flat
 
 
 _HOW_TO_GET_LINKS = (
@@ -152,7 +152,8 @@ def _link_of(record: dict) -> cost_model.Link:
 
 def runnable_schedules(axis_sizes: Sequence[int]) -> list[str]:
     """The schedules of the family that can run over data axes of ``axis_sizes`` with their
-    default options: two-level ones need exactly two axes, halving-doubling a power of two."""
+    default options: two- and three-level ones need as many axes, halving-doubling a power of
+    two."""
     names = [name for name in collectives.ALGORITHMS if name != "native"]
     return [name for name in names if cost_model.unsupported(name, axis_sizes) is None]
 

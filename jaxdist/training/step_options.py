@@ -56,11 +56,11 @@ def check_allreduce(
     """Refuse an allreduce that cannot run over ``axes`` of ``mesh`` with ``options``, in one
     line, before anything is traced."""
     chosen = collectives.get(allreduce)
-    if chosen.two_level and not (isinstance(axes, tuple) and len(axes) == 2):
-        raise ValueError(f"allreduce {chosen.name!r} needs two data axes (outer, inner), "
+    if chosen.levels > 1 and not (isinstance(axes, tuple) and len(axes) == chosen.levels):
+        raise ValueError(f"allreduce {chosen.name!r} needs {chosen.axes_needed('data axes')}, "
                          f"got {axes!r}")  # fmt: skip
     sizes = [mesh.shape[a] for a in np.atleast_1d(axes)]
-    if not chosen.two_level:
+    if chosen.levels == 1:
         sizes = [int(np.prod(sizes))]
     collectives.common_options(options)
     own = {k: v for k, v in options.items() if k in chosen.options}

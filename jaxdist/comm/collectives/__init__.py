@@ -12,6 +12,7 @@ module                 schedule
 ``ring``               reduce-scatter then all-gather round one ring
 ``bidirectional_ring`` two rings at once, one each way round
 ``torus2d``            2-D torus (Mikami et al.); its inner-pair form
+``torus3d``            3-D torus: the 2-D torus between reduce-scatter and all-gather
 ``hierarchical``       two levels with any one-dimensional schedule across hosts
 ``crossed_exchange``   the two-host outer step with no pair sending both ways
 ``halving_doubling``   recursive halving and doubling (Rabenseifner)
@@ -27,7 +28,8 @@ across hosts) and ``registry`` (the one place names are looked up, and :func:`al
 Axis names: the one-dimensional schedules take one mesh axis or a tuple of axes, which then
 act as one flattened axis. The two-level schedules (``torus2d``, ``hierarchical``) take a
 tuple ``(outer, inner)`` ordered like the mesh: the *inner* axis carries the full-size
-reduce-scatter and all-gather, so it should be the one with the fast links.
+reduce-scatter and all-gather, so it should be the one with the fast links. ``torus3d``
+takes ``(outer, middle, inner)`` alike.
 
 Any shape and size works: buffers are flattened and cut into windows; pytrees are fused into
 one contiguous buffer per dtype (a gradient bucket) so that one schedule runs per dtype, not
@@ -42,6 +44,7 @@ shard_map with ``check_vma=False`` when the result should be declared replicated
 from jaxdist.comm.collectives.algorithm import COMMON_OPTIONS, Algorithm, Term, flat_link_class
 from jaxdist.comm.collectives.registry import (
     ALGORITHMS,
+    THREE_LEVEL,
     TWO_LEVEL,
     allreduce,
     check_names,
@@ -62,6 +65,7 @@ from jaxdist.comm.collectives.wire import (
 __all__ = [
     "ALGORITHMS",
     "COMMON_OPTIONS",
+    "THREE_LEVEL",
     "TWO_LEVEL",
     "UNROLL_LIMIT",
     "Algorithm",

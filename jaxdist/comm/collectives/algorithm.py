@@ -65,9 +65,11 @@ class Algorithm:
         shard_map on a flat buffer in the accumulation dtype; ``run`` is a
         :class:`~jaxdist.comm.collectives.wire.Run`.
       cost: the alpha-beta cost terms. One-dimensional: ``cost(p, link_class)`` for ``p``
-        devices on links of ``link_class``; two-level: ``cost((outer, inner), **options)``.
-      two_level: runs on a tuple of two axes ``(outer, inner)`` (else on one axis, or a tuple
-        of axes acting as one flattened axis).
+        devices on links of ``link_class``; on several levels: ``cost(axis_sizes,
+        **options)``, sizes outer to inner.
+      levels: the mesh axes it runs on as levels of its own: 1 for one axis (or a tuple of
+        axes acting as one flattened axis), 2 for ``(outer, inner)``, 3 for ``(outer,
+        middle, inner)``.
       power_of_two: needs a power-of-two number of devices.
       swaps_on_two: on an axis of two devices its whole schedule is one pairwise swap.
       options: its own keyword options and their defaults (besides :data:`COMMON_OPTIONS`).
@@ -79,11 +81,26 @@ class Algorithm:
     summary: str
     schedule: Callable[..., Any]
     cost: Callable[..., list[Term]]
-    two_level: bool = False
+    levels: int = 1
     power_of_two: bool = False
     swaps_on_two: bool = False
     options: Mapping[str, Any] = field(default_factory=dict)
     check_options: Callable[[tuple[int, ...], Mapping[str, Any]], str | None] | None = None
+
+    @property
+    def two_level(self) -> bool:
+        """Whether it runs on a tuple of two axes ``(outer, inner)``."""
+        return self.levels == 2
+
+    def axes_needed(self, noun: str = "axes") -> str:
+        """The axes it runs on, in words, for error messages: ``"two axes (outer, inner)"``
+        (``noun`` in place of ``axes``)."""
+        if self.levels == 1:
+            return "one axis"
+        word, names = {2: ("two", "(outer, inner)"), 3: ("three", "(outer, middle, inner)")}[
+            self.levels
+        ]
+        return f"{word} {noun} {names}"
 
     @property
     def option_names(self) -> tuple[str, ...]:
@@ -106,8 +123,8 @@ class Algorithm:
         """Why this algorithm cannot run on a mesh with ``axis_sizes`` (outer to inner) with
         ``options``, or None."""
         sizes = tuple(int(s) for s in axis_sizes)
-        if self.two_level and len(sizes) != 2:
-            return f"needs a 2-axis mesh, got axis sizes {sizes}"
+        if self.levels > 1 and len(sizes) != self.levels:
+            return f"needs a {self.levels}-axis mesh, got axis sizes {sizes}"
         p = math.prod(sizes)
         if self.power_of_two and p & (p - 1):
             return f"needs a power-of-two device count, got {p}"
@@ -125,11 +142,11 @@ class Algorithm:
         sizes = tuple(int(s) for s in axis_sizes)
         if not sizes or any(s < 1 for s in sizes):
             raise ValueError(f"axis sizes must be positive integers, got {tuple(axis_sizes)!r}")
-        if self.two_level and len(sizes) != 2:
-            raise ValueError(f"{self.name} needs two axes (outer, inner), got sizes {sizes}")
+        if self.levels > 1 and len(sizes) != self.levels:
+            raise ValueError(f"{self.name} needs {self.axes_needed()}, got sizes {sizes}")
         reason = self.unsupported(sizes, **options)
         if reason:
             raise ValueError(f"{self.name} cannot run here: {reason}")
-        if self.two_level:
+        if self.levels > 1:
             return self.cost(sizes, **self.resolve(options))
         return self.cost(math.prod(sizes), flat_link_class(sizes))

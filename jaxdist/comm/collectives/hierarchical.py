@@ -106,7 +106,7 @@ HIERARCHICAL = Algorithm(
     summary="reduce-scatter inside hosts, any one-dimensional schedule across, all-gather",
     schedule=hierarchical_allreduce,
     cost=hierarchical_terms,
-    two_level=True,
+    levels=2,
     options={"inter_algorithm": "ring", "crossed_exchange": False},
     check_options=_check_outer,
 )

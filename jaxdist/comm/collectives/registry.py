@@ -24,6 +24,7 @@ from jaxdist.comm.collectives.native import NATIVE
 from jaxdist.comm.collectives.parameter_server import PARAMETER_SERVER
 from jaxdist.comm.collectives.ring import RING
 from jaxdist.comm.collectives.torus2d import TORUS2D
+from jaxdist.comm.collectives.torus3d import TORUS3D
 from jaxdist.comm.collectives.wire import AxisName, Run, Wire, axis_size, piece_bytes
 
 __all__: list[str] = []  # building blocks of the package's own modules
@@ -35,6 +36,7 @@ _REGISTRY: dict[str, Algorithm] = {
         RING,
         BIDIRECTIONAL_RING,
         TORUS2D,
+        TORUS3D,
         HIERARCHICAL,
         HALVING_DOUBLING,
         PARAMETER_SERVER,
@@ -44,7 +46,9 @@ _REGISTRY: dict[str, Algorithm] = {
 #: Every algorithm's name, in the order tables and benchmarks list them.
 ALGORITHMS: tuple[str, ...] = tuple(_REGISTRY)
 #: The algorithms that run on two axes ``(outer, inner)``.
-TWO_LEVEL: tuple[str, ...] = tuple(a.name for a in _REGISTRY.values() if a.two_level)
+TWO_LEVEL: tuple[str, ...] = tuple(a.name for a in _REGISTRY.values() if a.levels == 2)
+#: The algorithms that run on three axes ``(outer, middle, inner)``.
+THREE_LEVEL: tuple[str, ...] = tuple(a.name for a in _REGISTRY.values() if a.levels == 3)
 
 
 def get(name: str) -> Algorithm:
@@ -68,7 +72,7 @@ def check_names(names: Sequence[str]) -> tuple[str, ...]:
 
 def one_dimensional() -> tuple[str, ...]:
     """The algorithms that run on one axis (or a tuple of axes acting as one)."""
-    return tuple(a.name for a in _REGISTRY.values() if not a.two_level)
+    return tuple(a.name for a in _REGISTRY.values() if a.levels == 1)
 
 
 def common_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -84,13 +88,14 @@ def common_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _axis_sizes(axis_name: AxisName, algorithm: Algorithm) -> tuple[int, ...]:
-    """The sizes of the axes ``algorithm`` runs on: ``(outer, inner)`` for a two-level one,
-    ``(p,)`` for the rest."""
-    if algorithm.two_level:
-        if not (isinstance(axis_name, tuple) and len(axis_name) == 2):
+    """The sizes of the axes ``algorithm`` runs on: one per level (``(outer, inner)`` for a
+    two-level one), ``(p,)`` for the one-dimensional ones."""
+    if algorithm.levels > 1:
+        if not (isinstance(axis_name, tuple) and len(axis_name) == algorithm.levels):
+            example = ("z", "y", "x")[-algorithm.levels :]
             raise ValueError(
-                f"{algorithm.name} needs a tuple of two axis names (outer, inner), e.g. "
-                f"('y', 'x'); got {axis_name!r}"
+                f"{algorithm.name} needs a tuple of {algorithm.axes_needed('axis names')}, "
+                f"e.g. {example}; got {axis_name!r}"
             )
         return tuple(axis_size(axis) for axis in axis_name)
     if not isinstance(axis_name, str | tuple):
@@ -184,8 +189,9 @@ def allreduce(
       x: an array or a pytree of arrays; every leaf keeps its shape and dtype. Leaves of one
         dtype are fused into one contiguous buffer and reduced with one schedule (``native``
         passes all leaves to one psum instead: XLA's all-reduce combiner fuses them itself).
-      axis_name: one mesh axis, a tuple acting as one flattened axis, or for ``torus2d`` and
-        ``hierarchical`` a tuple ``(outer, inner)``.
+      axis_name: one mesh axis, a tuple acting as one flattened axis, for ``torus2d`` and
+        ``hierarchical`` a tuple ``(outer, inner)``, for ``torus3d`` ``(outer, middle,
+        inner)``.
       algorithm: one of :data:`ALGORITHMS`.
       op: ``"sum"`` or ``"mean"``.
       transfer_dtype: dtype the messages travel in (e.g. ``jnp.bfloat16``); default: the

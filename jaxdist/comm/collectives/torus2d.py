@@ -247,6 +247,6 @@ TORUS2D = Algorithm(
     summary="2-D torus: reduce-scatter inner, ring allreduce outer, all-gather inner",
     schedule=torus2d_allreduce,
     cost=torus2d_terms,
-    two_level=True,
+    levels=2,
     options={"crossed_exchange": False},
 )
