@@ -2,11 +2,15 @@
 gradient buckets' schedules left to the compiler and paced beside backward (wait-free).
 
     python benchmarks/overlap_timeline.py [--topology v5e:16x16] [--out docs/overlap_timeline.png]
+        [--set KEY=VALUE ...] [--slices N]
 
 Plans the MLPerf recipe (batch 32 per chip) twice with the TPU compiler, ``wait_free`` off
 and on, walks each compiled program (jaxdist.aot.timeline) and draws both: the compute
 stream, and each gradient transfer on the network, hidden where compute runs beside it.
 ``--save-hlo DIR`` keeps the two programs' text, ``--hlo-dir DIR`` draws from kept ones.
+``--set`` overrides the recipe for both (e.g. ``mesh=torus-2x2x2 allreduce=torus3d`` on a v4
+slice); ``--slices N`` also prints, for N equal slices of each step, the share of it the
+compute stream is busy, stalled, and the network carries gradients: where the time goes.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ RECIPE = "recipes/resnet50_imagenet_mlperf_lars.py"
 VARIANTS = {"compiler's order": "wait_free=False", "wait-free": "wait_free=True"}
 
 
-def program_text(topology: str, setting: str) -> tuple[str, float]:
+def program_text(topology: str, setting: str, sets: list[str]) -> tuple[str, float]:
     """A compiled step's text and its compute seconds (at the chip's calibrated share)."""
     from jaxdist.aot import published
     from jaxdist.aot.plan import plan_recipe
@@ -31,7 +35,7 @@ def program_text(topology: str, setting: str) -> tuple[str, float]:
 
     topo = parse_topology(topology)
     config = config_lib.load_recipe(RECIPE)
-    config_lib.apply_overrides(config, [f"batch_size={32 * topo.num_chips}", setting])
+    config_lib.apply_overrides(config, [f"batch_size={32 * topo.num_chips}", *sets, setting])
     efficiency, _ = published.calibrated_efficiency(topo.generation)
     plan = plan_recipe(config, topo, efficiency=efficiency)
     return plan.stages[0].compiled.text, plan.stages[0].step_time.compute
@@ -72,12 +76,33 @@ def draw(timelines: dict, out: Path, topology: str) -> None:
     print(f"wrote {out}", file=sys.stderr)
 
 
+def utilisation(timeline, slices: int) -> list[str]:
+    """Per slice of the step: the share of it the compute stream is busy, stalled (waiting
+    for a transfer or a synchronous collective) and the network carries gradients."""
+    step = timeline.step_seconds
+    grads = [(b, e) for role, b, e in timeline.transfers if role == "gradients"]
+    stalls = [(e0, b1) for (_, e0), (b1, _) in zip(timeline.busy, timeline.busy[1:]) if b1 > e0]
+
+    def share(intervals, lo, hi):
+        return sum(max(0.0, min(e, hi) - max(b, lo)) for b, e in intervals) / (hi - lo)
+
+    lines = ["| ms | compute busy | compute stalled | network (gradients) |", "|---|---|---|---|"]
+    for k in range(slices):
+        lo, hi = step * k / slices, step * (k + 1) / slices
+        lines.append(f"| {lo * 1e3:.2f}-{hi * 1e3:.2f} | {share(timeline.busy, lo, hi):.0%} "
+                     f"| {share(stalls, lo, hi):.0%} | {share(grads, lo, hi):.0%} |")  # fmt: skip
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--topology", default="v5e:16x16")
     parser.add_argument("--out", type=Path, default=Path("docs/overlap_timeline.png"))
     parser.add_argument("--save-hlo", type=Path, help="keep the compiled programs here")
     parser.add_argument("--hlo-dir", type=Path, help="draw from programs kept by --save-hlo")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override the recipe for both variants")  # fmt: skip
+    parser.add_argument("--slices", type=int, default=0, help="print where each step's time goes")
     args = parser.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")
     timelines = {}
@@ -86,7 +111,7 @@ def main(argv=None) -> int:
             text = (args.hlo_dir / f"{i}.hlo").read_text()
             compute = float((args.hlo_dir / f"{i}.compute").read_text())
         else:
-            text, compute = program_text(args.topology, setting)
+            text, compute = program_text(args.topology, setting, args.set)
         if args.save_hlo:
             args.save_hlo.mkdir(parents=True, exist_ok=True)
             (args.save_hlo / f"{i}.hlo").write_text(text)
@@ -96,6 +121,8 @@ def main(argv=None) -> int:
         print(f"{name}: step {t.step_seconds * 1e3:.2f} ms, compute {t.compute_seconds * 1e3:.2f}"
               f" ms, gradients {t.gradient_seconds * 1e3:.2f} ms, hidden "
               f"{t.gradient_hidden_seconds * 1e3:.2f} ms ({t.gradient_hidden_fraction:.0%})")  # fmt: skip
+        if args.slices:
+            print("\n".join(utilisation(t, args.slices)))
     draw(timelines, args.out, args.topology)
     return 0
 

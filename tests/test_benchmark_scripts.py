@@ -255,3 +255,23 @@ def test_mlperf_record_reads_every_run_and_scores_as_mlperf(tmp_path):
     (submission,) = record["submissions"]
     assert submission["scored_seconds"] == 600  # 500, 600, 700: fastest and slowest dropped
     assert submission["epochs_to_target"] == [4.0, 8.0, 8.0, 8.0, 12.0]
+
+
+def test_overlap_timeline_says_where_the_step_time_goes():
+    """Busy, stalled and network shares per slice of a walked step, from its intervals: the
+    compute runs 0-1 ms and 2-4 ms, waiting 1-2 ms for a gradient transfer of 1-2 ms."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import overlap_timeline
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from jaxdist.aot.timeline import Timeline
+
+    timeline = Timeline(step_seconds=4e-3, busy=[(0.0, 1e-3), (2e-3, 4e-3)],
+                        transfers=[("gradients", 1e-3, 2e-3), ("batchnorm", 0.0, 4e-3)])  # fmt: skip
+    assert overlap_timeline.utilisation(timeline, 2) == [
+        "| ms | compute busy | compute stalled | network (gradients) |",
+        "|---|---|---|---|",
+        "| 0.00-2.00 | 50% | 50% | 50% |",
+        "| 2.00-4.00 | 100% | 0% | 0% |",
+    ]

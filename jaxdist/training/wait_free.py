@@ -18,8 +18,12 @@ order in the program itself:
    ``lax.optimization_barrier``, to an input of that product which is in memory anyway (its
    kernel, or a cotangent an earlier product of backward read): the message cannot be
    waited for before that point, and the product cannot run before the message is there.
-   So the message's start and done bracket the product before it, and the schedule goes on
-   to its next step. The steps still pending when backward ends run as they come, bucket
+   So each step is done by the product it is tied to, and the schedule goes on to its next
+   step. The tie bounds when a step ends, not when the next may start: a kernel is in memory
+   from the forward pass on, so the compiler may run two or three steps of a bucket between
+   the same two products when their messages are there early. Tying a value only backward
+   computes would pin both ends, but keeps it from fusing into its consumers, which costs
+   more memory traffic than the communication it hides (benchmarks/results/NOTES_wait_free.md). The steps still pending when backward ends run as they come, bucket
    after bucket in turn.
 
 The arithmetic is that of ``jax.grad`` followed by the same schedules, op for op: only the
