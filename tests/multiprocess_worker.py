@@ -181,6 +181,17 @@ def check_allreduce(n: int = 1003) -> None:
                 f"psum's result on every device, found max abs difference {err:.3g}"
             )
             print(f"CHECK allreduce {algorithm} {outer}x{inner} OK max_err={err:.2g}")
+        # The three-level schedule on the same devices as a torus of (outer, 1, inner).
+        cube = meshes.torus3d(outer, 1, inner)
+        cube_axes = ("z", "y", "x")
+        x, _ = _global_input(cube, cube_axes, n)
+        found = _run_each(cube, cube_axes, {"torus3d": ("torus3d", {})}, cube_axes, x)["torus3d"]
+        err = _max_difference(found, reference)
+        assert err <= 1e-5, (
+            f"torus3d on {outer}x1x{inner} ({nproc} processes x {local} devices): expected "
+            f"psum's result on every device, found max abs difference {err:.3g}"
+        )
+        print(f"CHECK allreduce torus3d {outer}x{inner} OK max_err={err:.2g}")
         _check_exchanges_in_pieces(mesh, outer, inner)
     auto = collectives.default_exchange_piece_bytes()
     assert auto == collectives.wire.GLOO_EXCHANGE_PIECE_BYTES, (

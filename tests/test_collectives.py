@@ -109,10 +109,10 @@ def test_two_dimensional_meshes(shape):
         assert_allreduced(out[algorithm], x, what=algorithm)
 
 
-@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4), (2, 4, 1)])
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4), (2, 4, 1), (2, 1, 4)])
 def test_torus3d_against_psum(shape):
     # A plane of two runs the 2-D torus's pair form, a row of four a ring; an axis of one
-    # has nothing to send. Sum and mean, a prime size, nothing and one element.
+    # (outer, middle or inner) has nothing to send. Sum and mean, a prime size, nothing and one element.
     mesh = meshes.torus3d(*shape)
     xs = {size: random_rows(mesh.size, (size,), seed=size) for size in (0, 1, 10007)}
     fns = {
