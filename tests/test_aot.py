@@ -17,6 +17,7 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
+from jaxdist import meshes
 from jaxdist.aot import compile as aot_compile
 from jaxdist.aot.plan import FIT_HINT, largest_fitting_batch
 from jaxdist.aot.schedule import read_schedule
@@ -95,6 +96,24 @@ def test_topology_names_parse_and_bad_ones_say_what_is_expected():
         parse_topology("v9:2x2")
     with pytest.raises(TopologyError, match="has 3 dimensions"):
         parse_topology("v4:4x4")
+
+
+def test_a_2d_torus_on_a_3d_slice_is_pointed_to_the_3d_torus():
+    from jaxdist.aot.report import torus3d_hint
+
+    def torus(*shape):
+        return meshes.MeshSpec("t", "torus2d", tuple(zip(("y", "x"), shape)))
+
+    # 1,024 chips: 32 x 32 takes 2 (32 + 32 - 2) = 124 steps, 8 x 8 x 16 2 (8 + 8 + 16 - 3).
+    hint = torus3d_hint(parse_topology("v4:8x8x16"), torus(32, 32), "torus2d")
+    assert hint == ("  a 3-D torus along the slice's dimensions takes 58 dependent steps a "
+                    "bucket where this 32 x 32 torus takes 124: --set mesh=torus-2x2x2 --set "
+                    "allreduce=torus3d")  # fmt: skip
+    # No shorter (v4:2x2x1: 4 steps either way), another schedule, a 2-D slice, GPUs: none.
+    assert torus3d_hint(parse_topology("v4:2x2x1"), torus(2, 2), "torus2d") is None
+    assert torus3d_hint(parse_topology("v4:8x8x16"), torus(32, 32), "ring") is None
+    assert torus3d_hint(parse_topology("v5e:16x16"), torus(16, 16), "torus2d") is None
+    assert torus3d_hint(parse_topology("h100:4x8"), torus(4, 8), "torus2d") is None
 
 
 def test_missing_tpu_compiler_is_one_line_naming_the_install(monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from jaxdist import meshes
 from jaxdist.aot.chips import GIB
 from jaxdist.aot.plan import Plan, StagePlan
+from jaxdist.aot.topology import Topology
 from jaxdist.run.log import format_duration
 
 __all__ = ["plan_json", "plan_text"]
@@ -18,6 +19,22 @@ def _fit_line(total: int, capacity: float) -> str:
     if total <= capacity:
         return f"fits ({(capacity - total) / GIB:.2f} GiB free)"
     return f"does not fit by {(total - capacity) / GIB:.2f} GiB"
+
+
+def torus3d_hint(topology: Topology, spec: meshes.MeshSpec, algorithm: str) -> str | None:
+    """A line pointing a 2-D torus on a 3-D TPU slice to the 3-D torus along the slice's own
+    dimensions, when that takes fewer dependent steps a bucket (None otherwise)."""
+    if algorithm != "torus2d" or topology.is_gpu or topology.slices > 1:
+        return None
+    if len(topology.shape) != 3 or len(spec.shape) != 2:
+        return None
+    planar = 2 * (sum(spec.shape) - 2)
+    cubic = 2 * (sum(topology.shape) - 3)
+    if cubic >= planar:
+        return None
+    return (f"  a 3-D torus along the slice's dimensions takes {cubic} dependent steps a bucket "
+            f"where this {' x '.join(map(str, spec.shape))} torus takes {planar}: --set "
+            "mesh=torus-2x2x2 --set allreduce=torus3d")  # fmt: skip
 
 
 def _unit(plan: Plan) -> str:
@@ -104,6 +121,7 @@ def plan_text(plan: Plan, efficiency_note: str) -> str:
         f"{meshes.summary(plan.mesh_spec).splitlines()[0]} -- {plan.mesh_note}",
         f"data: {plan.data_note}",
         f"allreduce: {plan.algorithm}; links: {links}",
+        *filter(None, [torus3d_hint(topo, plan.mesh_spec, plan.algorithm)]),
         "link model: alpha-beta (jaxdist.comm.cost_model); gradients travel as "
         + ("the compiler's all-reduce" if plan.algorithm == "native" else "the step's schedule")
         + (", wait-free" if plan.wait_free else "")
