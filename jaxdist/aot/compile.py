@@ -120,7 +120,7 @@ def per_chip_bytes(tree: Any) -> int:
     return total
 
 
-def _cost_analysis(compiled, lowered) -> dict:
+def _cost_analysis(compiled, lowered, text: str) -> dict:
     """The compiler's cost analysis of the optimized program. The GPU compiler has none
     without a GPU; XLA's generic analysis of the program as lowered stands in for it where
     JAX offers one, and else the FLOPs of the optimized program's matrix products and
@@ -133,7 +133,7 @@ def _cost_analysis(compiled, lowered) -> dict:
         cost = cost[0] if isinstance(cost, list) else cost
         if cost:
             return cost
-    flops = matrix_flops(compiled.as_text())
+    flops = matrix_flops(text)
     if not flops:
         raise RuntimeError("neither the compiler nor a count of the compiled program's "
                            "matrix products gave this step's FLOPs")  # fmt: skip
@@ -206,11 +206,11 @@ def compile_train_step(
         outputs=max(0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes),
         code=analysis.generated_code_size_in_bytes,
     )
-    cost = _cost_analysis(compiled, lowered)
+    text = compiled.as_text()
+    cost = _cost_analysis(compiled, lowered, text)
     flops = _step_flops(float(cost.get("flops", 0.0)), step.accumulation_steps)
     sizes = bucketing.leaf_bytes(state.params)  # what the step's buckets are planned from
     buckets = step.buckets or [list(range(len(sizes)))]
-    text = compiled.as_text()
     return CompiledStep(
         compile_seconds=seconds,
         memory=memory,

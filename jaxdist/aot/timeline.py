@@ -181,13 +181,10 @@ class _Weights:
             return _matmul_flops(inst, self._types[computation])
         if inst.opcode == "custom-call":
             return _library_flops(inst, self._types[computation])
-        return sum(self._computation_flops(c) for c in inst.called)
+        return sum(self.computation_flops(c) for c in inst.called)
 
     def computation_flops(self, name: str) -> float:
         """FLOPs of a computation's matrix products, a loop's body counted once."""
-        return self._computation_flops(name)
-
-    def _computation_flops(self, name: str) -> float:
         if name not in self._flops:
             self._flops[name] = 0.0
             self._flops[name] = sum(
