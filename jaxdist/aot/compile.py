@@ -120,20 +120,20 @@ def per_chip_bytes(tree: Any) -> int:
     return total
 
 
-def _cost_analysis(compiled, lowered, text: str) -> dict:
+def _cost_analysis(compiled, lowered, text: str | None = None) -> dict:
     """The compiler's cost analysis of the optimized program. The GPU compiler has none
     without a GPU; XLA's generic analysis of the program as lowered stands in for it where
     JAX offers one, and else the FLOPs of the optimized program's matrix products and
     convolutions, cuDNN and cuBLAS calls included (:func:`~jaxdist.aot.timeline.matrix_flops`).
     That count leaves out elementwise ops and, as the usual counts of ResNet FLOPs do, takes
     a convolution's taps on its padding too: 2% above the TPU compiler's own count of the
-    same ResNet-50 step."""
+    same ResNet-50 step. ``text``: the compiled program's text, where the caller has it."""
     for analysed in (compiled, lowered):
         cost = analysed.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         if cost:
             return cost
-    flops = matrix_flops(text)
+    flops = matrix_flops(compiled.as_text() if text is None else text)
     if not flops:
         raise RuntimeError("neither the compiler nor a count of the compiled program's "
                            "matrix products gave this step's FLOPs")  # fmt: skip
