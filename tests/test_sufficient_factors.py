@@ -313,7 +313,7 @@ def test_zero1_with_factors_or_auto_is_refused():
     for options in (dict(sfb_layers="all"), dict(allreduce="auto", links="5us:1gbit")):
         with pytest.raises(ValueError) as excinfo:
             ts.TrainStep(lambda *a: None, optax.sgd(0.1), meshes.ring(8), zero1=True, **options)
-        assert "zero1=True" in one_line(excinfo)
+        assert "sharding='zero1'" in one_line(excinfo)
 
 
 # ------------------------------------------------------------------ command line and config

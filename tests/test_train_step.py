@@ -175,7 +175,10 @@ def test_wait_free_refuses_what_it_cannot_pace():
     loss = ts.classifier_loss(Net(), num_classes=NUM_CLASSES)
     with pytest.raises(ValueError, match="allreduce='native' has none"):
         ts.TrainStep(loss, optax.sgd(0.1), mesh, wait_free=True)
-    for options, what in [({"zero1": True}, "zero1=True"), ({"sfb_layers": "all"}, "sfb_layers")]:
+    for options, what in [
+        ({"zero1": True}, "sharding='zero1'"),
+        ({"sfb_layers": "all"}, "sfb_layers"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(f"does not combine with {what}")):
             ts.TrainStep(loss, optax.sgd(0.1), mesh, allreduce="ring", wait_free=True, **options)
 
@@ -209,18 +212,29 @@ def test_gradient_accumulation_matches_the_full_batch(algorithm):
     ("optimizer", "use_norm"), [(optax.sgd(0.1, momentum=0.9), True), (optax.adam(1e-2), False)]
 )
 @pytest.mark.parametrize("mesh_name", ["ring-8", "torus-4x2"])
-def test_zero1_matches_single_device_training(mesh_name, optimizer, use_norm):
+@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
+def test_sharded_steps_match_single_device_training(sharding, mesh_name, optimizer, use_norm):
     batches = [data(seed=s) for s in range(STEPS)]
     params, model_state = reference_training(optimizer, batches, use_norm=use_norm)
     make_mesh, axes = MESHES[mesh_name]
-    state, _, _step = distributed_training(
-        make_mesh(), axes, optimizer, batches, use_norm=use_norm, zero1=True
-    )
+    algorithm = "torus2d" if mesh_name.startswith("torus") else "ring"
+    state, _, step = distributed_training(
+        make_mesh(), axes, optimizer, batches, use_norm=use_norm, sharding=sharding,
+        allreduce=algorithm, min_shard_elements=0, bucket_bytes=512,
+    )  # fmt: skip
     assert_trees_close(state.params, params, atol=3e-6)
     assert_trees_close(state.model_state, model_state, atol=2e-6)
-    # Optimizer state is really sharded: each device holds 1/8 of the momentum.
-    momentum = next(leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.ndim == 1)
-    assert momentum.addressable_shards[0].data.shape[0] == momentum.shape[0] // 8
+    # Split where a dimension divides by 8, whole where none does; in units of <= 512 bytes.
+    layout = step.layout
+    expected_whole = ["Dense_1.bias", "Dense_2.bias", "Dense_2.kernel"]  # 12, 4 and 12x4
+    assert layout.replicated() == expected_whole
+    assert len(layout.units) > 1
+    # The optimizer state is really sharded (and FSDP's parameters): 1/8 of a kernel each.
+    kernel = state.params["Dense_0"]["kernel"]
+    moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.shape == kernel.shape]
+    assert moments and all(m.addressable_shards[0].data.shape == (10, 2) for m in moments)
+    own = kernel.addressable_shards[0].data.shape
+    assert own == ((10, 2) if sharding == "fsdp" else (10, 16))
 
 
 def test_compiles_once_per_batch_shape():

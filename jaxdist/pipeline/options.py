@@ -27,7 +27,7 @@ def stage_data_axes(mesh: Mesh, stage_axis: str) -> tuple[str, ...]:
 
 
 def refuse_unsupported(
-    allreduce: str, sfb_layers: Any, links: Any, accumulation_steps: int, zero1: bool
+    allreduce: str, sfb_layers: Any, links: Any, accumulation_steps: int, sharding: str
 ) -> None:
     """One line for each data-parallel option a pipeline cannot honour, rather than ignoring
     it: its gradients are one flat vector per stage, averaged by one schedule."""
@@ -50,9 +50,10 @@ def refuse_unsupported(
             f"accumulation_steps={accumulation_steps}: a pipeline's micro-batches take the "
             "place of gradient accumulation; use more micro-batches instead"
         )
-    if zero1:
-        raise ValueError("zero1=True shards a data-parallel optimizer state; a pipeline "
-                         "already keeps each stage's state on its own devices")  # fmt: skip
+    if sharding != "replicated":
+        raise ValueError(f"sharding={sharding!r} shards a data-parallel step's state; a "
+                         "pipeline keeps each stage's state on that stage's devices and does "
+                         "not shard it further: leave sharding='replicated'")  # fmt: skip
 
 
 def check_stage_count(functions: int, stages: int, chunks: int, stage_axis: str) -> None:

@@ -108,7 +108,7 @@ class PipelineStep:
         stage)``; with it :meth:`init` and :meth:`abstract_init` take the whole model's trees
         (:func:`~jaxdist.pipeline.stages.variable_splitter` makes one for flax stages),
         without it one tree per virtual stage.
-      sfb_layers, links, accumulation_steps, zero1: the data-parallel step's options that a
+      sfb_layers, links, accumulation_steps, zero1, sharding: the data-parallel step's options that a
         pipeline cannot honour; anything but their defaults is refused in one line.
     """
 
@@ -136,10 +136,12 @@ class PipelineStep:
         links: Any = None,
         accumulation_steps: int = 1,
         zero1: bool = False,
+        sharding: str = "replicated",
     ):
-        refuse_unsupported(allreduce, sfb_layers, links, accumulation_steps, zero1)
+        sharding = "zero1" if zero1 else sharding
+        refuse_unsupported(allreduce, sfb_layers, links, accumulation_steps, sharding)
         check_optimizer(optimizer)
-        check_shardable(optimizer, by="stages")
+        check_shardable(optimizer)
         asynchronous.check_options(schedule, loss_scale, skip_nonfinite, chunks)
         self.data_axes = stage_data_axes(mesh, stage_axis)
         self.num_stages = mesh.shape[stage_axis]

@@ -36,6 +36,12 @@ Fields:
   unroll_limit: ring steps an allreduce schedule runs unrolled along one axis; a longer
     ring runs as a loop, which compiles in the same time at any size but lets no backward
     compute overlap that axis's steps (docs/planning.md).
+  sharding: ``replicated`` (every device holds the whole model and optimizer state), ``zero1``
+    (the optimizer state and update sharded) or ``fsdp`` (parameters too, each gather unit
+    all-gathered as the loss reads it); see :mod:`jaxdist.training.sharding`. The
+    reduce-scatters and all-gathers run ``allreduce``'s halves. On a mesh with an axis named
+    ``fsdp`` the state is sharded over that axis alone and the other axes are data-parallel
+    replicas (HSDP).
   wait_free: run every gradient bucket's schedule beside the rest of the backward pass, one
     message step per matrix product, in the compiled program's own order (wait-free
     backprop, :mod:`jaxdist.training.wait_free`); a permute schedule's steps then run
@@ -324,6 +330,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.links = ""
     c.sfb_layers = ""
     c.unroll_limit = 16  # the schedules' own default, jaxdist.comm.collectives.UNROLL_LIMIT
+    c.sharding = "replicated"
     c.wait_free = False
     c.batch_size = 256
     c.batch_ramp = ()

@@ -153,4 +153,5 @@ def step_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
         "sfb_layers": sfb_layers_setting(config.sfb_layers),
         "skip_nonfinite": config.skip_nonfinite_steps > 0,
         "wait_free": config.wait_free,
+        "sharding": config.sharding,
     }

@@ -70,6 +70,7 @@ from jaxdist.training.batch_schedule import BatchSchedule
 from jaxdist.training.batches import data_axes_of
 from jaxdist.training.eval_step import EvalStep
 from jaxdist.training.protocol import Step
+from jaxdist.training.sharding import FSDP_AXIS
 from jaxdist.training.train_step import TrainState, TrainStep
 
 __all__ = ["DataParallel", "Loop", "TaskFactory", "Trainer"]
@@ -117,9 +118,13 @@ class DataParallel:
         """Any global batch works: the batch plan splits it into accumulation steps."""
 
     def build(self, parts: StepParts, accumulation_steps: int) -> TrainStep:
-        """The recipe's :class:`TrainStep`: the task's loss on the whole model."""
+        """The recipe's :class:`TrainStep`: the task's loss on the whole model, its state
+        sharded over the mesh's ``fsdp`` axis where it has one (HSDP), else over every axis."""
+        hsdp = FSDP_AXIS in self.data_axes and len(self.data_axes) > 1
+        shard_axes = FSDP_AXIS if hsdp and parts.options.get("sharding") != "replicated" else None
         return TrainStep(parts.task.loss, parts.optimizer, self.mesh, data_axes=self.data_axes,
-                         accumulation_steps=accumulation_steps, **parts.options)  # fmt: skip
+                         accumulation_steps=accumulation_steps, shard_axes=shard_axes,
+                         **parts.options)  # fmt: skip
 
 
 class Trainer:
@@ -219,8 +224,12 @@ class Trainer:
         return self._train_steps[accumulation]
 
     def initial_state(self) -> Any:
-        """The task's variables from the seed, placed on the mesh."""
-        return self.train_step_for(0).init(*self._variables(abstract=False))
+        """The task's variables from the seed, placed on the mesh (a sharded state made
+        straight into its shards, never whole on one device)."""
+        step = self.train_step_for(0)
+        if getattr(step, "sharding", "replicated") != "replicated":
+            return step.init_sharded(self.task.init_variables, jax.random.key(self.config.seed))
+        return step.init(*self._variables(abstract=False))
 
     def abstract_state(self) -> Any:
         """What :meth:`initial_state` returns, as shapes with their shardings: the target a

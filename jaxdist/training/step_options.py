@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
@@ -20,6 +19,7 @@ __all__ = [
     "check_allreduce",
     "check_optimizer",
     "check_shardable",
+    "check_sharded",
     "check_wait_free",
     "donation_default",
 ]
@@ -69,12 +69,37 @@ def check_allreduce(
         raise ValueError(f"allreduce {chosen.name!r} cannot run over {axes!r}: {reason}")
 
 
+def check_sharded(mesh: Mesh, data_axes: Any, shard_axes: Any, sharding: str, allreduce: str,
+                  options: Mapping[str, Any], sfb_layers: Any) -> None:  # fmt: skip
+    """Refuse, in one line, a sharded step (ZeRO-1, FSDP) that cannot run: its collectives are
+    one schedule's reduce-scatter and all-gather over ``shard_axes``, a subset of the data
+    axes."""
+    what = f"sharding={sharding!r} reduce-scatters gradients and all-gathers parameters"
+    if allreduce in ("auto", "none"):
+        raise ValueError(f"{what} with one schedule's halves; allreduce={allreduce!r} names none "
+                         f"(choose one of {', '.join(collectives.SHARDED_ALGORITHMS)})")  # fmt: skip
+    if sfb_layers:
+        raise ValueError(f"{what}; it sends no sufficient factors (sfb_layers)")
+    shard, data = tuple(np.atleast_1d(shard_axes)), tuple(np.atleast_1d(data_axes))
+    if not shard or any(a not in data for a in shard):
+        raise ValueError(f"shard_axes must be among the data axes {data}, got {shard}")
+    check_allreduce(mesh, shard_axes, allreduce, options)
+    chosen = collectives.get(allreduce)
+    sizes = [mesh.shape[a] for a in shard]
+    sizes = [int(np.prod(sizes))] if chosen.levels == 1 else sizes
+    reason = collectives.sharded_unsupported(
+        allreduce, tuple(sizes), **{k: v for k, v in options.items() if k in chosen.options}
+    )
+    if reason:
+        raise ValueError(f"{what} with allreduce={allreduce!r}, which cannot: {reason}")
+
+
 # A wait-free step paces every message step beside backward compute, which a step inside a
 # loop could not be: its schedules run unrolled whatever their length.
 WAIT_FREE_UNROLL_LIMIT = 1 << 30
 
 
-def check_wait_free(wait_free: bool, allreduce: str, zero1: bool, sfb_layers: Any) -> None:
+def check_wait_free(wait_free: bool, allreduce: str, sharding: str, sfb_layers: Any) -> None:
     """Refuse, in one line, a wait-free step that cannot be one: it paces a permute schedule's
     buckets of dense gradients beside the backward pass."""
     if not wait_free:
@@ -82,7 +107,8 @@ def check_wait_free(wait_free: bool, allreduce: str, zero1: bool, sfb_layers: An
     if allreduce in ("native", "none"):
         raise ValueError(f"wait_free=True paces the message steps of a permute schedule; "
                          f"allreduce={allreduce!r} has none (choose ring, torus2d, ...)")  # fmt: skip
-    problem = "zero1=True" if zero1 else "sfb_layers" if sfb_layers else None
+    problem = f"sharding={sharding!r}" if sharding != "replicated" else None
+    problem = problem or ("sfb_layers" if sfb_layers else None)
     if problem:
         raise ValueError(f"wait_free=True paces buckets of whole gradients beside backward; "
                          f"it does not combine with {problem}")  # fmt: skip
@@ -106,32 +132,21 @@ def _probe_trees() -> tuple[dict, dict]:
     return as32(params), as32(grads)
 
 
-def check_shardable(optimizer: Any, by: str) -> None:
-    """Refuse an optimizer whose update changes when it sees the parameters in parts, as a
-    step that shards it does: ``by="elements"`` (ZeRO-1: one flat float32 vector per device,
-    so the update must be element-wise, without masks by shape) or ``by="stages"`` (a
-    pipeline: one stage's layers at a time, so per-layer rules such as LARS work, but a
-    global gradient norm does not). Probed on a small kernel and bias, on the host."""
+def check_shardable(optimizer: Any) -> None:
+    """Refuse an optimizer whose update changes when it sees one pipeline stage's layers at a
+    time, as a pipeline step updates them: per-layer rules such as LARS work, a global
+    gradient norm does not. Probed on a small kernel and bias, on the host."""
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's own
         params, grads = _probe_trees()
         expected = [ravel_pytree(update)[0] for update in _probe_update(optimizer, params, grads)]
-        if by == "elements":  # the whole as one flat vector, updated in two slices
-            flat_params, flat_grads = ravel_pytree(params)[0], ravel_pytree(grads)[0]
-            halves = [_probe_update(optimizer, flat_params[s], flat_grads[s])
-                      for s in (slice(0, 8), slice(8, None))]  # fmt: skip
-            parts = [jnp.concatenate([half[i] for half in halves]) for i in range(2)]
-            what = ("ZeRO-1 updates each device's slice of one flat vector of all parameters, "
-                    "so the optimizer must be element-wise (SGD, momentum, Adam; no "
-                    "global-norm clipping, no per-layer trust ratios, no masks by shape)")  # fmt: skip
-        else:  # each layer updated on its own
-            alone = {k: _probe_update(optimizer, {k: params[k]}, {k: grads[k]}) for k in params}
-            parts = [ravel_pytree({k: alone[k][i][k] for k in params})[0] for i in range(2)]
-            what = ("a pipeline updates each stage's layers on their own, so the update of a "
-                    "layer must not depend on the others (per-layer rules such as LARS work; "
-                    "a global gradient norm does not: clip per layer, or train data-parallel)")  # fmt: skip
+        alone = {k: _probe_update(optimizer, {k: params[k]}, {k: grads[k]}) for k in params}
+        parts = [ravel_pytree({k: alone[k][i][k] for k in params})[0] for i in range(2)]
     for got, want in zip(parts, expected, strict=True):
         # Relative to the update's size: a weight decay dropped by a mask is small beside it.
         got, want = np.asarray(got), np.asarray(want)
         if not np.allclose(got, want, rtol=0, atol=1e-6 * np.max(np.abs(want))):
-            raise ValueError(f"this optimizer's update changes when it sees the parameters in "
-                             f"parts, and {what}")  # fmt: skip
+            raise ValueError("this optimizer's update changes when it sees the parameters in "
+                             "parts, and a pipeline updates each stage's layers on their own, "
+                             "so the update of a layer must not depend on the others (per-layer "
+                             "rules such as LARS work; a global gradient norm does not: clip "
+                             "per layer, or train data-parallel)")  # fmt: skip

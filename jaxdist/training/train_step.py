@@ -17,8 +17,14 @@ device's shard of the batch. Inside one ``jax.jit``-ed ``jax.shard_map`` program
    ``allreduce="auto"`` the schedule the cost model prices cheapest for each bucket, and dense
    layers' gradients as sufficient factors where that is cheaper
    (:mod:`jaxdist.training.gradient_plan`),
-3. applies the optax update -- or, with ``zero1=True``, reduce-scatters the gradients, updates
-   only its own 1/p slice of the parameters and optimizer state, and all-gathers the parameters.
+3. applies the optax update.
+
+With ``sharding="zero1"`` or ``"fsdp"`` (:mod:`jaxdist.training.sharding`) the gradients are
+instead reduce-scattered with the chosen schedule's first half into the shards that own them,
+the optimizer updates sharded arrays (under ``jax.jit`` outside the shard_map, so any optax
+transformation sees whole arrays: a global norm is a sum over shards), and ZeRO-1 all-gathers
+the updated parameters with the schedule's second half; FSDP keeps them sharded and gathers
+each unit just before the loss reads it.
 
 Model state (BatchNorm running statistics) and metrics are averaged over the data axes, so every
 device holds the same state after each step. The state argument is donated on accelerators
@@ -41,7 +47,6 @@ import numpy as np
 import optax
 from flax import struct
 from jax import lax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -51,19 +56,20 @@ from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.comm.scopes import METRICS_SCOPE, MODEL_STATE_SCOPE
 from jaxdist.runtime import dispatch
 from jaxdist.training import optim
+from jaxdist.training import sharding as sharding_lib
 from jaxdist.training.batches import check_batch_sizes, data_axes_of, shard_batch
 from jaxdist.training.gradient_plan import GradientPlan, plan_for_step
 from jaxdist.training.gradients import local_gradients, reduced_while_computing
 from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_scaled_step
+from jaxdist.training.sharded_step import build_sharded_step
 from jaxdist.training.step_options import (
     WAIT_FREE_UNROLL_LIMIT,
     check_allreduce,
     check_optimizer,
-    check_shardable,
+    check_sharded,
     check_wait_free,
     donation_default,
 )
-from jaxdist.training.zero1 import zero1_update
 
 __all__ = [
     "NO_ALLREDUCE",
@@ -96,7 +102,7 @@ class TrainStep:
     Args:
       loss_fn: ``(params, model_state, batch, rng) -> (loss, (model_state, metrics))`` on one
         device's shard; ``metrics`` is a dict of scalars.
-      optimizer: any optax transformation (with ``zero1``: an element-wise one, see below).
+      optimizer: any optax transformation.
       mesh: the device mesh; ``data_axes`` (default: all its axes) split the batch.
       allreduce: a name from :data:`jaxdist.comm.collectives.ALGORITHMS`, ``"auto"`` (a schedule
         per bucket and factors or not per dense layer, by the cost model on ``links``), or
@@ -114,11 +120,18 @@ class TrainStep:
         ``jaxdist cluster`` emulates); otherwise it only adds predictions to :meth:`plan`.
       accumulation_steps: micro-batches per device whose gradients are summed before one
         allreduce; the per-device batch must divide by it.
-      zero1: shard optimizer state and the update across the data axes (ZeRO stage 1). The
-        optimizer then sees one flat float32 vector per device, so it must be element-wise
-        (SGD, momentum, Adam, ...): per-layer rules (LARS trust ratios, masks by ndim) and
-        global-norm clipping need more than a slice, and are refused in one line (the
-        update is probed on the host when the step is built).
+      sharding: ``"replicated"`` (default), ``"zero1"`` (optimizer state and update sharded)
+        or ``"fsdp"`` (parameters too), over ``shard_axes``; see
+        :mod:`jaxdist.training.sharding`. Every optax transformation is exact under each.
+        The reduce-scatters and all-gathers run ``allreduce``'s two halves
+        (:data:`jaxdist.comm.collectives.SHARDED_ALGORITHMS`).
+      zero1: the same as ``sharding="zero1"``.
+      shard_axes: the data axes the state is sharded over (default: all of them). Fewer is
+        HSDP: sharded inside each group, the groups averaging their gradients as data
+        parallel replicas (with the ring, or XLA's all-reduce under ``native``).
+      keep_gathered: FSDP keeps each unit's gathered parameters from forward for backward
+        instead of gathering them again (more memory, half the parameter traffic).
+      min_shard_elements: parameters with fewer elements stay whole on every device.
       wait_free: run each gradient bucket's schedule beside the rest of the backward pass,
         one message step per matrix product, in the compiled program's own order
         (:mod:`jaxdist.training.wait_free`); the same arithmetic. With accumulation, beside
@@ -150,7 +163,11 @@ class TrainStep:
         sfb_layers: str | tuple[str, ...] | list[str] | None = None,
         links: Any = None,
         accumulation_steps: int = 1,
+        sharding: str | None = None,
         zero1: bool = False,
+        shard_axes: str | tuple[str, ...] | None = None,
+        keep_gathered: bool = False,
+        min_shard_elements: int = sharding_lib.DEFAULT_MIN_SHARD_ELEMENTS,
         wait_free: bool = False,
         loss_scale: DynamicLossScale | None = None,
         skip_nonfinite: bool = False,
@@ -160,15 +177,13 @@ class TrainStep:
         if allreduce not in (NO_ALLREDUCE, hybrid.AUTO, *collectives.ALGORITHMS):
             raise ValueError(f"unknown allreduce {allreduce!r}; expected one of "
                              f"{(*collectives.ALGORITHMS, hybrid.AUTO)}")  # fmt: skip
-        if zero1 and (allreduce == hybrid.AUTO or sfb_layers):
-            raise ValueError("zero1=True reduce-scatters one flat gradient vector with the ring; "
-                             "it takes neither allreduce='auto' nor sfb_layers")  # fmt: skip
+        if zero1 and sharding not in (None, "zero1"):
+            raise ValueError(f"zero1=True is sharding='zero1'; got sharding={sharding!r} too")
+        sharding = sharding_lib.check_sharding(sharding or ("zero1" if zero1 else "replicated"))
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
-        check_wait_free(wait_free, allreduce, zero1, sfb_layers)
+        check_wait_free(wait_free, allreduce, sharding, sfb_layers)
         check_optimizer(optimizer)
-        if zero1:
-            check_shardable(optimizer, by="elements")
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.mesh = mesh
@@ -182,6 +197,14 @@ class TrainStep:
         self.bucket_bytes = bucket_bytes
         self.sfb_layers = sfb_layers
         self.axis_sizes = tuple(mesh.shape[a] for a in np.atleast_1d(self.data_axes))
+        self.sharding = sharding
+        self.shard_axes = self.data_axes if shard_axes is None else data_axes_of(mesh, shard_axes)
+        if sharding != "replicated":
+            check_sharded(mesh, self.data_axes, self.shard_axes, sharding, allreduce,
+                          self.allreduce_options, sfb_layers)  # fmt: skip
+        self.keep_gathered = keep_gathered
+        self.min_shard_elements = min_shard_elements
+        self.layout: sharding_lib.Layout | None = None
         # Auto cannot choose without links: refuse now, not at the first step.
         self.links = (
             hybrid.resolve_links(links, self.axis_sizes)
@@ -189,7 +212,7 @@ class TrainStep:
             else None
         )
         self.accumulation_steps = accumulation_steps
-        self.zero1 = zero1
+        self.zero1 = sharding == "zero1"
         self.wait_free = wait_free
         self.loss_scale = loss_scale
         self.skip_nonfinite = skip_nonfinite
@@ -198,7 +221,6 @@ class TrainStep:
         self.trace_count = 0  # how many times the step was traced (compiled); tests guard on it
         self.gradient_plan: GradientPlan | None = None
         self._compiled: Callable | None = None
-        self._zero_size: int | None = None
         self._in_flight = dispatch.shared_window(mesh, max_in_flight)
 
     # ------------------------------------------------------------------ state and batches
@@ -234,39 +256,68 @@ class TrainStep:
             self.state_specs(state),
         )
 
+    def init_sharded(self, init_variables: Callable[[jax.Array], tuple[Any, Any]],
+                     rng: jax.Array) -> TrainState:  # fmt: skip
+        """The initial state made straight into its shards: ``init_variables(rng) -> (params,
+        model_state)`` and the optimizer's init run under ``jax.jit`` with the state's layout
+        as output, so no device (nor the host) ever holds the whole sharded state."""
+        params, model_state = jax.eval_shape(init_variables, rng)
+        shardings = self.state_shardings(jax.eval_shape(self._fresh_state, params, model_state))
+        made = jax.jit(lambda key: self._fresh_state(*init_variables(key)),
+                       out_shardings=shardings)  # fmt: skip
+        return made(rng)
+
     def _fresh_state(self, params: Any, model_state: Any) -> TrainState:
         model_state = {} if model_state is None else model_state
-        if self.zero1:
-            flat, _ = ravel_pytree(params)
-            if flat.dtype != jnp.float32:
-                raise TypeError(f"zero1 keeps a float32 master copy; parameters are {flat.dtype}")
-            self._zero_size = self.num_replicas * -(-flat.size // self.num_replicas)
-            opt_state = self.optimizer.init(jnp.zeros((self._zero_size,), jnp.float32))
-        else:
-            opt_state = self.optimizer.init(params)
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
             model_state=model_state,
-            opt_state=opt_state,
+            opt_state=self.optimizer.init(params),
             loss_scale=self.loss_scale,
         )
 
+    def layout_of(self, params: Any) -> sharding_lib.Layout:
+        """Where each parameter lives (:class:`~jaxdist.training.sharding.Layout`): split over
+        the shard axes, or whole; replicated steps keep every parameter whole."""
+        if self.layout is None:
+            shards = math.prod(self.mesh.shape[a] for a in np.atleast_1d(self.shard_axes))
+            if self.sharding == "replicated":
+                shards = 1
+            self.layout = sharding_lib.Layout.of(params, shards, unit_bytes=self.bucket_bytes,
+                                                 min_elements=self.min_shard_elements)  # fmt: skip
+        return self.layout
+
+    def _block_specs(self, params: Any) -> Any:
+        """Where each parameter's block lives once sharded (ZeRO-1's gradients and optimizer
+        state, FSDP's parameters too)."""
+        return self.layout_of(params).specs(jax.tree.structure(params), self.shard_axes)
+
     def state_specs(self, state: TrainState) -> TrainState:
-        """PartitionSpecs of the state: replicated, except ZeRO-1's optimizer-state slices."""
-
-        def opt_spec(leaf):
-            if self.zero1 and leaf.shape == (self._zero_size,):
-                return P(self.data_axes)
-            return P()
-
+        """PartitionSpecs of the state: replicated, but for the sharded state of ZeRO-1
+        (optimizer state) and FSDP (parameters and optimizer state)."""
+        replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+        if self.sharding == "replicated":
+            params, opt_state = replicated(state.params), replicated(state.opt_state)
+        else:
+            blocks = self._block_specs(state.params)
+            params = blocks if self.sharding == "fsdp" else replicated(state.params)
+            opt_state = optax.tree_map_params(
+                self.optimizer, lambda _, spec: spec, state.opt_state, blocks,
+                transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P),
+            )  # fmt: skip
         return TrainState(
             step=P(),
-            params=jax.tree.map(lambda _: P(), state.params),
-            model_state=jax.tree.map(lambda _: P(), state.model_state),
-            opt_state=jax.tree.map(opt_spec, state.opt_state),
-            loss_scale=jax.tree.map(lambda _: P(), state.loss_scale),
+            params=params,
+            model_state=replicated(state.model_state),
+            opt_state=opt_state,
+            loss_scale=replicated(state.loss_scale),
         )
+
+    def state_shardings(self, state: TrainState) -> TrainState:
+        """The state's :class:`NamedSharding` s (:meth:`state_specs` on this mesh)."""
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.state_specs(state),
+                            is_leaf=lambda x: isinstance(x, P))  # fmt: skip
 
     def shard_batch(self, batch: Any) -> Any:
         """Place a batch on this step's mesh; see :func:`shard_batch`."""
@@ -301,6 +352,8 @@ class TrainStep:
         return self._compiled.lower(state, batch, rng)
 
     def _build(self, state: TrainState) -> Callable:
+        if self.sharding != "replicated":
+            return build_sharded_step(self, state)
         specs = self.state_specs(state)
         sharded = jax.shard_map(
             self._body,
@@ -320,7 +373,7 @@ class TrainStep:
         axes = self.data_axes
         rng = jax.random.fold_in(rng, lax.axis_index(axes))
         scale = None if state.loss_scale is None else state.loss_scale.scale
-        plan = None if self.zero1 else self._plan_for(state, batch, rng)
+        plan = self._plan_for(state, batch, rng)
         if self.wait_free:
             options = {**self.allreduce_options, "unroll_limit": WAIT_FREE_UNROLL_LIMIT}
             grads, model_state, loss, metrics = reduced_while_computing(
@@ -344,26 +397,15 @@ class TrainStep:
         with jax.named_scope(METRICS_SCOPE):
             loss, metrics = lax.pmean((loss, metrics), axes)
 
-        if self.zero1:
-            params, opt_state, finite = zero1_update(
-                self.optimizer,
-                state,
-                grads,
-                self.data_axes,
-                self._zero_size,
-                self.allreduce_options,
-                check_finite=self.skip_nonfinite,
-            )
-        else:
-            if self.allreduce != NO_ALLREDUCE and not self.wait_free:
-                grads = plan.reduce(grads, factors, axes, self.allreduce_options)
-            if state.loss_scale is not None:
-                grads = state.loss_scale.unscale(grads)
-            # Same on every device: they all hold the same reduced gradients.
-            checked = state.loss_scale is not None or self.skip_nonfinite
-            finite = all_finite(grads) if checked else None
-            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
+        if self.allreduce != NO_ALLREDUCE and not self.wait_free:
+            grads = plan.reduce(grads, factors, axes, self.allreduce_options)
+        if state.loss_scale is not None:
+            grads = state.loss_scale.unscale(grads)
+        # Same on every device: they all hold the same reduced gradients.
+        checked = state.loss_scale is not None or self.skip_nonfinite
+        finite = all_finite(grads) if checked else None
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
 
         new_state = state.replace(
             step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
@@ -390,9 +432,9 @@ class TrainStep:
         if state is None or batch is None:
             raise ValueError("the plan is made at the first step; before it, pass the state "
                              "and a batch: step.plan(state, batch)")  # fmt: skip
-        if self.zero1:
-            raise ValueError("zero1=True has no gradient plan: one ring reduce-scatter of "
-                             "every gradient")  # fmt: skip
+        if self.sharding != "replicated":
+            raise ValueError(f"sharding={self.sharding!r} has no gradient plan: its gradients "
+                             f"are reduce-scattered unit by unit")  # fmt: skip
         local = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.num_replicas, *x.shape[1:]),
                                            x.dtype), batch)  # fmt: skip

@@ -22,7 +22,8 @@ module                 schedule
 Beside them: ``wire`` (how messages travel: pieces, transfer dtype), ``windows`` (cutting a
 buffer of any size into equal windows without padding), ``ring_steps`` (the ring
 reduce-scatter and all-gather every ring schedule is built from), ``algorithm`` (the
-record), ``one_dimensional`` (the one-axis schedules by name, which ``hierarchical`` runs
+record), ``sharded`` (every schedule's two halves, reduce-scatter and all-gather, as
+collectives of their own), ``one_dimensional`` (the one-axis schedules by name, which ``hierarchical`` runs
 across hosts) and ``registry`` (the one place names are looked up, and :func:`allreduce`).
 
 Axis names: the one-dimensional schedules take one mesh axis or a tuple of axes, which then
@@ -53,7 +54,13 @@ from jaxdist.comm.collectives.registry import (
     one_dimensional,
     pack,
 )
-from jaxdist.comm.collectives.ring_steps import all_gather, reduce_scatter
+from jaxdist.comm.collectives.sharded import (
+    SHARDED_ALGORITHMS,
+    all_gather,
+    reduce_scatter,
+    sharded_terms,
+    sharded_unsupported,
+)
 from jaxdist.comm.collectives.wire import (
     UNROLL_LIMIT,
     AxisName,
@@ -65,6 +72,7 @@ from jaxdist.comm.collectives.wire import (
 __all__ = [
     "ALGORITHMS",
     "COMMON_OPTIONS",
+    "SHARDED_ALGORITHMS",
     "THREE_LEVEL",
     "TWO_LEVEL",
     "UNROLL_LIMIT",
@@ -83,4 +91,6 @@ __all__ = [
     "pack",
     "permute",
     "reduce_scatter",
+    "sharded_terms",
+    "sharded_unsupported",
 ]

@@ -1,7 +1,7 @@
 """The ring building blocks every ring-based schedule is made of: a reduce-scatter and an
 all-gather round one or two rings at once, over windows of a flat buffer
-(:mod:`~jaxdist.comm.collectives.windows`), and the public :func:`reduce_scatter` and
-:func:`all_gather` built on them.
+(:mod:`~jaxdist.comm.collectives.windows`). The public reduce-scatter and all-gather are built
+on them in :mod:`~jaxdist.comm.collectives.sharded`.
 
 :func:`ring_all_gather` runs past 60 lines on purpose: its helpers (where a window lands,
 the last window's overhang) close over the ring's positions and window geometry, and the
@@ -23,13 +23,11 @@ from jaxdist.comm.collectives.windows import (
     window_stride,
 )
 from jaxdist.comm.collectives.wire import (
-    UNROLL_LIMIT,
     AxisName,
     Wire,
     as_sent,
     axis_size,
     divided,
-    pad_to_chunks,
     repeat,
     shift,
     swap,
@@ -283,60 +281,3 @@ def pair_all_gather(
     # One concatenation of two selects: XLA fuses it into a single loop over the result.
     lower = jnp.where(first, mine, theirs)[:stride]
     return jnp.concatenate([lower, jnp.where(first, theirs, mine)[early:]])
-
-
-def reduce_scatter(
-    x: jax.Array,
-    axis_name: AxisName,
-    *,
-    transfer_dtype=None,
-    exchange_piece_bytes: int | str | None = "auto",
-    unroll_limit: int = UNROLL_LIMIT,
-) -> jax.Array:
-    """Ring reduce-scatter, ``p - 1`` steps; call inside shard_map.
-
-    ``x`` is flattened and zero-padded to ``p`` equal chunks; device ``i`` returns the sum over
-    all devices of chunk ``i`` (shape ``(ceil(x.size / p),)``). ``transfer_dtype``,
-    ``exchange_piece_bytes`` and ``unroll_limit`` as for
-    :func:`~jaxdist.comm.collectives.allreduce`.
-    """
-    p = axis_size(axis_name)
-    padded = pad_to_chunks(x.reshape(-1), p)
-    if p == 1:
-        return padded
-    wire = Wire(transfer_dtype, exchange_piece_bytes)
-    (shard,) = ring_reduce_scatter(
-        padded, axis_name, (1,), wire, unroll_limit, stride=padded.size // p
-    )
-    return shard
-
-
-def all_gather(
-    shard: jax.Array,
-    axis_name: AxisName,
-    *,
-    into: jax.Array | None = None,
-    divisor: int | None = None,
-    transfer_dtype=None,
-    exchange_piece_bytes: int | str | None = "auto",
-    unroll_limit: int = UNROLL_LIMIT,
-) -> jax.Array:
-    """Ring all-gather, ``p - 1`` steps; call inside shard_map. Device ``i`` contributes chunk
-    ``i``; every device returns the ``p`` chunks concatenated in order (flattened, padding
-    included).
-
-    ``into``: an optional flat buffer of ``p * shard.size`` elements whose contents may be
-    overwritten by the result. Passing the (padded) input of the preceding reduce-scatter lets
-    XLA write the gathered chunks into that memory when nothing else still reads it, instead
-    of allocating and zero-filling a new buffer. On two devices the all-gather is one
-    exchange and a concatenation, and ``into`` is not used.
-    ``divisor``: divide every chunk by this as it is written (the division of a mean, at no
-    extra pass over the result). ``transfer_dtype``, ``exchange_piece_bytes`` and
-    ``unroll_limit`` as for :func:`~jaxdist.comm.collectives.allreduce`.
-    """
-    shard = shard.reshape(-1)
-    size = axis_size(axis_name) * shard.size
-    wire = Wire(transfer_dtype, exchange_piece_bytes)
-    return gather_windows(
-        shard, axis_name, size, wire, unroll_limit, stride=shard.size, into=into, divisor=divisor
-    )

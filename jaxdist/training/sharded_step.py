@@ -1,0 +1,160 @@
+"""The train step of a sharded state: ZeRO-1 and FSDP (:mod:`jaxdist.training.sharding`).
+
+One ``jax.jit``-ed program in two parts:
+
+1. inside ``jax.shard_map``, each device computes its gradients (FSDP: of its parameter
+   blocks, each unit all-gathered as the loss reads it; ZeRO-1: of the whole parameters) and
+   reduce-scatters them with the chosen schedule into the blocks it owns, averaging the
+   parameters kept whole with the schedule's allreduce;
+2. outside it, under XLA's SPMD partitioner, the optax update runs on the sharded gradients,
+   parameters and optimizer state. Each device computes only its blocks, and whatever the
+   transformation reads across elements (a global norm, a layer's trust ratio) XLA sums over
+   the shards: every optimizer gives one device's update to float32 rounding. ZeRO-1 then
+   all-gathers the updated blocks with the schedule's second half (a second shard_map).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.comm import collectives
+from jaxdist.comm.compiler_options import compiler_options_for
+from jaxdist.comm.scopes import GRADIENT_SCOPE, METRICS_SCOPE, MODEL_STATE_SCOPE
+from jaxdist.training import sharding as sharding_lib
+from jaxdist.training.gradients import local_gradients
+from jaxdist.training.loss_scale import all_finite, finish_scaled_step
+
+__all__: list[str] = []  # building blocks of the package's own modules
+
+
+def build_sharded_step(step: Any, state: Any) -> Callable:
+    """The jitted ``(state, batch, rng) -> (state, metrics)`` of a ZeRO-1 or FSDP
+    :class:`~jaxdist.training.train_step.TrainStep`."""
+    mesh, fsdp = step.mesh, step.sharding == "fsdp"
+    specs = step.state_specs(state)
+    layout = step.layout_of(state.params)
+    treedef = jax.tree.structure(state.params)
+    blocks = layout.specs(treedef, step.shard_axes)
+    whole = jax.tree.map(lambda _: P(), state.params)
+    replicated_model_state = jax.tree.map(lambda _: P(), state.model_state)
+    gradients = jax.shard_map(
+        lambda *args: _gradients(step, layout, *args),
+        mesh=mesh,
+        in_specs=(specs.params, replicated_model_state, P(step.data_axes), P(), P()),
+        out_specs=(blocks, replicated_model_state, P(), P()),
+        check_vma=False,
+    )
+    param_options = {k: v for k, v in step.allreduce_options.items() if k != "transfer_dtype"}
+    gather_back = jax.shard_map(
+        lambda b: sharding_lib.gather_parameters(
+            b, layout, step.shard_axes, step.allreduce, param_options
+        ),
+        mesh=mesh,
+        in_specs=(blocks,),
+        out_specs=whole,
+        check_vma=False,
+    )
+    block_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), blocks,
+                                   is_leaf=lambda x: isinstance(x, P))  # fmt: skip
+
+    def train_step(state, batch, rng):
+        scale = None if state.loss_scale is None else state.loss_scale.scale
+        grads, model_state, loss, metrics = gradients(
+            state.params, state.model_state, batch, rng, scale
+        )
+        if state.loss_scale is not None:
+            grads = state.loss_scale.unscale(grads)
+        checked = state.loss_scale is not None or step.skip_nonfinite
+        finite = all_finite(grads) if checked else None
+        # ZeRO-1's whole parameters, seen in blocks: each device slices its own, no traffic.
+        params = state.params if fsdp else lax.with_sharding_constraint(state.params,
+                                                                        block_shardings)  # fmt: skip
+        updates, opt_state = step.optimizer.update(grads, state.opt_state, params)
+        params = optax.apply_updates(params, updates)
+        if not fsdp:
+            params = gather_back(params)
+        new_state = state.replace(
+            step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
+        )
+        if step.skip_nonfinite:  # nor may a finite step's update leave inf parameters
+            finite = finite & jnp.isfinite(loss) & all_finite(params)
+        return finish_scaled_step(state, new_state, finite, {**metrics, "loss": loss},
+                                  report_skipped=step.skip_nonfinite)  # fmt: skip
+
+    state_shardings = step.state_shardings(state)
+    return jax.jit(
+        train_step,
+        out_shardings=(state_shardings, NamedSharding(mesh, P())),
+        donate_argnums=(0,) if step.donate else (),
+        compiler_options=compiler_options_for(mesh.devices.flat, step.allreduce),
+    )
+
+
+def _gradients(step: Any, layout: sharding_lib.Layout, params: Any, model_state: Any,
+               batch: Any, rng: jax.Array, scale: jax.Array | None):  # fmt: skip
+    """Inside shard_map: ``(gradient blocks, model state, loss, metrics)``, every gradient the
+    mean over the data axes, each sharded one kept only in the blocks this device owns."""
+    step.trace_count += 1
+    axes, shard_axes = step.data_axes, step.shard_axes
+    rng = jax.random.fold_in(rng, lax.axis_index(axes))
+    gradient_options = step.allreduce_options
+    loss_fn = step.loss_fn
+    if step.sharding == "fsdp":
+        param_options = {k: v for k, v in gradient_options.items() if k != "transfer_dtype"}
+        loss_fn = sharding_lib.gathered_loss(loss_fn, layout, shard_axes, step.allreduce,
+                                             param_options, gradient_options,
+                                             step.keep_gathered)  # fmt: skip
+    grads, model_state, loss, metrics, _ = local_gradients(
+        loss_fn, params, model_state, batch, rng, scale, step.accumulation_steps
+    )
+    with jax.named_scope(MODEL_STATE_SCOPE):
+        model_state = lax.pmean(model_state, axes)
+    with jax.named_scope(METRICS_SCOPE):
+        loss, metrics = lax.pmean((loss, metrics), axes)
+    if step.sharding == "zero1":
+        grads = sharding_lib.scatter_gradients(grads, layout, shard_axes, step.allreduce,
+                                               gradient_options)  # fmt: skip
+    return _averaged(step, layout, grads), model_state, loss, metrics
+
+
+def _averaged(step: Any, layout: sharding_lib.Layout, grads: Any) -> Any:
+    """Gradients summed over the shard axes (blocks) or not at all (whole leaves), made the
+    mean over every data axis: whole leaves by the schedule's allreduce, and under HSDP the
+    blocks across the replica groups too."""
+    leaves, treedef = jax.tree.flatten(grads)
+    whole = [i for i, d in enumerate(layout.dims) if d is None]
+    split = [i for i, d in enumerate(layout.dims) if d is not None]
+    data_axes, shard_axes = np.atleast_1d(step.data_axes), np.atleast_1d(step.shard_axes)
+    across = tuple(a for a in data_axes if a not in shard_axes)
+    hsdp = bool(across)
+    same_axes = not hsdp
+    with jax.named_scope(GRADIENT_SCOPE):
+        if whole:
+            algorithm = step.allreduce if same_axes else _replica_algorithm(step.allreduce)
+            options = step.allreduce_options if same_axes else {}
+            summed = collectives.allreduce([leaves[i] for i in whole], step.data_axes,
+                                           algorithm, **options)  # fmt: skip
+            for i, g in zip(whole, summed):
+                leaves[i] = g
+        if hsdp and split:
+            group_axes = across[0] if len(across) == 1 else across
+            summed = collectives.allreduce([leaves[i] for i in split], group_axes,
+                                           _replica_algorithm(step.allreduce))  # fmt: skip
+            for i, g in zip(split, summed):
+                leaves[i] = g
+    return jax.tree.unflatten(treedef, [g / step.num_replicas for g in leaves])
+
+
+def _replica_algorithm(algorithm: str) -> str:
+    """The schedule HSDP's replica groups average with: XLA's all-reduce under ``native``,
+    else the ring (one axis or several acting as one)."""
+    return "native" if algorithm == "native" else "ring"

@@ -1,0 +1,284 @@
+"""Where a sharded step keeps each parameter, and how it gathers and scatters them.
+
+Three ways to keep a model on a mesh (:data:`SHARDINGS`):
+
+* ``replicated``: every device holds every parameter and the whole optimizer state;
+* ``zero1``: parameters replicated, optimizer state and the update sharded (ZeRO stage 1);
+* ``fsdp``: parameters, gradients and optimizer state all sharded (ZeRO stage 3); each
+  gather unit's parameters are all-gathered just before use, in forward and again in
+  backward, and their gradients reduce-scattered into the shards that own them.
+
+Every array keeps its own shape: a sharded parameter is split along one of its dimensions
+(:class:`Layout`), so its optimizer state, its checkpoint and its global shape are the same
+whatever the sharding, and any optax transformation -- global-norm clipping, LARS and LAMB
+trust ratios, masks by name or by shape -- sees the arrays it would see on one device; XLA
+computes a norm over a sharded array as a sum over its shards. A parameter too small to be
+worth splitting, or with no dimension that the shard count divides, stays replicated
+(:meth:`Layout.replicated`), and says so.
+
+Units: the sharded parameters are gathered and scattered in units of about ``unit_bytes``
+(whole parameters, in the order of the parameter tree), one collective per unit: each
+device's blocks are concatenated into one flat buffer, all-gathered with a schedule of the
+family (:func:`jaxdist.comm.collectives.all_gather`) and cut back into whole parameters; the
+gradients travel the same way backwards (:func:`jaxdist.comm.collectives.reduce_scatter`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.comm import collectives
+from jaxdist.comm.scopes import GRADIENT_SCOPE, PARAMETER_SCOPE
+
+__all__ = [
+    "DEFAULT_MIN_SHARD_ELEMENTS",
+    "FSDP_AXIS",
+    "GATHERED",
+    "SHARDINGS",
+    "Layout",
+    "check_sharding",
+]
+
+SHARDINGS = ("replicated", "zero1", "fsdp")
+
+# The mesh axis a recipe's state is sharded over when its mesh names one (HSDP: the other axes
+# are data-parallel replicas of the sharded group).
+FSDP_AXIS = "fsdp"
+
+# Parameters with fewer elements stay replicated: a bias or a norm's scale would cost a
+# collective's latency to save a few hundred bytes.
+DEFAULT_MIN_SHARD_ELEMENTS = 1024
+
+# The name FSDP gives gathered parameters (jax.ad_checkpoint.checkpoint_name), so that backward
+# gathers them again instead of keeping them from forward.
+GATHERED = "jaxdist_gathered_parameters"
+
+
+def check_sharding(sharding: str) -> str:
+    """``sharding`` if it is one of :data:`SHARDINGS`; else one line saying what it takes."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"sharding must be one of {', '.join(SHARDINGS)}; got {sharding!r}")
+    return sharding
+
+
+def _split_dimension(shape: tuple[int, ...], shards: int, min_elements: int) -> int | None:
+    """The dimension a parameter of ``shape`` is split along over ``shards`` devices: the first
+    that ``shards`` divides (the outermost, which needs no transpose to gather), or None."""
+    if shards == 1 or math.prod(shape) < max(min_elements, shards):
+        return None
+    for dim, size in enumerate(shape):
+        if size % shards == 0:
+            return dim
+    return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a sharded step keeps each parameter.
+
+    Attributes:
+      dims: per parameter leaf (in tree order), the dimension split over the shard axes, or
+        None (replicated).
+      shapes: the parameters' global shapes, in tree order.
+      paths: their dotted names, for messages and plans.
+      units: the gather units, lists of indices of sharded leaves.
+      shards: the device count over the shard axes.
+    """
+
+    dims: tuple[int | None, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    paths: tuple[str, ...]
+    units: tuple[tuple[int, ...], ...]
+    shards: int
+
+    @classmethod
+    def of(cls, params: Any, shards: int, *, unit_bytes: int | None,
+           min_elements: int = DEFAULT_MIN_SHARD_ELEMENTS) -> Layout:  # fmt: skip
+        """The layout of ``params`` (arrays or shapes) over ``shards`` devices."""
+        flat, _ = jax.tree_util.tree_flatten_with_path(params)
+        shapes = tuple(tuple(leaf.shape) for _, leaf in flat)
+        paths = tuple(jax.tree_util.keystr(path, simple=True, separator=".") for path, _ in flat)
+        dims = tuple(_split_dimension(s, shards, min_elements) for s in shapes)
+        units: list[list[int]] = []
+        size = 0
+        for index, (_leaf_path, leaf) in enumerate(flat):
+            if dims[index] is None:
+                continue
+            nbytes = math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+            same_dtype = units and flat[units[-1][0]][1].dtype == leaf.dtype
+            if not units or not same_dtype or (unit_bytes and size + nbytes > unit_bytes):
+                units.append([])
+                size = 0
+            units[-1].append(index)
+            size += nbytes
+        return cls(dims, shapes, paths, tuple(tuple(u) for u in units), shards)
+
+    def specs(self, treedef: Any, axes: Sequence[str] | str) -> Any:
+        """PartitionSpecs of the parameter tree ``treedef`` laid out this way over ``axes``."""
+        return jax.tree.unflatten(treedef, [self.spec(i, axes) for i in range(len(self.dims))])
+
+    def spec(self, index: int, axes: Sequence[str] | str) -> P:
+        dim = self.dims[index]
+        if dim is None:
+            return P()
+        return P(*([None] * dim), axes)
+
+    def replicated(self) -> list[str]:
+        """The names of the parameters kept whole on every device."""
+        return [path for path, dim in zip(self.paths, self.dims) if dim is None]
+
+    def largest_unit_bytes(self, itemsize: int = 4) -> int:
+        """The bytes of the largest gather unit, whole: what FSDP holds gathered at a time."""
+        sizes = [sum(math.prod(self.shapes[i]) for i in unit) for unit in self.units]
+        return max(sizes, default=0) * itemsize
+
+    def describe(self) -> str:
+        """One line: how many parameters are split, into how many units, and which stay whole."""
+        whole = self.replicated()
+        count = sum(math.prod(self.shapes[i]) for i, d in enumerate(self.dims) if d is None)
+        line = (f"{len(self.dims) - len(whole)} of {len(self.dims)} parameter arrays split "
+                f"{self.shards} ways in {len(self.units)} gather unit(s)")  # fmt: skip
+        if whole:
+            shown = ", ".join(whole[:4]) + (", ..." if len(whole) > 4 else "")
+            line += f"; {len(whole)} kept whole ({count:,} values: {shown})"
+        return line
+
+
+# --------------------------------------------------------------------------- inside shard_map
+
+
+def _front(block: jax.Array, dim: int) -> jax.Array:
+    """A block with its split dimension first, flattened: how it travels."""
+    return jnp.moveaxis(block, dim, 0).reshape(-1)
+
+
+def gather_unit(blocks: Sequence[jax.Array], dims: Sequence[int], axes: Any, algorithm: str,
+                options: Mapping[str, Any]) -> list[jax.Array]:  # fmt: skip
+    """Every device's blocks of one unit's parameters, gathered into whole parameters."""
+    shards = collectives.axis_size(axes)
+    local = jnp.concatenate([_front(b, d) for b, d in zip(blocks, dims)])
+    gathered = collectives.all_gather(local, axes, algorithm, **options).reshape(shards, -1)
+    whole, offset = [], 0
+    for block, dim in zip(blocks, dims):
+        moved = jnp.moveaxis(block, dim, 0).shape
+        part = gathered[:, offset : offset + block.size].reshape(shards * moved[0], *moved[1:])
+        whole.append(jnp.moveaxis(part, 0, dim))
+        offset += block.size
+    return whole
+
+
+def scatter_unit(whole: Sequence[jax.Array], dims: Sequence[int], axes: Any, algorithm: str,
+                 options: Mapping[str, Any]) -> list[jax.Array]:  # fmt: skip
+    """One unit's whole gradients summed over ``axes``, each device keeping its blocks."""
+    shards = collectives.axis_size(axes)
+    rows = [jnp.moveaxis(g, d, 0).reshape(shards, -1) for g, d in zip(whole, dims)]
+    mine = collectives.reduce_scatter(jnp.concatenate(rows, axis=1), axes, algorithm, **options)
+    blocks, offset = [], 0
+    for grad, dim, row in zip(whole, dims, rows):
+        moved = jnp.moveaxis(grad, dim, 0).shape
+        block = mine[offset : offset + row.shape[1]].reshape(moved[0] // shards, *moved[1:])
+        blocks.append(jnp.moveaxis(block, 0, dim))
+        offset += row.shape[1]
+    return blocks
+
+
+def gatherer(dims: Sequence[int], axes: Any, algorithm: str, options: Mapping[str, Any],
+             gradient_options: Mapping[str, Any]) -> Any:  # fmt: skip
+    """``gather(blocks) -> whole parameters`` for one unit, whose gradient is the
+    reduce-scatter (summing) of the whole parameters' gradients: FSDP's forward and backward
+    collectives as one differentiable function. Parameters travel in their own dtype;
+    ``gradient_options`` (a ``transfer_dtype``, say) apply to the gradients."""
+    dims = tuple(dims)
+
+    @jax.custom_vjp
+    def gather(blocks):
+        with jax.named_scope(PARAMETER_SCOPE):
+            return [checkpoint_name(w, GATHERED)
+                    for w in gather_unit(blocks, dims, axes, algorithm, options)]  # fmt: skip
+
+    def forward(blocks):
+        return gather(blocks), None
+
+    def backward(_, cotangents):
+        with jax.named_scope(GRADIENT_SCOPE):
+            return (scatter_unit(cotangents, dims, axes, algorithm, gradient_options),)
+
+    gather.defvjp(forward, backward)
+    return gather
+
+
+def gathered_loss(loss_fn: Any, layout: Layout, axes: Any, algorithm: str,
+                  options: Mapping[str, Any], gradient_options: Mapping[str, Any],
+                  keep_gathered: bool) -> Any:  # fmt: skip
+    """``loss_fn`` on a device's parameter blocks: each unit gathered before the loss reads it,
+    and (unless ``keep_gathered``) gathered again in backward rather than kept from forward."""
+
+    def sharded_loss(params, model_state, batch, rng):
+        leaves, treedef = jax.tree.flatten(params)
+        whole = list(leaves)
+        for unit in layout.units:
+            dims = [layout.dims[i] for i in unit]
+            gather = gatherer(dims, axes, algorithm, options, gradient_options)
+            for i, w in zip(unit, gather([leaves[i] for i in unit])):
+                whole[i] = w
+        return loss_fn(jax.tree.unflatten(treedef, whole), model_state, batch, rng)
+
+    if keep_gathered:
+        return sharded_loss
+    return jax.checkpoint(sharded_loss, policy=_save_all_but_gathers)
+
+
+def _save_all_but_gathers(primitive: Any, *_: Any, **params: Any) -> bool:
+    """The remat policy of FSDP's loss: keep every value for backward as usual, except the
+    gathered parameters, which backward gathers again. A gather is a ``custom_vjp`` call
+    (:func:`gatherer`) whose result is named :data:`GATHERED` inside it; naming it outside
+    would not do, since the policy would then keep the unnamed call's result instead."""
+    if primitive.name == "name":
+        return params.get("name") != GATHERED
+    if primitive.name == "custom_vjp_call":
+        return not any(eqn.primitive.name == "name" and eqn.params.get("name") == GATHERED
+                       for eqn in params["call_jaxpr"].jaxpr.eqns)  # fmt: skip
+    return True
+
+
+def scatter_gradients(grads: Any, layout: Layout, axes: Any, algorithm: str,
+                      options: Mapping[str, Any]) -> Any:  # fmt: skip
+    """Whole gradients (ZeRO-1) summed over ``axes`` into the blocks each device owns; the
+    replicated leaves are left as they are."""
+    leaves, treedef = jax.tree.flatten(grads)
+    out = list(leaves)
+    with jax.named_scope(GRADIENT_SCOPE):
+        for unit in layout.units:
+            dims = [layout.dims[i] for i in unit]
+            for i, b in zip(unit, scatter_unit([leaves[i] for i in unit], dims, axes, algorithm,
+                                               options)):  # fmt: skip
+                out[i] = b
+    return jax.tree.unflatten(treedef, out)
+
+
+def gather_parameters(blocks: Any, layout: Layout, axes: Any, algorithm: str,
+                      options: Mapping[str, Any]) -> Any:  # fmt: skip
+    """Every sharded leaf of ``blocks`` gathered whole, unit by unit (ZeRO-1's parameters after
+    the update)."""
+    leaves, treedef = jax.tree.flatten(blocks)
+    out = list(leaves)
+    with jax.named_scope(PARAMETER_SCOPE):
+        for unit in layout.units:
+            dims = [layout.dims[i] for i in unit]
+            for i, w in zip(unit, gather_unit([leaves[i] for i in unit], dims, axes, algorithm,
+                                              options)):  # fmt: skip
+                out[i] = w
+    return jax.tree.unflatten(treedef, out)
+
+
+def replicated_mask(layout: Layout, treedef: Any) -> Any:
+    """A tree of booleans: True where a parameter is kept whole on every device."""
+    return jax.tree.unflatten(treedef, [d is None for d in layout.dims])

@@ -1,0 +1,221 @@
+"""ZeRO-1 and FSDP train steps against one-device training: every optimizer, every schedule with
+halves, HSDP, accumulation, loss scaling; memory per device; refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxdist import meshes
+from jaxdist.training import optim
+from jaxdist.training import train_step as ts
+from jaxdist.training.loss_scale import DynamicLossScale
+from tests.test_train_step import (
+    MESHES,
+    NUM_CLASSES,
+    STEPS,
+    Net,
+    assert_trees_close,
+    data,
+    distributed_training,
+    init_variables,
+    reference_training,
+)
+
+SHARDED = {"min_shard_elements": 0, "bucket_bytes": 512}
+
+# Optimizers that read more than one element: a global norm, per-layer trust ratios, weight
+# decay masked by name and by shape.
+CLIPPED_ADAMW = optax.chain(
+    optax.clip_by_global_norm(0.05),
+    optax.adamw(1e-2, weight_decay=0.1,
+                mask=lambda p: jax.tree_util.tree_map_with_path(
+                    lambda path, _: "bias" not in jax.tree_util.keystr(path), p)),
+)  # fmt: skip
+OPTIMIZERS = {
+    "clip_by_global_norm+adamw(mask by name)": CLIPPED_ADAMW,
+    "lars": optim.lars(0.5, weight_decay=1e-3),
+    "lamb": optax.lamb(1e-2, weight_decay=1e-3),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
+def test_every_optimizer_is_exact_when_sharded(sharding, name):
+    optimizer = OPTIMIZERS[name]
+    batches = [data(seed=s) for s in range(STEPS)]
+    params, _ = reference_training(optimizer, batches, use_norm=False)
+    make_mesh, axes = MESHES["ring-8"]
+    state, _, step = distributed_training(make_mesh(), axes, optimizer, batches, use_norm=False,
+                                          sharding=sharding, allreduce="ring", **SHARDED)  # fmt: skip
+    assert step.layout.units, "nothing was sharded"
+    assert_trees_close(state.params, params, atol=3e-6)
+    # The clipping bites: an unclipped run lands elsewhere (the test can fail).
+    if name.startswith("clip"):
+        free, _ = reference_training(optax.adamw(1e-2, weight_decay=0.1), batches, use_norm=False)
+        gap = max(float(np.max(np.abs(a - b))) for a, b in
+                  zip(jax.tree.leaves(free), jax.tree.leaves(params)))  # fmt: skip
+        assert gap > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("mesh_name", "algorithm", "options"),
+    [
+        ("ring-8", "native", {}),
+        ("ring-8", "bidirectional_ring", {}),
+        ("hierarchical-2x4", "hierarchical", {"inter_algorithm": "bidirectional_ring"}),
+        ("torus-2x2x2", "torus3d", {}),
+    ],
+)
+def test_fsdp_with_every_schedule_matches_single_device(reference_sgd, mesh_name, algorithm,
+                                                        options):  # fmt: skip
+    batches, (params, model_state) = reference_sgd
+    make_mesh, axes = MESHES[mesh_name]
+    state, _, _ = distributed_training(
+        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, sharding="fsdp",
+        allreduce=algorithm, allreduce_options=options, **SHARDED,
+    )  # fmt: skip
+    assert_trees_close(state.params, params, atol=3e-6)
+    assert_trees_close(state.model_state, model_state, atol=2e-6)
+
+
+@pytest.fixture(scope="module")
+def reference_sgd():
+    batches = [data(seed=s) for s in range(STEPS)]
+    return batches, reference_training(optax.sgd(0.1, momentum=0.9), batches)
+
+
+def test_hsdp_shards_inside_groups_and_averages_across(reference_sgd):
+    """FSDP over the inner axis of a 2x4 mesh, data parallel across its outer axis."""
+    batches, (params, model_state) = reference_sgd
+    make_mesh, axes = MESHES["hierarchical-2x4"]
+    state, _, step = distributed_training(
+        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, sharding="fsdp",
+        allreduce="ring", shard_axes="local", **SHARDED,
+    )  # fmt: skip
+    assert_trees_close(state.params, params, atol=3e-6)
+    assert_trees_close(state.model_state, model_state, atol=2e-6)
+    kernel = state.params["Dense_1"]["kernel"]  # 16 x 12, split 4 ways along its rows
+    assert kernel.addressable_shards[0].data.shape == (4, 12)
+    assert step.layout.shards == 4
+
+
+@pytest.mark.parametrize("keep_gathered", [False, True])
+def test_fsdp_with_accumulation_and_bf16_gradients(keep_gathered):
+    batches = [data(seed=s) for s in range(STEPS)]
+    params, _ = reference_training(optax.sgd(0.1, momentum=0.9), batches, use_norm=False)
+    make_mesh, axes = MESHES["torus-4x2"]
+    state, _, _ = distributed_training(
+        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, use_norm=False,
+        sharding="fsdp", allreduce="torus2d", accumulation_steps=4,
+        keep_gathered=keep_gathered, **SHARDED,
+    )  # fmt: skip
+    assert_trees_close(state.params, params, atol=3e-6)
+    rounded, _, _ = distributed_training(
+        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, use_norm=False,
+        sharding="fsdp", allreduce="torus2d", allreduce_options={"transfer_dtype": jnp.bfloat16},
+        **SHARDED,
+    )  # fmt: skip
+    assert_trees_close(rounded.params, params, atol=2e-3)
+    # Parameters travel whole: the float32 master copy is not rounded to bf16.
+    flat = np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(rounded.params)])
+    assert (
+        np.mean(flat != np.asarray(jnp.asarray(flat).astype(jnp.bfloat16).astype(jnp.float32)))
+        > 0.5
+    )
+
+
+def test_fsdp_under_a_float16_loss_scale_skips_overflowing_steps():
+    mesh = MESHES["ring-8"][0]()
+    params, model_state = init_variables(use_norm=False)
+    inner = ts.classifier_loss(Net(use_norm=False), num_classes=NUM_CLASSES)
+
+    def loss_fn(params, model_state, batch, rng):
+        loss, aux = inner(params, model_state, batch, rng)
+        return loss * jnp.where(batch["poison"][0], jnp.inf, 1.0), aux
+
+    step = ts.TrainStep(loss_fn, optax.sgd(0.1), mesh, allreduce="ring", sharding="fsdp",
+                        loss_scale=DynamicLossScale.create(2.0**10), **SHARDED)  # fmt: skip
+    state = step.init(params, model_state)
+    before = jax.device_get(state.params)
+    poisoned = {**data(), "poison": np.ones((64,), bool)}
+    state, metrics = step(state, step.shard_batch(poisoned), jax.random.key(0))
+    assert not bool(metrics["grads_finite"])
+    assert_trees_close(jax.device_get(state.params), before, atol=0)
+    assert float(state.loss_scale.scale) < 2.0**10
+
+
+def test_state_is_made_straight_into_its_shards():
+    mesh = MESHES["ring-8"][0]()
+    loss = ts.classifier_loss(Net(), num_classes=NUM_CLASSES)
+    step = ts.TrainStep(loss, optax.adam(1e-3), mesh, sharding="fsdp", **SHARDED)
+
+    def init(rng):
+        variables = Net().init(rng, jnp.zeros((2, 10)), train=False)
+        return variables["params"], {"batch_stats": variables["batch_stats"]}
+
+    state = step.init_sharded(init, jax.random.key(0))
+    placed = step.init(*jax.device_get(init(jax.random.key(0))))
+    assert_trees_close(state, placed, atol=0)
+    for made, want in zip(jax.tree.leaves(state), jax.tree.leaves(placed)):
+        assert made.sharding.is_equivalent_to(want.sharding, made.ndim)
+
+
+def test_per_device_state_falls_as_one_over_n():
+    """XLA's own memory analysis of the compiled step: parameters and optimizer state per
+    device, replicated against FSDP on 8 devices, for a model whose every kernel splits."""
+    import flax.linen as nn
+
+    class Wide(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=True):
+            for _ in range(3):
+                x = nn.relu(nn.Dense(256)(x))
+            return nn.Dense(8)(x)
+
+    params = Wide().init(jax.random.key(0), jnp.zeros((2, 256)))["params"]
+    batch = {"image": np.zeros((64, 256), np.float32), "label": np.zeros((64,), np.int32)}
+    mesh = meshes.ring(8)
+    loss = ts.classifier_loss(Wide(), num_classes=8)
+    sizes, layouts = {}, {}
+    for sharding in ("replicated", "zero1", "fsdp"):
+        step = ts.TrainStep(loss, optax.adam(1e-3), mesh, sharding=sharding, allreduce="ring")
+        state = step.init(params)
+        compiled = step.lower(state, step.shard_batch(batch), jax.random.key(0)).compile()
+        sizes[sharding] = compiled.memory_analysis().argument_size_in_bytes
+        layouts[sharding] = step.layout_of(state.params)
+    # What a device holds of the parameters, whole or split 8 ways as the layout says.
+    layout = layouts["fsdp"]
+    whole = sum(np.prod(s) for s in layout.shapes) * 4
+    split = sum(np.prod(s) for s, d in zip(layout.shapes, layout.dims) if d is not None) * 4
+    own = whole - split + split / 8
+    assert layout.replicated() == ["Dense_0.bias", "Dense_1.bias", "Dense_2.bias", "Dense_3.bias"]
+    batch_bytes = (64 * 256 + 64) * 4 / 8
+    # Adam: parameters + two moments. Replicated: 3x the model per device; ZeRO-1: whole
+    # parameters and split moments; FSDP: everything split (the biases stay whole).
+    assert sizes["replicated"] == pytest.approx(3 * whole + batch_bytes, rel=1e-3)
+    assert sizes["zero1"] == pytest.approx(whole + 2 * own + batch_bytes, rel=1e-3)
+    assert sizes["fsdp"] == pytest.approx(3 * own + batch_bytes, rel=1e-3)
+    assert sizes["fsdp"] < 1.05 * 3 * whole / 8 + batch_bytes
+
+
+def test_sharded_steps_refuse_what_they_cannot_run_in_one_line():
+    mesh = meshes.torus2d(4, 2)
+    loss = ts.classifier_loss(Net(), num_classes=NUM_CLASSES)
+    cases = [
+        ({"allreduce": "halving_doubling"}, "halving_doubling has no reduce-scatter"),
+        ({"allreduce": "auto"}, "allreduce='auto' names none"),
+        ({"allreduce": "ring", "sfb_layers": "all"}, "it sends no sufficient factors"),
+        ({"allreduce": "ring", "shard_axes": "z"}, "data axes ['z'] are not axes of the mesh"),
+        ({"allreduce": "ring", "wait_free": True}, "does not combine with sharding='fsdp'"),
+        ({"allreduce": "ring", "zero1": True}, "zero1=True is sharding='zero1'"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError) as err:
+            ts.TrainStep(loss, optax.sgd(0.1), mesh, sharding="fsdp", **options)
+        assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    with pytest.raises(
+        ValueError, match="sharding must be one of replicated, zero1, fsdp; got 'zero3'"
+    ):
+        ts.TrainStep(loss, optax.sgd(0.1), mesh, sharding="zero3")
