@@ -804,3 +804,42 @@ def test_native_buckets_stay_apart_on_gpu_hosts():
     report = compile_step(mesh, allreduce="native", bucket_bytes=1 << 19)
     grads = report.schedule.gradient_collectives
     assert len(grads) > 2 and report.schedule.overlapped_backward_fraction > 0
+
+
+def _order(text: str) -> list[str]:
+    """The entry computation's forward (f) and backward (b) products and FSDP's parameter
+    gathers, in the compiled order: ``mm-f``, ``gather-b``, ..."""
+    from jaxdist.aot.schedule import computations_of
+
+    computations, entry = computations_of(text)
+    order = []
+    for inst in computations[entry]:
+        name = inst.op_name or ""
+        way = "b" if "transpose(" in name else "f"
+        if inst.opcode.startswith("collective-permute") and "parameter_gather" in name:
+            order.append(f"gather-{way}")
+        elif inst.opcode == "fusion" and any(
+            i.opcode in ("convolution", "dot") for c in inst.called for i in computations.get(c, [])
+        ):
+            order.append(f"mm-{way}")
+    return order
+
+
+@needs_libtpu
+def test_fsdp_divides_the_state_per_chip_and_gathers_each_layer_beside_compute(torus_2x2):
+    plain = compile_step(torus_2x2, data_axes=("y", "x"), allreduce="torus2d")
+    sharded = compile_step(torus_2x2, data_axes=("y", "x"), allreduce="torus2d", sharding="fsdp")
+    # Every kernel splits 4 ways; the biases (at most 512 values) stay whole.
+    biases = sum(w for w in (512, 384, 512, 256, 10)) * 4
+    assert sharded.memory.parameters == pytest.approx(
+        (plain.memory.parameters - biases) / 4 + biases, rel=1e-3
+    )
+    assert sharded.memory.optimizer_state == pytest.approx(sharded.memory.parameters, rel=1e-3)
+    order = _order(sharded.text)
+    # Forward: the gathers are spread among the layers' products, not all before the first.
+    first_product = order.index("mm-f")
+    assert any(i > first_product for i, o in enumerate(order) if o == "gather-f"), order
+    # Backward gathers again, beside backward's products.
+    backward = [i for i, o in enumerate(order) if o == "mm-b"]
+    regathers = [i for i, o in enumerate(order) if o == "gather-b"]
+    assert regathers and any(backward[0] < i < backward[-1] for i in regathers), order

@@ -219,3 +219,74 @@ def test_sharded_steps_refuse_what_they_cannot_run_in_one_line():
         ValueError, match="sharding must be one of replicated, zero1, fsdp; got 'zero3'"
     ):
         ts.TrainStep(loss, optax.sgd(0.1), mesh, sharding="zero3")
+
+
+def test_fsdp_paces_each_layers_gather_and_keeps_tied_weights_in_one_segment():
+    """The loss is cut at each layer that reads new parameters; a matrix read twice (tied
+    input and output embeddings) keeps everything between its reads in one segment; the
+    step still equals one device's."""
+    from jaxdist.training import fsdp_pacing
+
+    def mlp(params, x):
+        for name in ("a", "b", "c"):
+            x = jnp.tanh(x @ params[name]["kernel"] + params[name]["bias"])
+        return x
+
+    params = {n: {"kernel": jnp.ones((8, 8)) * 0.1, "bias": jnp.zeros(8)} for n in "abc"}
+    leaves = jax.tree.leaves(params)
+    closed = jax.make_jaxpr(lambda *ls: mlp(jax.tree.unflatten(jax.tree.structure(params), ls),
+                                            jnp.ones((2, 8))))(*leaves)  # fmt: skip
+    param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars)}
+    segments = fsdp_pacing.segments_of(closed.jaxpr, param_vars)
+    # Leaves in tree order: a.bias, a.kernel, b.bias, ...: one segment per layer.
+    assert [sorted(s.leaves) for s in segments] == [[0, 1], [2, 3], [4, 5]]
+
+    def tied(params, x):
+        h = x @ params["embed"]
+        h = jnp.tanh(h @ params["mid"])
+        return h @ params["embed"].T
+
+    tied_params = {"embed": jnp.ones((8, 8)), "mid": jnp.ones((8, 8))}
+    leaves = jax.tree.leaves(tied_params)
+    closed = jax.make_jaxpr(lambda e, m: tied({"embed": e, "mid": m}, jnp.ones((2, 8))))(*leaves)
+    segments = fsdp_pacing.segments_of(closed.jaxpr, {v: i for i, v in
+                                                      enumerate(closed.jaxpr.invars)})  # fmt: skip
+    assert [sorted(s.leaves) for s in segments] == [[0, 1]]
+
+
+def test_a_tied_embedding_trains_exactly_under_fsdp():
+    import flax.linen as nn
+
+    class TiedLM(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=True):
+            embed = nn.Embed(16, 32)
+            h = embed(x).mean(1)
+            h = nn.relu(nn.Dense(32)(h))
+            return embed.attend(h)
+
+    tokens = np.random.default_rng(0).integers(0, 16, (64, 5)).astype(np.int32)
+    batches = [{"image": tokens, "label": tokens[:, 0]}]
+    model = TiedLM()
+    params = model.init(jax.random.key(0), tokens[:2])["params"]
+    optimizer = optax.adam(1e-2)
+
+    @jax.jit
+    def one_device(params, opt_state, batch):
+        def loss(p):
+            logits = model.apply({"params": p}, batch["image"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+        grads = jax.grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    expected, opt_state = params, optimizer.init(params)
+    for batch in batches * 2:
+        expected, opt_state = one_device(expected, opt_state, batch)
+    step = ts.TrainStep(ts.classifier_loss(model, num_classes=16), optimizer, meshes.ring(8),
+                        sharding="fsdp", allreduce="ring", **SHARDED)  # fmt: skip
+    state = step.init(params)
+    for batch in batches * 2:
+        state, _ = step(state, step.shard_batch(batch), jax.random.key(0))
+    assert_trees_close(state.params, expected, atol=3e-6)

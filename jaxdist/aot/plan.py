@@ -27,8 +27,13 @@ import ml_collections
 
 from jaxdist import meshes
 from jaxdist.aot import rcp
-from jaxdist.aot.chips import network_for
-from jaxdist.aot.compile import CompiledStep, DoesNotFitError, compile_train_step
+from jaxdist.aot.chips import GIB, network_for
+from jaxdist.aot.compile import (
+    CompiledStep,
+    DoesNotFitError,
+    compile_train_step,
+    per_chip_bytes,
+)
 from jaxdist.aot.predict import StepTime, predict_step, time_to_train
 from jaxdist.aot.topology import Topology
 from jaxdist.comm import cost_model
@@ -282,7 +287,7 @@ def _plan_stage(
         raise DoesNotFitError(
             f"stage {index} (global batch {device_plan.global_batch_size:,}, "
             f"{device_plan.per_device_batch} per chip) does not fit on a "
-            f"{topology.chip.name}: {err}; {FIT_HINT}"
+            f"{topology.chip.name}: {err}; {sharding_hint(trainer, index, variables)}{FIT_HINT}"
         ) from err
     step_time = predict_step(
         compiled, topology.chip, efficiency=efficiency, network=network,
@@ -326,6 +331,22 @@ def _given_links(
             raise LinkError(f"--host-link: {err}") from err
         sources["host"] = f"given: {host}"
     return cost_model.Network(intra, inter), sources
+
+
+def sharding_hint(trainer, stage: int, variable_shapes: tuple | None = None) -> str:
+    """For a replicated data-parallel step, what its parameters and optimizer state weigh per
+    chip and what FSDP would make of them ("" otherwise)."""
+    step = trainer.train_step_for(stage)
+    if getattr(step, "sharding", None) != "replicated":
+        return ""
+    if variable_shapes is None:
+        variable_shapes = _variable_shapes(trainer, trainer.config)
+    state = step.abstract_init(*variable_shapes)
+    held = per_chip_bytes((state.params, state.opt_state))
+    chips = step.mesh.devices.size
+    return (f"its parameters and optimizer state alone take {held / GIB:.2f} GiB per chip "
+            f"replicated, {held / chips / GIB:.2f} GiB sharded over {chips} chips "
+            f"(--set sharding=fsdp); or ")  # fmt: skip
 
 
 def _variable_shapes(trainer, config) -> tuple[Any, Any]:

@@ -69,11 +69,21 @@ class StepTime:
         return self.hidden / self.communication if self.communication else 0.0
 
     @property
+    def parameter_communication(self) -> float:
+        """Seconds of a sharded step's parameter gathers (walked steps only)."""
+        return self.timeline.parameter_seconds if self.timeline is not None else 0.0
+
+    @property
+    def parameter_hidden(self) -> float:
+        return self.timeline.parameter_hidden_seconds if self.timeline is not None else 0.0
+
+    @property
     def exposed(self) -> float:
         """Time the step waits for communication."""
         if self.timeline is not None:
             return self.timeline.exposed_seconds
-        return self.communication - self.hidden + self.other
+        return (self.communication - self.hidden + self.other
+                + self.parameter_communication - self.parameter_hidden)  # fmt: skip
 
     @property
     def total(self) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from jaxdist import meshes
 from jaxdist.aot.chips import GIB
 from jaxdist.aot.plan import Plan, StagePlan
@@ -42,6 +44,39 @@ def _unit(plan: Plan) -> str:
     return getattr(getattr(plan.trainer, "task", None), "unit", "samples")
 
 
+def _sharding(plan: Plan) -> str:
+    trainer = plan.trainer
+    return trainer.config.get("sharding", "replicated") if trainer is not None else "replicated"
+
+
+def _sharding_lines(plan: Plan, t: Any) -> list[str]:
+    """A sharded plan: what is split and kept whole, and the parameter gathers' time."""
+    sharding = _sharding(plan)
+    if sharding == "replicated":
+        return []
+    step = plan.trainer.train_step_for(0)
+    lines = [f"  sharding: {sharding}: {step.layout.describe()}"]
+    if t.parameter_communication:
+        share = t.parameter_hidden / t.parameter_communication
+        lines.append(
+            f"  parameter gathers: {t.parameter_communication * 1e3:.2f} ms, of which "
+            f"{t.parameter_hidden * 1e3:.2f} ms ({share:.0%}) run beside compute"
+        )
+        both = t.communication + t.parameter_communication
+        hidden = t.hidden + t.parameter_hidden
+        lines.append(
+            f"  {sharding}'s collectives (gradients and parameters): {both * 1e3:.2f} ms, "
+            f"{hidden / both:.0%} hidden"
+        )
+    return lines
+
+
+def _parameters_exposed(t: Any) -> str:
+    if not t.parameter_communication:
+        return ""
+    return f", parameters' {(t.parameter_communication - t.parameter_hidden) * 1e3:.1f} ms"
+
+
 def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
     chip = plan.topology.chip
     dp, mem, t = stage.device_plan, stage.compiled.memory, stage.step_time
@@ -76,6 +111,7 @@ def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
             f"than unroll_limit={plan.trainer.config.unroll_limit}) and hide nothing; "
             f"--set unroll_limit={longest} unrolls them (the program compiles for longer)"
         )
+    lines += _sharding_lines(plan, t)
     lines += [
         f"  gradient communication: {t.communication * 1e3:.2f} ms, of which "
         f"{t.hidden * 1e3:.2f} ms ({t.hidden_fraction:.0%}) run beside compute (the compiled "
@@ -85,11 +121,17 @@ def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
         f"({schedule.overlapped_backward_fraction:.0%}; a count, not time)",
         f"  step: compute {t.compute * 1e3:.1f} ms (FLOPs at peak x efficiency "
         f"{t.efficiency:.2f}) + waiting for communication {t.exposed * 1e3:.1f} ms (gradients' "
-        f"exposed {(t.communication - t.hidden) * 1e3:.1f} ms, other collectives "
-        f"{t.other * 1e3:.1f} ms) = {t.total * 1e3:.1f} ms -> "
+        f"exposed {(t.communication - t.hidden) * 1e3:.1f} ms{_parameters_exposed(t)}, other "
+        f"collectives {t.other * 1e3:.1f} ms) = {t.total * 1e3:.1f} ms -> "
         f"{dp.global_batch_size / t.total:,.0f} {_unit(plan)}/s",
     ]
-    if not plan.wait_free and plan.algorithm not in ("native", "auto") and t.communication:
+    replicated = _sharding(plan) == "replicated"
+    if (
+        not plan.wait_free
+        and plan.algorithm not in ("native", "auto")
+        and t.communication
+        and replicated
+    ):
         lines.append(
             "  note: the buckets' schedules run in the compiler's order; --set wait_free=True "
             "paces each bucket's steps beside the backward pass (docs/train_step.md)"

@@ -171,8 +171,10 @@ def nbytes_of(type_text: str) -> int:
 
 
 def role_of(op_name: str) -> str:
+    """The role of a collective from its op name: the scope it was traced in, also where a
+    transformation wraps it (``jvp(parameter_gather)``, as FSDP's forward gathers read)."""
     for scope, role in ROLES.items():
-        if f"/{scope}/" in op_name:
+        if re.search(rf"[/(]{scope}[)/]", op_name):
             return role
     return "other"
 

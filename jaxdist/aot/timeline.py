@@ -10,15 +10,18 @@ compiler chose, as the chip runs it:
   proportion to its roofline time (``max(FLOPs / peak, bytes / HBM bandwidth)``, FLOPs of its
   matrix products and convolutions, bytes of its operands and result);
 * one network beside it: an asynchronous collective's transfer starts at its ``start`` and
-  takes the cost model's time for its kind, bytes and group; gradient transfers go one at a
-  time (a transfer issued while another is under way starts when it ends), the small,
+  takes the cost model's time for its kind, bytes and group; gradient and parameter
+  transfers go one at a time (a transfer issued while another is under way starts when it
+  ends), the small,
   latency-bound rest (BatchNorm statistics, metrics) as issued; a ``done`` waits for its
   transfer, and a synchronous collective stops the compute stream until its own ends;
 * a loop runs its body's walk once per turn, nothing beside it.
 
 The walk gives the step's time and, per gradient transfer, the part of it that ran while the
 compute stream was busy: the hidden time. Buckets whose chains run after backward read as
-exposed, whatever windows they open.
+exposed, whatever windows they open. A sharded step's parameter all-gathers (FSDP's before
+each unit is used, ZeRO-1's after the update) are bandwidth-bound like gradients: they queue
+on the same network and their hidden time is counted apart.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class Timeline:
     compute_seconds: float = 0.0
     gradient_seconds: float = 0.0  # every gradient transfer's own time, added
     gradient_hidden_seconds: float = 0.0  # the part of it the compute stream ran beside
+    parameter_seconds: float = 0.0  # a sharded step's parameter gathers, likewise
+    parameter_hidden_seconds: float = 0.0
     other_seconds: dict[str, float] = field(default_factory=dict)  # by role, transfers' time
     # The walk itself, for pictures: compute intervals, and (role, begin, end) of transfers.
     busy: list[tuple[float, float]] = field(default_factory=list, repr=False)
@@ -71,6 +76,15 @@ class Timeline:
         """Share of the gradient communication's time that compute hides."""
         return (
             self.gradient_hidden_seconds / self.gradient_seconds if self.gradient_seconds else 0.0
+        )
+
+    @property
+    def parameter_hidden_fraction(self) -> float:
+        """Share of the parameter gathers' time that compute hides."""
+        return (
+            self.parameter_hidden_seconds / self.parameter_seconds
+            if self.parameter_seconds
+            else 0.0
         )
 
     @property
@@ -277,6 +291,10 @@ def matrix_flops(text: str) -> float:
     return _Weights(computations, 1.0, 1.0).computation_flops(entry)
 
 
+# Roles whose transfers are bandwidth-bound and queue on the network one at a time.
+_QUEUED = ("gradients", "parameters")
+
+
 @dataclass
 class _Transfer:
     role: str
@@ -346,7 +364,7 @@ class _Walk:
         collective = Collective(kind, _result_bytes(inst), True, role_of(inst.op_name),
                                 group_size_of(inst, self.num_devices))  # fmt: skip
         seconds = self.price(collective, inst)
-        if collective.role != "gradients":  # small, latency-bound: not queued behind them
+        if collective.role not in _QUEUED:  # small, latency-bound: not queued behind them
             transfer = _Transfer(collective.role, self.now, self.now + seconds)
             self.transfers.append(transfer)
             return transfer
@@ -373,9 +391,13 @@ class _Walk:
 
         for t in self.transfers:
             seconds = t.end - t.begin
+            hidden = busy_until(t.end) - busy_until(t.begin)
             if t.role == "gradients":
                 result.gradient_seconds += seconds
-                result.gradient_hidden_seconds += busy_until(t.end) - busy_until(t.begin)
+                result.gradient_hidden_seconds += hidden
+            elif t.role == "parameters":
+                result.parameter_seconds += seconds
+                result.parameter_hidden_seconds += hidden
             else:
                 result.other_seconds[t.role] = result.other_seconds.get(t.role, 0.0) + seconds
         return result

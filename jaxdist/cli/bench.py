@@ -157,6 +157,15 @@ def _register_train_step(kinds: argparse._SubParsersAction) -> None:
         "comma-separated module paths (default: none; with auto every dense layer is a "
         "candidate)",
     )
+    t.add_argument(
+        "--sharding",
+        action="store_true",
+        help="instead: time a transformer LM step replicated, as ZeRO-1, as FSDP with the "
+        "first of --algorithms, and as XLA's own FSDP (jit + NamedSharding), with each one's "
+        "state and peak memory per device",
+    )
+    t.add_argument("--layers", type=int, default=2, help="transformer blocks for --sharding")
+    t.add_argument("--d-model", type=int, default=256, help="model width for --sharding")
     t.set_defaults(func=run_train_step)
 
 
@@ -285,6 +294,31 @@ def _schedule_options(args: argparse.Namespace, exchange_piece: int | None) -> d
     return options
 
 
+def _run_sharding(args: argparse.Namespace, algorithm: str, mesh, leader: bool) -> int:
+    import json
+
+    from jaxdist.bench import sharding as bench_sharding
+
+    try:
+        results = bench_sharding.run(
+            mesh, algorithm, num_layers=args.layers, d_model=args.d_model,
+            per_device_batch=args.per_device_batch, steps=args.steps, rounds=args.rounds,
+            progress=_leader_printer(True),
+        )  # fmt: skip
+    except ValueError as err:
+        print(f"jaxdist bench: {err}", file=sys.stderr)
+        return 2
+    if leader:
+        describe = (f"transformer LM, {args.layers} blocks of width {args.d_model}, "
+                    f"{args.per_device_batch} sequences of 128 bytes per device, AdamW")  # fmt: skip
+        print(bench_sharding.format_table(results, mesh, describe))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(bench_sharding.to_json(results), f, indent=2)
+            print(f"wrote {Path(args.json).resolve()}")
+    return 0
+
+
 def run_train_step(args: argparse.Namespace) -> int:
     import json
 
@@ -298,6 +332,8 @@ def run_train_step(args: argparse.Namespace) -> int:
         print(f"jaxdist bench: {err}", file=sys.stderr)
         return 2
     leader = jax.process_index() == 0
+    if args.sharding:
+        return _run_sharding(args, algorithms[0], mesh, leader)
     if args.show_plan:
         from jaxdist.run.from_config import sfb_layers_setting
 

@@ -118,18 +118,19 @@ def run_plan(args: argparse.Namespace) -> int:
 def _fit_verdict(plan) -> int:
     """0 when every stage fits in HBM; otherwise one line naming the stage and the fix, 2."""
     from jaxdist.aot.chips import GIB
-    from jaxdist.aot.plan import FIT_HINT
+    from jaxdist.aot.plan import FIT_HINT, sharding_hint
 
     capacity = plan.topology.chip.hbm_bytes
     over = [s for s in plan.stages if s.compiled.memory.total > capacity]
     if not over:
         return 0
     worst = max(over, key=lambda s: s.compiled.memory.total)
+    hint = sharding_hint(plan.trainer, worst.index) if plan.trainer is not None else ""
     excess = (worst.compiled.memory.total - capacity) / GIB
     print(
         f"jaxdist plan: stage {worst.index} needs {worst.compiled.memory.total / GIB:.2f} GiB "
         f"per chip, {excess:.2f} GiB more than a {plan.topology.chip.name}'s "
-        f"{capacity / GIB:.2f} GiB: {FIT_HINT}",
+        f"{capacity / GIB:.2f} GiB: {hint}{FIT_HINT}",
         file=sys.stderr,
     )
     return 2

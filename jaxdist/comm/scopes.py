@@ -10,8 +10,8 @@ __all__ = [
     "ROLES",
 ]
 
-GRADIENT_SCOPE = "gradient_sync"  # the gradient allreduce, or ZeRO-1's reduce-scatter
-PARAMETER_SCOPE = "parameter_gather"  # ZeRO-1's all-gather of the updated parameters
+GRADIENT_SCOPE = "gradient_sync"  # the gradient allreduce, or a sharded step's reduce-scatter
+PARAMETER_SCOPE = "parameter_gather"  # ZeRO-1's all-gather of the update, FSDP's before use
 BATCHNORM_SCOPE = "batchnorm_statistics"  # a BatchNorm's mean and mean of squares, per step
 MODEL_STATE_SCOPE = "model_state_mean"  # running statistics averaged once per step
 METRICS_SCOPE = "metrics_mean"  # loss and metrics averaged for the log

@@ -32,16 +32,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.comm import collectives
 from jaxdist.comm.scopes import GRADIENT_SCOPE, PARAMETER_SCOPE
+from jaxdist.training.fsdp_pacing import paced_loss
 
 __all__ = [
     "DEFAULT_MIN_SHARD_ELEMENTS",
     "FSDP_AXIS",
-    "GATHERED",
     "SHARDINGS",
     "Layout",
     "check_sharding",
@@ -56,10 +55,6 @@ FSDP_AXIS = "fsdp"
 # Parameters with fewer elements stay replicated: a bias or a norm's scale would cost a
 # collective's latency to save a few hundred bytes.
 DEFAULT_MIN_SHARD_ELEMENTS = 1024
-
-# The name FSDP gives gathered parameters (jax.ad_checkpoint.checkpoint_name), so that backward
-# gathers them again instead of keeping them from forward.
-GATHERED = "jaxdist_gathered_parameters"
 
 
 def check_sharding(sharding: str) -> str:
@@ -161,11 +156,20 @@ def _front(block: jax.Array, dim: int) -> jax.Array:
 
 
 def gather_unit(blocks: Sequence[jax.Array], dims: Sequence[int], axes: Any, algorithm: str,
-                options: Mapping[str, Any]) -> list[jax.Array]:  # fmt: skip
-    """Every device's blocks of one unit's parameters, gathered into whole parameters."""
+                options: Mapping[str, Any], reversed_: bool = False) -> list[jax.Array]:  # fmt: skip
+    """Every device's blocks of one unit's parameters, gathered into whole parameters.
+
+    ``reversed_``: each device sends its buffer back to front and the rows are turned round
+    as they arrive: the same result from other messages, which the compiler cannot merge
+    with the same unit's gather in forward (merged, the forward's gathered copy would be
+    kept alive until backward)."""
     shards = collectives.axis_size(axes)
     local = jnp.concatenate([_front(b, d) for b, d in zip(blocks, dims)])
+    if reversed_:
+        local = local[::-1]
     gathered = collectives.all_gather(local, axes, algorithm, **options).reshape(shards, -1)
+    if reversed_:
+        gathered = gathered[:, ::-1]
     whole, offset = [], 0
     for block, dim in zip(blocks, dims):
         moved = jnp.moveaxis(block, dim, 0).shape
@@ -201,8 +205,7 @@ def gatherer(dims: Sequence[int], axes: Any, algorithm: str, options: Mapping[st
     @jax.custom_vjp
     def gather(blocks):
         with jax.named_scope(PARAMETER_SCOPE):
-            return [checkpoint_name(w, GATHERED)
-                    for w in gather_unit(blocks, dims, axes, algorithm, options)]  # fmt: skip
+            return gather_unit(blocks, dims, axes, algorithm, options)
 
     def forward(blocks):
         return gather(blocks), None
@@ -218,8 +221,17 @@ def gatherer(dims: Sequence[int], axes: Any, algorithm: str, options: Mapping[st
 def gathered_loss(loss_fn: Any, layout: Layout, axes: Any, algorithm: str,
                   options: Mapping[str, Any], gradient_options: Mapping[str, Any],
                   keep_gathered: bool) -> Any:  # fmt: skip
-    """``loss_fn`` on a device's parameter blocks: each unit gathered before the loss reads it,
-    and (unless ``keep_gathered``) gathered again in backward rather than kept from forward."""
+    """``loss_fn`` on a device's parameter blocks. By default each layer's parameters are
+    gathered just before it runs, one layer ahead, and again in backward
+    (:mod:`jaxdist.training.fsdp_pacing`); with ``keep_gathered`` every unit is gathered at
+    the top of the loss and kept for backward (more memory, half the parameter traffic)."""
+    if not keep_gathered:
+        return paced_loss(
+            loss_fn, layout,
+            lambda blocks, dims, again: gather_unit(blocks, dims, axes, algorithm, options,
+                                                    reversed_=again),
+            lambda whole, dims: scatter_unit(whole, dims, axes, algorithm, gradient_options),
+        )  # fmt: skip
 
     def sharded_loss(params, model_state, batch, rng):
         leaves, treedef = jax.tree.flatten(params)
@@ -231,22 +243,7 @@ def gathered_loss(loss_fn: Any, layout: Layout, axes: Any, algorithm: str,
                 whole[i] = w
         return loss_fn(jax.tree.unflatten(treedef, whole), model_state, batch, rng)
 
-    if keep_gathered:
-        return sharded_loss
-    return jax.checkpoint(sharded_loss, policy=_save_all_but_gathers)
-
-
-def _save_all_but_gathers(primitive: Any, *_: Any, **params: Any) -> bool:
-    """The remat policy of FSDP's loss: keep every value for backward as usual, except the
-    gathered parameters, which backward gathers again. A gather is a ``custom_vjp`` call
-    (:func:`gatherer`) whose result is named :data:`GATHERED` inside it; naming it outside
-    would not do, since the policy would then keep the unnamed call's result instead."""
-    if primitive.name == "name":
-        return params.get("name") != GATHERED
-    if primitive.name == "custom_vjp_call":
-        return not any(eqn.primitive.name == "name" and eqn.params.get("name") == GATHERED
-                       for eqn in params["call_jaxpr"].jaxpr.eqns)  # fmt: skip
-    return True
+    return sharded_loss
 
 
 def scatter_gradients(grads: Any, layout: Layout, axes: Any, algorithm: str,

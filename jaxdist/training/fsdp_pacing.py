@@ -1,0 +1,290 @@
+"""FSDP's collectives placed in the program: each parameter gathered just before the layer
+that reads it, one layer ahead, in forward and again in backward, and its gradient
+reduce-scattered as that layer's backward ends.
+
+Gathering every unit at the top of the loss leaves the order to the compiler, which starts
+every gather as early as it may -- at the top of the step -- and so holds the whole model
+gathered (and, in backward, every gathered copy and every whole gradient at once): FSDP's
+memory is gone. This module fixes the order in the program itself:
+
+1. The loss is traced once on whole parameters (``jax.make_jaxpr``) and cut into
+   *segments*: a segment starts at each matrix product or convolution that reads
+   parameters no earlier segment read (a layer's kernel; its bias or a norm's scale joins
+   the segment open when it is first read), and a parameter read again later keeps every
+   equation between its reads in one segment.
+2. Each segment runs as one ``jax.custom_vjp`` function of its inputs and its parameters'
+   blocks. Forward: it gathers its blocks (one collective of the family for all of them)
+   tied by ``lax.optimization_barrier`` to a scalar the segment *before* it hands over at
+   its own start -- so segment ``k + 1``'s gather runs beside segment ``k``'s compute and no
+   earlier -- and keeps for backward what ``jax.vjp`` keeps, less what is computed from the
+   gathered parameters alone (the parameters themselves, their casts and transposes).
+   Backward: it gathers its blocks again, tied to the cotangent of that scalar, which
+   segment ``k + 1``'s backward hands back as it starts -- so the gather runs beside the
+   later segment's backward -- recomputes what it did not keep from the parameters, applies
+   the saved ``vjp`` and reduce-scatters the parameters' gradient into the blocks.
+
+The arithmetic is the loss's own, equation by equation; only where the compiler may place
+the collectives is narrowed. A segment holds at most two segments' parameters gathered at
+once, whatever the model's depth.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex
+
+from jaxdist.comm.scopes import GRADIENT_SCOPE, PARAMETER_SCOPE
+
+__all__: list[str] = []  # building blocks of the package's own modules
+
+_MATMULS = ("dot_general", "conv_general_dilated")
+
+
+@dataclass
+class _Segment:
+    eqns: list  # the loss's equations, in order
+    inputs: list  # vars read, defined outside the segment (not sharded parameters)
+    outputs: list  # vars defined here and read later (or returned)
+    leaves: list[int]  # the sharded parameter leaves it gathers
+    params: list  # their invars, in the order of ``leaves``
+
+
+def _is_var(v: Any) -> bool:
+    return isinstance(v, jex.Var)
+
+
+def _reads_matmul(eqn: Any) -> bool:
+    if eqn.primitive.name in _MATMULS:
+        return True
+    return any(
+        _reads_matmul(inner)
+        for sub in jex.jaxprs_in_params(eqn.params)
+        for inner in getattr(sub, "eqns", getattr(getattr(sub, "jaxpr", None), "eqns", []))
+    )
+
+
+def segments_of(jaxpr: Any, param_vars: Mapping[Any, int]) -> list[_Segment]:
+    """The loss's equations cut into segments (see the module docstring); ``param_vars`` maps
+    each sharded parameter's invar to its leaf index."""
+    eqns = list(jaxpr.eqns)
+    first: dict[Any, int] = {}
+    last: dict[Any, int] = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if _is_var(v) and v in param_vars:
+                first.setdefault(v, i)
+                last[v] = i
+    if any(v in param_vars for v in jaxpr.outvars if _is_var(v)):
+        raise ValueError("fsdp: the loss returns a parameter itself; it cannot be paced")
+    # Boundaries at products that read new parameters (a layer's kernel), once the open
+    # segment did a product; other new parameters (a bias, a norm's scale) join the open one.
+    starts, matmul_since = [0], False
+    for i, eqn in enumerate(eqns):
+        matmul = _reads_matmul(eqn)
+        opens = any(first.get(v) == i for v in eqn.invars if _is_var(v))
+        if opens and matmul and matmul_since and i > starts[-1]:
+            starts.append(i)
+            matmul_since = False
+        matmul_since = matmul_since or matmul
+    # A parameter read in several segments keeps them one.
+    for v in first:
+        lo = max(s for s in starts if s <= first[v])
+        starts = [s for s in starts if not lo < s <= last[v]]
+    bounds = [*starts, len(eqns)]
+    last_read: dict[Any, int] = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if _is_var(v):
+                last_read[v] = i
+    for v in jaxpr.outvars:
+        if _is_var(v):
+            last_read[v] = len(eqns)
+    segments = []
+    for a, b in itertools.pairwise(bounds):
+        part = eqns[a:b]
+        defined = {v for eqn in part for v in eqn.outvars}
+        reads = list(dict.fromkeys(v for eqn in part for v in eqn.invars if _is_var(v)))
+        params = [v for v in reads if v in param_vars]
+        inputs = [v for v in reads if v not in defined and v not in param_vars]
+        outputs = [v for eqn in part for v in eqn.outvars if last_read.get(v, -1) >= b]
+        segments.append(_Segment(part, inputs, outputs, [param_vars[v] for v in params], params))
+    return segments
+
+
+def _evaluate(segment: _Segment, inputs: Sequence[Any], params: Sequence[Any]) -> list[Any]:
+    """The segment's outputs from its inputs and its whole parameters."""
+    names = jex.DebugInfo("fsdp segment", "jaxdist.training.fsdp_pacing",
+                          tuple(map(str, [*segment.inputs, *segment.params])),
+                          tuple(map(str, segment.outputs)))  # fmt: skip
+    effects = frozenset().union(*(eqn.effects for eqn in segment.eqns))
+    jaxpr = jex.Jaxpr([], [*segment.inputs, *segment.params], segment.outputs, segment.eqns,
+                      effects, names)  # fmt: skip
+    return jax.core.eval_jaxpr(jaxpr, [], *inputs, *params)
+
+
+def _floats(values: Sequence[Any]) -> list[jax.Array]:
+    return [x for x in values if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def _handover(values: Sequence[Any]) -> jax.Array:
+    """A float32 zero computed from one element of every floating-point value of ``values``:
+    it exists once they all do, which marks when a segment's inputs (forward) or its outputs'
+    cotangents (backward) are there. Computed, not merely tied by an optimization barrier,
+    since compilers drop barriers before they schedule: ``x * 0`` is not folded for floats
+    (``inf * 0`` is NaN), and a NaN or an infinity becomes 0."""
+    zero = jnp.zeros((), jnp.float32)
+    for x in _floats(values):
+        if x.size:
+            element = x.reshape(-1)[0].astype(jnp.float32) * 0.0
+            zero = zero + jnp.where(jnp.isfinite(element), element, 0.0)
+    return zero
+
+
+def _handover_pair(inputs: Sequence[Any]) -> jax.Array:
+    """Forward's handover: ``[zero once the inputs are there, 0]``. Backward hands back
+    ``[zero once this segment's backward has begun and the next one's reduce-scatter is done,
+    zero once this one's reduce-scatter is done]`` in its place (the cotangent)."""
+    return jnp.stack([_handover(inputs), jnp.zeros((), jnp.float32)])
+
+
+def _gate(handover: jax.Array | None) -> jax.Array | None:
+    """What a segment's gather waits for: the first entry of the handover it was given."""
+    return None if handover is None else handover[0]
+
+
+def _after(shards: Sequence[jax.Array], handover: jax.Array | None) -> list[jax.Array]:
+    """``shards`` made to depend on ``handover`` (a zero): its first element plus it, so that
+    the gather reading them cannot start before the handover exists. Adding zero changes no
+    value (a -0.0 turns +0.0)."""
+    shards = list(shards)
+    if handover is None or not shards:
+        return shards
+    first = shards[0]
+    flat = first.reshape(-1)
+    flat = flat.at[0].add(handover.astype(first.dtype))
+    shards[0] = flat.reshape(first.shape)
+    return shards
+
+
+def _w_only_residuals(f: Callable, inputs: Sequence[Any], whole: Sequence[Any]) -> list[bool]:
+    """Which leaves of ``jax.vjp(f, inputs, whole)``'s residuals depend on the parameters
+    alone (not on the inputs): those backward recomputes from the gathered parameters."""
+
+    def residuals(ins, ws):
+        return jax.tree.leaves(jax.vjp(f, ins, ws)[1])
+
+    closed = jax.make_jaxpr(residuals)(list(inputs), list(whole))
+    jaxpr = closed.jaxpr
+    from_inputs = set(jaxpr.invars[: len(inputs)])
+    for eqn in jaxpr.eqns:  # a call's outputs follow all its operands: the safe side
+        if any(_is_var(v) and v in from_inputs for v in eqn.invars):
+            from_inputs.update(eqn.outvars)
+    return [not (_is_var(v) and v in from_inputs) for v in jaxpr.outvars]
+
+
+def _placeholder(aval: jax.ShapeDtypeStruct) -> jax.Array:
+    """An array of ``aval``'s shape and dtype (a PRNG key array too) whose values go unread."""
+    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
+        return jnp.broadcast_to(jax.random.key(0), aval.shape)
+    return jnp.zeros(aval.shape, aval.dtype)
+
+
+def paced_loss(loss_fn: Callable, layout: Any, gather: Callable, scatter: Callable) -> Callable:
+    """``loss_fn`` on a device's parameter blocks with every gather and reduce-scatter placed
+    as the module docstring says. ``gather(blocks, dims, again) -> whole`` and
+    ``scatter(whole, dims) -> blocks`` are the unit collectives
+    (:mod:`jaxdist.training.sharding`); ``again`` marks backward's gather, which must not be
+    merged with forward's."""
+
+    def sharded_loss(params, model_state, batch, rng):
+        blocks, treedef = jax.tree.flatten(params)
+        split = [i for i, d in enumerate(layout.dims) if d is not None]
+        whole_shapes = [jax.ShapeDtypeStruct(layout.shapes[i], blocks[i].dtype) for i in split]
+        others, others_def = jax.tree.flatten((model_state, batch, rng))
+        free = [blocks[i] for i, d in enumerate(layout.dims) if d is None]
+
+        def traced(whole, free_leaves, other_leaves):
+            leaves = list(blocks)
+            for i, w in zip(split, whole, strict=True):
+                leaves[i] = w
+            for i, w in zip([i for i, d in enumerate(layout.dims) if d is None], free_leaves,
+                            strict=True):  # fmt: skip
+                leaves[i] = w
+            ms, b, r = jax.tree.unflatten(others_def, other_leaves)
+            return loss_fn(jax.tree.unflatten(treedef, leaves), ms, b, r)
+
+        closed, out_shapes = jax.make_jaxpr(traced, return_shape=True)(whole_shapes, free, others)
+        jaxpr = closed.jaxpr
+        whole_vars = jaxpr.invars[: len(split)]
+        env = dict(zip(jaxpr.constvars, closed.consts))
+        env.update(zip(jaxpr.invars[len(split) :], [*free, *others]))
+        segments = segments_of(jaxpr, {v: split[k] for k, v in enumerate(whole_vars)})
+        handover = None  # what the previous segment handed over (see _handover_pair)
+        for segment in segments:
+            step = _segment_step(segment, layout, gather, scatter)
+            shards = [blocks[i] for i in segment.leaves]
+            values = [env[v] for v in segment.inputs]
+            outputs, handover = step(values, shards, handover)
+            env.update(zip(segment.outputs, outputs))
+        read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
+        return jax.tree.unflatten(jax.tree.structure(out_shapes), [read(v) for v in jaxpr.outvars])
+
+    return sharded_loss
+
+
+def _segment_step(segment: _Segment, layout: Any, gather: Callable, scatter: Callable):
+    """``(inputs, blocks, handover) -> (outputs, handover)``: one segment as a custom_vjp."""
+    dims = [layout.dims[i] for i in segment.leaves]
+    f = lambda ins, ws: _evaluate(segment, ins, ws)  # noqa: E731
+    saved: dict[str, Any] = {}
+
+    def gathered(shards, tie, again=False):
+        if not shards:
+            return []
+        with jax.named_scope(PARAMETER_SCOPE):
+            return gather(_after(shards, tie), dims, again)
+
+    @jax.custom_vjp
+    def step(inputs, shards, handover):
+        return f(inputs, gathered(shards, _gate(handover))), _handover_pair(inputs)
+
+    def forward(inputs, shards, handover):
+        whole = gathered(shards, _gate(handover))
+        outputs, vjp_fn = jax.vjp(f, list(inputs), list(whole))
+        leaves, saved["treedef"] = jax.tree.flatten(vjp_fn)
+        recomputed = _w_only_residuals(f, inputs, whole) if shards else [False] * len(leaves)
+        saved["recomputed"] = recomputed
+        kept = [leaf for leaf, r in zip(leaves, recomputed, strict=True) if not r]
+        saved["inputs"] = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
+        return (outputs, _handover_pair(inputs)), (kept, list(shards), handover)
+
+    def backward(residuals, cotangents):
+        kept, shards, handover = residuals
+        output_cts, handover_ct = cotangents
+        whole = gathered(shards, _gate(handover_ct), again=True)
+        if any(saved["recomputed"]):
+            # What depends on the parameters alone does not read the inputs: stand-ins do.
+            stand_ins = [_placeholder(x) for x in saved["inputs"]]
+            again = jax.tree.leaves(jax.vjp(f, stand_ins, list(whole))[1])
+        kept_iter = iter(kept)
+        leaves = [again[k] if r else next(kept_iter) for k, r in enumerate(saved["recomputed"])]
+        vjp_fn = jax.tree.unflatten(saved["treedef"], leaves)
+        input_cts, whole_cts = vjp_fn(list(output_cts))
+        with jax.named_scope(GRADIENT_SCOPE):
+            shard_cts = scatter(whole_cts, dims) if shards else []
+        # The previous segment may gather again once this one's backward has begun and the
+        # next one's reduce-scatter is done (it ran beside this one's backward); this one's
+        # reduce-scatter is handed on, to gate the gather after that.
+        if handover is None:
+            return input_cts, shard_cts, None
+        begun = _handover(list(output_cts)) + handover_ct[1]
+        return input_cts, shard_cts, jnp.stack([begun, _handover(shard_cts)])
+
+    step.defvjp(forward, backward)
+    return step
