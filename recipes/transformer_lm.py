@@ -11,6 +11,7 @@ Command (no download; 2 CPU devices, any allreduce):
     jaxdist --cpu-devices 2 train recipes/transformer_lm.py --set allreduce=halving_doubling
     jaxdist --cpu-devices 2 train recipes/transformer_lm.py --set pipeline.stages=2 \
         --set pipeline.schedule=1f1b --set pipeline.microbatches=4   # data=1 x stage=2
+    jaxdist --cpu-devices 8 train recipes/transformer_lm.py --set sharding=fsdp   # FSDP over 8
 
 Hardware: any CPU; about 2 minutes on 2 shared cores.
 Expected: see docs/tasks.md for the measured bits per byte and time.

@@ -146,6 +146,24 @@ def _check_exchanges_in_pieces(mesh, outer: int, inner: int) -> None:
         print(f"CHECK pieces {algorithm} {outer}x{inner} OK")
 
 
+def _check_halves(mesh, axes, x: jax.Array, expected: np.ndarray, outer: int, inner: int):
+    """Every schedule's reduce-scatter followed by its all-gather (the allreduce in its two
+    halves, as ZeRO-1 and FSDP run them) against the numpy row sum, on every device."""
+    names = [a for a in collectives.SHARDED_ALGORITHMS if a != "torus3d"]
+
+    def body(block):
+        v = block.reshape(-1)
+        return {a: collectives.all_gather(collectives.reduce_scatter(v, axes, a), axes, a)[None]
+                for a in names}  # fmt: skip
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes))
+    for name, y in jax.jit(f)(x).items():
+        for row in _local_rows(y):
+            np.testing.assert_allclose(row[: expected.size], expected, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{name} halves on {outer}x{inner}")  # fmt: skip
+        print(f"CHECK halves {name} {outer}x{inner} OK")
+
+
 def check_allreduce(n: int = 1003) -> None:
     """All algorithms on every two-level arrangement of the devices, compared with psum.
 
@@ -192,6 +210,7 @@ def check_allreduce(n: int = 1003) -> None:
             f"psum's result on every device, found max abs difference {err:.3g}"
         )
         print(f"CHECK allreduce torus3d {outer}x{inner} OK max_err={err:.2g}")
+        _check_halves(mesh, axes, x, expected, outer, inner)
         _check_exchanges_in_pieces(mesh, outer, inner)
     auto = collectives.default_exchange_piece_bytes()
     assert auto == collectives.wire.GLOO_EXCHANGE_PIECE_BYTES, (
@@ -279,6 +298,10 @@ TRAIN_CASES: dict[str, tuple[Callable[[int], tuple[Mesh, collectives.AxisName]],
     "hierarchical": (_host_mesh, {"allreduce": "hierarchical"}),
     "torus2d": (_host_mesh, {"allreduce": "torus2d", "bucket_bytes": 512}),
     "ring_zero1": (_ring_mesh, {"allreduce": "ring", "zero1": True}),
+    "torus2d_fsdp": (
+        _host_mesh,
+        {"allreduce": "torus2d", "sharding": "fsdp", "min_shard_elements": 0},
+    ),
 }
 
 
@@ -309,8 +332,9 @@ def train_case(name: str, devices: int) -> tuple[dict[str, np.ndarray], float]:
         local = {k: v[mine] for k, v in global_batch(seed).items()}
         state, metrics = step(state, step.shard_batch(local), jax.random.key(1))
     found = {}
+    whole = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))  # FSDP's, gathered
     for prefix, tree in (("params", state.params), ("batch_stats", state.model_state)):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(whole(tree))[0]:
             key = prefix + jax.tree_util.keystr(path)
             # Replicated: this process's first shard is the whole array.
             found[key] = np.asarray(leaf.addressable_shards[0].data)

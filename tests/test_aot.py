@@ -843,3 +843,19 @@ def test_fsdp_divides_the_state_per_chip_and_gathers_each_layer_beside_compute(t
     backward = [i for i, o in enumerate(order) if o == "mm-b"]
     regathers = [i for i, o in enumerate(order) if o == "gather-b"]
     assert regathers and any(backward[0] < i < backward[-1] for i in regathers), order
+
+
+def test_a_replicated_step_that_does_not_fit_is_told_what_fsdp_would_hold(torus_2x2):
+    from jaxdist.aot.plan import sharding_hint
+
+    def trainer_of(**options):
+        step = TrainStep(loss_fn, optax.adam(1e-3), torus_2x2, data_axes=("y", "x"), **options)
+        return SimpleNamespace(train_step_for=lambda stage: step, config=None)
+
+    hint = sharding_hint(trainer_of(), 0, (PARAMS, {}))
+    values = sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(PARAMS))
+    held = 3 * values * 4 / 2**30  # parameters and Adam's two moments, float32
+    assert hint == (f"its parameters and optimizer state alone take {held:.2f} GiB per chip "
+                    f"replicated, {held / 4:.2f} GiB sharded over 4 chips (--set "
+                    f"sharding=fsdp); or ")  # fmt: skip
+    assert sharding_hint(trainer_of(sharding="fsdp"), 0, (PARAMS, {})) == ""

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdist.comm.collectives import ALGORITHMS
+from jaxdist.comm.collectives import ALGORITHMS, SHARDED_ALGORITHMS
 from tests._procs import JAXDIST, REPO, WORKER, clean_env
 
 pytestmark = pytest.mark.multiprocess
@@ -57,6 +57,9 @@ def assert_all_algorithms(output: str, processes: int, layout: str) -> None:
     for p in range(processes):
         for algorithm in ALGORITHMS:
             line = f"[p{p}] CHECK allreduce {algorithm} {layout} OK"
+            assert line in output, f"expected {line!r} in the output, not found:\n{output}"
+        for algorithm in (a for a in SHARDED_ALGORITHMS if a != "torus3d"):
+            line = f"[p{p}] CHECK halves {algorithm} {layout} OK"
             assert line in output, f"expected {line!r} in the output, not found:\n{output}"
         # ring and torus2d exchange only on a 2-device axis ("2x2"; not "4x1"); the
         # bidirectional ring's steps go in pieces on every layout (all have 4 devices).

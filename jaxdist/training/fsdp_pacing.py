@@ -40,10 +40,9 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 
 from jaxdist.comm.scopes import GRADIENT_SCOPE, PARAMETER_SCOPE
+from jaxdist.training.wait_free import has_matmul
 
 __all__: list[str] = []  # building blocks of the package's own modules
-
-_MATMULS = ("dot_general", "conv_general_dilated")
 
 
 @dataclass
@@ -57,16 +56,6 @@ class _Segment:
 
 def _is_var(v: Any) -> bool:
     return isinstance(v, jex.Var)
-
-
-def _reads_matmul(eqn: Any) -> bool:
-    if eqn.primitive.name in _MATMULS:
-        return True
-    return any(
-        _reads_matmul(inner)
-        for sub in jex.jaxprs_in_params(eqn.params)
-        for inner in getattr(sub, "eqns", getattr(getattr(sub, "jaxpr", None), "eqns", []))
-    )
 
 
 def segments_of(jaxpr: Any, param_vars: Mapping[Any, int]) -> list[_Segment]:
@@ -86,7 +75,7 @@ def segments_of(jaxpr: Any, param_vars: Mapping[Any, int]) -> list[_Segment]:
     # segment did a product; other new parameters (a bias, a norm's scale) join the open one.
     starts, matmul_since = [0], False
     for i, eqn in enumerate(eqns):
-        matmul = _reads_matmul(eqn)
+        matmul = has_matmul(eqn)
         opens = any(first.get(v) == i for v in eqn.invars if _is_var(v))
         if opens and matmul and matmul_since and i > starts[-1]:
             starts.append(i)

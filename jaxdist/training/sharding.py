@@ -246,36 +246,29 @@ def gathered_loss(loss_fn: Any, layout: Layout, axes: Any, algorithm: str,
     return sharded_loss
 
 
-def scatter_gradients(grads: Any, layout: Layout, axes: Any, algorithm: str,
-                      options: Mapping[str, Any]) -> Any:  # fmt: skip
-    """Whole gradients (ZeRO-1) summed over ``axes`` into the blocks each device owns; the
-    replicated leaves are left as they are."""
-    leaves, treedef = jax.tree.flatten(grads)
+def _unit_by_unit(tree: Any, layout: Layout, collective: Any, scope: str) -> Any:
+    """``tree`` with each gather unit's leaves replaced by ``collective(leaves, dims)``; the
+    leaves kept whole are left as they are."""
+    leaves, treedef = jax.tree.flatten(tree)
     out = list(leaves)
-    with jax.named_scope(GRADIENT_SCOPE):
+    with jax.named_scope(scope):
         for unit in layout.units:
             dims = [layout.dims[i] for i in unit]
-            for i, b in zip(unit, scatter_unit([leaves[i] for i in unit], dims, axes, algorithm,
-                                               options)):  # fmt: skip
-                out[i] = b
+            for i, leaf in zip(unit, collective([leaves[i] for i in unit], dims)):
+                out[i] = leaf
     return jax.tree.unflatten(treedef, out)
+
+
+def scatter_gradients(grads: Any, layout: Layout, axes: Any, algorithm: str,
+                      options: Mapping[str, Any]) -> Any:  # fmt: skip
+    """Whole gradients (ZeRO-1) summed over ``axes`` into the blocks each device owns."""
+    scatter = lambda ls, dims: scatter_unit(ls, dims, axes, algorithm, options)  # noqa: E731
+    return _unit_by_unit(grads, layout, scatter, GRADIENT_SCOPE)
 
 
 def gather_parameters(blocks: Any, layout: Layout, axes: Any, algorithm: str,
                       options: Mapping[str, Any]) -> Any:  # fmt: skip
-    """Every sharded leaf of ``blocks`` gathered whole, unit by unit (ZeRO-1's parameters after
-    the update)."""
-    leaves, treedef = jax.tree.flatten(blocks)
-    out = list(leaves)
-    with jax.named_scope(PARAMETER_SCOPE):
-        for unit in layout.units:
-            dims = [layout.dims[i] for i in unit]
-            for i, w in zip(unit, gather_unit([leaves[i] for i in unit], dims, axes, algorithm,
-                                              options)):  # fmt: skip
-                out[i] = w
-    return jax.tree.unflatten(treedef, out)
-
-
-def replicated_mask(layout: Layout, treedef: Any) -> Any:
-    """A tree of booleans: True where a parameter is kept whole on every device."""
-    return jax.tree.unflatten(treedef, [d is None for d in layout.dims])
+    """Every sharded leaf of ``blocks`` gathered whole (ZeRO-1's parameters after the
+    update)."""
+    gather = lambda ls, dims: gather_unit(ls, dims, axes, algorithm, options)  # noqa: E731
+    return _unit_by_unit(blocks, layout, gather, PARAMETER_SCOPE)

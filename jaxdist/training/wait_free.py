@@ -186,7 +186,7 @@ class _SegmentedRun:
         for v in self.jaxpr.outvars:
             if isinstance(v, jex.Var):
                 self._last_use[v] = self.num_eqns
-        self._matmul = [_has_matmul(eqn) for eqn in self.eqns]
+        self._matmul = [has_matmul(eqn) for eqn in self.eqns]
         self._read_by_paced_matmul: set[Any] = set()
         # Values computed from the first ``num_params`` inputs (the parameters) alone.
         self._from_params = set(self.jaxpr.invars[:num_params])
@@ -270,12 +270,12 @@ class _SegmentedRun:
         return [self.read(v) for v in self.jaxpr.outvars]
 
 
-def _has_matmul(eqn: Any) -> bool:
+def has_matmul(eqn: Any) -> bool:
     """Whether an equation is, or calls a computation holding, a matrix product."""
     if eqn.primitive.name in _MATMUL_PRIMITIVES:
         return True
     return any(
-        _has_matmul(inner)
+        has_matmul(inner)
         for sub in jex.jaxprs_in_params(eqn.params)
         for inner in getattr(sub, "eqns", getattr(getattr(sub, "jaxpr", None), "eqns", []))
     )
