@@ -208,11 +208,20 @@ def test_gradient_accumulation_matches_the_full_batch(algorithm):
 
 # Adam runs without BatchNorm: a bias feeding a BatchNorm has an exactly-zero gradient, which
 # Adam's g / sqrt(v) turns into rounding noise of size lr, on one device as on eight.
+SGD_WITH_NORM = (optax.sgd(0.1, momentum=0.9), True)
+ADAM_WITHOUT_NORM = (optax.adam(1e-2), False)
+
+
+# Each sharding on both meshes, each optimizer under each sharding: four programs, not eight.
 @pytest.mark.parametrize(
-    ("optimizer", "use_norm"), [(optax.sgd(0.1, momentum=0.9), True), (optax.adam(1e-2), False)]
+    ("sharding", "mesh_name", "optimizer", "use_norm"),
+    [
+        ("zero1", "ring-8", *SGD_WITH_NORM),
+        ("zero1", "torus-4x2", *ADAM_WITHOUT_NORM),
+        ("fsdp", "ring-8", *ADAM_WITHOUT_NORM),
+        ("fsdp", "torus-4x2", *SGD_WITH_NORM),
+    ],
 )
-@pytest.mark.parametrize("mesh_name", ["ring-8", "torus-4x2"])
-@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
 def test_sharded_steps_match_single_device_training(sharding, mesh_name, optimizer, use_norm):
     batches = [data(seed=s) for s in range(STEPS)]
     params, model_state = reference_training(optimizer, batches, use_norm=use_norm)

@@ -14,18 +14,22 @@ memory is gone. This module fixes the order in the program itself:
    equation between its reads in one segment.
 2. Each segment runs as one ``jax.custom_vjp`` function of its inputs and its parameters'
    blocks. Forward: it gathers its blocks (one collective of the family for all of them)
-   tied by ``lax.optimization_barrier`` to a scalar the segment *before* it hands over at
-   its own start -- so segment ``k + 1``'s gather runs beside segment ``k``'s compute and no
-   earlier -- and keeps for backward what ``jax.vjp`` keeps, less what is computed from the
-   gathered parameters alone (the parameters themselves, their casts and transposes).
-   Backward: it gathers its blocks again, tied to the cotangent of that scalar, which
-   segment ``k + 1``'s backward hands back as it starts -- so the gather runs beside the
-   later segment's backward -- recomputes what it did not keep from the parameters, applies
-   the saved ``vjp`` and reduce-scatters the parameters' gradient into the blocks.
+   once a scalar the segment *before* it hands over at its own start exists -- so segment
+   ``k + 1``'s gather runs beside segment ``k``'s compute and no earlier -- and keeps for
+   backward what ``jax.vjp`` keeps, less what is computed from the gathered parameters alone
+   (the parameters themselves, their casts and transposes). Backward: it gathers its blocks
+   again once the cotangent of that scalar exists, which segment ``k + 1``'s backward hands
+   back as it begins (and once segment ``k + 2``'s reduce-scatter is done) -- so the gather
+   runs beside the later segment's backward -- recomputes what it did not keep from the
+   parameters, applies the saved ``vjp`` and reduce-scatters the parameters' gradient into
+   the blocks. Backward's gather sends each buffer back to front, so the compiler cannot
+   merge it with forward's (and keep forward's gathered copy alive until backward).
+3. The ties are data, not ``lax.optimization_barrier``: compilers drop barriers before they
+   schedule. A handover is a zero computed from one element of every value it waits for
+   (``x * 0``, which compilers do not fold for floats), added to one element of the blocks.
 
 The arithmetic is the loss's own, equation by equation; only where the compiler may place
-the collectives is narrowed. A segment holds at most two segments' parameters gathered at
-once, whatever the model's depth.
+the collectives is narrowed: no gather starts more than one segment ahead of its use.
 """
 
 from __future__ import annotations
