@@ -150,3 +150,23 @@ def test_communication_is_paired_by_round_and_carries_its_spread():
     assert ring.communication_spread_seconds == pytest.approx((0.002 - 0.0) / 2)
     assert baseline.communication_spread_seconds == pytest.approx(0.0)
     assert ring.vs_baseline == pytest.approx(0.011 / 0.0115)
+
+
+def test_sharding_bench_compares_every_sharding_and_xlas_fsdp(tmp_path, capsys):
+    out_json = tmp_path / "sharding.json"
+    argv = ["bench", "train-step", "--sharding", "--mesh", "ring-4", "--algorithms", "ring",
+            "--per-device-batch", "1", "--layers", "1", "--d-model", "32", "--steps", "1",
+            "--rounds", "1", "--json", str(out_json)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["variant"]: r for r in json.loads(out_json.read_text())}
+    assert list(rows) == ["replicated", "zero1", "fsdp (ring)", "XLA FSDP (jit + NamedSharding)"]
+    assert "vs XLA FSDP" in capsys.readouterr().out
+    # The same model trained the same steps: the same loss to float32 rounding.
+    losses = [r["final_loss"] for r in rows.values()]
+    assert max(losses) - min(losses) < 1e-5
+    xla = rows["XLA FSDP (jit + NamedSharding)"]
+    assert xla["vs_xla_fsdp"] == 1.0 and rows["replicated"]["vs_replicated"] == 1.0
+    # Less state per device from replicated to ZeRO-1 to FSDP; XLA's FSDP holds FSDP's layout.
+    assert rows["fsdp (ring)"]["state_bytes"] < rows["zero1"]["state_bytes"]
+    assert rows["zero1"]["state_bytes"] < rows["replicated"]["state_bytes"]
+    assert rows["fsdp (ring)"]["state_bytes"] == xla["state_bytes"]

@@ -20,6 +20,7 @@ from tests.test_train_step import (
     data,
     distributed_training,
     init_variables,
+    poisoned_loss,
     reference_training,
 )
 
@@ -129,13 +130,7 @@ def test_fsdp_with_accumulation_and_bf16_gradients(keep_gathered):
 def test_fsdp_under_a_float16_loss_scale_skips_overflowing_steps():
     mesh = MESHES["ring-8"][0]()
     params, model_state = init_variables(use_norm=False)
-    inner = ts.classifier_loss(Net(use_norm=False), num_classes=NUM_CLASSES)
-
-    def loss_fn(params, model_state, batch, rng):
-        loss, aux = inner(params, model_state, batch, rng)
-        return loss * jnp.where(batch["poison"][0], jnp.inf, 1.0), aux
-
-    step = ts.TrainStep(loss_fn, optax.sgd(0.1), mesh, allreduce="ring", sharding="fsdp",
+    step = ts.TrainStep(poisoned_loss(jnp.inf), optax.sgd(0.1), mesh, allreduce="ring", sharding="fsdp",
                         loss_scale=DynamicLossScale.create(2.0**10), **SHARDED)  # fmt: skip
     state = step.init(params, model_state)
     before = jax.device_get(state.params)

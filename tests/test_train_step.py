@@ -94,6 +94,18 @@ def distributed_training(mesh, axes, optimizer, batches, use_norm=True, group_si
     return state, metrics, step
 
 
+def poisoned_loss(value):
+    """The classifier loss of the net without BatchNorm, times ``value`` (NaN, inf) on a batch
+    whose ``poison`` flag is set."""
+    inner = ts.classifier_loss(Net(use_norm=False), num_classes=NUM_CLASSES)
+
+    def loss_fn(params, model_state, batch, rng):
+        loss, aux = inner(params, model_state, batch, rng)
+        return loss * jnp.where(batch["poison"][0], value, 1.0), aux
+
+    return loss_fn
+
+
 def assert_trees_close(actual, expected, atol):
     for path, a, e in zip(
         jax.tree_util.tree_flatten_with_path(actual)[0],
@@ -327,13 +339,7 @@ def test_skip_nonfinite_leaves_the_state_and_reports_the_step(zero1):
     reported as skipped; the next good batch trains as if it had never come."""
     mesh = MESHES["ring-8"][0]()
     params, model_state = init_variables(use_norm=False)
-    inner = ts.classifier_loss(Net(use_norm=False), num_classes=NUM_CLASSES)
-
-    def loss_fn(params, model_state, batch, rng):
-        loss, aux = inner(params, model_state, batch, rng)
-        return loss * jnp.where(batch["poison"][0], jnp.nan, 1.0), aux
-
-    step = ts.TrainStep(loss_fn, optax.sgd(0.3, momentum=0.9), mesh, allreduce="ring",
+    step = ts.TrainStep(poisoned_loss(jnp.nan), optax.sgd(0.3, momentum=0.9), mesh, allreduce="ring",
                         zero1=zero1, skip_nonfinite=True)  # fmt: skip
     batch = data()
 

@@ -79,15 +79,6 @@ class Timeline:
         )
 
     @property
-    def parameter_hidden_fraction(self) -> float:
-        """Share of the parameter gathers' time that compute hides."""
-        return (
-            self.parameter_hidden_seconds / self.parameter_seconds
-            if self.parameter_seconds
-            else 0.0
-        )
-
-    @property
     def exposed_seconds(self) -> float:
         """Time the compute stream waits: the step less its compute."""
         return max(0.0, self.step_seconds - self.compute_seconds)

@@ -131,7 +131,7 @@ def run(mesh: Mesh, algorithm: str, *, num_layers: int = 2, d_model: int = 256,
     holders[XLA_FSDP] = [fsdp_step.init(params, model_state)]
     batch = fsdp_step.shard_batch({"tokens": tokens})
     compiled[XLA_FSDP] = _xla_fsdp(fsdp_step, holders[XLA_FSDP][0], batch, rng)
-    runners[XLA_FSDP] = _compiled_runner(compiled[XLA_FSDP], holders[XLA_FSDP], batch, rng)
+    runners[XLA_FSDP] = _runner(compiled[XLA_FSDP], holders[XLA_FSDP], batch, rng)
     progress(f"compiled {XLA_FSDP}")
     timing.warm_up(runners, warmup=1)
     seconds = {k: statistics.median(v) for k, v in
@@ -149,17 +149,11 @@ def run(mesh: Mesh, algorithm: str, *, num_layers: int = 2, d_model: int = 256,
     return results
 
 
-def _runner(step, holder, batch, rng) -> Callable:
+def _runner(step: Callable, holder: list, batch, rng) -> Callable:
+    """One step of ``step(state, batch, rng) -> (state, metrics)`` on the state in ``holder``."""
+
     def one():
         holder[0], metrics = step(holder[0], batch, rng)
-        return metrics
-
-    return one
-
-
-def _compiled_runner(compiled, holder, batch, rng) -> Callable:
-    def one():
-        holder[0], metrics = compiled(holder[0], batch, rng)
         return metrics
 
     return one

@@ -198,16 +198,14 @@ def paced_loss(loss_fn: Callable, layout: Any, gather: Callable, scatter: Callab
     def sharded_loss(params, model_state, batch, rng):
         blocks, treedef = jax.tree.flatten(params)
         split = [i for i, d in enumerate(layout.dims) if d is not None]
+        kept_whole = [i for i, d in enumerate(layout.dims) if d is None]
         whole_shapes = [jax.ShapeDtypeStruct(layout.shapes[i], blocks[i].dtype) for i in split]
         others, others_def = jax.tree.flatten((model_state, batch, rng))
-        free = [blocks[i] for i, d in enumerate(layout.dims) if d is None]
+        free = [blocks[i] for i in kept_whole]
 
         def traced(whole, free_leaves, other_leaves):
             leaves = list(blocks)
-            for i, w in zip(split, whole, strict=True):
-                leaves[i] = w
-            for i, w in zip([i for i, d in enumerate(layout.dims) if d is None], free_leaves,
-                            strict=True):  # fmt: skip
+            for i, w in zip([*split, *kept_whole], [*whole, *free_leaves], strict=True):
                 leaves[i] = w
             ms, b, r = jax.tree.unflatten(others_def, other_leaves)
             return loss_fn(jax.tree.unflatten(treedef, leaves), ms, b, r)

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
@@ -31,7 +30,7 @@ from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.comm.scopes import GRADIENT_SCOPE, METRICS_SCOPE, MODEL_STATE_SCOPE
 from jaxdist.training import sharding as sharding_lib
 from jaxdist.training.gradients import local_gradients
-from jaxdist.training.loss_scale import all_finite, finish_scaled_step
+from jaxdist.training.loss_scale import all_finite, ended_step
 
 __all__: list[str] = []  # building blocks of the package's own modules
 
@@ -53,10 +52,9 @@ def build_sharded_step(step: Any, state: Any) -> Callable:
         out_specs=(blocks, replicated_model_state, P(), P()),
         check_vma=False,
     )
-    param_options = {k: v for k, v in step.allreduce_options.items() if k != "transfer_dtype"}
     gather_back = jax.shard_map(
         lambda b: sharding_lib.gather_parameters(
-            b, layout, step.shard_axes, step.allreduce, param_options
+            b, layout, step.shard_axes, step.allreduce, _parameter_options(step)
         ),
         mesh=mesh,
         in_specs=(blocks,),
@@ -82,13 +80,8 @@ def build_sharded_step(step: Any, state: Any) -> Callable:
         params = optax.apply_updates(params, updates)
         if not fsdp:
             params = gather_back(params)
-        new_state = state.replace(
-            step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
-        )
-        if step.skip_nonfinite:  # nor may a finite step's update leave inf parameters
-            finite = finite & jnp.isfinite(loss) & all_finite(params)
-        return finish_scaled_step(state, new_state, finite, {**metrics, "loss": loss},
-                                  report_skipped=step.skip_nonfinite)  # fmt: skip
+        return ended_step(state, params, model_state, opt_state, finite, loss, metrics,
+                          step.skip_nonfinite)  # fmt: skip
 
     state_shardings = step.state_shardings(state)
     return jax.jit(
@@ -97,6 +90,12 @@ def build_sharded_step(step: Any, state: Any) -> Callable:
         donate_argnums=(0,) if step.donate else (),
         compiler_options=compiler_options_for(mesh.devices.flat, step.allreduce),
     )
+
+
+def _parameter_options(step: Any) -> dict:
+    """The step's schedule options for its parameters: all but ``transfer_dtype``, which is for
+    gradients (a rounded gather would cut every device's float32 master copy)."""
+    return {k: v for k, v in step.allreduce_options.items() if k != "transfer_dtype"}
 
 
 def _gradients(step: Any, layout: sharding_lib.Layout, params: Any, model_state: Any,
@@ -109,9 +108,8 @@ def _gradients(step: Any, layout: sharding_lib.Layout, params: Any, model_state:
     gradient_options = step.allreduce_options
     loss_fn = step.loss_fn
     if step.sharding == "fsdp":
-        param_options = {k: v for k, v in gradient_options.items() if k != "transfer_dtype"}
         loss_fn = sharding_lib.gathered_loss(loss_fn, layout, shard_axes, step.allreduce,
-                                             param_options, gradient_options,
+                                             _parameter_options(step), gradient_options,
                                              step.keep_gathered)  # fmt: skip
     grads, model_state, loss, metrics, _ = local_gradients(
         loss_fn, params, model_state, batch, rng, scale, step.accumulation_steps
@@ -136,11 +134,10 @@ def _averaged(step: Any, layout: sharding_lib.Layout, grads: Any) -> Any:
     data_axes, shard_axes = np.atleast_1d(step.data_axes), np.atleast_1d(step.shard_axes)
     across = tuple(a for a in data_axes if a not in shard_axes)
     hsdp = bool(across)
-    same_axes = not hsdp
     with jax.named_scope(GRADIENT_SCOPE):
         if whole:
-            algorithm = step.allreduce if same_axes else _replica_algorithm(step.allreduce)
-            options = step.allreduce_options if same_axes else {}
+            algorithm = _replica_algorithm(step.allreduce) if hsdp else step.allreduce
+            options = {} if hsdp else step.allreduce_options
             summed = collectives.allreduce([leaves[i] for i in whole], step.data_axes,
                                            algorithm, **options)  # fmt: skip
             for i, g in zip(whole, summed):

@@ -5,8 +5,9 @@ Three ways to keep a model on a mesh (:data:`SHARDINGS`):
 * ``replicated``: every device holds every parameter and the whole optimizer state;
 * ``zero1``: parameters replicated, optimizer state and the update sharded (ZeRO stage 1);
 * ``fsdp``: parameters, gradients and optimizer state all sharded (ZeRO stage 3); each
-  gather unit's parameters are all-gathered just before use, in forward and again in
-  backward, and their gradients reduce-scattered into the shards that own them.
+  layer's parameters are all-gathered just before use, in forward and again in backward
+  (:mod:`jaxdist.training.fsdp_pacing`), and their gradients reduce-scattered into the
+  shards that own them.
 
 Every array keeps its own shape: a sharded parameter is split along one of its dimensions
 (:class:`Layout`), so its optimizer state, its checkpoint and its global shape are the same
@@ -16,8 +17,9 @@ computes a norm over a sharded array as a sum over its shards. A parameter too s
 worth splitting, or with no dimension that the shard count divides, stays replicated
 (:meth:`Layout.replicated`), and says so.
 
-Units: the sharded parameters are gathered and scattered in units of about ``unit_bytes``
-(whole parameters, in the order of the parameter tree), one collective per unit: each
+Units: ZeRO-1 (and FSDP with ``keep_gathered``) gathers and scatters the sharded parameters in
+units of about ``unit_bytes`` (whole parameters, in the order of the parameter tree; paced
+FSDP gathers a layer's parameters together instead), one collective per unit: each
 device's blocks are concatenated into one flat buffer, all-gathered with a schedule of the
 family (:func:`jaxdist.comm.collectives.all_gather`) and cut back into whole parameters; the
 gradients travel the same way backwards (:func:`jaxdist.comm.collectives.reduce_scatter`).
@@ -136,11 +138,11 @@ class Layout:
         return max(sizes, default=0) * itemsize
 
     def describe(self) -> str:
-        """One line: how many parameters are split, into how many units, and which stay whole."""
+        """One line: how many parameters are split, and which stay whole."""
         whole = self.replicated()
         count = sum(math.prod(self.shapes[i]) for i, d in enumerate(self.dims) if d is None)
         line = (f"{len(self.dims) - len(whole)} of {len(self.dims)} parameter arrays split "
-                f"{self.shards} ways in {len(self.units)} gather unit(s)")  # fmt: skip
+                f"{self.shards} ways")  # fmt: skip
         if whole:
             shown = ", ".join(whole[:4]) + (", ..." if len(whole) > 4 else "")
             line += f"; {len(whole)} kept whole ({count:,} values: {shown})"

@@ -60,7 +60,7 @@ from jaxdist.training import sharding as sharding_lib
 from jaxdist.training.batches import check_batch_sizes, data_axes_of, shard_batch
 from jaxdist.training.gradient_plan import GradientPlan, plan_for_step
 from jaxdist.training.gradients import local_gradients, reduced_while_computing
-from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_scaled_step
+from jaxdist.training.loss_scale import DynamicLossScale, all_finite, ended_step
 from jaxdist.training.sharded_step import build_sharded_step
 from jaxdist.training.step_options import (
     WAIT_FREE_UNROLL_LIMIT,
@@ -212,7 +212,6 @@ class TrainStep:
             else None
         )
         self.accumulation_steps = accumulation_steps
-        self.zero1 = sharding == "zero1"
         self.wait_free = wait_free
         self.loss_scale = loss_scale
         self.skip_nonfinite = skip_nonfinite
@@ -407,13 +406,8 @@ class TrainStep:
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
 
-        new_state = state.replace(
-            step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
-        )
-        if self.skip_nonfinite:  # nor may a finite step's update leave inf parameters
-            finite = finite & jnp.isfinite(loss) & all_finite(params)
-        return finish_scaled_step(state, new_state, finite, {**metrics, "loss": loss},
-                                  report_skipped=self.skip_nonfinite)  # fmt: skip
+        return ended_step(state, params, model_state, opt_state, finite, loss, metrics,
+                          self.skip_nonfinite)  # fmt: skip
 
     # ------------------------------------------------------------------ the gradient plan
 
