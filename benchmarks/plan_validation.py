@@ -1,18 +1,32 @@
-"""Calibrate the plan's time model on one published ResNet-50 run and predict the others.
+"""The plan's time models set against published ResNet-50 training: the MLPerf record, and the
+runs the step-time model is calibrated on.
 
-    python benchmarks/plan_validation.py [--topology v5e:2x2] [--per-chip-batch 32]
+    python benchmarks/plan_validation.py [--root ../shared/mlperf]
+    python benchmarks/plan_validation.py --predict ROOT
+    python benchmarks/plan_validation.py --published [--topology v5e:2x2] [--per-chip-batch 32]
 
-1. Compiles the ResNet-50 recipe's train step for a small TPU slice (the TPU compiler, no
-   TPU) and reads ResNet-50's facts from it: FLOPs per image, the gradient buckets' bytes,
-   and the share of the gradients' communication time the wait-free step hides behind
-   compute (the compiled order walked, jaxdist.aot.timeline).
-2. Finds the efficiency (share of peak FLOP/s) at which the time model gives the calibration
-   run's published time, and writes it to ``jaxdist/aot/calibration.json`` (what
-   ``jaxdist plan`` uses).
-3. Predicts every other published run with it and prints the table of docs/planning.md;
-   then scores the model on the 11 MLPerf runs leave-one-out (each predicted with the
-   efficiency fitted on the other ten) and over time (fitted on v0.6-v1.0, predicting
-   v2.0-v4.0). ``benchmarks/results/plan_validation.json`` keeps the figures.
+Default: the record. Reads every result log under ``--root`` (``benchmarks/mlperf_record.py``),
+fits the record's time model (:class:`jaxdist.aot.record.RecordFit`: per accelerator
+generation, from what a planner knows before the run: chips, global batch and MLPerf's
+reference epochs at it) on every scored closed-division submission, keeps it in
+``jaxdist/aot/data/mlperf_record_fit.json`` (what ``jaxdist plan`` prints), and scores it:
+each submission predicted by the model fitted on all the others (leave-one-out), by
+generation and by scale, the error split into convergence (the submission's own epochs
+against the reference) and throughput, the worst cases named; then fitted on the rounds up
+to v2.1 only and predicting v3.0 and v3.1. ``benchmarks/results/plan_validation_record.json``
+keeps the figures.
+
+``--predict ROOT``: each scored submission under ROOT (laid out as ``--root``) predicted by
+the stored fit, nothing refitted.
+
+``--published``: the step-time model. Compiles the ResNet-50 recipe's train step for a small
+TPU slice (the TPU compiler, no TPU) and reads ResNet-50's facts from it: FLOPs per image, the
+gradient buckets' bytes, and the share of the gradients' communication time the wait-free
+step hides behind compute (the compiled order walked, jaxdist.aot.timeline). Finds the
+efficiency (share of peak FLOP/s) at which the model gives the calibration run's published
+time, writes it to ``jaxdist/aot/calibration.json`` (what ``jaxdist plan`` uses for a step),
+predicts every other published run with it, and scores the model on the 11 MLPerf runs
+leave-one-out and over time. ``benchmarks/results/plan_validation.json`` keeps the figures.
 """
 
 from __future__ import annotations
@@ -25,7 +39,14 @@ from pathlib import Path
 
 import jax
 
+sys.path.insert(0, str(Path(__file__).parent))
+import record_validation
+
 RESULTS = Path(__file__).parent / "results" / "plan_validation.json"
+RECORD_RESULTS = Path(__file__).parent / "results" / "plan_validation_record.json"
+RECORD_ROOT = Path(__file__).resolve().parents[1].parent / "shared" / "mlperf"
+# The temporal split: fitted on these rounds, predicting the later ones.
+EARLY_RECORD_ROUNDS = ("v0.7", "v1.0", "v1.1", "v2.0", "v2.1")
 
 
 def model_facts(topology_name: str, per_chip_batch: int):
@@ -57,6 +78,12 @@ def model_facts(topology_name: str, per_chip_batch: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=RECORD_ROOT,
+                        help="the MLPerf record to fit on (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--predict", type=Path, metavar="ROOT",
+                        help="predict the scored submissions under ROOT with the stored fit")  # fmt: skip
+    parser.add_argument("--published", action="store_true",
+                        help="calibrate the step-time model on the published runs instead")  # fmt: skip
     parser.add_argument("--topology", default="v5e:2x2")
     parser.add_argument("--per-chip-batch", type=int, default=32)
     parser.add_argument(
@@ -65,6 +92,10 @@ def main(argv=None) -> int:
         help="take ResNet-50's facts from the calibration file instead of compiling again",
     )
     args = parser.parse_args(argv)
+    if args.predict is not None:
+        return record_validation.predict(args.predict)
+    if not (args.published or args.reuse_facts):  # --reuse-facts is the published runs' flag
+        return record_validation.validate(args.root, RECORD_RESULTS, EARLY_RECORD_ROUNDS)
     jax.config.update("jax_platforms", "cpu")
     from jaxdist.aot import published
 

@@ -198,65 +198,6 @@ def test_device_check_runs_its_small_mode_on_cpu(tmp_path):
     assert "jaxdist img/s" in text
 
 
-def _result_log(path, batch, run_ms, accuracies, status="success"):
-    """An MLPerf result log as submitters' loggers write it (the :::MLLOG format)."""
-    from jaxdist.run.mlperf import EventLog
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    log = EventLog(path)
-    log.log("global_batch_size", batch, time_ms=1000)
-    log.log("opt_name", "lars", time_ms=1000)
-    log.log("model_bn_span", 128, time_ms=1000)
-    log.log("run_start", time_ms=2000)
-    for i, accuracy in enumerate(accuracies):
-        log.log("eval_accuracy", accuracy, time_ms=3000 + i, epoch_num=4.0 * (i + 1))
-    log.log("run_stop", time_ms=2000 + run_ms, status=status)
-    log.close()
-
-
-def test_mlperf_record_reads_every_run_and_scores_as_mlperf(tmp_path):
-    repo = tmp_path / "training_results_v9.9" / "Acme"
-    (repo / "systems").mkdir(parents=True)
-    (repo / "systems" / "box_n2.json").write_text(
-        json.dumps(
-            {"number_of_nodes": 2, "accelerators_per_node": 8, "accelerator_model_name": "X1"}
-        )
-    )
-    runs = repo / "results" / "box_n2" / "resnet"
-    for i, (seconds, accuracies) in enumerate([(600, [0.5, 0.76]), (500, [0.6, 0.761]),
-                                               (700, [0.7, 0.755, 0.77]), (400, [0.76]),
-                                               (800, [0.74, 0.76])]):  # fmt: skip
-        _result_log(runs / f"result_{i}.txt", 3264, seconds * 1000, accuracies)
-    _result_log(runs / "result_5.txt", 3264, 900_000, [0.70, 0.75])  # never reached the target
-    (runs / "result_6.txt").write_text("not a log\n")
-    (repo / "results" / "nosystem" / "resnet").mkdir(parents=True)
-    _result_log(repo / "results" / "nosystem" / "resnet" / "result_0.txt", 8, 1000, [0.8])
-    out = tmp_path / "record.json"
-    proc = _run_process([sys.executable, str(BENCHMARKS / "mlperf_record.py"), "--root",
-                         str(tmp_path), "--out", str(out)])  # fmt: skip
-    skipped = [line for line in proc.stderr.splitlines() if line.startswith("mlperf_record:")]
-    assert len(skipped) == 3, proc.stderr
-    assert any(
-        "result_5.txt: never reached 75.9% (best eval_accuracy 0.7500)" in s for s in skipped
-    )
-    assert any("result_6.txt: no :::MLLOG lines" in s for s in skipped)
-    assert any("nosystem.json: missing" in s for s in skipped)
-    record = json.loads(out.read_text())
-    assert len(record["runs"]) == 5
-    row = record["runs"][2]
-    assert (row["round"], row["submitter"], row["system"], row["chips"]) == (
-        "v9.9",
-        "Acme",
-        "box_n2",
-        16,
-    )
-    assert (row["per_chip_batch"], row["bn_span"], row["optimizer"]) == (204, 128, "lars")
-    assert row["epochs_to_target"] == 12.0 and row["seconds"] == 700
-    (submission,) = record["submissions"]
-    assert submission["scored_seconds"] == 600  # 500, 600, 700: fastest and slowest dropped
-    assert submission["epochs_to_target"] == [4.0, 8.0, 8.0, 8.0, 12.0]
-
-
 def test_overlap_timeline_says_where_the_step_time_goes():
     """Busy, stalled and network shares per slice of a walked step, from its intervals: the
     compute runs 0-1 ms and 2-4 ms, waiting 1-2 ms for a gradient transfer of 1-2 ms."""

@@ -58,8 +58,10 @@ def test_a_plan_of_the_mlperf_recipe_prices_the_reference_epochs():
     stages' step times (a stand-in trainer: compiling ResNet-50 for a slice is slow)."""
     from types import SimpleNamespace
 
+    from jaxdist.aot import record
     from jaxdist.aot.plan import reference_for
     from jaxdist.aot.report import _reference_lines
+    from jaxdist.aot.topology import parse_topology
     from jaxdist.run.config import batch_stages
     from jaxdist.training.batch_schedule import BatchSchedule
 
@@ -69,7 +71,8 @@ def test_a_plan_of_the_mlperf_recipe_prices_the_reference_epochs():
                               plans=schedule.device_plans(256, config.max_per_device_batch),
                               num_replicas=256)  # fmt: skip
     step_seconds = [0.1] * len(schedule.stages)
-    ref = reference_for(config, trainer, step_seconds)
+    topology = parse_topology("v4:4x8x8")  # 256 chips; the record holds TPU v4 submissions
+    ref = reference_for(config, trainer, step_seconds, topology, flops_per_image=24e9)
     found = rcp.epochs_to_converge(config.batch_size)
     assert ref["epochs"] == found.epochs and ref["recipe_epochs"] == config.num_epochs
     steps = schedule.steps_for_epochs(found.epochs)
@@ -79,9 +82,19 @@ def test_a_plan_of_the_mlperf_recipe_prices_the_reference_epochs():
     assert lines[1].startswith(f"MLPerf reference (MLPerf Training 4.0.0 reference convergence "
                                f"points) at global batch {config.batch_size:,}: "
                                f"{found.epochs:.1f} epochs to 75.9% top-1")  # fmt: skip
+    found_in_record = record.record_time("v4", 256, config.batch_size)
+    assert ref["record"]["seconds"] == pytest.approx(found_in_record["seconds"])
+    fitted = ref["record"]["fitted"]
+    assert ref["record"]["share_of_peak"] == pytest.approx(
+        fitted["images_per_second"] * 24e9 / topology.chip.peak_flops
+    )
+    (model_line,) = [line for line in lines if "the MLPerf record's model" in line]
+    assert f"fitted on its {fitted['submissions']} submissions" in model_line
+    on_v5e = reference_for(config, trainer, step_seconds, parse_topology("v5e:16x16"), 24e9)
+    assert "no scored MLPerf submission of v5e" in "\n".join(_reference_lines(on_v5e))
     config.model.name = "resnet18"
     trainer.task.name = "resnet18"
-    assert reference_for(config, trainer, step_seconds) is None
+    assert reference_for(config, trainer, step_seconds, topology, 24e9) is None
 
 
 def test_a_batch_beyond_the_table_has_no_reference_and_says_so():

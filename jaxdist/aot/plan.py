@@ -26,7 +26,7 @@ import jax
 import ml_collections
 
 from jaxdist import meshes
-from jaxdist.aot import rcp
+from jaxdist.aot import rcp, record
 from jaxdist.aot.chips import GIB, network_for
 from jaxdist.aot.compile import (
     CompiledStep,
@@ -245,15 +245,23 @@ def plan_recipe(
                 variable_shapes=(params, model_state))  # fmt: skip
     step_seconds = [s.step_time.total for s in stages]
     plan.time_rows = time_to_train(trainer.schedule, config.num_epochs, step_seconds)
-    plan.reference = reference_for(config, trainer, step_seconds)
+    final = stages[-1]
+    flops_per_image = final.compiled.flops / final.device_plan.per_device_batch
+    plan.reference = reference_for(config, trainer, step_seconds, topology, flops_per_image)
     return plan
 
 
-def reference_for(config: ml_collections.ConfigDict, trainer, step_seconds: list) -> dict | None:
+def reference_for(
+    config: ml_collections.ConfigDict, trainer, step_seconds: list, topology: Topology,
+    flops_per_image: float,
+) -> dict | None:  # fmt: skip
     """For a ResNet-50 recipe (MLPerf's benchmark), the reference convergence point at its
     global batch (:mod:`jaxdist.aot.rcp`): the epochs MLPerf expects, how they were found,
-    the time to train at them, and the hyperparameters the recipe sets otherwise than the
-    reference runs at the nearest reference batch. ``None`` for any other model."""
+    the time to train at them, the hyperparameters the recipe sets otherwise than the
+    reference runs at the nearest reference batch, and what the time model fitted on the
+    MLPerf record predicts for ``topology`` (:func:`jaxdist.aot.record.record_time`; its
+    images/s per chip as a share of the chip's peak at ``flops_per_image``). ``None`` for any
+    other model."""
     if trainer.task.name != "resnet50":
         return None
     found = rcp.epochs_to_converge(config.batch_size)
@@ -273,7 +281,17 @@ def reference_for(config: ml_collections.ConfigDict, trainer, step_seconds: list
         "differences": [list(d) for d in differences],
         "time_rows": rows,
         "total_seconds": sum(row["seconds"] for row in rows),
+        "record": _record_for(config.batch_size, topology, flops_per_image),
     }
+
+
+def _record_for(global_batch: int, topology: Topology, flops_per_image: float) -> dict:
+    answer = record.record_time(topology.generation, topology.num_chips, global_batch)
+    fitted = answer.get("fitted")
+    if fitted is not None:
+        answer["share_of_peak"] = (fitted["images_per_second"] * flops_per_image
+                                   / topology.chip.peak_flops)  # fmt: skip
+    return answer
 
 
 def _plan_stage(

@@ -3,7 +3,7 @@
 The time model (:mod:`jaxdist.aot.predict`) has one free number, the share of peak FLOP/s a
 step reaches, and it differs between chip generations. Each generation with MLPerf runs gets
 its own, fitted on them (:func:`fit_by_generation`); a generation without any uses the one
-calibrated on :data:`CALIBRATION_RUN`. ``python benchmarks/plan_validation.py`` fits both,
+calibrated on :data:`CALIBRATION_RUN`. ``python benchmarks/plan_validation.py --published`` fits both,
 writes the calibration this module reads (``calibration.json`` beside it), and prints the
 tables of docs/planning.md: every run predicted, and the MLPerf runs scored leave-one-out.
 
@@ -316,7 +316,7 @@ def calibrated_efficiency(generation: str | None = None) -> tuple[float, str]:
         data = json.loads(CALIBRATION_FILE.read_text())
     except FileNotFoundError as err:
         raise CalibrationMissing(
-            f"no calibration at {CALIBRATION_FILE}: run python benchmarks/plan_validation.py "
+            f"no calibration at {CALIBRATION_FILE}: run python benchmarks/plan_validation.py --published "
             "or pass --efficiency"
         ) from err
     own = data.get("by_generation", {}).get(generation)

@@ -204,11 +204,33 @@ def _reference_lines(ref: dict | None) -> list[str]:
         f"the recipe's num_epochs: {ref['recipe_epochs']:g}",
         f"  time to train at {ref['epochs']:.1f} epochs: {format_duration(ref['total_seconds'])}",
     ]
+    lines += _record_lines(ref.get("record"))
     if ref["differences"]:
         shown = "; ".join(f"{name} {mine} (reference {theirs})"
                           for name, mine, theirs in ref["differences"])  # fmt: skip
         lines.append(f"  set otherwise than the reference runs at {ref['compared_with_batch']:,}: "
                      f"{shown}")  # fmt: skip
+    return lines
+
+
+def _record_lines(found: dict | None) -> list[str]:
+    """What the time model fitted on the MLPerf record says of this run, and where the run
+    lies outside what the record covers."""
+    if found is None:
+        return []
+    if found["seconds"] is None:
+        return [f"  the MLPerf record's model: no prediction ({'; '.join(found['outside'])})"]
+    fitted = found["fitted"]
+    low, high = fitted["chips"]
+    share = found.get("share_of_peak")
+    share = f", {share:.0%} of peak at this step's FLOPs" if share is not None else ""
+    lines = [
+        f"  the MLPerf record's model: {format_duration(found['seconds'])} at "
+        f"{found['epochs']:.1f} epochs ({fitted['images_per_second']:,.0f} images/s per "
+        f"{found['generation']} chip{share}, {fitted['step_overhead'] * 1e3:.1f} ms a step; "
+        f"fitted on its {fitted['submissions']} submissions of {low:,}-{high:,} chips)"
+    ]
+    lines += [f"  outside the record: {why}" for why in found["outside"]]
     return lines
 
 
