@@ -36,7 +36,7 @@ needs_libtpu = pytest.mark.skipif(
 )
 needs_cuda_plugin = pytest.mark.skipif(
     not cuda_plugin_available(),
-    reason="the GPU compiler (JAX's CUDA plugin) is not installed (pip install 'jax[cuda12]')",
+    reason="the GPU compiler (JAX's CUDA plugin) is not installed (pip install 'jax[cuda12-local]')",
 )
 
 

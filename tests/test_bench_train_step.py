@@ -68,11 +68,8 @@ def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
     assert "comm = step - compute" in table and "+-: half its spread" in table
 
 
-def test_baseline_and_jaxdist_steps_train_alike():
-    """What the benchmark compares is the same training: from the same state and batch, the
-    hand-written baseline step and jaxdist's TrainStep (built as the benchmark builds them)
-    give the same loss, parameters and BatchNorm statistics, step after step; and each
-    compute-only twin really leaves the gradient mean out (its parameters differ)."""
+def _small_run():
+    """The benchmark's model on torus-4x2, its initial variables and one sharded batch."""
     mesh = meshes.build("torus-4x2")
     axes = tuple(mesh.axis_names)
     num_classes, width = 10, 4
@@ -86,54 +83,87 @@ def test_baseline_and_jaxdist_steps_train_alike():
     variables = jax.device_get(
         init_model.init(jax.random.key(0), host_batch["image"][:2], train=False)
     )
+    return mesh, axes, model, num_classes, variables, ts.shard_batch(mesh, axes, host_batch)
+
+
+def _baseline_run(optimizer, communicate=True, **kwargs):
+    """Two steps of the hand-written baseline: (losses, params, BatchNorm statistics)."""
+    mesh, axes, model, _, variables, batch = _small_run()
+    step = bench_train.baseline_step(model, optimizer, mesh, axes, communicate, **kwargs)
+    carry = jax.device_put(
+        [variables["params"], variables["batch_stats"], optimizer.init(variables["params"])],
+        NamedSharding(mesh, P()),
+    )
+    losses = []
+    for _ in range(2):
+        params, stats, opt_state, metrics = step(*carry, batch)
+        carry = [params, stats, opt_state]
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(carry[0]), jax.device_get(carry[1])
+
+
+def _jaxdist_run(optimizer, allreduce):
+    """Two steps of jaxdist's TrainStep, built as the benchmark builds it."""
+    mesh, _, model, num_classes, variables, batch = _small_run()
+    step = ts.TrainStep(
+        ts.classifier_loss(model, num_classes=num_classes), optimizer, mesh,
+        allreduce=allreduce, bucket_bytes=ts.bucketing.DEFAULT_BUCKET_BYTES,
+    )  # fmt: skip
+    state = step.init(variables["params"], {"batch_stats": variables["batch_stats"]})
+    losses = []
+    for _ in range(2):
+        state, metrics = step(state, batch, jax.random.key(0))
+        losses.append(float(metrics["loss"]))
+    params, stats = jax.device_get((state.params, state.model_state["batch_stats"]))
+    return losses, params, stats
+
+
+def _assert_close(a, b):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), a, b)
+
+
+def _differs(a, b):
+    return any(
+        not np.allclose(x, y, rtol=1e-4, atol=1e-6)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def test_baseline_and_jaxdist_steps_train_alike():
+    """What the benchmark compares is the same training: from the same state and batch, the
+    hand-written baseline step and jaxdist's TrainStep (built as the benchmark builds them)
+    give the same loss, parameters and BatchNorm statistics, step after step; and each
+    compute-only twin really leaves the gradient mean out (its parameters differ)."""
     optimizer = optax.sgd(0.1, momentum=0.9)
-    batch = ts.shard_batch(mesh, axes, host_batch)
-
-    def baseline(communicate):
-        step = bench_train.baseline_step(model, optimizer, mesh, axes, communicate)
-        carry = jax.device_put(
-            [variables["params"], variables["batch_stats"], optimizer.init(variables["params"])],
-            NamedSharding(mesh, P()),
-        )
-        losses = []
-        for _ in range(2):
-            params, stats, opt_state, loss = step(*carry, batch)
-            carry = [params, stats, opt_state]
-            losses.append(float(loss))
-        return losses, jax.device_get(carry[0]), jax.device_get(carry[1])
-
-    def jaxdist(allreduce):
-        step = ts.TrainStep(
-            ts.classifier_loss(model, num_classes=num_classes), optimizer, mesh,
-            allreduce=allreduce, bucket_bytes=ts.bucketing.DEFAULT_BUCKET_BYTES,
-        )  # fmt: skip
-        state = step.init(variables["params"], {"batch_stats": variables["batch_stats"]})
-        losses = []
-        for _ in range(2):
-            state, metrics = step(state, batch, jax.random.key(0))
-            losses.append(float(metrics["loss"]))
-        params, stats = jax.device_get((state.params, state.model_state["batch_stats"]))
-        return losses, params, stats
-
-    def assert_close(a, b):
-        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), a, b)
-
-    def differs(a, b):
-        return any(
-            not np.allclose(x, y, rtol=1e-4, atol=1e-6)
-            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-        )
-
-    losses, params, stats = baseline(communicate=True)
+    initial = _small_run()[4]["params"]
+    losses, params, stats = _baseline_run(optimizer)
     assert all(math.isfinite(loss) for loss in losses) and losses[0] != losses[1], losses
-    assert differs(params, variables["params"])  # the step trained something
+    assert _differs(params, initial)  # the step trained something
     for algorithm in ("native", "ring"):
-        theirs = jaxdist(algorithm)
+        theirs = _jaxdist_run(optimizer, algorithm)
         np.testing.assert_allclose(theirs[0], losses, rtol=1e-5)
-        assert_close(theirs[1], params)
-        assert_close(theirs[2], stats)
-    assert differs(baseline(communicate=False)[1], params)
-    assert differs(jaxdist(ts.NO_ALLREDUCE)[1], params)
+        _assert_close(theirs[1], params)
+        _assert_close(theirs[2], stats)
+    assert _differs(_baseline_run(optimizer, communicate=False)[1], params)
+    assert _differs(_jaxdist_run(optimizer, ts.NO_ALLREDUCE)[1], params)
+
+
+def test_the_resnet_benchmarks_flax_example_step_is_the_baseline_with_l2_decay():
+    """`jaxdist bench resnet` times the same hand-written step as the baseline here, with the
+    flax example's L2 term (0.5 * wd * |w|^2 over kernels): it trains as TrainStep does with
+    the flax example's optimizer (jaxdist.training.optim.sgd_momentum). The decay is 1e-2
+    here, not the example's 1e-4, so that a wrong term would show beyond the tolerance."""
+    from jaxdist.bench import resnet as resnet_bench
+    from jaxdist.training import optim
+
+    assert resnet_bench.baseline_step is bench_train.baseline_step
+    example = optax.sgd(0.1, momentum=0.9, nesterov=True)
+    losses, params, stats = _baseline_run(example, weight_decay=1e-2, donate=False)
+    theirs = _jaxdist_run(optim.sgd_momentum(0.1, weight_decay=1e-2), "native")
+    np.testing.assert_allclose(theirs[0], losses, rtol=1e-5)
+    _assert_close(theirs[1], params)
+    _assert_close(theirs[2], stats)
+    assert _differs(_baseline_run(example)[1], params)  # the decay did something
 
 
 def test_communication_is_paired_by_round_and_carries_its_spread():

@@ -266,3 +266,24 @@ def test_a_pipeline_refuses_updates_that_need_the_whole_model():
     ) as err:
         check_shardable(clipped)
     assert "\n" not in str(err.value)
+
+
+def test_an_unset_eps_is_the_chosen_optimizers_own_and_a_set_one_is_kept():
+    """``--set optimizer.name=adamw`` on the base config trains with optax's eps (1e-8); LARS
+    keeps 0 as before; an eps set in the config reaches the optimizer as it is."""
+    from jaxdist.run.config import apply_overrides, base_config
+    from jaxdist.run.from_config import build_optimizer
+
+    def eps_of(*overrides):
+        opt = apply_overrides(base_config(), overrides).optimizer
+        state = build_optimizer(opt, 0.1).init(_params())
+        return float(optax.tree_utils.tree_get(state, "eps"))
+
+    assert eps_of("optimizer.name=adamw") == pytest.approx(1e-8)
+    assert eps_of("optimizer.name=lars") == 0.0
+    assert eps_of("optimizer.name=adamw", "optimizer.eps=1e-6") == pytest.approx(1e-6)
+    assert eps_of("optimizer.name=lars", "optimizer.eps=1e-9") == pytest.approx(1e-9)
+    with pytest.raises(ValueError, match=r"adamw needs eps > 0 .*got 0.0; leave it unset"):
+        eps_of("optimizer.name=adamw", "optimizer.eps=0.0")
+    with pytest.raises(ValueError, match=r"optimizer.eps: expected a float or None, got 'abc'"):
+        eps_of("optimizer.eps=abc")

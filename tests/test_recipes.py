@@ -150,17 +150,22 @@ def test_gpipe_recipe_on_synthetic_data(tmp_path):
 
 
 def test_plot_writes_a_png(tmp_path):
+    """Runs side by side, whatever their throughput is called: ``images_per_sec`` (image
+    tasks, and every task's files before the name followed the task's unit) or
+    ``samples_per_sec``."""
     import json
 
-    run = tmp_path / "run"
-    run.mkdir()
-    lines = [
-        {"kind": "train", "step": s, "epoch": s / 4, "loss": 2.0 / s, "lr": 0.1, "batch_size": 8}
-        for s in range(1, 9)
-    ] + [{"kind": "eval", "step": 8, "epoch": 2.0, "top1": 0.5, "top5": 0.9}]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    runs = []
+    for rate in ("images_per_sec", "samples_per_sec"):
+        run = tmp_path / rate
+        run.mkdir()
+        train = {"kind": "train", "lr": 0.1, "batch_size": 8, rate: 100.0}
+        lines = [{**train, "step": s, "epoch": s / 4, "loss": 2.0 / s} for s in range(1, 9)]
+        lines.append({"kind": "eval", "step": 8, "epoch": 2.0, "top1": 0.5, "top5": 0.9})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        runs.append(str(run))
     out = tmp_path / "curves.png"
-    assert main(["plot", str(run), "--out", str(out)]) == 0
+    assert main(["plot", *runs, "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 

@@ -143,3 +143,45 @@ def test_cli_refusal_is_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "lr.peak: 0.2 -> 0.5" in err[0] and err[0].startswith("jaxdist train: ")
+
+
+def test_a_run_recorded_with_eps_0_continues_with_eps_unset(tmp_path):
+    """optimizer.eps was 0.0 unless set; unset (None) now gives LARS that same 0 and SGD reads
+    none, so a rerun of such a run is the same run."""
+    for name in ("sgd", "lars"):
+        workdir = _workdir_with_progress(tmp_path / name, base_config())
+        recorded = json.loads((workdir / rerun.CONFIG_FILE).read_text())
+        recorded["optimizer"]["name"], recorded["optimizer"]["eps"] = name, 0.0
+        (workdir / rerun.CONFIG_FILE).write_text(json.dumps(recorded))
+        now = base_config()
+        now.optimizer.name = name
+        assert rerun.check_rerun(workdir, now) == []
+    now.optimizer.eps = 1e-6  # a different eps is a different run
+    with pytest.raises(rerun.ConfigChangedError, match=r"optimizer.eps: 0.0 -> 1e-06"):
+        rerun.check_rerun(workdir, now)
+
+
+def test_the_note_says_whether_config_json_was_missing_or_damaged(tmp_path):
+    """config.json rewritten from the checkpoint's record: the line says why, and a truncated
+    file is damaged, not missing."""
+    trained_with = rerun.config_record(base_config(), None)
+    path = tmp_path / rerun.CONFIG_FILE
+    text = json.dumps(trained_with, indent=2)
+
+    def note():
+        return rerun.record_note(tmp_path, trained_with, step=3)
+
+    assert note() == (
+        "config.json was missing; compared with the checkpoint of step 3 and written from it"
+    )
+    path.write_text(text[: len(text) // 2])  # cut short, as by a full disk
+    assert note().startswith("config.json was damaged (not valid JSON: "), note()
+    assert "; compared with the checkpoint of step 3 and written from it" in note()
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    assert note().startswith("config.json was damaged (not text); "), note()
+    path.write_text("[1, 2]")
+    assert note().startswith("config.json was not a config jaxdist wrote; "), note()
+    path.write_text(text.replace('"peak": 0.1', '"peak": 0.3'))
+    assert note().startswith("config.json differed from what the checkpoints were trained with")
+    path.write_text(text)
+    assert note() is None

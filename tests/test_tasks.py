@@ -179,6 +179,10 @@ def test_a_recipe_with_its_own_task_trains_with_jaxdist_train(tmp_path):
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
     mse = [e["mse"] for e in evals if e["kind"] == "eval"][-1]
     assert mse < 0.1  # sin(3x) has variance ~0.5: the MLP fitted it
+    # Throughput is named by the task's unit: samples here, not images.
+    train = [e for e in evals if e["kind"] == "train"]
+    assert all(e["samples_per_sec"] > 0 and "images_per_sec" not in e for e in train), train[0]
+    assert " samples/s | " in proc.stdout
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model"]["name"] == "sine_mlp"
 
@@ -264,3 +268,28 @@ def test_the_nnx_language_model_trains_with_zero1_and_in_bfloat16(corpus_root):
     assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {np.dtype("float32")}
     assert np.isfinite(float(metrics["loss"]))
     assert len(params) == len(state.params)
+
+
+def test_the_task_docstring_example_trains(tmp_path):
+    """jaxdist.tasks.task's example, as written there: it names what exists and fits the
+    regression through the trainer."""
+    import textwrap
+
+    from jaxdist.run.config import base_config
+    from jaxdist.tasks import task as task_module
+
+    doc = task_module.__doc__
+    start = doc.index("::\n\n") + 4
+    end = doc.index("\n\n", doc.index("def get_task", start))
+    rng = np.random.default_rng(0)
+    x, xv = rng.standard_normal((512, 8), np.float32), rng.standard_normal((64, 8), np.float32)
+    w = rng.standard_normal((8, 1), np.float32)
+    namespace = {"x": x, "y": x @ w, "xv": xv, "yv": xv @ w}
+    exec(textwrap.dedent(doc[start:end]), namespace)
+    config = base_config()
+    config.model.name = "regression"
+    config.batch_size, config.num_epochs, config.lr.warmup_epochs = 64, 4.0, 0.0
+    config.eval_every_epochs, config.eval_batch_size = 4.0, 64
+    config.checkpoint.every_steps, config.tensorboard = 0, "off"
+    summary = Trainer(config, tmp_path, task=namespace["get_task"]).run()
+    assert summary["mse"] < 0.1 * float(np.mean((xv @ w) ** 2)), summary

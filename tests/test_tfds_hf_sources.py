@@ -441,6 +441,29 @@ def test_a_damaged_save_to_disk_folder_is_one_line(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def test_an_empty_split_names_itself_and_how_to_pick_another(tmp_path):
+    """A save_to_disk folder whose validation split has no records: one line naming the split
+    and data.eval_split; the train split still reads, and the suggested splits work."""
+    root = tmp_path / "empty_val"
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])}
+    )
+    images = [np.full((8, 8, 3), i, np.uint8) for i in range(10)]
+    table = datasets.Dataset.from_dict({"image": images, "label": [i % 2 for i in range(10)]},
+                                       features=features)  # fmt: skip
+    empty = datasets.Dataset.from_dict({"image": [], "label": []}, features=features)
+    datasets.DatasetDict({"train": table, "validation": empty}).save_to_disk(str(root))
+    with pytest.raises(DatasetError) as err:
+        HuggingFaceSource(str(root), "val")
+    message = str(err.value)
+    assert message.startswith(f"hf dataset {root}: split 'validation' is empty (0 records); ")
+    assert "--set data.eval_split='train[90%:]'" in message and "\n" not in message
+    assert len(HuggingFaceSource(str(root), "train")) == 10
+    pipeline = make_pipeline(DataConfig(source="hf", dataset=str(root), image_size=8,
+                                        train_split="train[:90%]", eval_split="train[90%:]"))  # fmt: skip
+    assert (pipeline.num_train_examples, pipeline.num_eval_examples) == (9, 1)
+
+
 def test_the_datasets_progress_bars_stay_out_of_a_run_unless_asked_for(hf_dir, tmp_path, capfd):
     """Preparing a fresh cache draws "Generating ... split" bars: not when a run opens the
     dataset, and when `jaxdist data inspect` does (it passes show_progress=True)."""

@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import time
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -329,3 +330,49 @@ def test_a_users_hook_sees_every_moment_and_may_stop_the_run(tmp_path):
     assert events[-1]["key"] == "run_stop"
     assert events[-1]["metadata"]["reason"] == "preempted (told to)"
     assert Trainer(config, tmp_path).run()["step"] == 3 + 4  # resumed at step 3, on to 7
+
+
+def test_a_misspelt_moment_is_refused_where_the_hook_is_defined():
+    with pytest.raises(
+        TypeError, match=r"_Late.step_don is not a moment .* did you mean step_done"
+    ):
+
+        class _Late(Hook):
+            def step_don(self, loop):
+                pass
+
+    class _Helper(Hook):  # a method that is no moment's near-miss is the hook's own business
+        def summary(self):
+            return "fine"
+
+    assert _Helper().summary() == "fine"
+
+
+def test_hooks_are_called_in_order_and_their_settings_checked_by_their_class():
+    from jaxdist.run.hooks import Hooks
+    from jaxdist.run.standard_hooks import check_hook_settings
+
+    class _Strict(Hook):
+        @classmethod
+        def check_settings(cls, config, total_steps, profile_steps):
+            if total_steps > 5:
+                raise ValueError(f"_Strict runs at most 5 steps, not {total_steps}")
+
+    class _Stopper(Hook):
+        def __init__(self, reason):
+            self.reason = reason
+
+        def stop_requested(self, loop):
+            return self.reason
+
+    first, second = _Recorder(stop_after=None), _Recorder(stop_after=None)
+    hooks = Hooks([first, _Stopper(""), _Stopper("SIGTERM"), second, _Stopper("later")])
+    hooks.step_starting(SimpleNamespace(step=2))
+    assert first.moments == second.moments == ["step_starting 3"]
+    assert hooks.stop_requested(SimpleNamespace(step=3)) == "SIGTERM"
+    config = tiny_config()
+    check_hook_settings(config, 5, None, [_Strict()])
+    with pytest.raises(ValueError, match="_Strict runs at most 5 steps, not 6"):
+        check_hook_settings(config, 6, None, [_Strict()])
+    with pytest.raises(ValueError, match="profile-steps 3:9 is outside the steps this run"):
+        check_hook_settings(config, 6, (3, 9))

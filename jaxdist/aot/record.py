@@ -20,6 +20,17 @@ import numpy as np
 
 from jaxdist.aot import rcp
 
+__all__ = [
+    "Generation",
+    "RecordFit",
+    "fit",
+    "fittable",
+    "generation_of",
+    "record_time",
+    "reference_epochs",
+    "stored_fit",
+]
+
 # (pattern in the accelerator's described name, generation), first match wins: the form
 # factor is part of the generation where it changes the chip's power and links (an A100 on
 # PCIe runs at 250-300 W without NVSwitch).

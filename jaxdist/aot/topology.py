@@ -7,7 +7,7 @@ TPU: the program is compiled exactly as on the slice, and nothing runs. Several 
 joined by the data-centre network are written ``v5e:16x16/2`` (two slices).
 
 ``"h100:4x8"`` names GPU hosts: 4 hosts of 8 H100s. The XLA GPU compiler of the CUDA plugin
-(``pip install 'jax[cuda12]'``) compiles for them from a target description of the GPU
+(``pip install 'jax[cuda12-local]'``, the ``gpu-plan`` extra) compiles for them from a target description of the GPU
 (``targets/h100.txtpb`` beside this module) with no GPU and no CUDA driver present. Kernels
 are not autotuned without a GPU, so memory and the collectives are as on the GPU; kernel
 choices may differ.
@@ -47,7 +47,7 @@ _ACCELERATOR_TYPE = {
     "v6e": lambda n: f"v6e-{n}",
 }
 LIBTPU_HINT = "install the TPU compiler with: pip install 'jaxdist[tpu]'"
-CUDA_HINT = "install the CUDA plugin with: pip install 'jax[cuda12]'"
+CUDA_HINT = "install the GPU compiler with: pip install 'jax[cuda12-local]' (the gpu-plan extra)"
 _NAME = re.compile(r"^(v\d+[a-z]?):(\d+(?:x\d+){1,2})(?:/(\d+))?$")
 _GPU_NAME = re.compile(r"^([a-z]\d+):(\d+)x(\d+)$")
 

@@ -13,7 +13,9 @@ The peer is written here the way flax's ``examples/imagenet`` writes it (``model
 * step: cross-entropy on one-hot labels plus ``0.5 * 1e-4 * sum(w**2)`` over ``ndim > 1``
   parameters, ``value_and_grad``, ``lax.pmean(grads, "batch")``, Nesterov momentum SGD, metrics
   averaged with ``pmean``; a plain ``jax.jit`` of a ``shard_map`` over a ``batch`` axis (the
-  example uses ``pmap``, which is the same SPMD program), state not donated, as there.
+  example uses ``pmap``, which is the same SPMD program), state not donated, as there. It is
+  the train-step benchmark's baseline (:func:`jaxdist.bench.train_step.baseline_step`) with
+  that weight decay.
 
 All steps take already-sharded device batches, so this times the step alone; the input
 pipeline's rate (:func:`jaxdist.bench.data.measure`) is reported next to it.
@@ -32,12 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import models
 from jaxdist.bench import timing
+from jaxdist.bench.train_step import baseline_step
 from jaxdist.runtime import dispatch
 from jaxdist.training import optim
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm
@@ -97,40 +99,6 @@ class FlaxExampleResNet50(nn.Module):
                 x = _FlaxBottleneck(self.width * 2**i, strides, norm, self.dtype)(x)
         x = nn.Dense(self.num_classes, dtype=self.dtype)(jnp.mean(x, axis=(1, 2)))
         return jnp.asarray(x, jnp.float32)
-
-
-def flax_example_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh):
-    """The example's ``train_step`` as jit + shard_map with ``pmean`` over ``batch``."""
-
-    def train_step(params, batch_stats, opt_state, batch):
-        def loss_fn(params):
-            logits, new_state = model.apply(
-                {"params": params, "batch_stats": batch_stats},
-                batch["image"],
-                mutable=["batch_stats"],
-            )
-            one_hot = jax.nn.one_hot(batch["label"], logits.shape[-1])
-            loss = optax.softmax_cross_entropy(logits, one_hot).mean()
-            l2 = sum(jnp.sum(p**2) for p in jax.tree.leaves(params) if p.ndim > 1)
-            return loss + 1e-4 * 0.5 * l2, (new_state, logits)
-
-        (loss, (new_state, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        grads = lax.pmean(grads, "batch")
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
-        metrics = lax.pmean({"loss": loss, "accuracy": accuracy}, "batch")
-        return params, new_state["batch_stats"], opt_state, metrics
-
-    return jax.jit(
-        jax.shard_map(
-            train_step,
-            mesh=mesh,
-            in_specs=(P(), P(), P(), P("batch")),
-            out_specs=(P(), P(), P(), P()),
-            check_vma=False,
-        )
-    )
 
 
 @dataclass(frozen=True)
@@ -199,7 +167,8 @@ def _flax_example_runner(
     opt_state = jax.device_put(tx.init(variables["params"]), replicated)
     sharded = NamedSharding(mesh, P("batch"))
     batch = {"image": jax.device_put(images, sharded), "label": jax.device_put(labels, sharded)}
-    train_step = flax_example_step(flax_model, tx, mesh)
+    # The example's step: its L2 weight decay, and the state not donated, as there.
+    train_step = baseline_step(flax_model, tx, mesh, "batch", weight_decay=1e-4, donate=False)
     carry = {"state": (params, stats, opt_state)}
     # The same queue limit as jaxdist's TrainStep (jaxdist.runtime.dispatch), so that neither runner
     # can queue more steps than the other, nor deep enough to hang XLA:CPU.

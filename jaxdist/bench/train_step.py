@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
@@ -63,8 +64,28 @@ def small_resnet(axes, width: int, num_classes: int) -> nn.Module:
     )
 
 
-def baseline_step(model: nn.Module, optimizer, mesh: Mesh, axes, communicate: bool) -> Callable:
-    """The hand-written data-parallel step (flax-example style, on shard_map)."""
+def baseline_step(
+    model: nn.Module,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    axes: str | tuple[str, ...],
+    communicate: bool = True,
+    *,
+    weight_decay: float = 0.0,
+    donate: bool | None = None,
+) -> Callable:
+    """The hand-written data-parallel step of the flax examples (``examples/imagenet``'s
+    ``train_step``), as ``jit`` of a ``shard_map`` over ``axes``:
+    ``(params, batch_stats, opt_state, batch) -> (params, batch_stats, opt_state, metrics)``.
+
+    Cross-entropy on one-hot labels plus ``0.5 * weight_decay * sum(w**2)`` over ``ndim > 1``
+    parameters, ``value_and_grad``, ``lax.pmean`` of the gradients (left out when not
+    ``communicate``: the compute-only twin), the optax update; ``metrics`` are the loss and
+    accuracy averaged over ``axes``. BatchNorm statistics are as the model leaves them (the
+    same on every device with cross-replica BatchNorm). ``donate``: the state is donated;
+    ``None`` donates exactly when :class:`~jaxdist.training.train_step.TrainStep` does, so a
+    comparison with it is like for like.
+    """
 
     def body(params, batch_stats, opt_state, batch):
         def loss_fn(params):
@@ -74,15 +95,22 @@ def baseline_step(model: nn.Module, optimizer, mesh: Mesh, axes, communicate: bo
                 train=True,
                 mutable=["batch_stats"],
             )
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-            return loss, new_state["batch_stats"]
+            one_hot = jax.nn.one_hot(batch["label"], logits.shape[-1])
+            loss = optax.softmax_cross_entropy(logits, one_hot).mean()
+            total = loss
+            if weight_decay:
+                l2 = sum(jnp.sum(p**2) for p in jax.tree.leaves(params) if p.ndim > 1)
+                total = loss + 0.5 * weight_decay * l2
+            return total, (new_state["batch_stats"], logits, loss)
 
-        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        (_, (batch_stats, logits, loss)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         if communicate:
             grads = lax.pmean(grads, axes)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, lax.pmean(batch_stats, axes), opt_state, lax.pmean(loss, axes)
+        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+        metrics = lax.pmean({"loss": loss, "accuracy": accuracy}, axes)
+        return params, batch_stats, opt_state, metrics
 
     sharded = jax.shard_map(
         body,
@@ -91,8 +119,9 @@ def baseline_step(model: nn.Module, optimizer, mesh: Mesh, axes, communicate: bo
         out_specs=(P(), P(), P(), P()),
         check_vma=False,
     )
-    # Donated exactly when TrainStep donates, so the comparison is like for like.
-    return jax.jit(sharded, donate_argnums=(0, 1, 2) if step_options.donation_default(mesh) else ())
+    if donate is None:
+        donate = step_options.donation_default(mesh)
+    return jax.jit(sharded, donate_argnums=(0, 1, 2) if donate else ())
 
 
 def run(

@@ -23,6 +23,7 @@ passes, keeps them).
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -67,10 +68,11 @@ class HuggingFaceSource:
         self._keys = (image_key, label_key)
         with _progress_bars(datasets, show_progress):
             self.split, table = _open_split(datasets, dataset, split, cache_dir)
-            self._open_table(datasets, table)
+            self._open_table(datasets, table, split)
 
-    def _open_table(self, datasets: Any, table: Any) -> None:
-        """Check the split's columns and labels and keep it, its images as stored bytes."""
+    def _open_table(self, datasets: Any, table: Any, split: str) -> None:
+        """Check the split's columns and labels and keep it, its images as stored bytes
+        (``split``: the split asked for)."""
         where = f"hf dataset {self.dataset}"
         image, label_name = image_and_label(list(table.features), where, "column", *self._keys)
         label = table.features[label_name]
@@ -85,7 +87,7 @@ class HuggingFaceSource:
         table = table.rename_columns({image: "image", label_name: "label"})
         self._table = table.cast_column("image", datasets.Image(decode=False))
         if len(self._table) == 0:
-            raise DatasetError(f"{where}: split {self.split!r} has no records")
+            raise _empty_split(where, self.split, split)
         self._check_labels()
         first = self[0]  # the first record's image is checked before any training
         stored_size(first["jpeg"], first["name"])  # decodes, whatever the format
@@ -157,13 +159,7 @@ def _open_split(datasets: Any, dataset: str, split: str, cache_dir: str | None) 
     """``(the dataset's split name, its Dataset)``, or one line on what is wrong."""
     where = f"hf dataset {dataset}"
     if (Path(dataset) / "dataset_dict.json").is_file():  # written by DatasetDict.save_to_disk
-        try:
-            splits = datasets.load_from_disk(dataset)
-        except Exception as err:  # a split folder with a missing or damaged .arrow file, ...
-            raise DatasetError(f"{where} (a save_to_disk folder) cannot be read: "
-                               f"{first_line(err)}") from err  # fmt: skip
-        name = dataset_split(list(splits), split, where)
-        return name, splits[name]
+        return _open_saved_split(datasets, Path(dataset), split, where)
     try:
         builder = datasets.load_dataset_builder(dataset, cache_dir=cache_dir)
     except Exception as err:  # not on the Hub, not cached offline, or not a dataset folder
@@ -175,3 +171,40 @@ def _open_split(datasets: Any, dataset: str, split: str, cache_dir: str | None) 
         return name, builder.as_dataset(split=name)
     except Exception as err:  # unreadable parquet, a full disk, a failed download
         raise DatasetError(f"{where}: split {name!r} cannot be read: {first_line(err)}") from err
+
+
+def _open_saved_split(datasets: Any, root: Path, split: str, where: str) -> tuple[str, Any]:
+    """``(the split's name, its Dataset)`` of a ``DatasetDict.save_to_disk`` folder; only that
+    split is read, so an empty or damaged other split does not stop it."""
+    saved = f"{where} (a save_to_disk folder)"
+    try:
+        available = list(json.loads((root / "dataset_dict.json").read_text())["splits"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DatasetError(f"{saved} cannot be read: dataset_dict.json: {first_line(err)}") from err
+    name = dataset_split(available, split, where)
+    if _saved_without_records(root / name):
+        raise _empty_split(where, name, split)
+    try:
+        return name, datasets.load_from_disk(str(root / name))
+    except Exception as err:  # a split folder with a missing or damaged .arrow file, ...
+        raise DatasetError(f"{saved} cannot be read: {first_line(err)}") from err
+
+
+def _saved_without_records(folder: Path) -> bool:
+    """Whether a saved split lists no data files, as ``save_to_disk`` writes a split of no
+    records (reading one fails deep inside ``datasets``)."""
+    try:
+        return json.loads((folder / "state.json").read_text())["_data_files"] == []
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # reading it says what is wrong
+
+
+def _empty_split(where: str, name: str, split: str) -> DatasetError:
+    """One line: the dataset's split ``name`` (asked for as ``split``) holds no records, and
+    how to read others."""
+    if split == "train":
+        fix = "train on another split with data.train_split"
+    else:
+        fix = ("evaluate on another split with data.eval_split, or hold out part of train: "
+               "--set data.train_split='train[:90%]' --set data.eval_split='train[90%:]'")  # fmt: skip
+    return DatasetError(f"{where}: split {name!r} is empty (0 records); {fix}")

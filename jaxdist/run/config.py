@@ -51,7 +51,8 @@ Fields:
   max_per_device_batch: larger per-device batches are split into accumulation steps.
   num_epochs: training length; the LR schedule ends there.
   optimizer: ``name`` (``sgd``/``lars``/``adamw``) and its hyperparameters (``momentum``,
-    ``nesterov``, ``weight_decay``, ``trust_coefficient``, ``eps``, Adam's ``b1``, ``b2``).
+    ``nesterov``, ``weight_decay``, ``trust_coefficient``, ``eps``, Adam's ``b1``, ``b2``);
+    ``eps`` left at ``None`` is the chosen optimizer's own (adamw ``1e-8``, lars ``0``).
   lr: ``kind`` and arguments of :func:`jaxdist.training.optim.lr_schedule` (in epochs).
   label_smoothing: for the cross-entropy.
   eval_every_epochs, eval_batch_size: periodic top-1/top-5 on the held-out split.
@@ -294,9 +295,11 @@ def apply_overrides(
         try:
             node[leaf] = value
         except TypeError as err:
+            # An unset field (None) of a declared type, such as optimizer.eps, names that type.
+            expected = (f"{_a(node.get_type(leaf).__name__)} or None" if current is None
+                        else f"{_a(type(current).__name__)} like {current!r}")  # fmt: skip
             raise ConfigError(
-                f"--set {key}: expected {_a(type(current).__name__)} like {current!r}, got "
-                f"{value!r} ({type(value).__name__})"
+                f"--set {key}: expected {expected}, got {value!r} ({type(value).__name__})"
             ) from err
     return config
 
@@ -343,7 +346,8 @@ def base_config() -> ml_collections.ConfigDict:
             nesterov=True,
             weight_decay=1e-4,
             trust_coefficient=0.001,
-            eps=0.0,
+            # None: the chosen optimizer's own (optim.DEFAULT_EPS: adamw 1e-8, lars 0).
+            eps=ml_collections.FieldReference(None, field_type=float),
             b1=0.9,
             b2=0.999,
         )

@@ -26,6 +26,7 @@ __all__ = [
     "build_lr_schedule",
     "build_mesh",
     "build_optimizer",
+    "optimizer_arguments",
     "step_options",
 ]
 
@@ -41,9 +42,19 @@ def build_mesh(name: str, stages: int = 0) -> Mesh:
     """The recipe's mesh preset (or TOML path); ``""``: all devices, as one ``data`` axis, or
     with ``stages`` pipeline stages as ``data x stage`` (neighbouring stages on neighbouring
     devices)."""
-    if name:
-        return meshes.build(meshes.load(name))
     count = jax.device_count()
+    if name:
+        spec = meshes.load(name)
+        if jax.process_count() > 1 and spec.size != count:
+            # A mesh on part of the devices would leave whole processes out of every step.
+            raise meshes.MeshDoesNotFitError(
+                f"mesh {spec.name!r} ({' x '.join(map(str, spec.shape))} = {spec.size} devices) "
+                f"does not match this run: {jax.process_count()} processes with "
+                f"{jax.local_device_count()} devices each = {count}. Start processes x devices "
+                f"= {spec.size} (srun --ntasks, mpirun -np, jaxdist launch --processes; "
+                f"--cpu-devices on CPU), or give a mesh of {count} devices (--set mesh=...)"
+            )
+        return meshes.build(spec)
     if not stages:
         return meshes.ring(count, axis_name="data")
     if count % stages:
@@ -104,9 +115,16 @@ def build_optimizer(
         )
     refuse_unused("optimizer", opt, ("name", *OPTIMIZER_FIELDS[opt.name]),
                   f"optimizer.name={opt.name!r}")  # fmt: skip
-    return optim.make_optimizer(
-        opt.name, initial_lr, **{k: opt[k] for k in OPTIMIZER_FIELDS[opt.name]}
-    )
+    return optim.make_optimizer(opt.name, initial_lr, **optimizer_arguments(opt))
+
+
+def optimizer_arguments(opt: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The hyperparameters ``config.optimizer`` gives its optimizer: the fields it reads, an
+    unset ``eps`` (``None``) as that optimizer's own (:data:`optim.DEFAULT_EPS`)."""
+    arguments = {k: opt[k] for k in OPTIMIZER_FIELDS[opt.name]}
+    if "eps" in arguments and arguments["eps"] is None:
+        arguments["eps"] = optim.DEFAULT_EPS[opt.name]
+    return arguments
 
 
 def sfb_layers_setting(text: str) -> str | tuple[str, ...] | None:

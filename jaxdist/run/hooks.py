@@ -35,15 +35,38 @@ own after them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import difflib
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Hook", "OnStep"]
+__all__ = ["Hook", "Hooks", "OnStep"]
 
 
 class Hook:
     """A part of a run the training loop calls; override the moments you need. ``loop`` is the
-    loop's :class:`~jaxdist.run.trainer.Loop` (step, state, epoch, last metrics)."""
+    loop's :class:`~jaxdist.run.trainer.Loop` (step, state, epoch, last metrics).
+
+    A subclass's method named like a moment but not one (``step_don``) is refused when the
+    class is defined: the loop would never call it. A hook's settings are checked before the
+    run is built, by :meth:`check_settings`.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in vars(cls):
+            if name.startswith("_") or name in MOMENTS:
+                continue
+            near = difflib.get_close_matches(name, MOMENTS, n=1, cutoff=0.8)
+            if near:
+                raise TypeError(f"{cls.__name__}.{name} is not a moment the loop calls; "
+                                f"did you mean {near[0]}? (jaxdist.run.hooks)")  # fmt: skip
+
+    @classmethod
+    def check_settings(
+        cls, config: Any, total_steps: int, profile_steps: tuple[int, int] | None
+    ) -> None:
+        """Refuse settings of ``config`` (the recipe's) this hook cannot run with, in one line,
+        before anything is built. ``total_steps``: the steps the run takes."""
 
     def __enter__(self) -> Hook:
         return self
@@ -91,6 +114,73 @@ class Hook:
 
     def run_ended(self, loop: Any, failure: str | None) -> None:
         """The run stopped: normally (``failure`` None) or by ``failure``."""
+
+
+MOMENTS = tuple(
+    name for name in vars(Hook) if not name.startswith("_") and name != "check_settings"
+)
+
+
+class Hooks(Hook):
+    """A run's hooks as one, each moment called on every hook in order (a typed call: a
+    misspelt moment fails where it is called, not silently)."""
+
+    def __init__(self, hooks: Sequence[Hook]) -> None:
+        self.hooks = list(hooks)
+
+    def resumed(self, loop: Any, meta: dict) -> None:
+        for hook in self.hooks:
+            hook.resumed(loop, meta)
+
+    def run_started(self, loop: Any) -> None:
+        for hook in self.hooks:
+            hook.run_started(loop)
+
+    def step_starting(self, loop: Any) -> None:
+        for hook in self.hooks:
+            hook.step_starting(loop)
+
+    def step_calling(self, loop: Any, compiled: bool) -> None:
+        for hook in self.hooks:
+            hook.step_calling(loop, compiled)
+
+    def around_step(self, loop: Any) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for hook in self.hooks:
+            stack.enter_context(hook.around_step(loop))
+        return stack
+
+    def step_done(self, loop: Any) -> None:
+        for hook in self.hooks:
+            hook.step_done(loop)
+
+    def reported(self, loop: Any, fetched: list[dict]) -> None:
+        for hook in self.hooks:
+            hook.reported(loop, fetched)
+
+    def recorded(self, loop: Any, record: dict) -> None:
+        for hook in self.hooks:
+            hook.recorded(loop, record)
+
+    def evaluating(self, loop: Any) -> None:
+        for hook in self.hooks:
+            hook.evaluating(loop)
+
+    def evaluated(self, loop: Any) -> None:
+        for hook in self.hooks:
+            hook.evaluated(loop)
+
+    def saving(self, loop: Any) -> None:
+        for hook in self.hooks:
+            hook.saving(loop)
+
+    def stop_requested(self, loop: Any) -> str:
+        """The first hook's reason to stop, or ``""``."""
+        return next(filter(None, (hook.stop_requested(loop) for hook in self.hooks)), "")
+
+    def run_ended(self, loop: Any, failure: str | None) -> None:
+        for hook in self.hooks:
+            hook.run_ended(loop, failure)
 
 
 class OnStep(Hook):

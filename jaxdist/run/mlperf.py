@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 
+from jaxdist.run.from_config import optimizer_arguments
 from jaxdist.run.hooks import Hook
 
 __all__ = ["EventLog", "MlperfLog", "epoch_events", "now_ms"]
@@ -283,7 +284,7 @@ def _optimizer_keys(cfg: Any, decay_steps: int) -> list[tuple[str, Any]]:
     opt, lr = cfg.optimizer, cfg.lr
     if opt.name == "lars":
         prefix = "lars_opt"
-        named = [(keys.LARS_EPSILON, float(opt.eps)),
+        named = [(keys.LARS_EPSILON, float(optimizer_arguments(opt)["eps"])),
                  (keys.LARS_OPT_LEARNING_RATE_WARMUP_EPOCHS, float(lr.warmup_epochs))]  # fmt: skip
     else:
         prefix = f"{opt.name}_opt"

@@ -36,6 +36,11 @@ class NonFiniteError(RuntimeError):
 _params_finite = jax.jit(all_finite)
 
 
+def _check_skip_limit(skip_limit: int) -> None:
+    if skip_limit < 0:
+        raise ValueError(f"skip_nonfinite_steps must be >= 0, got {skip_limit}")
+
+
 class NonFiniteGuard(Hook):
     """Checks the per-step metrics when the loop reports them and the state before a save.
 
@@ -46,13 +51,18 @@ class NonFiniteGuard(Hook):
     """
 
     def __init__(self, skip_limit: int, kept: Callable[[], str] = lambda: "no checkpoint") -> None:
-        if skip_limit < 0:
-            raise ValueError(f"skip_nonfinite_steps must be >= 0, got {skip_limit}")
+        _check_skip_limit(skip_limit)
         self.skip_limit = skip_limit
         self.kept = kept
         self.skipped_in_a_row = 0
         self.skipped = 0
         self._checked_to = 0  # steps up to this one were looked at
+
+    @classmethod
+    def check_settings(
+        cls, config: Any, total_steps: int, profile_steps: tuple[int, int] | None
+    ) -> None:
+        _check_skip_limit(config.skip_nonfinite_steps)
 
     def check_steps(self, last_step: int, metrics: Sequence[dict[str, Any]], kept: str) -> None:
         """Look at the fetched ``metrics`` of the steps ending at ``last_step`` (counted from 1);

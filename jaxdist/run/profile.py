@@ -37,6 +37,18 @@ def parse_profile_steps(text: str) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
+def _check_steps(steps: tuple[int, int] | None, first_step: int, total_steps: int) -> None:
+    """Refuse steps a run will not run: it runs steps ``first_step..total_steps``."""
+    if steps is None:
+        return
+    first, last = steps
+    if first < first_step or last > total_steps:
+        raise ConfigError(
+            f"--profile-steps {first}:{last} is outside the steps this run takes, "
+            f"{first_step} to {total_steps}"
+        )
+
+
 class StepProfiler(Hook):
     """Starts and stops the trace around the steps ``first..last``; without steps it only
     annotates them (an annotation costs nothing while no trace is running)."""
@@ -46,16 +58,11 @@ class StepProfiler(Hook):
         self.directory = Path(workdir) / TRACE_DIR
         self.tracing = False
 
-    def check(self, first_step: int, total_steps: int) -> None:
-        """Refuse steps this run will not run: it runs steps ``first_step..total_steps``."""
-        if self.steps is None:
-            return
-        first, last = self.steps
-        if first < first_step or last > total_steps:
-            raise ConfigError(
-                f"--profile-steps {first}:{last} is outside the steps this run takes, "
-                f"{first_step} to {total_steps}"
-            )
+    @classmethod
+    def check_settings(
+        cls, config: Any, total_steps: int, profile_steps: tuple[int, int] | None
+    ) -> None:
+        _check_steps(profile_steps, 1, total_steps)
 
     @contextlib.contextmanager
     def step(self, number: int, state_after: Any = None):
@@ -80,7 +87,7 @@ class StepProfiler(Hook):
     # As a hook of the training loop.
 
     def resumed(self, loop: Any, meta: dict) -> None:
-        self.check(loop.step + 1, loop.total_steps)
+        _check_steps(self.steps, loop.step + 1, loop.total_steps)
 
     def around_step(self, loop: Any) -> contextlib.AbstractContextManager:
         return self.step(loop.step + 1, lambda: loop.state)

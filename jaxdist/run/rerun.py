@@ -106,7 +106,10 @@ def differences(recorded: dict[str, Any], new: dict[str, Any]) -> list[Differenc
 def _as_recorded_now(recorded: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """A record of an older version, in what its fields mean now. ``data.num_classes`` was
     1000 whatever a dataset on disk held (the model took the dataset's count, as it does
-    now); it now records that count."""
+    now); it now records that count. ``optimizer.eps`` was 0.0 unless set, which is what an
+    unset eps (``None``) gives LARS now; SGD does not read it, and AdamW refused 0."""
+    if recorded.get("optimizer.eps") == 0.0 and new.get("optimizer.eps") is None:
+        recorded = {**recorded, "optimizer.eps": None}
     old_default = recorded.get("data.num_classes") == 1000
     if old_default and recorded.get("data.source") not in ("synthetic", None):
         return {**recorded, "data.num_classes": new.get("data.num_classes", 1000)}
@@ -168,23 +171,32 @@ def config_record(config: ml_collections.ConfigDict, devices: dict[str, Any] | N
 def recorded_config(workdir: str | Path) -> dict[str, Any] | None:
     """``config.json`` of ``workdir`` flattened, or ``None`` when it is missing or is not
     a config jaxdist wrote."""
-    path = Path(workdir) / CONFIG_FILE
+    return _read_record(Path(workdir) / CONFIG_FILE)[0]
+
+
+def _read_record(path: Path) -> tuple[dict[str, Any] | None, str]:
+    """``(the record at path flattened, "")``, or ``(None, what was wrong with it)``: it was
+    missing, damaged (cut short, overwritten) or not a config jaxdist wrote."""
     try:
-        return flatten(json.loads(path.read_text()))
-    except (FileNotFoundError, json.JSONDecodeError, AttributeError, UnicodeDecodeError):
-        return None
+        return flatten(json.loads(path.read_text())), ""
+    except FileNotFoundError:
+        return None, "was missing"
+    except json.JSONDecodeError as err:
+        return None, f"was damaged (not valid JSON: {err.msg} at line {err.lineno})"
+    except UnicodeDecodeError:
+        return None, "was damaged (not text)"
+    except AttributeError:
+        return None, "was not a config jaxdist wrote"
 
 
 def record_note(workdir: str | Path, trained_with: dict[str, Any], step: int) -> str | None:
-    """The line to print when ``config.json`` is missing, or differs from the record the
-    checkpoint of ``step`` was trained with in more than what a rerun may change (and so is
-    rewritten from it), else ``None``."""
-    found = recorded_config(workdir)
+    """The line to print when ``config.json`` is missing or unreadable, or differs from the
+    record the checkpoint of ``step`` was trained with in more than what a rerun may change
+    (and so is rewritten from it), else ``None``."""
+    found, why = _read_record(Path(workdir) / CONFIG_FILE)
     if found is not None and all(map(_is_safe, differences(flatten(trained_with), found))):
         return None
-    what = (
-        "was missing" if found is None else "differed from what the checkpoints were trained with"
-    )
+    what = why or "differed from what the checkpoints were trained with"
     return f"{CONFIG_FILE} {what}; compared with the checkpoint of step {step} and written from it"
 
 

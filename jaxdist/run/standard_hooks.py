@@ -18,13 +18,35 @@ from jaxdist.run.tensorboard import TensorBoard
 from jaxdist.run.watchdog import Watchdog
 from jaxdist.run.workdir_lock import WorkdirLock
 
-__all__ = ["standard_hooks"]
+__all__ = ["STANDARD_HOOKS", "check_hook_settings", "standard_hooks"]
+
+# The trainer's own hooks, in the order the loop calls them: the lock first and the rerun
+# check second, so that nothing is read or written before both agree; the event log last, so
+# that it records what the others decided.
+STANDARD_HOOKS: tuple[type[Hook], ...] = (
+    WorkdirLock,
+    rerun.RerunCheck,
+    Watchdog,
+    PreemptionGuard,
+    StepProfiler,
+    NonFiniteGuard,
+    TensorBoard,
+    MlperfLog,
+)
+
+
+def check_hook_settings(
+    config: Any, total_steps: int, profile_steps: tuple[int, int] | None, hooks=()
+) -> None:
+    """Each standard hook's, and each of ``hooks``', check of ``config``'s settings
+    (:meth:`~jaxdist.run.hooks.Hook.check_settings`), before the run is built."""
+    for kind in (*STANDARD_HOOKS, *(type(hook) for hook in hooks)):
+        kind.check_settings(config, total_steps, profile_steps)
 
 
 def standard_hooks(trainer: Any, log: RunLog, ckpt: Checkpointer) -> list[Hook]:
-    """New hooks for one run of ``trainer`` (:class:`~jaxdist.run.trainer.Trainer`): the lock
-    first and the rerun check second, so that nothing is read or written before both agree;
-    the event log last, so that it records what the others decided."""
+    """New hooks for one run of ``trainer`` (:class:`~jaxdist.run.trainer.Trainer`), one of
+    each of :data:`STANDARD_HOOKS`, in its order."""
     cfg, workdir = trainer.config, trainer.workdir
     writer = jax.process_index() == 0  # only process 0 writes logs
     return [

@@ -1,7 +1,7 @@
 """TensorBoard summaries of a run, beside its ``metrics.jsonl``: ``WORKDIR/tensorboard``.
 
 Per logged step the train record's scalars (``train/loss``, ``train/accuracy``, ``train/lr``,
-``train/batch_size``, ``train/images_per_sec``, ...) and per evaluation the task's metrics
+``train/batch_size``, ``train/<unit>_per_sec``, ...) and per evaluation the task's metrics
 (``eval/top1``, ``eval/top5`` for image classification), at their step; once per run start the
 resolved config as hyperparameters (the HParams dashboard, against the headline metric). The writer is ``tensorboardX``, installed by ``pip install
 'jaxdist[tensorboard]'``. The config's ``tensorboard`` field chooses: ``"auto"`` writes when
@@ -79,6 +79,12 @@ class TensorBoard(Hook):
     """The summaries as a hook of the training loop: every ``metrics.jsonl`` record as scalars,
     the flattened ``config`` as hyperparameters at the run's start, against ``eval/<headline>``.
     Writes nothing unless ``enabled`` (process 0)."""
+
+    @classmethod
+    def check_settings(
+        cls, config: Any, total_steps: int, profile_steps: tuple[int, int] | None
+    ) -> None:
+        check_mode(config.tensorboard)
 
     def __init__(self, workdir: Path, mode: str, *, enabled: bool, config: dict[str, Any],
                  headline: str) -> None:  # fmt: skip

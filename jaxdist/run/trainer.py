@@ -44,7 +44,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdist.data import DatasetError
-from jaxdist.run import pipeline_config, rerun
+from jaxdist.run import rerun
 from jaxdist.run.agreement import check_same_everywhere, run_facts
 from jaxdist.run.checkpoint import Checkpointer
 from jaxdist.run.config import batch_stages, config_problems
@@ -53,27 +53,22 @@ from jaxdist.run.from_config import (
     build_lr_schedule,
     build_mesh,
     build_optimizer,
-    refuse_unused,
     step_options,
 )
-from jaxdist.run.hooks import Hook, OnStep
+from jaxdist.run.hooks import Hook, Hooks, OnStep
 from jaxdist.run.log import RunLog, WorkdirError, describe_error, format_duration, last_eval
 from jaxdist.run.mlperf import now_ms
-from jaxdist.run.nonfinite import NonFiniteGuard
-from jaxdist.run.profile import StepProfiler
-from jaxdist.run.standard_hooks import standard_hooks
-from jaxdist.run.tensorboard import check_mode
-from jaxdist.run.watchdog import Watchdog
+from jaxdist.run.standard_hooks import check_hook_settings, standard_hooks
+from jaxdist.run.step_kinds import step_kind_for
 from jaxdist.tasks import Replicas, Task
 from jaxdist.tasks.image_classification import ImageClassification
 from jaxdist.training.batch_schedule import BatchSchedule
 from jaxdist.training.batches import data_axes_of
 from jaxdist.training.eval_step import EvalStep
 from jaxdist.training.protocol import Step
-from jaxdist.training.sharding import FSDP_AXIS
-from jaxdist.training.train_step import TrainState, TrainStep
+from jaxdist.training.train_step import TrainState
 
-__all__ = ["DataParallel", "Loop", "TaskFactory", "Trainer"]
+__all__ = ["Loop", "TaskFactory", "Trainer"]
 
 # A recipe's ``get_task``: the task of a config, on the replicas the mesh gives it.
 TaskFactory = Callable[[ml_collections.ConfigDict, Replicas], Task]
@@ -102,29 +97,6 @@ class Loop:
     reached_target: bool = False
     stopped_by: str = ""  # why the run stopped early: e.g. SIGTERM or SIGINT (Ctrl-C)
     config_changes: list = dataclasses.field(default_factory=list)  # accepted on resume
-
-
-class DataParallel:
-    """The kind of step a recipe without pipeline stages trains: the whole model on every
-    device, every mesh axis splitting the batch."""
-
-    def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh) -> None:
-        refuse_unused("pipeline", config.pipeline, ("stages",), "pipeline.stages=0")
-        self.mesh = mesh
-        self.data_axes: tuple[str, ...] = tuple(mesh.axis_names)
-        self.resolved: dict = {}  # nothing left to the machine beyond the mesh
-
-    def check_batches(self, batches: list[int], replicas: int) -> None:
-        """Any global batch works: the batch plan splits it into accumulation steps."""
-
-    def build(self, parts: StepParts, accumulation_steps: int) -> TrainStep:
-        """The recipe's :class:`TrainStep`: the task's loss on the whole model, its state
-        sharded over the mesh's ``fsdp`` axis where it has one (HSDP), else over every axis."""
-        hsdp = FSDP_AXIS in self.data_axes and len(self.data_axes) > 1
-        shard_axes = FSDP_AXIS if hsdp and parts.options.get("sharding") != "replicated" else None
-        return TrainStep(parts.task.loss, parts.optimizer, self.mesh, data_axes=self.data_axes,
-                         accumulation_steps=accumulation_steps, shard_axes=shard_axes,
-                         **parts.options)  # fmt: skip
 
 
 class Trainer:
@@ -171,10 +143,7 @@ class Trainer:
         except OSError as err:
             raise WorkdirError.from_os_error(err, self.workdir) from err
         # The one choice of step; from here on the loop sees only the Step interface.
-        if pipeline_config.enabled(config):
-            self.step_kind = pipeline_config.Pipeline(config, self.mesh, recorded)
-        else:
-            self.step_kind = DataParallel(config, self.mesh)
+        self.step_kind = step_kind_for(config, self.mesh, recorded)
         names = self.step_kind.data_axes
         self.data_axes = data_axes_of(self.mesh, names)  # one name, or a tuple of several
         self.num_replicas = math.prod(self.mesh.shape[a] for a in names)
@@ -189,10 +158,7 @@ class Trainer:
         if config.max_steps:
             self.total_steps = min(self.total_steps, config.max_steps)
         # The hooks' settings, checked now; the hooks themselves are new for every run.
-        NonFiniteGuard(config.skip_nonfinite_steps)
-        Watchdog(config.watchdog_s, self.workdir)
-        StepProfiler(self.profile_steps, self.workdir).check(1, self.total_steps)
-        check_mode(config.tensorboard)
+        check_hook_settings(config, self.total_steps, self.profile_steps, self.user_hooks)
         if config.eval_batch_size % self.num_replicas:
             raise ValueError(
                 f"eval_batch_size={config.eval_batch_size} must be a multiple of the "
@@ -285,18 +251,18 @@ class Trainer:
         log = RunLog(self.workdir, enabled=jax.process_index() == 0)
         ckpt = Checkpointer(self.workdir / "checkpoints", every_steps=cfg.checkpoint.every_steps,
                             keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)  # fmt: skip
-        hooks = standard_hooks(self, log, ckpt) + self.user_hooks
-        hooks += [OnStep(on_step)] if on_step is not None else []
+        on_steps = [OnStep(on_step)] if on_step is not None else []
+        hooks = Hooks(standard_hooks(self, log, ckpt) + self.user_hooks + on_steps)
         loop, failure = None, None
         with contextlib.ExitStack() as held:
             try:
-                for hook in hooks:  # the lock and the rerun check come first
+                for hook in hooks.hooks:  # the lock and the rerun check come first
                     held.enter_context(hook)
                 log.open()
                 loop = self._resume(ckpt, log, hooks)
                 if loop.step >= self.total_steps:
                     return self._already_finished(loop, log)
-                _call(hooks, "run_started", loop)
+                hooks.run_started(loop)
                 while loop.step < self.total_steps and not loop.stopped_by:
                     self._train_one_step(loop, log, ckpt, hooks)
                     if loop.step % cfg.log_every_steps == 0 or loop.step == self.total_steps:
@@ -306,17 +272,15 @@ class Trainer:
                     ckpt.check()  # a failed background save stops the run at the step after it
                     if ckpt.should_save(loop.step):
                         self._save(loop, ckpt, hooks)
-                    _call(hooks, "step_done", loop)
-                    loop.stopped_by = next(
-                        filter(None, (h.stop_requested(loop) for h in hooks)), ""
-                    )
+                    hooks.step_done(loop)
+                    loop.stopped_by = hooks.stop_requested(loop)
                 self._finish(loop, ckpt, hooks)
             except BaseException as err:  # KeyboardInterrupt too: the event log says why
                 failure = describe_error(err)
                 raise
             finally:
                 if loop is not None:
-                    _call(hooks, "run_ended", loop, failure)
+                    hooks.run_ended(loop, failure)
                 ckpt.close()
                 if loop is not None and loop.iterator is not None:
                     loop.iterator.close()
@@ -325,7 +289,7 @@ class Trainer:
         return {"step": loop.step, "epoch": loop.epoch, "preempted": bool(loop.stopped_by),
                 "stopped_by": loop.stopped_by, **loop.last_eval}  # fmt: skip
 
-    def _resume(self, ckpt: Checkpointer, log: RunLog, hooks: list[Hook]) -> Loop:
+    def _resume(self, ckpt: Checkpointer, log: RunLog, hooks: Hooks) -> Loop:
         """The loop's state: from the newest checkpoint, or fresh from the seed."""
         step, data_state, meta = 0, None, {}
         if ckpt.steps():
@@ -335,7 +299,7 @@ class Trainer:
         loop = Loop(state=state, step=step, total_steps=self.total_steps,
                     base_rng=jax.random.PRNGKey(self.config.seed), data_state=data_state,
                     epoch=self.schedule.epoch_at(step))  # fmt: skip
-        _call(hooks, "resumed", loop, meta)
+        hooks.resumed(loop, meta)
         if 0 < step < self.total_steps:
             log.progress(f"resumed from step {step} (epoch {meta['epoch']:.3f})", final=True)
         return loop
@@ -351,11 +315,11 @@ class Trainer:
         return {"step": loop.step, "epoch": loop.epoch, "preempted": False,
                 "already_finished": True, **last_eval(self.workdir)}  # fmt: skip
 
-    def _train_one_step(self, loop: Loop, log: RunLog, ckpt: Checkpointer, hooks: list) -> None:
+    def _train_one_step(self, loop: Loop, log: RunLog, ckpt: Checkpointer, hooks: Hooks) -> None:
         """One step: a new stage's iterator and step if the step starts one, the epoch's LR,
         the step's RNG."""
         step = loop.step
-        _call(hooks, "step_starting", loop)
+        hooks.step_starting(loop)
         try:
             if self.schedule.stage_index_at(step) != loop.stage:
                 loop.stage = self.schedule.stage_index_at(step)
@@ -372,10 +336,8 @@ class Trainer:
         loop.state = train_step.set_learning_rate(loop.state, loop.lr)
         rng = jax.random.fold_in(loop.base_rng, step)
         compiled = train_step in self._compiled_steps
-        _call(hooks, "step_calling", loop, compiled)
-        with contextlib.ExitStack() as around:
-            for hook in hooks:
-                around.enter_context(hook.around_step(loop))
+        hooks.step_calling(loop, compiled)
+        with hooks.around_step(loop):
             loop.state, metrics = train_step(loop.state, batch, rng)
         if not compiled:
             self._compiled_steps.append(train_step)
@@ -397,28 +359,29 @@ class Trainer:
         for line in train_step.plan().table().splitlines():
             log.progress(line, final=True)
 
-    def _report(self, loop: Loop, log: RunLog, hooks: list[Hook]) -> None:
+    def _report(self, loop: Loop, log: RunLog, hooks: Hooks) -> None:
         """The mean metrics since the last report to ``metrics.jsonl`` and a progress line with
         the elapsed time and an ETA from the recent step rate."""
         fetched = jax.device_get(loop.pending)
         means = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
         now = time.perf_counter()
         window = now - loop.window_start
+        rate = loop.window_samples / window
         record = {"kind": "train", "step": loop.step, "epoch": loop.epoch, "lr": loop.lr,
-                  "batch_size": loop.batch_size,
-                  "images_per_sec": loop.window_samples / window, **means}  # fmt: skip
+                  "batch_size": loop.batch_size, f"{self.task.unit}_per_sec": rate,
+                  **means}  # fmt: skip
         log.metrics(record)
         eta = (self.total_steps - loop.step) * window / loop.window_steps
         log.progress(
             f"step {loop.step}/{self.total_steps} | epoch {loop.epoch:.2f} | "
-            f"{record['images_per_sec']:.0f} {self.task.unit}/s | loss {means['loss']:.4f} | "
+            f"{rate:.0f} {self.task.unit}/s | loss {means['loss']:.4f} | "
             f"lr {loop.lr:.4g} | batch {loop.batch_size} | "
             f"{format_duration(now - loop.started)} elapsed, eta {format_duration(eta)}"
         )
         loop.pending, loop.window_start = [], now
         loop.window_samples = loop.window_steps = 0
-        _call(hooks, "recorded", loop, record)
-        _call(hooks, "reported", loop, fetched)  # the non-finite guard may stop the run here
+        hooks.recorded(loop, record)
+        hooks.reported(loop, fetched)  # the non-finite guard may stop the run here
 
     def _eval_due(self, loop: Loop) -> bool:
         """Every ``eval_every_epochs`` (at the first step past each multiple) and at the end."""
@@ -427,29 +390,29 @@ class Trainer:
         due = every > 0 and math.floor(loop.epoch / every) > math.floor(previous / every)
         return due or loop.step == self.total_steps
 
-    def _evaluate(self, loop: Loop, log: RunLog, hooks: list[Hook]) -> None:
+    def _evaluate(self, loop: Loop, log: RunLog, hooks: Hooks) -> None:
         """The task's metrics now; the first whose headline metric reaches ``target_accuracy``
         marks the target reached."""
-        _call(hooks, "evaluating", loop)
+        hooks.evaluating(loop)
         loop.last_eval = self.evaluate(loop.state)
         headline = loop.last_eval[self.task.headline]
         target = self.config.target_accuracy
         loop.reached_target |= (
             headline >= target if self.task.higher_is_better else headline <= target
         )
-        _call(hooks, "evaluated", loop)
+        hooks.evaluated(loop)
         record = {"kind": "eval", "step": loop.step, "epoch": loop.epoch, **loop.last_eval}
         log.metrics(record)
-        _call(hooks, "recorded", loop, record)
+        hooks.recorded(loop, record)
         shown = ", ".join(f"{k} {v:.4f}" for k, v in loop.last_eval.items())
         log.progress(f"eval at epoch {loop.epoch:.2f}: {shown}", final=True)
 
-    def _save(self, loop: Loop, ckpt: Checkpointer, hooks: list[Hook], force: bool = False,
+    def _save(self, loop: Loop, ckpt: Checkpointer, hooks: Hooks, force: bool = False,
               data_state: dict | None = None) -> None:  # fmt: skip
         """A checkpoint now (the hooks may refuse one, e.g. of non-finite parameters);
         ``data_state`` replaces the iterator's own state."""
         ckpt.check()
-        _call(hooks, "saving", loop)
+        hooks.saving(loop)
         meta = {"epoch": loop.epoch, "stage": loop.stage,
                 "config": rerun.config_record(self.config, self.resolved_devices()),
                 "samples_seen": loop.iterator.next_sample}  # fmt: skip
@@ -457,7 +420,7 @@ class Trainer:
             data_state = loop.iterator.get_state()
         ckpt.save(loop.step, loop.state, data_state, meta, force=force)
 
-    def _stopped_by_data(self, err: DatasetError, loop: Loop, ckpt: Checkpointer, hooks: list):
+    def _stopped_by_data(self, err: DatasetError, loop: Loop, ckpt: Checkpointer, hooks: Hooks):
         """The error to stop with when the input cannot be read: with one process, after a
         checkpoint of the steps done, so that a rerun resumes there once the data is fixed
         (with several, the others cannot join this save: the newest saved step is kept)."""
@@ -466,14 +429,8 @@ class Trainer:
             ckpt.wait()
         return DatasetError(f"{err}; the run stopped at step {loop.step} ({ckpt.kept()})")
 
-    def _finish(self, loop: Loop, ckpt: Checkpointer, hooks: list[Hook]) -> None:
+    def _finish(self, loop: Loop, ckpt: Checkpointer, hooks: Hooks) -> None:
         """The final checkpoint, written before the run is called ended."""
         if loop.step > 0 and loop.iterator is not None:
             self._save(loop, ckpt, hooks, force=True)
             ckpt.wait()
-
-
-def _call(hooks: Sequence[Hook], moment: str, *args: Any) -> None:
-    """Call every hook at ``moment`` (a :class:`~jaxdist.run.hooks.Hook` method), in order."""
-    for hook in hooks:
-        getattr(hook, moment)(*args)

@@ -30,18 +30,28 @@ __all__ = ["STUCK_EXIT_CODE", "Watchdog"]
 STUCK_EXIT_CODE = 124
 
 
+def _check_timeout(timeout_s: float) -> None:
+    if timeout_s < 0:
+        raise ValueError(f"watchdog_s must be >= 0 (0 disables it), got {timeout_s}")
+
+
 class Watchdog(Hook):
     """``with Watchdog(timeout_s, workdir) as dog:`` then ``dog.watch(step, activity)`` before
     each wait and ``dog.pause()`` around what is exempt. ``timeout_s = 0`` disables it."""
 
     def __init__(self, timeout_s: float, workdir: str | Path) -> None:
-        if timeout_s < 0:
-            raise ValueError(f"watchdog_s must be >= 0 (0 disables it), got {timeout_s}")
+        _check_timeout(timeout_s)
         self.timeout_s = float(timeout_s)
         self.workdir = Path(workdir)
         self._current: tuple[int, str, float] | None = None  # (step, activity, since)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @classmethod
+    def check_settings(
+        cls, config: Any, total_steps: int, profile_steps: tuple[int, int] | None
+    ) -> None:
+        _check_timeout(config.watchdog_s)
 
     def watch(self, step: int, activity: str) -> None:
         """From now on the process is ``activity`` (e.g. "reading the input batch of") ``step``."""

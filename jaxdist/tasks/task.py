@@ -4,14 +4,21 @@ resume, logs, checkpoints, faults) the same way for every task.
 
 A recipe file that defines ``get_task(config, replicas)`` trains that task; one without it
 trains :class:`~jaxdist.tasks.image_classification.ImageClassification` built from its
-``model`` and ``data`` fields. A task in a few lines::
+``model`` and ``data`` fields. A task in a few lines, fitting ``y`` (shape ``(n, 1)``) to
+``x`` (shape ``(n, 8)``), with ``xv`` and ``yv`` held out::
 
-    class Regression(jaxdist.tasks.Task):
+    import jax.numpy as jnp
+
+    from jaxdist.data.records import ArrayRecords, RecordData
+    from jaxdist.tasks import Task
+
+    class Regression(Task):
         headline = "mse"
         higher_is_better = False
 
         def __init__(self, config, replicas):
-            self.data = jaxdist.tasks.ArrayData(train={"x": x, "y": y}, eval={"x": xv, "y": yv})
+            self.data = RecordData(ArrayRecords({"x": x, "y": y}),
+                                   ArrayRecords({"x": xv, "y": yv}), seed=config.seed)
 
         def init_variables(self, rng):
             return {"w": jnp.zeros((8, 1))}, {}
@@ -24,6 +31,9 @@ trains :class:`~jaxdist.tasks.image_classification.ImageClassification` built fr
             error = batch["x"] @ params["w"] - batch["y"]
             mask = batch["mask"][:, None]
             return {"mse": jnp.sum(error**2 * mask), "count": jnp.sum(mask)}
+
+    def get_task(config, replicas):
+        return Regression(config, replicas)
 
 Batches are dicts of arrays. A train batch holds one process's share of the global batch;
 an eval batch also holds ``mask`` (``False`` on the padding that fills the last batch), and
@@ -104,7 +114,9 @@ class Task(abc.ABC):
       headline: the evaluation metric the progress line shows first and ``target_accuracy``
         refers to.
       higher_is_better: whether a larger headline is better (accuracy) or worse (loss).
-      unit: what one example is called where throughput is shown (``images/s``).
+      unit: what one example is called, a plain word: throughput is shown as ``<unit>/s``
+        and recorded in ``metrics.jsonl`` as ``<unit>_per_sec`` (``samples_per_sec``;
+        ``images_per_sec`` for image classification).
       data: the task's :class:`Data`.
     """
 

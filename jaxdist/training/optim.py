@@ -233,6 +233,11 @@ def get_learning_rate(opt_state: Any) -> jax.Array:
 # --------------------------------------------------------------------------- optimizers
 
 
+# The eps each optimizer that reads one takes when none is given: optax's defaults. adamw
+# divides by sqrt(v) + eps and needs eps > 0; LARS's trust ratio needs none.
+DEFAULT_EPS = {"adamw": 1e-8, "lars": 0.0}
+
+
 def _check_initial_learning_rate(learning_rate: Any) -> None:
     if callable(learning_rate) or jnp.ndim(learning_rate) != 0:
         raise TypeError(
@@ -274,7 +279,7 @@ def lars(
     weight_decay: float,
     momentum: float = 0.9,
     trust_coefficient: float = 0.001,
-    eps: float = 0.0,
+    eps: float = DEFAULT_EPS["lars"],
     nesterov: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """``optax.lars`` with weight decay and trust ratio only on kernels (MLPerf reference).
@@ -335,7 +340,7 @@ def adamw(
     learning_rate: float,
     b1: float = 0.9,
     b2: float = 0.999,
-    eps: float = 1e-8,
+    eps: float = DEFAULT_EPS["adamw"],
     weight_decay: float = 1e-4,
 ) -> optax.GradientTransformationExtraArgs:
     """``optax.adamw`` with decoupled weight decay on ``ndim > 1`` parameters only (kernels
@@ -343,7 +348,8 @@ def adamw(
     docstring)."""
     _check_initial_learning_rate(learning_rate)
     if eps <= 0:
-        raise ValueError(f"adamw needs eps > 0 (it divides by sqrt(v) + eps), got {eps}")
+        raise ValueError(f"adamw needs eps > 0 (it divides by sqrt(v) + eps), got {eps}; "
+                         f"leave it unset for the usual {DEFAULT_EPS['adamw']}")  # fmt: skip
     return optax.inject_hyperparams(_masked_adamw)(
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay
     )
