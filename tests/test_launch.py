@@ -33,6 +33,7 @@ def test_local_workers_set_the_process_group_variables():
         for w in workers
     ]
     assert found == [("0", "3", "2"), ("1", "3", "2"), ("2", "3", "2")]
+    assert {w.env[distributed.ENV_LAUNCHER] for w in workers} == {"jaxdist launch"}
 
 
 def test_local_workers_reject_bad_counts():
@@ -61,6 +62,29 @@ def test_detect_reads_jaxdist_env(monkeypatch):
     monkeypatch.delenv(distributed.ENV_COORDINATOR)
     with pytest.raises(distributed.DistributedInitError, match="missing: JAXDIST_COORDINATOR"):
         distributed.detect()
+
+
+def test_describe_names_how_the_processes_found_each_other(monkeypatch):
+    describe, group = distributed.describe, distributed.ProcessGroup
+    assert describe(group("none", local_device_count=2)) == "single process"
+    assert (
+        describe(group("slurm", "node1:63201", 4, 0))
+        == "SLURM: 4 processes, coordinator node1:63201"
+    )
+    assert describe(group("ompi", "10.0.0.1:61440", 2, 1)) == (
+        "Open MPI: 2 processes, coordinator 10.0.0.1:61440"
+    )
+    # JAXDIST_* variables name their launcher; set by hand, they name themselves.
+    monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:41234")
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "0")
+    assert describe(distributed.detect()) == (
+        "JAXDIST_* variables: 2 processes, coordinator 127.0.0.1:41234"
+    )
+    monkeypatch.setenv(distributed.ENV_LAUNCHER, "jaxdist launch")
+    assert describe(distributed.detect()) == (
+        "jaxdist launch: 2 processes, coordinator 127.0.0.1:41234"
+    )
 
 
 def _clear_process_group_env(monkeypatch):

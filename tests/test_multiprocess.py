@@ -96,6 +96,7 @@ def test_two_processes_two_devices_all_algorithms_and_host_rows(two_by_two):
     assert_all_algorithms(output, 2, "2x2")
 
 
+@pytest.mark.slow  # the 2 x 2 launch checks every algorithm across processes in the default run
 def test_four_processes_one_device_all_algorithms():
     output = run_launch(4, 1, sys.executable, WORKER, "allreduce")
     assert_all_algorithms(output, 4, "4x1")

@@ -107,7 +107,12 @@ def _smoke(name, overrides, workdir):
     assert (workdir / "metrics.jsonl").read_text().count('"kind": "train"') == config.max_steps
 
 
-@pytest.mark.parametrize("name", MNIST)
+# The pipeline recipe's smoke run is slow (it compiles a pipeline step of 4 stages);
+# tests/test_pipeline_trainer.py trains and resumes a pipeline recipe in the default run.
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n == "mnist_pipeline" else n for n in MNIST],
+)
 def test_mnist_recipe_smoke(name, tmp_path):
     _smoke(name, ["max_steps=2", "batch_ramp=()", "batch_size=32", "log_every_steps=1"], tmp_path)
 

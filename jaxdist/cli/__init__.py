@@ -129,7 +129,8 @@ def _join_run(args: argparse.Namespace, cpu_devices: int | None) -> int | None:
         from jaxdist.runtime import distributed
 
         try:
-            distributed.initialize(
+            # The subcommand may say how the process found its peers (`jaxdist train` does).
+            args.process_group = distributed.initialize(
                 args.coordinator,
                 args.num_processes,
                 args.process_id,

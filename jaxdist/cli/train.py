@@ -68,22 +68,42 @@ def run_train(args: argparse.Namespace) -> int:
     steps = None if args.profile_steps is None else parse_profile_steps(args.profile_steps)
     path = config_lib.resolve_recipe_path(args.recipe)
     config = config_lib.apply_overrides(config_lib.load_recipe(path), args.overrides)
+    import jax
+
+    from jaxdist.meshes import MeshDoesNotFitError
     from jaxdist.run.trainer import Trainer
+    from jaxdist.runtime import distributed
 
     workdir = Path(args.workdir or Path("runs") / path.stem)
-    trainer = Trainer(config, workdir, allow_config_change=args.allow_config_change,
-                      task=config_lib.recipe_task(path), recipe=path,
-                      profile_steps=steps)  # fmt: skip
+    try:
+        trainer = Trainer(config, workdir, allow_config_change=args.allow_config_change,
+                          task=config_lib.recipe_task(path), recipe=path,
+                          profile_steps=steps)  # fmt: skip
+    except MeshDoesNotFitError:
+        # The same for every process (it compares the mesh with the run's devices): said
+        # once, by process 0.
+        if jax.process_count() > 1 and jax.process_index() != 0:
+            return MeshDoesNotFitError.exit_code
+        raise
     if args.print_config:
         print(config)
         return 0
+    # Only process 0 speaks for the run; the others print only their own failures.
+    speaks = jax.process_index() == 0
+    if speaks:
+        group = getattr(args, "process_group", None) or distributed.ProcessGroup("none")
+        print(f"{distributed.describe(group)}; {jax.device_count()} devices "
+              f"({jax.local_device_count()} per process)", flush=True)  # fmt: skip
     summary = trainer.run()
     if summary["preempted"]:
         by = summary.get("stopped_by") or "SIGTERM"
         shown = "Ctrl-C" if by == "SIGINT" else by
+        # Every process: each says that it saved and why it exits (143 or 130).
         print(f"jaxdist train: stopped by {shown} at step {summary['step']}; checkpoint saved; "
               "rerun the same command to resume")  # fmt: skip
         return INTERRUPTED_EXIT_CODE if by == "SIGINT" else PREEMPTED_EXIT_CODE
+    if not speaks:
+        return 0
     skip = ("step", "epoch", "preempted", "stopped_by", "already_finished")
     evals = ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if k not in skip)
     done = "already finished" if summary.get("already_finished") else "done"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -91,7 +92,9 @@ class RunLog:
     def __init__(self, workdir: Path, enabled: bool) -> None:
         self.workdir = workdir
         self.enabled = enabled
-        self.tty = sys.stdout.isatty()
+        # mpirun (Open MPI) gives its processes a terminal even when its own output goes to
+        # a file, where lines rewritten in place would run together: append there.
+        self.tty = sys.stdout.isatty() and "OMPI_COMM_WORLD_SIZE" not in os.environ
         self._metrics = None
 
     def open(self) -> None:

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jaxdist.comm.emulated_link import LATENCY_VARIABLE, RATE_VARIABLE, parse_latency, rate_bits
-from jaxdist.runtime import launch
+from jaxdist.runtime import distributed, launch
 
 __all__ = [
     "ClusterError",
@@ -264,6 +264,7 @@ class EmulatedCluster:
         workers = []
         for i, name in enumerate(self.host_names):
             extra = {
+                distributed.ENV_LAUNCHER: "jaxdist cluster",
                 "JAXDIST_HOST": name,
                 "JAXDIST_LINK_BANDWIDTH": self.bandwidth or "",
                 RATE_VARIABLE: str(self.rate_bits or ""),

@@ -23,6 +23,7 @@ the coordinator address and the timeout that ran out, instead of waiting forever
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -33,6 +34,7 @@ from pathlib import Path
 __all__ = [
     "DistributedInitError",
     "ProcessGroup",
+    "describe",
     "detect",
     "initialize",
     "shutdown",
@@ -43,6 +45,8 @@ ENV_NUM_PROCESSES = "JAXDIST_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAXDIST_PROCESS_ID"
 ENV_LOCAL_DEVICES = "JAXDIST_LOCAL_DEVICES"
 ENV_TIMEOUT = "JAXDIST_TIMEOUT"
+# Who set the variables above: ``jaxdist launch`` or ``jaxdist cluster`` (unset: by hand).
+ENV_LAUNCHER = "JAXDIST_LAUNCHER"
 JAXDIST_ENV = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
 # The same three as arguments of initialize() (on the command line: --coordinator,
 # --num-processes, --process-id).
@@ -74,9 +78,12 @@ class ProcessGroup:
       source: ``"arguments"``, ``"jaxdist-env"``, or the name of a cluster JAX detects
         (``"slurm"``, ``"ompi"``, ``"tpu"`` (GKE), ``"tpu-vm"`` (a Cloud TPU VM, found by its
         chips), ``"kubernetes"``); ``"none"`` for a single process.
-      coordinator_address: ``host:port`` of process 0; ``None`` lets JAX find it (clusters).
-      num_processes / process_id: ``None`` lets JAX find them (clusters).
+      coordinator_address: ``host:port`` of process 0; ``None`` lets JAX find it (clusters)
+        until the group is joined (:func:`initialize` returns what JAX found).
+      num_processes / process_id: ``None`` lets JAX find them (clusters), as above.
       local_device_count: forced CPU devices in this process; ``None`` leaves the platform's.
+      launcher: what set the ``JAXDIST_*`` variables (``"jaxdist launch"``,
+        ``"jaxdist cluster"``), from ``JAXDIST_LAUNCHER``; ``None`` when set by hand.
     """
 
     source: str
@@ -84,6 +91,7 @@ class ProcessGroup:
     num_processes: int | None = None
     process_id: int | None = None
     local_device_count: int | None = None
+    launcher: str | None = None
 
     @property
     def is_multiprocess(self) -> bool:
@@ -216,7 +224,33 @@ def detect(
         raise DistributedInitError(
             f"coordinator address must be host:port, got {coordinator_address!r}"
         )
-    return ProcessGroup(source, coordinator_address, num_processes, process_id, local_device_count)
+    launcher = (os.environ.get(ENV_LAUNCHER) or None) if source == "jaxdist-env" else None
+    return ProcessGroup(
+        source, coordinator_address, num_processes, process_id, local_device_count, launcher
+    )
+
+
+# How :func:`describe` names each source.
+SOURCE_NAMES = {
+    "arguments": "--coordinator/--num-processes/--process-id",
+    "jaxdist-env": "JAXDIST_* variables",
+    "slurm": "SLURM",
+    "ompi": "Open MPI",
+    "tpu": "Cloud TPU (GKE)",
+    "tpu-vm": "Cloud TPU VM",
+    "kubernetes": "Kubernetes",
+}
+
+
+def describe(group: ProcessGroup) -> str:
+    """How this process found its peers, in one line: ``SLURM: 4 processes, coordinator
+    node1:63201``, ``jaxdist launch: 2 processes, coordinator 127.0.0.1:41234``, ``single
+    process``."""
+    if not group.is_multiprocess:
+        return "single process"
+    name = group.launcher or SOURCE_NAMES.get(group.source, group.source)
+    count = "?" if group.num_processes is None else str(group.num_processes)
+    return f"{name}: {count} processes, coordinator {group.coordinator_address or '(auto)'}"
 
 
 def _set_cpu_device_count(count: int) -> None:
@@ -260,9 +294,8 @@ def initialize(
       cpu_collectives: cross-process collectives on CPU (``"gloo"`` or ``"mpi"``).
 
     Returns:
-      The :class:`ProcessGroup` joined (``source == "none"`` when single-process). What JAX
-      found itself on a cluster (the ranks, the coordinator) stays ``None`` there:
-      ``jax.process_index()`` and ``jax.process_count()`` tell once the backend runs.
+      The :class:`ProcessGroup` joined (``source == "none"`` when single-process), with the
+      coordinator, process count and rank that JAX found itself on a cluster.
 
     Raises:
       DistributedInitError: incomplete configuration, a backend already started, or peers
@@ -321,9 +354,26 @@ def _join(group: ProcessGroup, timeout_s: int, heartbeat_timeout_s: int) -> Proc
         raise _join_error(who, group, timeout_s, err) from err
     finally:
         watchdog.cancel()
-    # What JAX found itself (a cluster's ranks) stays None here: asking jax.process_index()
-    # would start the backend, which the caller may still configure.
-    return group
+    return _as_joined(group)
+
+
+def _as_joined(group: ProcessGroup) -> ProcessGroup:
+    """``group`` with what JAX found itself on a cluster (the coordinator, the process count
+    and rank), read from JAX's distributed state: asking ``jax.process_index()`` would start
+    the backend, which the caller may still configure. ``group`` unchanged where that state
+    is not there (another JAX version)."""
+    from jax._src import distributed as jax_distributed  # no public view of this state
+
+    try:
+        state = jax_distributed.global_state
+        return dataclasses.replace(
+            group,
+            coordinator_address=state.coordinator_address,
+            num_processes=state.num_processes,
+            process_id=state.process_id,
+        )
+    except AttributeError:
+        return group
 
 
 def _configure_cpu_collectives(implementation: str, timeout_s: int) -> None:

@@ -117,8 +117,11 @@ def local_workers(
     if devices_per_process is not None and devices_per_process < 1:
         raise ValueError(f"--devices-per-process must be >= 1, got {devices_per_process}")
     coordinator = f"127.0.0.1:{free_port()}"
+    named = {distributed.ENV_LAUNCHER: "jaxdist launch"}
     return [
-        Worker(list(command), worker_env(coordinator, processes, i, devices_per_process))
+        Worker(
+            list(command), worker_env(coordinator, processes, i, devices_per_process, None, named)
+        )
         for i in range(processes)
     ]
 
