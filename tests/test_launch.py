@@ -388,3 +388,18 @@ def test_joining_after_the_backend_started_is_one_line(monkeypatch):
     monkeypatch.setattr(distributed, "_configure_cpu_collectives", lambda *a: None)
     with pytest.raises(distributed.DistributedInitError, match="must run before JAX starts"):
         distributed.initialize("127.0.0.1:1", num_processes=2, process_id=1)
+
+
+def test_a_collective_that_lost_its_peer_is_one_line_and_any_other_error_is_kept():
+    from jaxdist.runtime import distributed
+
+    gone = RuntimeError(
+        "UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:538] Read "
+        "error [127.0.0.1]:9625: Connection reset by peer\nmore lines"
+    )
+    lost = distributed.peer_lost(gone, process_count=2)
+    assert lost.exit_code == 1 and "\n" not in str(lost)
+    assert str(lost).startswith("another process of the run is gone (UNKNOWN: Gloo all-reduce")
+    assert "rerun the same command to resume" in str(lost)
+    assert distributed.peer_lost(gone, process_count=1) is None  # alone, it is no peer's fault
+    assert distributed.peer_lost(RuntimeError("RESOURCE_EXHAUSTED: out of memory"), 2) is None

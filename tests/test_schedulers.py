@@ -329,7 +329,7 @@ def test_a_process_killed_under_mpirun_ends_the_job_in_one_line(mpirun, recipe, 
     assert processes_with_env(token) == [], "processes survived the job"
     said = [line for line in lines(output) if "exited on signal 9" in line]
     assert len(said) == 1 and "process rank 1" in said[0], output[-3000:]
-    assert "Traceback" not in output
+    assert "Traceback" not in output, output[-4000:]
     # Nothing half-written is taken for a checkpoint: the rerun resumes from a complete one.
     saved = complete_steps(workdir)
     assert saved and saved[-1] >= 4

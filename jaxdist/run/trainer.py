@@ -60,6 +60,7 @@ from jaxdist.run.log import RunLog, WorkdirError, describe_error, format_duratio
 from jaxdist.run.mlperf import now_ms
 from jaxdist.run.standard_hooks import check_hook_settings, standard_hooks
 from jaxdist.run.step_kinds import step_kind_for
+from jaxdist.runtime.distributed import peer_lost
 from jaxdist.tasks import Replicas, Task
 from jaxdist.tasks.image_classification import ImageClassification
 from jaxdist.training.batch_schedule import BatchSchedule
@@ -245,6 +246,11 @@ class Trainer:
             return self._run(on_step)
         except OSError as err:  # a save's own failures are CheckpointWriteError already
             raise WorkdirError.from_os_error(err, self.workdir) from err
+        except jax.errors.JaxRuntimeError as err:  # a killed peer fails the collectives here
+            lost = peer_lost(err, jax.process_count())
+            if lost is None:
+                raise
+            raise lost from err
 
     def _run(self, on_step: Callable | None) -> dict[str, Any]:
         cfg = self.config

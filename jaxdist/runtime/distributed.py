@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 import threading
 from dataclasses import dataclass
@@ -33,10 +34,12 @@ from pathlib import Path
 
 __all__ = [
     "DistributedInitError",
+    "PeerLostError",
     "ProcessGroup",
     "describe",
     "detect",
     "initialize",
+    "peer_lost",
     "shutdown",
 ]
 
@@ -68,6 +71,33 @@ class DistributedInitError(RuntimeError):
     """This process could not join the process group (bad configuration or a timeout)."""
 
     exit_code = 1
+
+
+class PeerLostError(RuntimeError):
+    """A collective across processes failed because another process of the run is gone (it
+    was killed, or its host failed): one line, exit 1."""
+
+    exit_code = 1
+
+
+# What the runtime's error says when a collective lost its peer: the CPU collectives' transport
+# (gloo, MPI) or the coordination service.
+_PEER_FAILURE = re.compile(
+    r"gloo|mpi|connection (reset|refused|closed)|socket|peer|heartbeat|coordination",
+    re.IGNORECASE,
+)
+
+
+def peer_lost(err: BaseException, process_count: int) -> PeerLostError | None:
+    """The one-line error for ``err`` (a runtime error of a collective) when it says that a
+    peer of this ``process_count``-process run is gone; None for any other error."""
+    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if process_count < 2 or not _PEER_FAILURE.search(message):
+        return None
+    return PeerLostError(
+        f"another process of the run is gone ({message}): every process stops; rerun the "
+        "same command to resume from the newest complete checkpoint"
+    )
 
 
 @dataclass(frozen=True)
