@@ -144,9 +144,13 @@ def round_of(path: Path) -> str:
     return found.group(1) if found else ""
 
 
+def round_number(round_: str) -> tuple[int, ...]:
+    """``"v3.0"`` -> ``(3, 0)``: rounds in the order they were held."""
+    return tuple(int(n) for n in re.findall(r"\d+", round_))
+
+
 def _round_key(path: Path) -> tuple:
-    numbers = re.findall(r"\d+", round_of(path))
-    return (tuple(int(n) for n in numbers), str(path))
+    return (round_number(round_of(path)), str(path))
 
 
 def walk(root: Path, problems: list[str], seen: set[str] | None = None) -> list[dict]:

@@ -15,13 +15,10 @@ from pathlib import Path
 
 import mlperf_record
 
-from jaxdist.aot import record
+from jaxdist.aot import published, record
 from jaxdist.aot.chips import CHIPS
 
 WITHIN = 0.2  # the band a prediction counts as right in
-# FLOPs of one ResNet-50 training image (forward and backward, 224 x 224): the calibration's
-# compiled step, read here only to print a generation's rate as a share of its peak.
-CALIBRATION_FILE = Path(record.__file__).with_name("calibration.json")
 # Scales the report is split by: (name, the largest host count it holds).
 SCALES = (("one host", 1), ("2-64 hosts", 64), ("beyond 64 hosts", float("inf")))
 
@@ -82,12 +79,13 @@ def predict(root: Path) -> int:
           "| scored | error |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
     rows, unpredicted = [], []
     for s in submissions:
-        epochs = record.reference_epochs(s["global_batch"])
-        why = _why_not_predicted(s, fitted, epochs)
+        why = record.why_unusable(s)
+        if not why and s["generation"] not in fitted.generations:
+            why = f"no fit for {s['generation']}"
         if why:
             unpredicted.append(f"{s['round']} {s['submitter']} {s['system']}: {why}")
             continue
-        seconds = fitted.seconds(s["generation"], s["chips"], s["global_batch"], epochs)
+        seconds = fitted.predict(s)
         row = _row(s, seconds)
         rows.append(row)
         print(f"| {s['round']} | {s['submitter']} | {s['system']} | {s['generation']} "
@@ -99,30 +97,13 @@ def predict(root: Path) -> int:
     return 0
 
 
-def _why_not_predicted(submission: dict, fitted: record.RecordFit, epochs) -> str:
-    if submission["scored_seconds"] is None:
-        return (
-            f"no score ({submission['runs']} runs, {submission['successful_runs']} "
-            "reached the target; MLPerf keeps the middle three of five)"
-        )
-    if submission["division"] != "closed":
-        return f"{submission['division']} division (its own model or epochs)"
-    if submission["generation"] not in fitted.generations:
-        return f"no fit for {submission['generation']}"
-    if epochs is None:
-        return f"global batch {submission['global_batch']:,} beyond the reference points"
-    return ""
-
-
 def leave_one_out(submissions: list[dict]) -> list[float]:
     """Each submission's predicted seconds by the model fitted on all the others."""
     predicted = []
     for i, held in enumerate(submissions):
         others = submissions[:i] + submissions[i + 1 :]
         fitted = record.fit(others)
-        epochs = record.reference_epochs(held["global_batch"])
-        predicted.append(fitted.seconds(held["generation"], held["chips"], held["global_batch"],
-                                        epochs))  # fmt: skip
+        predicted.append(fitted.predict(held))
     return predicted
 
 
@@ -147,10 +128,14 @@ def summary(rows: list[dict]) -> str:
     """``within ±20%: K of N; median |error| X%``."""
     if not rows:
         return "within ±20%: 0 of 0"
+    within, median = _within_and_median(rows)
+    return f"within ±{WITHIN:.0%}: {within} of {len(rows)}; median |error| {median:.1%}"
+
+
+def _within_and_median(rows: list[dict]) -> tuple[int, float]:
+    """How many predictions are within :data:`WITHIN`, and the median absolute error."""
     errors = [abs(r["error"]) for r in rows]
-    within = sum(e <= WITHIN for e in errors)
-    return (f"within ±{WITHIN:.0%}: {within} of {len(rows)}; "
-            f"median |error| {statistics.median(errors):.1%}")  # fmt: skip
+    return sum(e <= WITHIN for e in errors), statistics.median(errors)
 
 
 def _print_left_out(submissions: list[dict], usable: list[dict]) -> None:
@@ -159,14 +144,9 @@ def _print_left_out(submissions: list[dict], usable: list[dict]) -> None:
     for s in submissions:
         if id(s) in kept:
             continue
-        if s["division"] != "closed":
-            why = "open division (its own model or epochs)"
-        elif s["scored_seconds"] is None:
-            why = "no score"
-        elif record.reference_epochs(s["global_batch"]) is None:
-            why = "global batch beyond the reference points"
-        else:
-            why = f"fewer than {record.MIN_SUBMISSIONS} scored submissions of its generation"
+        why = record.why_unusable(s) or (
+            f"fewer than {record.MIN_SUBMISSIONS} scored submissions of its generation"
+        )
         reasons.setdefault(why, []).append(s["generation"])
     for why, generations in sorted(reasons.items()):
         counts = ", ".join(f"{g} {generations.count(g)}" for g in sorted(set(generations)))
@@ -174,7 +154,9 @@ def _print_left_out(submissions: list[dict], usable: list[dict]) -> None:
 
 
 def _print_groups(rows: list[dict], fitted: record.RecordFit) -> None:
-    flops = json.loads(CALIBRATION_FILE.read_text())["facts"]["flops_per_image"]
+    # FLOPs of one ResNet-50 training image (the calibration's compiled step), read only to
+    # print a generation's rate as a share of its peak.
+    flops = json.loads(published.CALIBRATION_FILE.read_text())["facts"]["flops_per_image"]
     print("\n| generation | submissions | chips | images/s per chip | share of peak "
           "| overhead per step | within ±20% | median abs(error) |\n"
           "|---|---|---|---|---|---|---|---|")  # fmt: skip
@@ -198,9 +180,8 @@ def _print_groups(rows: list[dict], fitted: record.RecordFit) -> None:
 def _score(rows: list[dict]) -> tuple[str, str]:
     if not rows:
         return "—", "—"
-    errors = [abs(r["error"]) for r in rows]
-    within = sum(e <= WITHIN for e in errors)
-    return f"{within} ({within / len(rows):.0%})", f"{statistics.median(errors):.1%}"
+    within, median = _within_and_median(rows)
+    return f"{within} ({within / len(rows):.0%})", f"{median:.1%}"
 
 
 def _print_worst(rows: list[dict], count: int = 10) -> None:
@@ -229,9 +210,7 @@ def _temporal(early: list[dict], late: list[dict]) -> dict:
     for s in late:
         if s["generation"] not in fitted.generations:
             continue
-        epochs = record.reference_epochs(s["global_batch"])
-        rows.append(_row(s, fitted.seconds(s["generation"], s["chips"], s["global_batch"],
-                                           epochs)))  # fmt: skip
+        rows.append(_row(s, fitted.predict(s)))
     new = sorted({s["generation"] for s in late} - set(fitted.generations))
     return {"summary": summary(rows) + (f" (not predicted: {', '.join(new)}, no earlier "
                                         "submission)" if new else ""),
@@ -239,6 +218,5 @@ def _temporal(early: list[dict], late: list[dict]) -> dict:
 
 
 def _rounds(submissions: list[dict]) -> str:
-    rounds = sorted({s["round"] for s in submissions},
-                    key=lambda r: tuple(int(n) for n in r.lstrip("v").split(".")))  # fmt: skip
+    rounds = sorted({s["round"] for s in submissions}, key=mlperf_record.round_number)
     return f"{rounds[0]}-{rounds[-1]}" if rounds else "none"

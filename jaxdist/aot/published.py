@@ -28,6 +28,7 @@ from pathlib import Path
 
 from jaxdist.aot.chips import CHIPS, network_for
 from jaxdist.aot.predict import communication_seconds, step_time
+from jaxdist.aot.rcp import IMAGENET_TRAIN_IMAGES
 
 __all__ = [
     "PUBLISHED_RUNS",
@@ -41,7 +42,6 @@ __all__ = [
     "predict_run",
 ]
 
-IMAGENET_TRAIN_IMAGES = 1_281_167
 # All-reduces a run made with the compiler's or the vendor's own collective, not a schedule of
 # jaxdist's family: the TPU compiler's on the torus, and NVIDIA's NCCL.
 LIBRARY_ALLREDUCES = ("xla", "nccl")

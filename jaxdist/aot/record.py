@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxdist.aot import rcp
+from jaxdist.aot.rcp import IMAGENET_TRAIN_IMAGES
 
 __all__ = [
     "Generation",
@@ -29,6 +30,7 @@ __all__ = [
     "record_time",
     "reference_epochs",
     "stored_fit",
+    "why_unusable",
 ]
 
 # (pattern in the accelerator's described name, generation), first match wins: the form
@@ -86,7 +88,6 @@ def host_network_of(description: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # The time model fitted on the record.
 
-IMAGENET_TRAIN_IMAGES = 1_281_167
 # A generation is fitted only with at least this many scored submissions: two numbers of its
 # own, and one held out at a time, need a few more than two.
 MIN_SUBMISSIONS = 5
@@ -124,10 +125,15 @@ class RecordFit:
 
     def seconds(self, generation: str, chips: int, global_batch: int, epochs: float) -> float:
         fitted = self.generations[generation]
-        steps = epochs * math.ceil(IMAGENET_TRAIN_IMAGES / global_batch)
-        per_chip = global_batch / chips
-        step = per_chip / fitted.images_per_second + fitted.step_overhead
-        return steps * step
+        return float(_seconds(epochs, chips, global_batch, fitted.images_per_second,
+                              fitted.step_overhead))  # fmt: skip
+
+    def predict(self, submission: dict) -> float:
+        """A submission's time (a row of ``benchmarks/mlperf_record.py``'s table) at MLPerf's
+        reference epochs at its batch."""
+        batch = submission["global_batch"]
+        return self.seconds(submission["generation"], submission["chips"], batch,
+                            reference_epochs(batch))  # fmt: skip
 
     def to_json(self) -> dict:
         return {"source": self.source,
@@ -143,17 +149,34 @@ class RecordFit:
         return cls(generations, data["source"])
 
 
+def _seconds(epochs, chips, global_batch, images_per_second, step_overhead):
+    """The model's formula (:class:`RecordFit`), on numbers or numpy arrays alike."""
+    steps = epochs * np.ceil(IMAGENET_TRAIN_IMAGES / global_batch)
+    return steps * (global_batch / chips / images_per_second + step_overhead)
+
+
 def reference_epochs(global_batch: int) -> float | None:
     """MLPerf's reference epochs at ``global_batch``; None beyond the table's largest batch."""
     return rcp.epochs_to_converge(int(global_batch)).epochs
 
 
+def why_unusable(submission: dict) -> str:
+    """Why no fit can use or predict ``submission``, whatever its generation; ``""`` when
+    one can: closed division, scored, with reference epochs at its batch."""
+    if submission["division"] != "closed":
+        return f"{submission['division']} division (its own model or epochs)"
+    if submission["scored_seconds"] is None:
+        return (f"no score ({submission['runs']} runs, {submission['successful_runs']} "
+                "reached the target; MLPerf keeps the middle three of five)")  # fmt: skip
+    if reference_epochs(submission["global_batch"]) is None:
+        return f"global batch {submission['global_batch']:,} beyond the reference points"
+    return ""
+
+
 def fittable(submissions: Sequence[dict]) -> list[dict]:
-    """The submissions a fit can use: closed division, scored, with reference epochs at their
-    batch, of a generation with at least :data:`MIN_SUBMISSIONS` such submissions."""
-    usable = [s for s in submissions
-              if s["division"] == "closed" and s["scored_seconds"]
-              and reference_epochs(s["global_batch"]) is not None]  # fmt: skip
+    """The submissions a fit can use (:func:`why_unusable`), of a generation with at least
+    :data:`MIN_SUBMISSIONS` of them."""
+    usable = [s for s in submissions if not why_unusable(s)]
     counts: dict[str, int] = {}
     for s in usable:
         counts[s["generation"]] = counts.get(s["generation"], 0) + 1
@@ -170,14 +193,13 @@ def fit(submissions: Sequence[dict], source: str = "") -> RecordFit:
     index = np.array([names.index(s["generation"]) for s in submissions])
     chips = np.array([s["chips"] for s in submissions], dtype=float)
     batch = np.array([s["global_batch"] for s in submissions], dtype=float)
-    steps = np.array([reference_epochs(b) for b in batch]) * np.ceil(IMAGENET_TRAIN_IMAGES / batch)
+    epochs = np.array([reference_epochs(b) for b in batch])
     scored = np.array([s["scored_seconds"] for s in submissions], dtype=float)
     g = len(names)
 
     def log_ratio(p: np.ndarray) -> np.ndarray:
         rate, overhead = np.exp(p[:g]), np.exp(p[g:])
-        predicted = steps * (batch / chips / rate[index] + overhead[index])
-        return np.log(predicted / scored)
+        return np.log(_seconds(epochs, chips, batch, rate[index], overhead[index]) / scored)
 
     start = np.concatenate([np.full(g, math.log(2000.0)), np.full(g, math.log(3e-3))])
     p = least_squares(log_ratio, start).x
