@@ -27,6 +27,7 @@ gradients travel the same way backwards (:func:`jaxdist.comm.collectives.reduce_
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -132,11 +133,6 @@ class Layout:
         """The names of the parameters kept whole on every device."""
         return [path for path, dim in zip(self.paths, self.dims) if dim is None]
 
-    def largest_unit_bytes(self, itemsize: int = 4) -> int:
-        """The bytes of the largest gather unit, whole: what FSDP holds gathered at a time."""
-        sizes = [sum(math.prod(self.shapes[i]) for i in unit) for unit in self.units]
-        return max(sizes, default=0) * itemsize
-
     def describe(self) -> str:
         """One line: how many parameters are split, and which stay whole."""
         whole = self.replicated()
@@ -235,25 +231,21 @@ def gathered_loss(loss_fn: Any, layout: Layout, axes: Any, algorithm: str,
             lambda whole, dims: scatter_unit(whole, dims, axes, algorithm, gradient_options),
         )  # fmt: skip
 
+    def gather(leaves, dims):  # scoped inside: forward's gather, backward's reduce-scatter
+        return gatherer(dims, axes, algorithm, options, gradient_options)(leaves)
+
     def sharded_loss(params, model_state, batch, rng):
-        leaves, treedef = jax.tree.flatten(params)
-        whole = list(leaves)
-        for unit in layout.units:
-            dims = [layout.dims[i] for i in unit]
-            gather = gatherer(dims, axes, algorithm, options, gradient_options)
-            for i, w in zip(unit, gather([leaves[i] for i in unit])):
-                whole[i] = w
-        return loss_fn(jax.tree.unflatten(treedef, whole), model_state, batch, rng)
+        return loss_fn(_unit_by_unit(params, layout, gather), model_state, batch, rng)
 
     return sharded_loss
 
 
-def _unit_by_unit(tree: Any, layout: Layout, collective: Any, scope: str) -> Any:
-    """``tree`` with each gather unit's leaves replaced by ``collective(leaves, dims)``; the
-    leaves kept whole are left as they are."""
+def _unit_by_unit(tree: Any, layout: Layout, collective: Any, scope: str | None = None) -> Any:
+    """``tree`` with each gather unit's leaves replaced by ``collective(leaves, dims)``, under
+    the named ``scope`` if one is given; the leaves kept whole are left as they are."""
     leaves, treedef = jax.tree.flatten(tree)
     out = list(leaves)
-    with jax.named_scope(scope):
+    with jax.named_scope(scope) if scope else contextlib.nullcontext():
         for unit in layout.units:
             dims = [layout.dims[i] for i in unit]
             for i, leaf in zip(unit, collective([leaves[i] for i in unit], dims)):
