@@ -15,10 +15,13 @@ It measures, on the first device:
   host core, on a folder of fake ImageNet-sized JPEGs;
 * the device's peak memory in use (what the runtime reports) and the compiled step's memory;
 * the time model's step for the chip (FLOPs at peak times the calibrated efficiency of
-  :mod:`jaxdist.aot.published`, as ``jaxdist plan`` prices it), beside the measured step.
+  :mod:`jaxdist.aot.published`, as ``jaxdist plan`` prices it), beside the measured step;
+* the transformer LM recipe's step (``recipes/transformer_lm.py`` at 12 layers x d_model 1024,
+  context 512, bfloat16, AdamW) as ``jaxdist train`` builds it: measured, predicted, and the
+  share of the chip's peak FLOP/s it reaches (the efficiency above is fitted on ResNet-50).
 
 ``--small`` runs the same on a narrow ResNet-50 at 32x32 pixels and per-device batches 4 and
-8, on any machine (the tests run it on CPU, with ``--batches 4``); ``--chip`` names the chip table entry to predict for when
+8 (and a 2-layer LM of width 64), on any machine (the tests run it on CPU, with ``--batches 4``); ``--chip`` names the chip table entry to predict for when
 the device's name does not say (a CPU has none).
 """
 
@@ -41,6 +44,7 @@ from jaxdist.aot import published
 from jaxdist.aot.chips import CHIPS, network_for
 from jaxdist.aot.compile import compile_train_step
 from jaxdist.aot.predict import predict_step
+from jaxdist.aot.timeline import matrix_flops
 from jaxdist.bench import data as data_bench
 from jaxdist.bench import resnet as resnet_bench
 from jaxdist.data import DataConfig
@@ -80,6 +84,18 @@ def step_rates(per_device: int, size: int, width: int, steps: int, rounds: int) 
     }
 
 
+def flop_counts(compiled) -> dict:
+    """The step's FLOPs as the time model takes them beside two other counts: the device
+    compiler's own analysis of the optimized program, and the program's matrix products and
+    convolutions (library calls included). A gap between the first two is a count the
+    compiler leaves out (the time model prices the first)."""
+    own = compiled.compiled.cost_analysis()
+    own = own[0] if isinstance(own, list) else own
+    return {"flops_per_step": compiled.flops,
+            "compiler_optimized_flops": float((own or {}).get("flops", 0.0)),
+            "matrix_flops": matrix_flops(compiled.text)}  # fmt: skip
+
+
 def predicted(per_device: int, size: int, width: int, chip: str) -> dict:
     """The compiled jaxdist step on this device, priced for ``chip`` as ``jaxdist plan``
     prices it: its FLOPs at peak x the calibrated efficiency (one device: no collectives)."""
@@ -97,8 +113,66 @@ def predicted(per_device: int, size: int, width: int, chip: str) -> dict:
     seconds = predict_step(compiled, CHIPS[chip], efficiency=efficiency,
                            network=network_for(CHIPS[chip])).total  # fmt: skip
     return {"chip": chip, "efficiency": efficiency, "efficiency_note": note,
-            "flops_per_step": compiled.flops, "predicted_step_ms": seconds * 1e3,
+            **flop_counts(compiled), "predicted_step_ms": seconds * 1e3,
             "compiled_memory_bytes": compiled.memory.total}  # fmt: skip
+
+
+LM_SIZES = {
+    "full": dict(num_layers=12, d_model=1024, num_heads=16, seq_len=512, batch=16),
+    "small": dict(num_layers=2, d_model=64, num_heads=2, seq_len=64, batch=4),
+}
+
+
+def lm_step(small: bool, chip: str | None, steps: int, rounds: int) -> dict:
+    """The transformer LM recipe's train step on the first device, built by the trainer as
+    ``jaxdist train`` builds it: median step time over ``rounds`` of ``steps`` steps, the
+    compiled step's FLOPs, and (with ``chip``) the time model's step for it."""
+    from jaxdist.run.config import load_recipe, recipe_task
+    from jaxdist.run.trainer import Trainer
+
+    size = LM_SIZES["small" if small else "full"]
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "transformer_lm.py"
+    config, get_task = load_recipe(recipe), recipe_task(recipe)
+    for name in ("num_layers", "d_model", "num_heads"):
+        config.model[name] = size[name]
+    config.model.dtype = "bfloat16"
+    config.data.seq_len = size["seq_len"]
+    config.batch_size = size["batch"]
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("data",))
+    with tempfile.TemporaryDirectory() as workdir:
+        trainer = Trainer(config, workdir, task=get_task, mesh=mesh)
+        step = trainer.train_step_for(0)
+        state = trainer.initial_state()
+        spec = trainer.task.batch_spec(size["batch"])["tokens"]
+        tokens = np.random.default_rng(0).integers(0, 256, spec.shape, np.uint8)
+        batch = step.shard_batch({"tokens": tokens})
+        rng = jax.random.key(0)
+        state, metrics = step(state, batch, rng)  # compiles
+        jax.block_until_ready(metrics)
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            for _ in range(steps):
+                state, metrics = step(state, batch, rng)
+            jax.block_until_ready(metrics)
+            times.append((time.perf_counter() - start) / steps)
+        variables = jax.eval_shape(trainer.task.init_variables, jax.random.key(config.seed))
+        shapes = {"tokens": (spec.shape, spec.dtype)}
+        compiled = compile_train_step(step, *variables, shapes)
+    measured = float(np.median(times))
+    row = {"model": "transformer_lm", **size, "dtype": "bfloat16", "optimizer": "adamw",
+           "step_ms": measured * 1e3, **flop_counts(compiled),
+           "tokens_per_s": size["batch"] * size["seq_len"] / measured,
+           "final_loss": float(jax.device_get(metrics["loss"]))}  # fmt: skip
+    if chip is not None:
+        efficiency, note = published.calibrated_efficiency(chip)
+        seconds = predict_step(compiled, CHIPS[chip], efficiency=efficiency,
+                               network=network_for(CHIPS[chip])).total  # fmt: skip
+        row.update({"chip": chip, "efficiency": efficiency, "efficiency_note": note,
+                    "predicted_step_ms": seconds * 1e3,
+                    "measured_over_predicted": measured / seconds,
+                    "share_of_peak": compiled.flops / measured / CHIPS[chip].peak_flops})  # fmt: skip
+    return row
 
 
 def pipeline_rate(size: int, batch: int, small: bool) -> dict:
@@ -149,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             row.update(predicted(per_device, size, width, chip))
             row["measured_over_predicted"] = row["jaxdist_step_ms"] / row["predicted_step_ms"]
         result["steps"].append(row)
+    print("timing the transformer LM ...", file=sys.stderr, flush=True)
+    result["lm"] = lm_step(args.small, chip, steps=2 if args.small else 10, rounds=rounds)
     result["peak_memory_bytes"] = peak_memory()
     result["input_pipeline"] = pipeline_rate(size, batches[0], args.small)
     result["seconds"] = time.perf_counter() - started
@@ -163,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['flax_example_images_per_s']:>15,.1f} "
               f"{row['jaxdist_over_flax_example']:>6.3f} {guess:>13} "
               f"{row['jaxdist_step_ms']:>12.1f}")  # fmt: skip
+    lm = result["lm"]
+    guess = f", predicted {lm['predicted_step_ms']:.3g} ms" if "predicted_step_ms" in lm else ""
+    share = f", {lm['share_of_peak']:.1%} of peak" if "share_of_peak" in lm else ""
+    print(f"transformer LM {lm['num_layers']}x{lm['d_model']}, context {lm['seq_len']}, batch "
+          f"{lm['batch']}: {lm['step_ms']:.1f} ms{guess}{share}, "
+          f"{lm['tokens_per_s']:,.0f} tokens/s")  # fmt: skip
     if result["peak_memory_bytes"] is not None:
         print(f"peak memory in use: {result['peak_memory_bytes'] / 2**30:.2f} GiB")
     print(f"took {result['seconds']:.0f} s")

@@ -194,8 +194,15 @@ def test_device_check_runs_its_small_mode_on_cpu(tmp_path):
     assert row["per_device_batch"] == 4 and row["chip"] == "h100"
     assert row["jaxdist_images_per_s"] > 0 and row["flax_example_images_per_s"] > 0
     assert row["flops_per_step"] > 0 and row["predicted_step_ms"] > 0
+    # Off a GPU the count priced is the compiler's own; the matrix products' count leaves out
+    # the elementwise ops (a large share of so narrow a model) and adds only padding taps.
+    assert row["compiler_optimized_flops"] == row["flops_per_step"]
+    assert 0.5 * row["flops_per_step"] < row["matrix_flops"] <= 1.05 * row["flops_per_step"]
+    lm = result["lm"]
+    assert lm["model"] == "transformer_lm" and lm["step_ms"] > 0 and lm["predicted_step_ms"] > 0
+    assert lm["flops_per_step"] > 0 and 0 < lm["share_of_peak"] < 1
     assert result["input_pipeline"]["images_per_s"] > 0 and result["dtype"] == "bfloat16"
-    assert "jaxdist img/s" in text
+    assert "jaxdist img/s" in text and "transformer LM 2x64" in text
 
 
 def test_overlap_timeline_says_where_the_step_time_goes():

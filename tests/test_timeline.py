@@ -143,3 +143,25 @@ def test_library_calls_count_as_the_products_they_run():
     )
     strided_flops = 2 * (8 * 32 * 32 * 64) * (3 * 3 * 128) / 4
     assert matrix_flops(text) == 3 * conv_flops + 2 * 64 * 32 * 64 + DOT_FLOPS + strided_flops
+
+
+class _Analysed:
+    """A compiled or lowered program that reports ``flops`` in its cost analysis."""
+
+    def __init__(self, flops):
+        self.flops = flops
+
+    def cost_analysis(self):
+        return None if self.flops is None else {"flops": self.flops}
+
+
+def test_a_gpu_step_is_counted_as_lowered_like_one_planned_without_a_gpu():
+    """The GPU compiler's own count leaves out what its library calls run: on a GPU the
+    lowered program's count is taken, as it is for a GPU plan made without one (whose
+    compiled program has no analysis); elsewhere the compiler's own."""
+    from jaxdist.aot.compile import _cost_analysis
+
+    compiled, lowered = _Analysed(7.0), _Analysed(24.0)
+    assert _cost_analysis(compiled, lowered, platform="gpu")["flops"] == 24.0
+    assert _cost_analysis(_Analysed(None), lowered, platform="cuda")["flops"] == 24.0
+    assert _cost_analysis(compiled, lowered, platform="tpu")["flops"] == 7.0

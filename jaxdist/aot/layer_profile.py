@@ -54,7 +54,7 @@ def compiler_profile(
         for fn in (forward, backward):
             lowered = jax.jit(fn).lower(*args)
             with no_cache_write_unless_here(device):
-                cost = _cost_analysis(lowered.compile(), lowered)
+                cost = _cost_analysis(lowered.compile(), lowered, platform=device.platform)
             counted = float(cost.get("flops", 0.0))
             moved = float(cost.get("bytes accessed", 0.0))
             seconds.append(max(counted / peak, moved / chip.hbm_bandwidth))
