@@ -155,13 +155,24 @@ class _Analysed:
         return None if self.flops is None else {"flops": self.flops}
 
 
-def test_a_gpu_step_is_counted_as_lowered_like_one_planned_without_a_gpu():
+def test_a_gpu_step_is_counted_by_its_matrix_products_like_one_planned_without_a_gpu():
     """The GPU compiler's own count leaves out what its library calls run: on a GPU the
-    lowered program's count is taken, as it is for a GPU plan made without one (whose
-    compiled program has no analysis); elsewhere the compiler's own."""
+    optimized program's matrix products are counted, as for a GPU plan made without one
+    (whose compiled program has no analysis); elsewhere the compiler's own count."""
     from jaxdist.aot.compile import _cost_analysis
 
+    text = (
+        "ENTRY %main (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {\n"
+        "  %a = f32[8,16]{1,0} parameter(0)\n"
+        "  %b = f32[16,4]{1,0} parameter(1)\n"
+        "  ROOT %d = f32[8,4]{1,0} dot(f32[8,16]{1,0} %a, f32[16,4]{1,0} %b), "
+        "lhs_contracting_dims={1}, rhs_contracting_dims={0}\n"
+        "}\n"
+    )
     compiled, lowered = _Analysed(7.0), _Analysed(24.0)
-    assert _cost_analysis(compiled, lowered, platform="gpu")["flops"] == 24.0
-    assert _cost_analysis(_Analysed(None), lowered, platform="cuda")["flops"] == 24.0
-    assert _cost_analysis(compiled, lowered, platform="tpu")["flops"] == 7.0
+    assert _cost_analysis(compiled, lowered, text, platform="gpu")["flops"] == 2 * 8 * 4 * 16
+    assert (
+        _cost_analysis(_Analysed(None), lowered, text, platform="cuda")["flops"] == 2 * 8 * 4 * 16
+    )
+    assert _cost_analysis(compiled, lowered, text, platform="tpu")["flops"] == 7.0
+    assert _cost_analysis(_Analysed(None), lowered, text, platform="cpu")["flops"] == 24.0

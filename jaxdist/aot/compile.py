@@ -120,23 +120,23 @@ def per_chip_bytes(tree: Any) -> int:
     return total
 
 
-# Device platforms whose compiled programs' own cost analysis undercounts library calls.
+# Device platforms whose compiler's own cost analysis leaves out its library calls.
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def _cost_analysis(compiled, lowered, text: str | None = None, *, platform: str = "") -> dict:
-    """The compiler's cost analysis of the optimized program. The GPU compiler's leaves out
-    much of what its library calls run (on an H200 it counts a ResNet-50 training step at
-    7.0 GFLOP per image, against 24 by any count of its convolutions), and it has none without
-    a GPU: on a GPU ``platform``, and wherever the compiled program has no analysis, XLA's
-    generic analysis of the program as lowered stands in for it, so a step priced on the GPU
-    and one planned for it without a GPU count alike; where JAX offers neither, the FLOPs of
-    the optimized program's matrix products and convolutions, cuDNN and cuBLAS calls
-    included (:func:`~jaxdist.aot.timeline.matrix_flops`). That count leaves out elementwise
-    ops and, as the usual counts of ResNet FLOPs do, takes a convolution's taps on its
-    padding too: 2% above the TPU compiler's own count of the same ResNet-50 step. ``text``:
-    the compiled program's text, where the caller has it."""
-    analysed_programs = (lowered,) if platform in GPU_PLATFORMS else (compiled, lowered)
+    """The compiler's cost analysis of the optimized program; on a GPU ``platform``, the
+    FLOPs of the optimized program's matrix products and convolutions, cuDNN and cuBLAS calls
+    included (:func:`~jaxdist.aot.timeline.matrix_flops`). The GPU compiler's own count leaves
+    out most of what its library calls run (on an H200, 7.0 of a ResNet-50 training step's
+    24 GFLOP per image) and it has none without a GPU, so a step priced on a GPU and one
+    planned for it here count alike. Elsewhere, a compiled program without an analysis is
+    counted by XLA's generic analysis of the program as lowered, or else by its matrix
+    products. The matrix count leaves out elementwise ops and, as the usual counts of ResNet
+    FLOPs do, takes a convolution's taps on its padding too: 2% above the TPU compiler's own
+    count of the same ResNet-50 step. ``text``: the compiled program's text, where the
+    caller has it."""
+    analysed_programs = () if platform in GPU_PLATFORMS else (compiled, lowered)
     for analysed in analysed_programs:
         cost = analysed.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
