@@ -150,13 +150,13 @@ def _has_run_start(path: Path) -> bool:
 class MlperfLog(Hook):
     """``WORKDIR/events.log`` as a hook of the training loop (on process 0; a no-op elsewhere).
 
-    ``trainer`` is the :class:`~jaxdist.run.trainer.Trainer`, read for what it resolved
-    (dataset sizes, the batch plan, the schedule, the task's headline metric); ``init_ms`` is
-    when it began building the run.
+    ``parts`` is the run (:class:`~jaxdist.run.build.RunParts`), read for what it resolved
+    (dataset sizes, the batch plan, the schedule, the task's headline metric, the target) and
+    for the recorded config of the header; ``init_ms`` is when building the run began.
     """
 
-    def __init__(self, trainer: Any, workdir: Path, *, enabled: bool, init_ms: int) -> None:
-        self.trainer = trainer
+    def __init__(self, parts: Any, workdir: Path, *, enabled: bool, init_ms: int) -> None:
+        self.parts = parts
         self.path = Path(workdir) / "events.log"
         self.enabled = enabled
         self.init_ms = init_ms
@@ -194,7 +194,7 @@ class MlperfLog(Hook):
         if self._log.started:
             self.event("run_resumed", step=loop.step)
         else:
-            for key, value, metadata in header_events(self.trainer, self.init_ms):
+            for key, value, metadata in header_events(self.parts, self.init_ms):
                 self.event(key, value, **metadata)
             self.event(keys.INIT_STOP)
             self.event(keys.RUN_START)
@@ -202,13 +202,13 @@ class MlperfLog(Hook):
             self.event("config_change", key, old=old, new=new)
 
     def step_starting(self, loop: Any) -> None:
-        epoch_events(self, self.trainer.schedule, loop.step, loop.total_steps)
+        epoch_events(self, self.parts.schedule, loop.step, loop.total_steps)
 
     def evaluating(self, loop: Any) -> None:
         self.event(keys.EVAL_START, epoch_num=loop.epoch)
 
     def evaluated(self, loop: Any) -> None:
-        headline = loop.last_eval[self.trainer.task.headline]
+        headline = loop.last_eval[self.parts.task.headline]
         self.event(keys.EVAL_STOP, epoch_num=loop.epoch)
         self.event(keys.EVAL_ACCURACY, headline, epoch_num=loop.epoch, step=loop.step)
         if loop.reached_target and not self._target_logged:
@@ -230,15 +230,14 @@ class MlperfLog(Hook):
             reason = f"preempted ({loop.stopped_by})"
             self.event(keys.RUN_STOP, status=keys.ABORTED, reason=reason, **where)
             return
-        epoch_events(self, self.trainer.schedule, loop.step, loop.total_steps)
+        epoch_events(self, self.parts.schedule, loop.step, loop.total_steps)
         if loop.reached_target:
             self.event(keys.RUN_STOP, status=keys.SUCCESS, **where)
             return
-        task = self.trainer.task
+        task = self.parts.task
         side = "below" if task.higher_is_better else "above"
-        shortfall = (
-            f"{task.headline} stayed {side} target_accuracy {self.trainer.config.target_accuracy}"
-        )
+        target = self.parts.settings.target_accuracy
+        shortfall = f"{task.headline} stayed {side} target_accuracy {target}"
         self.event(keys.RUN_STOP, status=keys.ABORTED, reason=shortfall, **where)
 
 
@@ -251,28 +250,30 @@ def end_with_newline(path: Path) -> None:
                 f.write(b"\n")
 
 
-def header_events(trainer: Any, init_ms: int) -> list[tuple[str, Any, dict]]:
-    """``(key, value, metadata)`` of every event between ``cache_clear`` and ``init_stop``."""
-    cfg, final = trainer.config, trainer.plans[-1]  # the plan of the recipe's batch_size
-    group = cfg.model.get("bn_group_size") or trainer.num_replicas
+def header_events(parts: Any, init_ms: int) -> list[tuple[str, Any, dict]]:
+    """``(key, value, metadata)`` of every event between ``cache_clear`` and ``init_stop``:
+    the recorded config of ``parts`` (:class:`~jaxdist.run.build.RunParts`) and what it
+    resolved."""
+    cfg, final = parts.config, parts.plans[-1]  # the plan of the recipe's batch_size
+    group = cfg.model.get("bn_group_size") or parts.num_replicas
     events = [
         (keys.CACHE_CLEAR, bool(cfg.mlperf.cache_cleared), {"time_ms": init_ms}),
         (keys.INIT_START, None, {"time_ms": init_ms}),
-        (keys.SUBMISSION_BENCHMARK, cfg.mlperf.benchmark or _benchmark(trainer.task.name), {}),
+        (keys.SUBMISSION_BENCHMARK, cfg.mlperf.benchmark or _benchmark(parts.task.name), {}),
         (keys.SUBMISSION_ORG, cfg.mlperf.org, {}),
         (keys.SUBMISSION_DIVISION, cfg.mlperf.division, {}),
         (keys.SUBMISSION_STATUS, cfg.mlperf.status, {}),
         (keys.SUBMISSION_PLATFORM, cfg.mlperf.platform or _platform(), {}),
         (keys.SEED, cfg.seed, {}),
         (keys.GLOBAL_BATCH_SIZE, cfg.batch_size, {"batch_ramp": [list(r) for r in cfg.batch_ramp]}),
-        (keys.TRAIN_SAMPLES, trainer.data.num_train_examples, {}),
-        (keys.EVAL_SAMPLES, trainer.data.num_eval_examples, {}),
+        (keys.TRAIN_SAMPLES, parts.data.num_train_examples, {}),
+        (keys.EVAL_SAMPLES, parts.data.num_eval_examples, {}),
         (keys.GRADIENT_ACCUMULATION_STEPS, final.accumulation_steps, {}),
         (keys.MODEL_BN_SPAN, final.per_device_batch * group, {}),
         (keys.OPT_NAME, cfg.optimizer.name, {}),
     ]
     # The schedule decays over epochs, whatever max_steps cuts off.
-    steps_at = trainer.schedule.steps_for_epochs
+    steps_at = parts.schedule.steps_for_epochs
     decay_steps = steps_at(cfg.num_epochs) - steps_at(min(cfg.lr.warmup_epochs, cfg.num_epochs))
     events += [(k, v, {}) for k, v in _optimizer_keys(cfg, decay_steps)]
     return events

@@ -44,31 +44,34 @@ def check_hook_settings(
         kind.check_settings(config, total_steps, profile_steps)
 
 
-def standard_hooks(trainer: Any, log: RunLog, ckpt: Checkpointer) -> list[Hook]:
-    """New hooks for one run of ``trainer`` (:class:`~jaxdist.run.trainer.Trainer`), one of
-    each of :data:`STANDARD_HOOKS`, in its order."""
-    cfg, workdir = trainer.config, trainer.workdir
+def standard_hooks(
+    parts: Any, log: RunLog, ckpt: Checkpointer, *, allow_config_change: bool = False
+) -> list[Hook]:
+    """New hooks for one run of ``parts`` (a :class:`~jaxdist.run.build.RunParts`), one of
+    each of :data:`STANDARD_HOOKS`, in its order. The hooks read their own settings from the
+    recorded config; ``allow_config_change`` lets the rerun check accept a changed one."""
+    cfg, workdir = parts.config, parts.workdir
     writer = jax.process_index() == 0  # only process 0 writes logs
     return [
         WorkdirLock(workdir),
         rerun.RerunCheck(
             workdir,
             cfg,
-            allow_change=trainer.allow_config_change,
-            devices=trainer.resolved_devices,
+            allow_change=allow_config_change,
+            devices=parts.resolved_devices,
             progress=log.progress,
             write=writer,
         ),
         Watchdog(cfg.watchdog_s, workdir),
         PreemptionGuard(ckpt.manager),
-        StepProfiler(trainer.profile_steps, workdir),
+        StepProfiler(parts.profile_steps, workdir),
         NonFiniteGuard(cfg.skip_nonfinite_steps, kept=ckpt.kept),
         TensorBoard(
             workdir,
             cfg.tensorboard,
             enabled=writer,
             config=rerun.flatten(cfg),
-            headline=trainer.task.headline,
+            headline=parts.task.headline,
         ),
-        MlperfLog(trainer, workdir, enabled=writer, init_ms=trainer.init_ms),
+        MlperfLog(parts, workdir, enabled=writer, init_ms=parts.init_ms),
     ]

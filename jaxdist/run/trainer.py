@@ -5,6 +5,11 @@
     config = jaxdist.run.config.load_recipe("recipes/mnist_small_batch.py")
     summary = Trainer(config, workdir="runs/mnist").run()
 
+The trainer builds nothing itself: :func:`~jaxdist.run.build.build_run` resolves the whole
+config once, in the constructor (a bad value fails there, before any training), into
+:class:`~jaxdist.run.build.RunParts` (``trainer.parts``). The loop reads those parts and their
+settings; the config itself is kept only as the run's record.
+
 What is trained is the recipe's task (:mod:`jaxdist.tasks`): its variables, loss, evaluation
 and data. The step is a :class:`~jaxdist.training.train_step.TrainStep` (data parallel), or a
 :class:`~jaxdist.pipeline.step.PipelineStep` when the recipe has pipeline stages. Each step:
@@ -46,33 +51,17 @@ from jax.sharding import Mesh
 from jaxdist.data import DatasetError
 from jaxdist.run import rerun
 from jaxdist.run.agreement import check_same_everywhere, run_facts
+from jaxdist.run.build import TaskFactory, build_run
 from jaxdist.run.checkpoint import Checkpointer
-from jaxdist.run.config import batch_stages, config_problems
-from jaxdist.run.from_config import (
-    StepParts,
-    build_lr_schedule,
-    build_mesh,
-    build_optimizer,
-    step_options,
-)
 from jaxdist.run.hooks import Hook, Hooks, OnStep
 from jaxdist.run.log import RunLog, WorkdirError, describe_error, format_duration, last_eval
-from jaxdist.run.mlperf import now_ms
-from jaxdist.run.standard_hooks import check_hook_settings, standard_hooks
-from jaxdist.run.step_kinds import step_kind_for
+from jaxdist.run.standard_hooks import standard_hooks
 from jaxdist.runtime.distributed import peer_lost
-from jaxdist.tasks import Replicas, Task
 from jaxdist.tasks.image_classification import ImageClassification
-from jaxdist.training.batch_schedule import BatchSchedule
-from jaxdist.training.batches import data_axes_of
-from jaxdist.training.eval_step import EvalStep
 from jaxdist.training.protocol import Step
 from jaxdist.training.train_step import TrainState
 
 __all__ = ["Loop", "TaskFactory", "Trainer"]
-
-# A recipe's ``get_task``: the task of a config, on the replicas the mesh gives it.
-TaskFactory = Callable[[ml_collections.ConfigDict, Replicas], Task]
 
 
 @dataclasses.dataclass
@@ -109,7 +98,9 @@ class Trainer:
     replaces the recipe's (a mesh of compile-only devices, :mod:`jaxdist.aot`, lets its steps
     be compiled but not run). ``profile_steps=(first, last)`` traces those steps into
     ``WORKDIR/profile`` (:mod:`jaxdist.run.profile`). ``hooks`` are called after the trainer's
-    own (:mod:`jaxdist.run.hooks`)."""
+    own (:mod:`jaxdist.run.hooks`). What the config resolved to is ``parts``
+    (:class:`~jaxdist.run.build.RunParts`); its pieces are attributes of their own too
+    (``mesh``, ``task``, ``data``, ``schedule``, ``plans``, ``total_steps``, ...)."""
 
     def __init__(
         self,
@@ -123,79 +114,42 @@ class Trainer:
         profile_steps: tuple[int, int] | None = None,
         hooks: Sequence[Hook] = (),
     ) -> None:
-        self.init_ms = now_ms()  # MLPerf's init_start: building the run is initialisation
-        self.config = config
         self.workdir = Path(workdir)
         self.allow_config_change = allow_config_change
-        self.task_factory = task or ImageClassification
         self.recipe = recipe
-        self.profile_steps = profile_steps
         self.user_hooks = list(hooks)
-        with config_problems():
-            self._build(config, mesh)
-
-    def _build(self, config: ml_collections.ConfigDict, mesh: Mesh | None) -> None:
-        """Everything the config describes: mesh, data, batch plan, model, loss, optimizer and
-        the train step of every stage, so that a bad value fails here, before any training."""
-        stages = config.pipeline.stages if "pipeline" in config else 0
-        self.mesh = build_mesh(config.mesh, stages) if mesh is None else mesh
-        try:
-            recorded = rerun.recorded_devices(self.workdir)  # e.g. a pipeline's "auto" cut
-        except OSError as err:
-            raise WorkdirError.from_os_error(err, self.workdir) from err
-        # The one choice of step; from here on the loop sees only the Step interface.
-        self.step_kind = step_kind_for(config, self.mesh, recorded)
-        names = self.step_kind.data_axes
-        self.data_axes = data_axes_of(self.mesh, names)  # one name, or a tuple of several
-        self.num_replicas = math.prod(self.mesh.shape[a] for a in names)
-        self.task = self.task_factory(config, Replicas(self.data_axes, self.num_replicas))
-        self.data = self.task.data
-        self.schedule = BatchSchedule(
-            batch_stages(config), dataset_size=self.data.num_train_examples
+        # Everything the config describes, built and checked now, before any training.
+        self.parts = parts = build_run(
+            config,
+            self.workdir,
+            task_factory=task or ImageClassification,
+            mesh=mesh,
+            profile_steps=profile_steps,
+            hooks=self.user_hooks,
         )
-        self.plans = self.schedule.device_plans(self.num_replicas, config.max_per_device_batch)
-        self.step_kind.check_batches([b for _, b in batch_stages(config)], self.num_replicas)
-        self.total_steps = self.schedule.steps_for_epochs(config.num_epochs)
-        if config.max_steps:
-            self.total_steps = min(self.total_steps, config.max_steps)
-        # The hooks' settings, checked now; the hooks themselves are new for every run.
-        check_hook_settings(config, self.total_steps, self.profile_steps, self.user_hooks)
-        if config.eval_batch_size % self.num_replicas:
-            raise ValueError(
-                f"eval_batch_size={config.eval_batch_size} must be a multiple of the "
-                f"{self.num_replicas} data-parallel devices"
-            )
-
-        self.lr_fn = jax.jit(build_lr_schedule(config))
-        self._parts = StepParts(
-            task=self.task,
-            optimizer=build_optimizer(config.optimizer, float(self.lr_fn(0.0))),
-            options=step_options(config),
-        )
-        self.eval_step = EvalStep(self.task.eval_sums, self.mesh, data_axes=self.data_axes)
-        self._train_steps: dict[int, Step] = {}
+        self.config = parts.config  # the run's record only: the loop reads the parts
+        # The parts under the names the planner, the benchmarks and the tests read.
+        self.mesh, self.step_kind, self.task = parts.mesh, parts.step_kind, parts.task
+        self.data, self.data_axes = parts.data, parts.data_axes
+        self.num_replicas, self.schedule = parts.num_replicas, parts.schedule
+        self.plans, self.total_steps = parts.plans, parts.total_steps
+        self.lr_fn, self.eval_step = parts.lr_fn, parts.eval_step
         self._compiled_steps: list[Step] = []  # steps that ran once (compiling is not watched)
-        # Steps that choose routes (auto) or send factors print their plan after a first step.
-        self._shows_plans = config.allreduce == "auto" or bool(self._parts.options["sfb_layers"])
-        for stage in range(len(self.plans)):
-            self.train_step_for(stage)
 
     # ------------------------------------------------------------------ pieces
 
     def train_step_for(self, stage: int) -> Step:
-        """The train step of a batch-schedule stage: one per accumulation setting; a new
-        batch shape compiles once more."""
-        accumulation = self.plans[stage].accumulation_steps
-        if accumulation not in self._train_steps:
-            self._train_steps[accumulation] = self.step_kind.build(self._parts, accumulation)
-        return self._train_steps[accumulation]
+        """The train step of a batch-schedule stage: one per accumulation setting, built with
+        the run; a new batch shape compiles once more."""
+        return self.parts.train_step_for(stage)
 
     def initial_state(self) -> Any:
         """The task's variables from the seed, placed on the mesh (a sharded state made
         straight into its shards, never whole on one device)."""
         step = self.train_step_for(0)
         if getattr(step, "sharding", "replicated") != "replicated":
-            return step.init_sharded(self.task.init_variables, jax.random.key(self.config.seed))
+            key = jax.random.key(self.parts.settings.seed)
+            return step.init_sharded(self.task.init_variables, key)
         return step.init(*self._variables(abstract=False))
 
     def abstract_state(self) -> Any:
@@ -205,7 +159,7 @@ class Trainer:
         return self.train_step_for(0).abstract_init(*self._variables(abstract=True))
 
     def _variables(self, abstract: bool) -> tuple[Any, Any]:
-        key = jax.random.key(self.config.seed)
+        key = jax.random.key(self.parts.settings.seed)
         init = self.task.init_variables
         return jax.eval_shape(init, key) if abstract else init(key)
 
@@ -215,7 +169,7 @@ class Trainer:
         params, model_state = step.whole_variables(state)
         whole = TrainState(state.step, params, model_state, opt_state=None)
         totals = None
-        with self.data.eval_iterator(self.config.eval_batch_size) as batches:
+        with self.data.eval_iterator(self.parts.settings.eval_batch_size) as batches:
             for batch in batches:
                 sums = self.eval_step(whole, step.shard_batch(batch))
                 totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
@@ -224,8 +178,7 @@ class Trainer:
 
     def resolved_devices(self) -> dict[str, Any]:
         """What the run resolved on this machine: the mesh, and a pipeline's "auto" cut."""
-        mesh = ",".join(f"{axis}={size}" for axis, size in self.mesh.shape.items())
-        return {"mesh": mesh, **self.step_kind.resolved}
+        return self.parts.resolved_devices()
 
     # ------------------------------------------------------------------ the loop
 
@@ -253,12 +206,13 @@ class Trainer:
             raise lost from err
 
     def _run(self, on_step: Callable | None) -> dict[str, Any]:
-        cfg = self.config
+        saves, log_every = self.parts.checkpoint, self.parts.settings.log_every_steps
         log = RunLog(self.workdir, enabled=jax.process_index() == 0)
-        ckpt = Checkpointer(self.workdir / "checkpoints", every_steps=cfg.checkpoint.every_steps,
-                            keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)  # fmt: skip
+        ckpt = Checkpointer(self.workdir / "checkpoints", every_steps=saves.every_steps,
+                            keep=saves.keep, async_save=saves.async_save)  # fmt: skip
         on_steps = [OnStep(on_step)] if on_step is not None else []
-        hooks = Hooks(standard_hooks(self, log, ckpt) + self.user_hooks + on_steps)
+        own = standard_hooks(self.parts, log, ckpt, allow_config_change=self.allow_config_change)
+        hooks = Hooks(own + self.user_hooks + on_steps)
         loop, failure = None, None
         with contextlib.ExitStack() as held:
             try:
@@ -271,7 +225,7 @@ class Trainer:
                 hooks.run_started(loop)
                 while loop.step < self.total_steps and not loop.stopped_by:
                     self._train_one_step(loop, log, ckpt, hooks)
-                    if loop.step % cfg.log_every_steps == 0 or loop.step == self.total_steps:
+                    if loop.step % log_every == 0 or loop.step == self.total_steps:
                         self._report(loop, log, hooks)
                     if self._eval_due(loop):
                         self._evaluate(loop, log, hooks)
@@ -303,7 +257,7 @@ class Trainer:
         else:
             state = self.initial_state()
         loop = Loop(state=state, step=step, total_steps=self.total_steps,
-                    base_rng=jax.random.PRNGKey(self.config.seed), data_state=data_state,
+                    base_rng=jax.random.PRNGKey(self.parts.settings.seed), data_state=data_state,
                     epoch=self.schedule.epoch_at(step))  # fmt: skip
         hooks.resumed(loop, meta)
         if 0 < step < self.total_steps:
@@ -358,7 +312,7 @@ class Trainer:
     def _show_gradient_plan(self, train_step: Step, log: RunLog) -> None:
         """After a train step's first call, when it chooses routes (``auto``) or sends factors:
         the plan, as ``TrainStep.plan().table()`` prints it (a pipeline step refuses both)."""
-        if not self._shows_plans:
+        if not self.parts.shows_plans:
             return
         log.progress(f"gradient plan, {train_step.accumulation_steps} micro-batch(es) per step:",
                      final=True)  # fmt: skip
@@ -391,7 +345,7 @@ class Trainer:
 
     def _eval_due(self, loop: Loop) -> bool:
         """Every ``eval_every_epochs`` (at the first step past each multiple) and at the end."""
-        every = self.config.eval_every_epochs
+        every = self.parts.settings.eval_every_epochs
         previous = self.schedule.epoch_at(loop.step - 1)
         due = every > 0 and math.floor(loop.epoch / every) > math.floor(previous / every)
         return due or loop.step == self.total_steps
@@ -402,7 +356,7 @@ class Trainer:
         hooks.evaluating(loop)
         loop.last_eval = self.evaluate(loop.state)
         headline = loop.last_eval[self.task.headline]
-        target = self.config.target_accuracy
+        target = self.parts.settings.target_accuracy
         loop.reached_target |= (
             headline >= target if self.task.higher_is_better else headline <= target
         )
