@@ -14,9 +14,13 @@ def _max_difference(a, b) -> float:
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))  # fmt: skip
 
 
+# One batch size throughout (no ramp): each run compiles one train step.
+ONE_BATCH = {"batch_ramp": ()}
+
+
 @pytest.fixture(scope="module")
 def replicated_run(tmp_path_factory):
-    trainer = Trainer(tiny_config(), tmp_path_factory.mktemp("replicated"))
+    trainer = Trainer(tiny_config(**ONE_BATCH), tmp_path_factory.mktemp("replicated"))
     trainer.run()
     return trainer
 
@@ -25,7 +29,7 @@ def test_fsdp_resumed_as_zero1_on_half_the_devices_ends_where_replicated_does(
     replicated_run, tmp_path
 ):
     workdir = tmp_path / "sharded"
-    fsdp = Trainer(tiny_config(sharding="fsdp"), workdir)
+    fsdp = Trainer(tiny_config(sharding="fsdp", **ONE_BATCH), workdir)
     seen = {}
 
     def crash_at_4(step, state):
@@ -40,7 +44,7 @@ def test_fsdp_resumed_as_zero1_on_half_the_devices_ends_where_replicated_does(
     large = [k for k in kernels if k.size >= 1024]
     assert large and all(k.addressable_shards[0].data.size * 8 == k.size for k in large)
 
-    resumed = Trainer(tiny_config(sharding="zero1", mesh="ring-4"), workdir,
+    resumed = Trainer(tiny_config(sharding="zero1", mesh="ring-4", **ONE_BATCH), workdir,
                       allow_config_change=True)  # fmt: skip
     assert resumed.run()["step"] == 7
     assert len(resumed.mesh.devices.flat) == 4
