@@ -39,11 +39,35 @@ def micro_batches(batch, replicas, M):
 def simulate_pipedream(fns, params, states, batch, optimizer, stages, M, replicas, steps):
     """PipeDream on one device, tick by tick through 1F1B's table: a forward uses the stage's
     newest weights and stashes them; a backward takes the gradient at the stashed weights and
-    applies it to the newest at once."""
+    applies it to the newest at once. (Each stage's forward, backward and update are jitted:
+    the same arithmetic, compiled once instead of dispatched op by op.)"""
     table = build("pipedream", stages, M).table
     params, states = list(params), list(states)
     opt_states = [optimizer.init(p) for p in params]
     last = stages - 1
+    forward = [jax.jit(lambda p, state, x, s=s: fns[s](p, state, x, KEY)) for s in range(stages)]
+
+    def backward_of(s):
+        def backward(p, state, x, given):
+            """The gradient at ``p`` and the cotangent of ``x``; ``given`` is the last stage's
+            micro-batch (its loss is differentiated), else the cotangent of the output."""
+
+            def run(p, x):
+                y, _ = fns[s](p, state, x, KEY)
+                return cross_entropy(y, given)[0] if s == last else y
+
+            out, pull = jax.vjp(run, p, x)
+            return pull(jnp.ones_like(out) if s == last else given)
+
+        return jax.jit(backward)
+
+    backward = [backward_of(s) for s in range(stages)]
+
+    @jax.jit
+    def apply(grads, opt_state, p):
+        updates, opt_state = optimizer.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state
+
     for _ in range(steps):
         micro = micro_batches(batch, replicas, M)
         outputs, stashed, cotangents = {}, {}, {}
@@ -55,28 +79,22 @@ def simulate_pipedream(fns, params, states, batch, optimizer, stages, M, replica
                 x = micro[m]["x"] if s == 0 else outputs[(m, s - 1)]
                 if op.kind == "F":
                     stashed[(m, s)] = params[s]
-                    outputs[(m, s)], states[s] = fns[s](params[s], states[s], x, KEY)
+                    outputs[(m, s)], states[s] = forward[s](params[s], states[s], x)
                     continue
-
-                def run(p, x, s=s, target=micro[m]):
-                    y, _ = fns[s](p, states[s], x, KEY)
-                    return cross_entropy(y, target)[0] if s == last else y
-
-                out, pull = jax.vjp(run, stashed.pop((m, s)), x)
-                ct = jnp.ones_like(out) if s == last else cotangents.pop((m, s))
-                grads, back = pull(ct)
+                given = micro[m] if s == last else cotangents.pop((m, s))
+                grads, back = backward[s](stashed.pop((m, s)), states[s], x, given)
                 if s > 0:
                     cotangents[(m, s - 1)] = back
-                updates, opt_states[s] = optimizer.update(grads, opt_states[s], params[s])
-                params[s] = optax.apply_updates(params[s], updates)
+                params[s], opt_states[s] = apply(grads, opt_states[s], params[s])
     return params
 
 
 def simulate_2bw(fns, params, states, batch, optimizer, M, steps):
     """PipeDream-2BW on one device: each step's gradient, accumulated over its micro-batches,
-    is taken at the weights one step older and applied to the newest."""
+    is taken at the weights one step older and applied to the newest (jitted, as above)."""
     loss_fn = whole_model_loss(fns)
 
+    @jax.jit
     def step_grads(p, states):
         total = None
         for m in range(M):
@@ -85,12 +103,16 @@ def simulate_2bw(fns, params, states, batch, optimizer, M, steps):
             total = g if total is None else jax.tree.map(jnp.add, total, g)
         return jax.tree.map(lambda g: g / M, total)
 
+    @jax.jit
+    def apply(grads, opt_state, p):
+        updates, opt_state = optimizer.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state
+
     opt_state = optimizer.init(params)
     older = params
     for _ in range(steps):
         grads = step_grads(older, states)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        older, params = params, optax.apply_updates(params, updates)
+        older, (params, opt_state) = params, apply(grads, opt_state, params)
     return params
 
 
