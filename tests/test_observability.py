@@ -79,7 +79,8 @@ def test_tensorboard_on_without_the_writer_names_the_extra(monkeypatch, tmp_path
 
 def test_profile_steps_trace_names_exactly_those_steps(tmp_path):
     workdir = tmp_path / "run"
-    Trainer(tiny_config(), workdir, profile_steps=(3, 4)).run()
+    # One batch size (no ramp): one train step to compile.
+    Trainer(tiny_config(batch_ramp=(), max_steps=4), workdir, profile_steps=(3, 4)).run()
     runs = list((workdir / "profile" / "plugins" / "profile").iterdir())
     assert len(runs) == 1 and list(runs[0].glob("*.xplane.pb")), runs
     with gzip.open(runs[0] / "perfetto_trace.json.gz") as f:
