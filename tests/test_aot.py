@@ -24,7 +24,6 @@ from jaxdist.aot.schedule import read_schedule
 from jaxdist.aot.topology import (
     CompilerMissing,
     TopologyError,
-    cuda_plugin_available,
     libtpu_available,
     parse_topology,
 )
@@ -33,10 +32,6 @@ from jaxdist.training.train_step import TrainStep
 
 needs_libtpu = pytest.mark.skipif(
     not libtpu_available(), reason="the TPU compiler is not installed (pip install -e '.[tpu]')"
-)
-needs_cuda_plugin = pytest.mark.skipif(
-    not cuda_plugin_available(),
-    reason="the GPU compiler (JAX's CUDA plugin) is not installed (pip install 'jax[cuda12-local]')",
 )
 
 
@@ -561,34 +556,6 @@ def test_a_compiled_plan_over_the_published_capacity_ends_with_one_line(capsys):
     )
 
 
-@needs_cuda_plugin
-def test_a_step_compiles_for_gpu_hosts_without_a_gpu():
-    mesh = Mesh(np.asarray(parse_topology("h100:2x4").devices()).reshape(2, 4), ("y", "x"))
-    several = compile_step(mesh, allreduce="torus2d", data_axes=("y", "x"), bucket_bytes=1 << 19)
-    grads = several.schedule.gradient_collectives
-    assert grads and all(c.asynchronous for c in grads)
-    assert several.schedule.overlapped_backward_fraction > 0
-    # The GPU compiler counts no FLOPs without a GPU: the step's count is its optimized
-    # program's matrix products, exactly the forward and backward products (for weights
-    # and, but the first layer, inputs; 8 examples per GPU).
-    macs = [256 * 512, 512 * 384, 384 * 512, 512 * 256, 256 * 10]
-    assert several.flops == 2 * 8 * (3 * sum(macs) - macs[0])
-    assert several.memory.total > 0
-
-
-@needs_cuda_plugin
-def test_plan_command_for_gpu_hosts(capsys):
-    from jaxdist.cli import main
-
-    code = main(["plan", "mnist_small_batch", "--topology", "h100:2x4", "--efficiency", "0.3",
-                 "--set", "num_epochs=2", "--set", "mesh=hierarchical-2x4",
-                 "--json"])  # fmt: skip
-    assert code == 0
-    plan = json.loads(capsys.readouterr().out)
-    assert plan["chips"] == 8 and plan["chip"] == "NVIDIA H100 SXM5"
-    assert plan["stages"][0]["fits"] is True and plan["stages"][0]["flops_per_chip"] > 0
-
-
 @needs_libtpu
 def test_plan_over_two_slices_runs_the_outer_axis_over_the_data_centre_network(capsys):
     from jaxdist.cli import main
@@ -796,14 +763,6 @@ def test_native_all_reduces_run_on_the_sparsecores_of_a_v5p_slice():
     assert len(grads) > 2 and sum(c.asynchronous for c in grads) >= len(grads) - 1
     assert 'async_execution_thread="sparsecore"' in report.compiled.as_text()
     assert report.schedule.overlapped_backward_fraction > 0
-
-
-@needs_cuda_plugin
-def test_native_buckets_stay_apart_on_gpu_hosts():
-    mesh = Mesh(np.asarray(parse_topology("h100:1x4").devices()), ("data",))
-    report = compile_step(mesh, allreduce="native", bucket_bytes=1 << 19)
-    grads = report.schedule.gradient_collectives
-    assert len(grads) > 2 and report.schedule.overlapped_backward_fraction > 0
 
 
 def _order(text: str) -> list[str]:
