@@ -45,15 +45,21 @@ def check_hook_settings(
 
 
 def standard_hooks(
-    parts: Any, log: RunLog, ckpt: Checkpointer, *, allow_config_change: bool = False
+    parts: Any,
+    log: RunLog,
+    ckpt: Checkpointer,
+    *,
+    lock: WorkdirLock | None = None,
+    allow_config_change: bool = False,
 ) -> list[Hook]:
     """New hooks for one run of ``parts`` (a :class:`~jaxdist.run.build.RunParts`), one of
     each of :data:`STANDARD_HOOKS`, in its order. The hooks read their own settings from the
-    recorded config; ``allow_config_change`` lets the rerun check accept a changed one."""
+    recorded config; ``lock`` is the workdir's lock where the caller took it already;
+    ``allow_config_change`` lets the rerun check accept a changed config."""
     cfg, workdir = parts.config, parts.workdir
     writer = jax.process_index() == 0  # only process 0 writes logs
     return [
-        WorkdirLock(workdir),
+        lock or WorkdirLock(workdir),
         rerun.RerunCheck(
             workdir,
             cfg,

@@ -56,6 +56,7 @@ from jaxdist.run.checkpoint import Checkpointer
 from jaxdist.run.hooks import Hook, Hooks, OnStep
 from jaxdist.run.log import RunLog, WorkdirError, describe_error, format_duration, last_eval
 from jaxdist.run.standard_hooks import standard_hooks
+from jaxdist.run.workdir_lock import WorkdirLock
 from jaxdist.runtime.distributed import peer_lost
 from jaxdist.tasks.image_classification import ImageClassification
 from jaxdist.training.protocol import Step
@@ -208,16 +209,21 @@ class Trainer:
     def _run(self, on_step: Callable | None) -> dict[str, Any]:
         saves, log_every = self.parts.checkpoint, self.parts.settings.log_every_steps
         log = RunLog(self.workdir, enabled=jax.process_index() == 0)
-        ckpt = Checkpointer(self.workdir / "checkpoints", every_steps=saves.every_steps,
-                            keep=saves.keep, async_save=saves.async_save)  # fmt: skip
         on_steps = [OnStep(on_step)] if on_step is not None else []
-        own = standard_hooks(self.parts, log, ckpt, allow_config_change=self.allow_config_change)
-        hooks = Hooks(own + self.user_hooks + on_steps)
         loop, failure = None, None
         with contextlib.ExitStack() as held:
+            # The workdir's lock before anything else: opening the checkpoints moves an
+            # incomplete one aside, which would be the save of a run still writing there.
+            lock = held.enter_context(WorkdirLock(self.workdir))
+            ckpt = Checkpointer(self.workdir / "checkpoints", every_steps=saves.every_steps,
+                                keep=saves.keep, async_save=saves.async_save)  # fmt: skip
+            own = standard_hooks(self.parts, log, ckpt, lock=lock,
+                                 allow_config_change=self.allow_config_change)  # fmt: skip
+            hooks = Hooks(own + self.user_hooks + on_steps)
             try:
-                for hook in hooks.hooks:  # the lock and the rerun check come first
-                    held.enter_context(hook)
+                for hook in hooks.hooks:  # the rerun check comes first after the lock
+                    if hook is not lock:
+                        held.enter_context(hook)
                 log.open()
                 loop = self._resume(ckpt, log, hooks)
                 if loop.step >= self.total_steps:
