@@ -150,16 +150,16 @@ def _has_run_start(path: Path) -> bool:
 class MlperfLog(Hook):
     """``WORKDIR/events.log`` as a hook of the training loop (on process 0; a no-op elsewhere).
 
-    ``parts`` is the run (:class:`~jaxdist.run.build.RunParts`), read for what it resolved
-    (dataset sizes, the batch plan, the schedule, the task's headline metric, the target) and
-    for the recorded config of the header; ``init_ms`` is when building the run began.
+    ``parts`` is the run (:class:`~jaxdist.run.build.RunParts`), read for its workdir, for
+    what it resolved (dataset sizes, the batch plan, the schedule, the task's headline metric,
+    the target), for the recorded config of the header and for when building it began
+    (MLPerf's ``init_start``).
     """
 
-    def __init__(self, parts: Any, workdir: Path, *, enabled: bool, init_ms: int) -> None:
+    def __init__(self, parts: Any, *, enabled: bool) -> None:
         self.parts = parts
-        self.path = Path(workdir) / "events.log"
+        self.path = Path(parts.workdir) / "events.log"
         self.enabled = enabled
-        self.init_ms = init_ms
         self.running = False  # between run_start (or run_resumed) and run_stop
         self._log: EventLog | None = None
         self._target_logged = False
@@ -194,7 +194,7 @@ class MlperfLog(Hook):
         if self._log.started:
             self.event("run_resumed", step=loop.step)
         else:
-            for key, value, metadata in header_events(self.parts, self.init_ms):
+            for key, value, metadata in header_events(self.parts):
                 self.event(key, value, **metadata)
             self.event(keys.INIT_STOP)
             self.event(keys.RUN_START)
@@ -250,11 +250,15 @@ def end_with_newline(path: Path) -> None:
                 f.write(b"\n")
 
 
-def header_events(parts: Any, init_ms: int) -> list[tuple[str, Any, dict]]:
+def header_events(parts: Any) -> list[tuple[str, Any, dict]]:
     """``(key, value, metadata)`` of every event between ``cache_clear`` and ``init_stop``:
     the recorded config of ``parts`` (:class:`~jaxdist.run.build.RunParts`) and what it
-    resolved."""
-    cfg, final = parts.config, parts.plans[-1]  # the plan of the recipe's batch_size
+    resolved; ``init_start`` is when building it began."""
+    cfg, final, init_ms = (
+        parts.config,
+        parts.plans[-1],
+        parts.init_ms,
+    )  # the plan of the recipe's batch_size
     group = cfg.model.get("bn_group_size") or parts.num_replicas
     events = [
         (keys.CACHE_CLEAR, bool(cfg.mlperf.cache_cleared), {"time_ms": init_ms}),

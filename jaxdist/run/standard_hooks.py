@@ -48,18 +48,19 @@ def standard_hooks(
     parts: Any,
     log: RunLog,
     ckpt: Checkpointer,
+    lock: WorkdirLock,
     *,
-    lock: WorkdirLock | None = None,
     allow_config_change: bool = False,
 ) -> list[Hook]:
-    """New hooks for one run of ``parts`` (a :class:`~jaxdist.run.build.RunParts`), one of
-    each of :data:`STANDARD_HOOKS`, in its order. The hooks read their own settings from the
-    recorded config; ``lock`` is the workdir's lock where the caller took it already;
-    ``allow_config_change`` lets the rerun check accept a changed config."""
+    """The hooks for one run of ``parts`` (a :class:`~jaxdist.run.build.RunParts`), one of
+    each of :data:`STANDARD_HOOKS`, in its order: ``lock`` is the workdir's lock, which the
+    caller holds before ``ckpt`` opens the checkpoints, and the others are new. The hooks read
+    their own settings from the recorded config; ``allow_config_change`` lets the rerun check
+    accept a changed config."""
     cfg, workdir = parts.config, parts.workdir
     writer = jax.process_index() == 0  # only process 0 writes logs
     return [
-        lock or WorkdirLock(workdir),
+        lock,
         rerun.RerunCheck(
             workdir,
             cfg,
@@ -79,5 +80,5 @@ def standard_hooks(
             config=rerun.flatten(cfg),
             headline=parts.task.headline,
         ),
-        MlperfLog(parts, workdir, enabled=writer, init_ms=parts.init_ms),
+        MlperfLog(parts, enabled=writer),
     ]

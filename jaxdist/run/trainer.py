@@ -217,7 +217,7 @@ class Trainer:
             lock = held.enter_context(WorkdirLock(self.workdir))
             ckpt = Checkpointer(self.workdir / "checkpoints", every_steps=saves.every_steps,
                                 keep=saves.keep, async_save=saves.async_save)  # fmt: skip
-            own = standard_hooks(self.parts, log, ckpt, lock=lock,
+            own = standard_hooks(self.parts, log, ckpt, lock,
                                  allow_config_change=self.allow_config_change)  # fmt: skip
             hooks = Hooks(own + self.user_hooks + on_steps)
             try:
