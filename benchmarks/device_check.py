@@ -109,12 +109,18 @@ def predicted(per_device: int, size: int, width: int, chip: str) -> dict:
     batch = {"image": ((per_device, size, size, 3), jnp.float32),
              "label": ((per_device,), jnp.int32)}  # fmt: skip
     compiled = compile_train_step(step, params, model_state, batch)
+    return {**priced(compiled, chip), **flop_counts(compiled),
+            "compiled_memory_bytes": compiled.memory.total}  # fmt: skip
+
+
+def priced(compiled, chip: str) -> dict:
+    """A compiled step's time on ``chip`` as ``jaxdist plan`` prices it: its FLOPs at peak x
+    the chip's calibrated efficiency (one device: no collectives)."""
     efficiency, note = published.calibrated_efficiency(chip)
     seconds = predict_step(compiled, CHIPS[chip], efficiency=efficiency,
                            network=network_for(CHIPS[chip])).total  # fmt: skip
     return {"chip": chip, "efficiency": efficiency, "efficiency_note": note,
-            **flop_counts(compiled), "predicted_step_ms": seconds * 1e3,
-            "compiled_memory_bytes": compiled.memory.total}  # fmt: skip
+            "predicted_step_ms": seconds * 1e3}  # fmt: skip
 
 
 LM_SIZES = {
@@ -165,13 +171,9 @@ def lm_step(small: bool, chip: str | None, steps: int, rounds: int) -> dict:
            "tokens_per_s": size["batch"] * size["seq_len"] / measured,
            "final_loss": float(jax.device_get(metrics["loss"]))}  # fmt: skip
     if chip is not None:
-        efficiency, note = published.calibrated_efficiency(chip)
-        seconds = predict_step(compiled, CHIPS[chip], efficiency=efficiency,
-                               network=network_for(CHIPS[chip])).total  # fmt: skip
-        row.update({"chip": chip, "efficiency": efficiency, "efficiency_note": note,
-                    "predicted_step_ms": seconds * 1e3,
-                    "measured_over_predicted": measured / seconds,
-                    "share_of_peak": compiled.flops / measured / CHIPS[chip].peak_flops})  # fmt: skip
+        row.update(priced(compiled, chip))
+        row["measured_over_predicted"] = row["step_ms"] / row["predicted_step_ms"]
+        row["share_of_peak"] = compiled.flops / measured / CHIPS[chip].peak_flops
     return row
 
 

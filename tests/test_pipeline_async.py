@@ -36,6 +36,17 @@ def micro_batches(batch, replicas, M):
             for m in range(M)]  # fmt: skip
 
 
+def jitted_update(optimizer):
+    """``(grads, opt_state, params) -> (params, opt_state)``: one optimizer step, jitted."""
+
+    @jax.jit
+    def apply(grads, opt_state, params):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return apply
+
+
 def simulate_pipedream(fns, params, states, batch, optimizer, stages, M, replicas, steps):
     """PipeDream on one device, tick by tick through 1F1B's table: a forward uses the stage's
     newest weights and stashes them; a backward takes the gradient at the stashed weights and
@@ -62,12 +73,7 @@ def simulate_pipedream(fns, params, states, batch, optimizer, stages, M, replica
         return jax.jit(backward)
 
     backward = [backward_of(s) for s in range(stages)]
-
-    @jax.jit
-    def apply(grads, opt_state, p):
-        updates, opt_state = optimizer.update(grads, opt_state, p)
-        return optax.apply_updates(p, updates), opt_state
-
+    apply = jitted_update(optimizer)
     for _ in range(steps):
         micro = micro_batches(batch, replicas, M)
         outputs, stashed, cotangents = {}, {}, {}
@@ -103,11 +109,7 @@ def simulate_2bw(fns, params, states, batch, optimizer, M, steps):
             total = g if total is None else jax.tree.map(jnp.add, total, g)
         return jax.tree.map(lambda g: g / M, total)
 
-    @jax.jit
-    def apply(grads, opt_state, p):
-        updates, opt_state = optimizer.update(grads, opt_state, p)
-        return optax.apply_updates(p, updates), opt_state
-
+    apply = jitted_update(optimizer)
     opt_state = optimizer.init(params)
     older = params
     for _ in range(steps):
