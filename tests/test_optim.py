@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxdist.training import optim
+from jaxdist.training import global_norm, optim
 
 # --------------------------------------------------------------------------- label smoothing
 
@@ -259,13 +259,42 @@ def test_a_pipeline_refuses_updates_that_need_the_whole_model():
     from jaxdist.training.step_options import check_shardable
 
     clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
-    for per_layer in (optim.lars(0.1, 1e-4), optim.sgd_momentum(0.1), optax.adam(1e-3)):
+    summed = optax.chain(global_norm.clip_by_global_norm(1.0), optax.sgd(0.1))
+    for per_layer in (optim.lars(0.1, 1e-4), optim.sgd_momentum(0.1), optax.adam(1e-3), summed):
         check_shardable(per_layer)
     with pytest.raises(
         ValueError, match=r"a pipeline updates each stage's layers on their own"
     ) as err:
         check_shardable(clipped)
     assert "\n" not in str(err.value)
+
+
+def test_clip_norm_clips_by_the_global_norm_as_optax_does():
+    """``optimizer.clip_norm`` puts global-norm clipping before the optimizer: on a whole tree
+    the update is optax's own, bit for bit; the learning rate is still set through the chain;
+    0 leaves the optimizer alone and a negative norm is one line."""
+    from jaxdist.run.config import apply_overrides, base_config
+    from jaxdist.run.from_config import build_optimizer
+
+    params = _params()
+    grads = jax.tree.map(lambda p: 10 * jnp.ones_like(p), params)  # a norm the clip bites on
+    opt = apply_overrides(base_config(), ["optimizer.name=adamw", "optimizer.clip_norm=0.5"])
+    ours = build_optimizer(opt.optimizer, 0.1)
+    want = optax.chain(optax.clip_by_global_norm(0.5),
+                       optim.adamw(0.1, weight_decay=opt.optimizer.weight_decay))  # fmt: skip
+    state = optim.set_learning_rate(ours.init(params), 0.3)
+    got, _ = ours.update(grads, state, params)
+    expected, _ = want.update(grads, optim.set_learning_rate(want.init(params), 0.3), params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+    unclipped = build_optimizer(
+        apply_overrides(base_config(), ["optimizer.name=adamw"]).optimizer, 0.1
+    )
+    assert jax.tree.structure(unclipped.init(params)) != jax.tree.structure(state)
+    with pytest.raises(
+        ValueError, match=r"optimizer.clip_norm must be >= 0 \(0: no clipping\), got -1.0"
+    ):
+        build_optimizer(apply_overrides(base_config(), ["optimizer.clip_norm=-1"]).optimizer, 0.1)
 
 
 def test_an_unset_eps_is_the_chosen_optimizers_own_and_a_set_one_is_kept():

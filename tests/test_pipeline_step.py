@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
 from jaxdist import meshes
@@ -17,6 +18,7 @@ from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.pipeline.program import compile_schedule
 from jaxdist.pipeline.schedules import build
 from jaxdist.pipeline.step import PipelineStep
+from jaxdist.training import global_norm
 from jaxdist.training.gradients import local_gradients
 from jaxdist.training.loss_scale import DynamicLossScale
 
@@ -139,6 +141,45 @@ def test_pipeline_equals_accumulation(schedule, stages, micro_batches, chunks):
     assert_trees_close(got_params, want_params)
     np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-5)
     assert step.trace_count == 1
+
+
+@pytest.mark.parametrize("schedule, stages, micro_batches, chunks",
+                         [("1f1b", 3, 3, 1), ("interleaved", 2, 2, 2)])  # fmt: skip
+def test_global_norm_clipping_takes_the_norm_over_every_stage(
+    schedule, stages, micro_batches, chunks
+):
+    """Each stage updates its own layers, yet the clip scales them by the whole model's
+    gradient norm: the pipeline equals one device clipping with optax's own transformation,
+    and the clip bites (a stage-by-stage norm would land elsewhere)."""
+    batch = data()
+    modules = mlp_stages(stages * chunks)
+    params, states = pipeline_stages.init_flax_stages(modules, jax.random.key(0), batch["x"][:2])
+    fns = pipeline_stages.flax_stages(modules)
+    max_norm = 0.05
+
+    def optimizer(clip):
+        return optax.chain(clip(max_norm), optax.adam(1e-2))
+
+    step = PipelineStep(fns, cross_entropy, optimizer(global_norm.clip_by_global_norm),
+                        stage_mesh(stages), microbatches=micro_batches, schedule=schedule,
+                        chunks=chunks, inputs=lambda b: b["x"])  # fmt: skip
+    state, _ = run_pipeline(step, params, states, batch, steps=3)
+    want, _, _ = reference(fns, params, states, batch, optimizer(optax.clip_by_global_norm),
+                           micro_batches, 3)  # fmt: skip
+    got, _ = step.unstack(state)
+    assert_trees_close(got, want)
+    unclipped, _, _ = reference(fns, params, states, batch, optax.adam(1e-2), micro_batches, 3)
+    assert not np.allclose(ravel_pytree(got)[0], ravel_pytree(unclipped)[0], atol=1e-4)
+
+
+def test_pipedream_refuses_a_norm_over_the_whole_model():
+    """PipeDream updates each stage at its own tick: no step holds every stage's gradient."""
+    modules = mlp_stages(2)
+    clipped = optax.chain(global_norm.clip_by_global_norm(1.0), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"updates each stage at its own time") as err:
+        PipelineStep(pipeline_stages.flax_stages(modules), cross_entropy, clipped,
+                     stage_mesh(2), microbatches=2, schedule="pipedream")  # fmt: skip
+    assert "\n" not in str(err.value)
 
 
 def small_resnet(**kwargs):

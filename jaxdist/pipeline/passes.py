@@ -25,6 +25,7 @@ from jax import lax
 
 from jaxdist.comm import collectives
 from jaxdist.pipeline.stages import ActivationLayout
+from jaxdist.training import global_norm
 
 __all__: list[str] = []  # building blocks of the package's own modules
 
@@ -115,11 +116,16 @@ def branches(
 def update(
     step: Any, params: jax.Array, grads: jax.Array, opt_state: jax.Array, stage: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Apply the optimizer to each of this device's chunks, as the trees of its virtual stage."""
+    """Apply the optimizer to each of this device's chunks, as the trees of its virtual stage.
+
+    Quantities the optimizer sums over the whole model (:func:`~jaxdist.training.global_norm.
+    model_sum`: global-norm clipping's sum of squares) are summed over every stage and chunk
+    first: the update runs once to record this device's parts, which are added over its
+    chunks and the stage axis, and again with the totals."""
     S = step.num_stages
     p_layout, o_layout = step.layouts["params"], step.layouts["opt_state"]
 
-    def update_of(v: int) -> Callable:
+    def update_of(v: int, totals: list | None) -> Callable:
         def run(p_flat, g_flat, o_flat):
             p = p_layout.unflatten(v, p_flat)
             g = p_layout.unflatten(v, g_flat.astype(p_flat.dtype))
@@ -127,16 +133,23 @@ def update(
             updates, o = step.optimizer.update(g, o, p)
             return p_layout.flatten(optax.apply_updates(p, updates)), o_layout.flatten(o)
 
-        return run
+        if totals is None:  # the first pass: only the parts
+            return lambda *flats: global_norm.partial_sums(lambda: run(*flats))[1]
+        return lambda *flats: global_norm.with_sums(lambda: run(*flats), totals)
 
-    new_params, new_opt = [], []
-    for chunk in range(step.chunks):
-        p, o = lax.switch(
-            stage, [update_of(chunk * S + s) for s in range(S)],
-            params[chunk], grads[chunk], opt_state[chunk],
-        )  # fmt: skip
-        new_params.append(p)
-        new_opt.append(o)
+    def each_chunk(totals: list | None) -> list:
+        results = []
+        for chunk in range(step.chunks):
+            branches = [update_of(chunk * S + s, totals) for s in range(S)]
+            results.append(
+                lax.switch(stage, branches, params[chunk], grads[chunk], opt_state[chunk])
+            )
+        return results
+
+    totals = [sum(parts) for parts in zip(*each_chunk(None), strict=True)]
+    if totals:
+        totals = lax.psum(totals, step.stage_axis)
+    new_params, new_opt = zip(*each_chunk(totals), strict=True)
     return jnp.stack(new_params), jnp.stack(new_opt)
 
 

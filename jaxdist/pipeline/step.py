@@ -93,8 +93,9 @@ class PipelineStep:
         stage without model state or randomness.
       loss_fn: ``(outputs, micro_batch) -> (loss, metrics)``, the mean loss of a micro-batch.
       optimizer: any optax transformation; it sees one stage's parameter tree at a time, so
-        per-layer rules (LARS) work, and rules over all layers (global-norm clipping) are
-        refused in one line.
+        per-layer rules (LARS) work, global-norm clipping works as
+        :func:`jaxdist.training.global_norm.clip_by_global_norm` (its norm summed over every
+        stage), and other rules over all layers are refused in one line.
       mesh: a mesh with a ``stage_axis``; its other axes are data axes.
       microbatches: micro-batches per device per step; the per-device batch must divide by it.
       schedule: one of :data:`jaxdist.pipeline.schedules.SCHEDULES`.
@@ -141,7 +142,7 @@ class PipelineStep:
         sharding = "zero1" if zero1 else sharding
         refuse_unsupported(allreduce, sfb_layers, links, accumulation_steps, sharding)
         check_optimizer(optimizer)
-        check_shardable(optimizer)
+        check_shardable(optimizer, updates_together=schedule != "pipedream")
         asynchronous.check_options(schedule, loss_scale, skip_nonfinite, chunks)
         self.data_axes = stage_data_axes(mesh, stage_axis)
         self.num_stages = mesh.shape[stage_axis]

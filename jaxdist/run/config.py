@@ -52,7 +52,9 @@ Fields:
   num_epochs: training length; the LR schedule ends there.
   optimizer: ``name`` (``sgd``/``lars``/``adamw``) and its hyperparameters (``momentum``,
     ``nesterov``, ``weight_decay``, ``trust_coefficient``, ``eps``, Adam's ``b1``, ``b2``);
-    ``eps`` left at ``None`` is the chosen optimizer's own (adamw ``1e-8``, lars ``0``).
+    ``eps`` left at ``None`` is the chosen optimizer's own (adamw ``1e-8``, lars ``0``);
+    ``clip_norm`` > 0 first scales each step's gradients down to that global L2 norm (over the
+    whole model, whatever the sharding or pipeline stages).
   lr: ``kind`` and arguments of :func:`jaxdist.training.optim.lr_schedule` (in epochs).
   label_smoothing: for the cross-entropy.
   eval_every_epochs, eval_batch_size: periodic top-1/top-5 on the held-out split.
@@ -350,6 +352,7 @@ def base_config() -> ml_collections.ConfigDict:
             eps=ml_collections.FieldReference(None, field_type=float),
             b1=0.9,
             b2=0.999,
+            clip_norm=0.0,  # 0: no clipping
         )
     )
     c.lr = _lr_fields()

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxdist import meshes
 from jaxdist.run.config import base_config
 from jaxdist.tasks import Task
-from jaxdist.training import optim
+from jaxdist.training import global_norm, optim
 
 __all__ = [
     "StepParts",
@@ -108,14 +108,21 @@ def build_lr_schedule(config: ml_collections.ConfigDict):
 def build_optimizer(
     opt: ml_collections.ConfigDict, initial_lr: float
 ) -> optax.GradientTransformation:
-    """``config.optimizer``'s optimizer, its learning rate a hyperparameter set each step."""
+    """``config.optimizer``'s optimizer, its learning rate a hyperparameter set each step,
+    after global-norm clipping when ``clip_norm`` is set."""
     if opt.name not in OPTIMIZER_FIELDS:
         raise ValueError(
             f"optimizer.name must be one of {sorted(OPTIMIZER_FIELDS)}, got {opt.name!r}"
         )
-    refuse_unused("optimizer", opt, ("name", *OPTIMIZER_FIELDS[opt.name]),
+    refuse_unused("optimizer", opt, ("name", "clip_norm", *OPTIMIZER_FIELDS[opt.name]),
                   f"optimizer.name={opt.name!r}")  # fmt: skip
-    return optim.make_optimizer(opt.name, initial_lr, **optimizer_arguments(opt))
+    if opt.clip_norm < 0:
+        raise ValueError(f"optimizer.clip_norm must be >= 0 (0: no clipping), got {opt.clip_norm}")
+    optimizer = optim.make_optimizer(opt.name, initial_lr, **optimizer_arguments(opt))
+    if opt.clip_norm:
+        # The norm over the whole model, also where a pipeline updates it stage by stage.
+        optimizer = optax.chain(global_norm.clip_by_global_norm(opt.clip_norm), optimizer)
+    return optimizer
 
 
 def optimizer_arguments(opt: ml_collections.ConfigDict) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
 from jaxdist.comm import collectives
+from jaxdist.training import global_norm
 
 __all__ = [
     "WAIT_FREE_UNROLL_LIMIT",
@@ -132,14 +133,28 @@ def _probe_trees() -> tuple[dict, dict]:
     return as32(params), as32(grads)
 
 
-def check_shardable(optimizer: Any) -> None:
+def check_shardable(optimizer: Any, *, updates_together: bool = True) -> None:
     """Refuse an optimizer whose update changes when it sees one pipeline stage's layers at a
-    time, as a pipeline step updates them: per-layer rules such as LARS work, a global
-    gradient norm does not. Probed on a small kernel and bias, on the host."""
+    time, as a pipeline step updates them: per-layer rules such as LARS work, and so do sums
+    over the whole model taken with :func:`~jaxdist.training.global_norm.model_sum`
+    (:func:`~jaxdist.training.global_norm.clip_by_global_norm`), which the pipeline adds over
+    its stages -- where its stages update together (``updates_together``); a global norm
+    computed otherwise does not. Probed on a small kernel and bias, on the host."""
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's own
         params, grads = _probe_trees()
-        expected = [ravel_pytree(update)[0] for update in _probe_update(optimizer, params, grads)]
-        alone = {k: _probe_update(optimizer, {k: params[k]}, {k: grads[k]}) for k in params}
+        whole, sums = global_norm.partial_sums(lambda: _probe_update(optimizer, params, grads))
+        expected = [ravel_pytree(update)[0] for update in whole]
+        if sums and not updates_together:
+            raise ValueError("this optimizer takes a norm over the whole model, and this "
+                             "schedule updates each stage at its own time, so no step has "
+                             "every stage's gradient at once: clip per layer, or use a "
+                             "synchronous schedule (gpipe, 1f1b, interleaved) or pipedream_2bw")  # fmt: skip
+        alone = {
+            k: global_norm.with_sums(
+                lambda k=k: _probe_update(optimizer, {k: params[k]}, {k: grads[k]}), sums
+            )
+            for k in params
+        }
         parts = [ravel_pytree({k: alone[k][i][k] for k in params})[0] for i in range(2)]
     for got, want in zip(parts, expected, strict=True):
         # Relative to the update's size: a weight decay dropped by a mask is small beside it.
@@ -148,5 +163,7 @@ def check_shardable(optimizer: Any) -> None:
             raise ValueError("this optimizer's update changes when it sees the parameters in "
                              "parts, and a pipeline updates each stage's layers on their own, "
                              "so the update of a layer must not depend on the others (per-layer "
-                             "rules such as LARS work; a global gradient norm does not: clip "
-                             "per layer, or train data-parallel)")  # fmt: skip
+                             "rules such as LARS work; for a global gradient norm use "
+                             "jaxdist.training.global_norm.clip_by_global_norm, or "
+                             "optimizer.clip_norm in a recipe, which the pipeline takes over "
+                             "every stage)")  # fmt: skip
