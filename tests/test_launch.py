@@ -403,3 +403,30 @@ def test_a_collective_that_lost_its_peer_is_one_line_and_any_other_error_is_kept
     assert "rerun the same command to resume" in str(lost)
     assert distributed.peer_lost(gone, process_count=1) is None  # alone, it is no peer's fault
     assert distributed.peer_lost(RuntimeError("RESOURCE_EXHAUSTED: out of memory"), 2) is None
+
+
+QUIET_PEER = """
+import logging, os, sys
+from jaxdist.runtime.peer_output import quiet_peers
+quiet_peers(int(sys.argv[1]), 2)
+os.write(1, b"[Gloo] Rank 1 is connected to 1 peer ranks\\n")  # as gloo's C++ writes it
+print("python's own line", flush=True)
+logging.getLogger("absl").warning("Reached preemption sync point, step=3")
+logging.getLogger("absl").warning("an orbax warning")
+logging.getLogger("absl").error("an orbax error")
+os.write(2, b"a native error\\n")
+"""
+
+
+@pytest.mark.parametrize("process_id", [0, 1])
+def test_a_process_of_a_run_prints_only_its_own_lines(process_id):
+    """Native writes to standard output (gloo's connection lines) are dropped and Python's
+    kept; orbax's preemption line is dropped everywhere, other absl warnings on processes
+    other than 0; errors are never dropped."""
+    logging_setup = "import logging; logging.basicConfig()\n"
+    done = subprocess.run([PY, "-c", logging_setup + QUIET_PEER, str(process_id)],
+                          env=clean_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "python's own line\n"
+    warnings = ["WARNING:absl:an orbax warning"] if process_id == 0 else []
+    assert done.stderr.splitlines() == [*warnings, "ERROR:absl:an orbax error", "a native error"]

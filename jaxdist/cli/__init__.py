@@ -139,6 +139,11 @@ def _join_run(args: argparse.Namespace, cpu_devices: int | None) -> int | None:
         except distributed.DistributedInitError as err:
             print(f"jaxdist: {err}", file=sys.stderr)
             return 1
+        group = args.process_group
+        if group.is_multiprocess:
+            from jaxdist.runtime.peer_output import quiet_peers
+
+            quiet_peers(group.process_id or 0, group.num_processes or 1)
     elif given:
         print(
             f"jaxdist: {', '.join(given)}: this command does not join a run (launch and "
