@@ -187,16 +187,19 @@ def test_a_recipe_with_its_own_task_trains_with_jaxdist_train(tmp_path):
     assert config["model"]["name"] == "sine_mlp"
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_the_language_model_pipeline_step_equals_one_device_training(corpus_root, schedule):
+@pytest.mark.parametrize("schedule, remat", [("gpipe", False), ("1f1b", True)])
+def test_the_language_model_pipeline_step_equals_one_device_training(corpus_root, schedule, remat):
     """The NNX transformer cut into two stages over a data x stage mesh (4 x 2), two
-    micro-batches per replica: the whole model after three steps is the one-device model."""
+    micro-batches per replica: the whole model after three steps is the one-device model
+    (which keeps its activations; the 1F1B stages recompute theirs, ``model.remat``)."""
     from jaxdist.pipeline.step import PipelineStep
     from jaxdist.run.from_config import build_mesh
 
     config = lm_config(corpus_root, **{"model.num_layers": 2})
     task = LanguageModel(config, Replicas("data", 1))
     params, model_state = task.init_variables(jax.random.key(0))
+    staged = LanguageModel(lm_config(corpus_root, **{"model.num_layers": 2, "model.remat": remat}),
+                           Replicas("data", 1))  # fmt: skip
     it = task.data.train_iterator(16)
     batches = [next(it) for _ in range(3)]
     it.close()
@@ -207,7 +210,7 @@ def test_the_language_model_pipeline_step_equals_one_device_training(corpus_root
     for batch in batches:
         expected, _ = single(expected, single.shard_batch(batch), jax.random.key(1))
 
-    parts = task.pipeline_parts(2, None)  # 4 layers: embedding, 2 blocks, head
+    parts = staged.pipeline_parts(2, None)  # 4 layers: embedding, 2 blocks, head
     step = PipelineStep(parts.stages, parts.loss, optimizer, build_mesh("", stages=2),
                         microbatches=2, schedule=schedule, inputs=parts.inputs,
                         split=parts.split, allreduce="ring")  # fmt: skip
@@ -268,6 +271,45 @@ def test_the_nnx_language_model_trains_with_zero1_and_in_bfloat16(corpus_root):
     assert {leaf.dtype for leaf in jax.tree.leaves(state.params)} == {np.dtype("float32")}
     assert np.isfinite(float(metrics["loss"]))
     assert len(params) == len(state.params)
+
+
+def test_remat_recomputes_each_block_and_fsdp_paces_it_as_one_unit(corpus_root):
+    """``model.remat=True`` keeps only each block's input and recomputes the block in the
+    backward pass; under FSDP each block is then gathered whole. Two steps on 2 devices
+    equal the replicated model that keeps its activations."""
+    config = lm_config(corpus_root, **{"model.num_layers": 2})
+    task = LanguageModel(config, Replicas("data", 2))
+    remat = LanguageModel(lm_config(corpus_root, **{"model.num_layers": 2, "model.remat": True}),
+                          Replicas("data", 2))  # fmt: skip
+    params, model_state = task.init_variables(jax.random.key(0))
+    it = task.data.train_iterator(8)
+    batches = [next(it) for _ in range(2)]
+    it.close()
+    mesh = meshes.ring(2, axis_name="data")
+    rng = jax.random.key(1)
+
+    def backward(task):  # the gradient's program, as text
+        return str(
+            jax.make_jaxpr(jax.grad(lambda p: task.loss(p, model_state, batches[0], rng)[0]))(
+                params
+            )
+        )
+
+    assert "remat" in backward(remat) and "remat" not in backward(task)  # recomputed, not kept
+
+    def train(task, **options):
+        step = TrainStep(task.loss, optax.adam(1e-3), mesh, allreduce="ring", **options)
+        state = step.init(params, model_state)
+        for batch in batches:
+            state, _ = step(state, step.shard_batch(batch), rng)
+        return state
+
+    replicated = train(task)
+    sharded = train(remat, sharding="fsdp")
+    for a, b in zip(
+        jax.tree.leaves(sharded.params), jax.tree.leaves(replicated.params), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-6)
 
 
 def test_the_task_docstring_example_trains(tmp_path):

@@ -4,7 +4,8 @@ Python standard library's sources), evaluated by held-out bits per byte beside t
 the training bytes' frequencies.
 
 Recipe fields it reads: ``model.num_layers``, ``d_model``, ``num_heads``, ``mlp_ratio``,
-``dropout``, ``dtype``; ``data.root`` (``""``: the standard library), ``pattern``,
+``dropout``, ``dtype``, ``remat`` (recompute each block's activations in the backward pass
+instead of keeping them); ``data.root`` (``""``: the standard library), ``pattern``,
 ``seq_len``, ``held_out_every``, ``max_train_bytes``, ``max_eval_bytes``, ``seed`` (the
 shuffle); ``seed`` (the initial weights). ``recipes/transformer_lm.py`` is its recipe.
 """
@@ -45,6 +46,7 @@ def model_fields() -> ml_collections.ConfigDict:
             mlp_ratio=4,
             dropout=0.0,
             dtype="float32",
+            remat=False,
         )
     )
 
@@ -143,7 +145,7 @@ class LanguageModel(Task):
         self._make = lambda key: Transformer(
             vocab_size=VOCAB, max_len=d.seq_len, num_layers=m.num_layers, d_model=m.d_model,
             num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, dropout=m.dropout,
-            dtype=DTYPES[m.dtype], rngs=nnx.Rngs(key),
+            dtype=DTYPES[m.dtype], remat=m.remat, rngs=nnx.Rngs(key),
         )  # fmt: skip
         self._abstract = nnx.eval_shape(lambda: self._make(jax.random.key(0)))  # structure only
         self.model = NnxModel(self._abstract)
