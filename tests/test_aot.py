@@ -804,6 +804,28 @@ def test_fsdp_divides_the_state_per_chip_and_gathers_each_layer_beside_compute(t
     assert regathers and any(backward[0] < i < backward[-1] for i in regathers), order
 
 
+@needs_libtpu
+def test_gradient_reduce_scatters_the_tpu_compiler_rewrites_keep_their_role(torus_2x2):
+    """The TPU compiler compiles each of FSDP's native gradient reduce-scatters as an all-reduce
+    and a slice, and the all-reduce keeps none of its metadata; read against the program as
+    traced, each is still FSDP's gradient, in the schedule and in the walk."""
+    from jaxdist.aot.chips import CHIPS, network_for
+    from jaxdist.aot.predict import predict_step
+    from jaxdist.aot.schedule import REWRITTEN_SCATTER
+
+    sharded = compile_step(torus_2x2, data_axes=("y", "x"), allreduce="native", sharding="fsdp")
+    assert " reduce-scatter(" not in sharded.text  # the rewrite read through
+    collectives = sharded.schedule.collectives
+    rewritten = [c for c in collectives if c.source == REWRITTEN_SCATTER]
+    kernels = [leaf for leaf in jax.tree.leaves(PARAMS) if leaf.ndim == 2]
+    assert len(rewritten) == len(kernels)  # one per split parameter
+    assert all((c.role, c.kind) == ("gradients", "all-reduce") for c in rewritten)
+    assert sum(c.nbytes for c in rewritten) == sum(k.size * 4 for k in kernels)  # whole grads
+    assert not [c for c in collectives if c.role == "other"], sharded.schedule.unexplained_sources()
+    time = predict_step(sharded, CHIPS["v5e"], efficiency=0.2, network=network_for(CHIPS["v5e"]))
+    assert time.timeline.gradient_seconds > 0 and not time.timeline.other_seconds
+
+
 def test_a_replicated_step_that_does_not_fit_is_told_what_fsdp_would_hold(torus_2x2):
     from jaxdist.aot.plan import sharding_hint
 

@@ -20,7 +20,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.aot.schedule import Schedule, read_schedule
+from jaxdist.aot.schedule import Schedule, read_schedule, rewritten_scatter_roles
 from jaxdist.aot.timeline import matrix_flops
 from jaxdist.comm import buckets as bucketing
 from jaxdist.training.train_step import TrainStep
@@ -86,6 +86,8 @@ class CompiledStep:
     compiled: Any = None  # the jax Compiled object: as_text(), memory_analysis(), ...
     text: str = ""  # the scheduled program (compiled.as_text()), for jaxdist.aot.timeline
     num_devices: int = 1
+    # the roles of reduce-scatters the compiler made all-reduces (schedule.rewritten_scatter_roles)
+    scatter_roles: dict[int, str] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
@@ -216,6 +218,8 @@ def compile_train_step(
         code=analysis.generated_code_size_in_bytes,
     )
     text = compiled.as_text()
+    traced = lowered.as_text(dialect="hlo", debug_info=True)
+    scatter_roles = rewritten_scatter_roles(traced, step.mesh.size)
     cost = _cost_analysis(compiled, lowered, text, platform=step.mesh.devices.flat[0].platform)
     flops = _step_flops(float(cost.get("flops", 0.0)), step.accumulation_steps)
     sizes = bucketing.leaf_bytes(state.params)  # what the step's buckets are planned from
@@ -224,10 +228,11 @@ def compile_train_step(
         compile_seconds=seconds,
         memory=memory,
         flops=flops,
-        schedule=read_schedule(text, step.mesh.size),
+        schedule=read_schedule(text, step.mesh.size, scatter_roles),
         gradient_bytes=sum(sizes),
         bucket_bytes=[sum(sizes[i] for i in bucket) for bucket in buckets],
         compiled=compiled,
         text=text,
         num_devices=step.mesh.size,
+        scatter_roles=scatter_roles,
     )

@@ -222,7 +222,8 @@ def predict_step(
         network, fast_group if fast_group is not None else math.inf, chip.torus_dims
     )
     timeline = walk(compiled.text, compute, price, peak_flops=chip.peak_flops,
-                    hbm_bandwidth=chip.hbm_bandwidth, num_devices=compiled.num_devices)  # fmt: skip
+                    hbm_bandwidth=chip.hbm_bandwidth, num_devices=compiled.num_devices,
+                    scatter_roles=compiled.scatter_roles)  # fmt: skip
     return StepTime(compute, timeline.gradient_seconds, timeline.gradient_hidden_seconds,
                     efficiency, dict(timeline.other_seconds), timeline)  # fmt: skip
 

@@ -24,6 +24,7 @@ communication's time the compute hides is the walk of :mod:`jaxdist.aot.timeline
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from jaxdist.comm.scopes import ROLES
@@ -40,6 +41,8 @@ _MATMULS = ("convolution", "dot")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
           "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
+# The program as traced names its instructions without the "%".
+_TRACED_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -197,9 +200,13 @@ def group_size_of(inst: Instruction, num_devices: int) -> int:
     return num_devices
 
 
-def read_schedule(text: str, num_devices: int = 1) -> Schedule:
+def read_schedule(
+    text: str, num_devices: int = 1, scatter_roles: Mapping[int, str] | None = None
+) -> Schedule:
     """The :class:`Schedule` of a compiled program from its text (``compiled.as_text()``);
-    ``num_devices`` is the group of a collective that lists no groups (all of them)."""
+    ``num_devices`` is the group of a collective that lists no groups (all of them).
+    ``scatter_roles`` (:func:`rewritten_scatter_roles`) gives back the roles of the
+    reduce-scatters the compiler rewrote."""
     computations, entry = computations_of(text)
     inner_matmuls: dict[str, tuple[int, int]] = {}
 
@@ -213,11 +220,45 @@ def read_schedule(text: str, num_devices: int = 1) -> Schedule:
 
     schedule = Schedule()
     _walk(computations, entry, schedule, matmuls_in, turns=1, in_loop=False, top=True,
-          num_devices=num_devices)  # fmt: skip
+          num_devices=num_devices, scatter_roles=scatter_roles or {})  # fmt: skip
     return schedule
 
 
-def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_devices) -> None:
+# What a reduce-scatter the compiler rewrote is called in a plan's list of sources.
+REWRITTEN_SCATTER = "a reduce-scatter the compiler made an all-reduce and a slice"
+
+
+def rewritten_scatter_roles(traced_text: str, num_devices: int) -> dict[int, str]:
+    """The role of each reduce-scatter of the program as traced
+    (``lowered.as_text(dialect="hlo", debug_info=True)``), by the bytes of its whole input.
+
+    The TPU compiler compiles a reduce-scatter as an all-reduce of its whole input followed
+    by a slice, and the all-reduce keeps none of the reduce-scatter's metadata: an FSDP
+    step's gradients would read as collectives of no role. :func:`collective_role` gives an
+    all-reduce of no role whose bytes are such an input that reduce-scatter's role."""
+    roles: dict[int, str] = {}
+    for line in traced_text.splitlines():
+        match = _TRACED_INSTRUCTION.match(line)
+        if not match or match.group(3) != "reduce-scatter":
+            continue
+        inst = Instruction(*match.groups())
+        role = role_of(f"/{inst.op_name}")  # a scope may open the traced name
+        if role != "other":
+            roles[nbytes_of(inst.type_text) * group_size_of(inst, num_devices)] = role
+    return roles
+
+
+def collective_role(kind: str, nbytes: int, role: str,
+                    scatter_roles: Mapping[int, str] | None) -> str:  # fmt: skip
+    """``role``, or for an all-reduce of no role that is a rewritten reduce-scatter (see
+    :func:`rewritten_scatter_roles`), that reduce-scatter's."""
+    if kind == "all-reduce" and role == "other" and scatter_roles:
+        return scatter_roles.get(nbytes, role)
+    return role
+
+
+def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_devices,
+          scatter_roles) -> None:  # fmt: skip
     """Read one computation in order: its collectives (those inside a loop's body counted
     once per turn) and the matrix products between each start and done."""
     open_starts: dict[str, Collective] = {}
@@ -238,23 +279,25 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_
             if body:
                 _walk(computations, body, schedule, matmuls_in,
                       turns=turns * trips, in_loop=True, top=False,
-                      num_devices=num_devices)  # fmt: skip
+                      num_devices=num_devices, scatter_roles=scatter_roles)  # fmt: skip
             continue
         if inst.opcode in ("conditional", "call"):
             for called in inst.called:
                 _walk(computations, called, schedule, matmuls_in,
                       turns=turns, in_loop=in_loop, top=False,
-                      num_devices=num_devices)  # fmt: skip
+                      num_devices=num_devices, scatter_roles=scatter_roles)  # fmt: skip
             continue
         if ASYNC_FUSION.match(inst.name) and inst.opcode == "fusion":
-            _read_async_fusion(inst, computations, open_starts, schedule,
-                               turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
+            _read_async_fusion(inst, computations, open_starts, schedule, turns=turns,
+                               in_loop=in_loop, num_devices=num_devices,
+                               scatter_roles=scatter_roles)  # fmt: skip
             continue
         if inst.opcode == "call-start":
             # A collective handed to another engine: the TPU's SparseCore runs an offloaded
             # all-reduce while the TensorCore computes (async_execution_thread="sparsecore").
             _open_inner_collective(inst, inst.name, computations, open_starts, schedule,
-                                   turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
+                                   turns=turns, in_loop=in_loop, num_devices=num_devices,
+                                   scatter_roles=scatter_roles)  # fmt: skip
             continue
         if inst.opcode.endswith("-done"):  # a collective's or a call's; other dones close none
             _close(open_starts, inst.first_operand or "", inst)
@@ -263,9 +306,8 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_
         if kind not in COLLECTIVES:
             continue
         op_name = inst.op_name or used_as.get(inst.name, "")
-        collective = Collective(kind, nbytes_of(inst.type_text), inst.opcode.endswith("-start"),
-                                role_of(op_name), group_size_of(inst, num_devices), _source(op_name),
-                                turns=turns, in_loop=in_loop)  # fmt: skip
+        collective = _collective(inst, op_name, inst.opcode.endswith("-start"), num_devices,
+                                 scatter_roles, turns=turns, in_loop=in_loop)  # fmt: skip
         schedule.collectives.append(collective)
         if collective.asynchronous:
             open_starts[inst.name] = collective
@@ -277,7 +319,18 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_
 ASYNC_FUSION = re.compile(r"^async-collective-(start|done)(.*)$")
 
 
-def _read_async_fusion(inst, computations, open_starts, schedule, *, turns, in_loop, num_devices):
+def _collective(inst, op_name, asynchronous, num_devices, scatter_roles, *, turns, in_loop):
+    """The :class:`Collective` of one instruction, its role read from ``op_name`` (or, for a
+    rewritten reduce-scatter, from ``scatter_roles``)."""
+    kind, nbytes = inst.opcode.removesuffix("-start"), nbytes_of(inst.type_text)
+    role = collective_role(kind, nbytes, role_of(op_name), scatter_roles)
+    source = REWRITTEN_SCATTER if role != role_of(op_name) else _source(op_name)
+    return Collective(kind, nbytes, asynchronous, role, group_size_of(inst, num_devices), source,
+                      turns=turns, in_loop=in_loop)  # fmt: skip
+
+
+def _read_async_fusion(inst, computations, open_starts, schedule, *, turns, in_loop, num_devices,
+                       scatter_roles):  # fmt: skip
     """Open (a start) or close (a done) the asynchronous collective of a TPU async
     collective fusion."""
     phase, suffix = ASYNC_FUSION.match(inst.name).groups()
@@ -285,8 +338,9 @@ def _read_async_fusion(inst, computations, open_starts, schedule, *, turns, in_l
     if phase == "done":
         _close(open_starts, key, inst)
         return
-    _open_inner_collective(inst, key, computations, open_starts, schedule,
-                           turns=turns, in_loop=in_loop, num_devices=num_devices)  # fmt: skip
+    _open_inner_collective(inst, key, computations, open_starts, schedule, turns=turns,
+                           in_loop=in_loop, num_devices=num_devices,
+                           scatter_roles=scatter_roles)  # fmt: skip
 
 
 def _close(open_starts: dict[str, Collective], key: str, done: Instruction) -> None:
@@ -297,7 +351,7 @@ def _close(open_starts: dict[str, Collective], key: str, done: Instruction) -> N
 
 
 def _open_inner_collective(inst, key, computations, open_starts, schedule, *, turns, in_loop,
-                           num_devices):  # fmt: skip
+                           num_devices, scatter_roles):  # fmt: skip
     """Record the collective inside the computations ``inst`` calls as asynchronous and in
     flight until the done that closes ``key``; an instruction calling none is not one."""
     inner = next(
@@ -307,10 +361,8 @@ def _open_inner_collective(inst, key, computations, open_starts, schedule, *, tu
     )  # fmt: skip
     if inner is None:
         return
-    collective = Collective(
-        inner.opcode.removesuffix("-start"), nbytes_of(inner.type_text), True, role_of(inner.op_name),
-        group_size_of(inner, num_devices), _source(inner.op_name), turns=turns, in_loop=in_loop,
-    )  # fmt: skip
+    collective = _collective(inner, inner.op_name, True, num_devices, scatter_roles,
+                             turns=turns, in_loop=in_loop)  # fmt: skip
     schedule.collectives.append(collective)
     open_starts[key] = collective
 

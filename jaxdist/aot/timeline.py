@@ -30,7 +30,7 @@ import bisect
 import itertools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from jaxdist.aot.schedule import (
@@ -38,6 +38,7 @@ from jaxdist.aot.schedule import (
     COLLECTIVES,
     Collective,
     Instruction,
+    collective_role,
     computations_of,
     group_size_of,
     loop_of,
@@ -92,17 +93,20 @@ def walk(
     peak_flops: float,
     hbm_bandwidth: float,
     num_devices: int = 1,
+    scatter_roles: Mapping[int, str] | None = None,
 ) -> Timeline:
     """Walk a compiled program's text (``compiled.as_text()``).
 
     ``compute_seconds`` is the step's compute time, spread over its compute ops in proportion
     to their roofline time on a chip of ``peak_flops`` and ``hbm_bandwidth``;
-    ``transfer_seconds(collective, instruction)`` prices one run of a collective."""
+    ``transfer_seconds(collective, instruction)`` prices one run of a collective;
+    ``scatter_roles`` gives back the roles of reduce-scatters the compiler rewrote
+    (:func:`jaxdist.aot.schedule.rewritten_scatter_roles`)."""
     computations, entry = computations_of(text)
     weights = _Weights(computations, peak_flops, hbm_bandwidth)
     total_weight = weights.of_computation(entry)
     scale = compute_seconds / total_weight if total_weight else 0.0
-    state = _Walk(computations, weights, scale, transfer_seconds, num_devices)
+    state = _Walk(computations, weights, scale, transfer_seconds, num_devices, scatter_roles)
     state.run(entry)
     return state.timeline()
 
@@ -296,9 +300,10 @@ class _Transfer:
 class _Walk:
     """The two streams' clocks while the program is walked."""
 
-    def __init__(self, computations, weights: _Weights, scale: float, price, num_devices: int):
+    def __init__(self, computations, weights: _Weights, scale: float, price, num_devices: int,
+                 scatter_roles: Mapping[int, str] | None = None):  # fmt: skip
         self.computations, self.weights, self.scale = computations, weights, scale
-        self.price, self.num_devices = price, num_devices
+        self.price, self.num_devices, self.scatter_roles = price, num_devices, scatter_roles
         self.now = 0.0  # the compute stream's clock
         self.network_free = 0.0
         self.busy: list[tuple[float, float]] = []  # compute intervals, in time order
@@ -352,8 +357,9 @@ class _Walk:
             self.in_flight[key] = self._transfer(inner, inner.opcode.removesuffix("-start"))
 
     def _transfer(self, inst: Instruction, kind: str) -> _Transfer:
-        collective = Collective(kind, _result_bytes(inst), True, role_of(inst.op_name),
-                                group_size_of(inst, self.num_devices))  # fmt: skip
+        nbytes = _result_bytes(inst)
+        role = collective_role(kind, nbytes, role_of(inst.op_name), self.scatter_roles)
+        collective = Collective(kind, nbytes, True, role, group_size_of(inst, self.num_devices))
         seconds = self.price(collective, inst)
         if collective.role not in _QUEUED:  # small, latency-bound: not queued behind them
             transfer = _Transfer(collective.role, self.now, self.now + seconds)
