@@ -120,8 +120,9 @@ def update(
 
     Quantities the optimizer sums over the whole model (:func:`~jaxdist.training.global_norm.
     model_sum`: global-norm clipping's sum of squares) are summed over every stage and chunk
-    first: the update runs once to record this device's parts, which are added over its
-    chunks and the stage axis, and again with the totals."""
+    first, where the optimizer takes any (``step.sums_over_model``): the update runs once to
+    record this device's parts, which are added over its chunks and the stage axis, and
+    again with the totals."""
     S = step.num_stages
     p_layout, o_layout = step.layouts["params"], step.layouts["opt_state"]
 
@@ -146,8 +147,9 @@ def update(
             )
         return results
 
-    totals = [sum(parts) for parts in zip(*each_chunk(None), strict=True)]
-    if totals:
+    totals = []
+    if step.sums_over_model:
+        totals = [sum(parts) for parts in zip(*each_chunk(None), strict=True)]
         totals = lax.psum(totals, step.stage_axis)
     new_params, new_opt = zip(*each_chunk(totals), strict=True)
     return jnp.stack(new_params), jnp.stack(new_opt)

@@ -142,7 +142,9 @@ class PipelineStep:
         sharding = "zero1" if zero1 else sharding
         refuse_unsupported(allreduce, sfb_layers, links, accumulation_steps, sharding)
         check_optimizer(optimizer)
-        check_shardable(optimizer, updates_together=schedule != "pipedream")
+        # Whether the update sums over the whole model (global-norm clipping): then each
+        # update adds its parts over the stages first (jaxdist.pipeline.passes.update).
+        self.sums_over_model = check_shardable(optimizer, updates_together=schedule != "pipedream")
         asynchronous.check_options(schedule, loss_scale, skip_nonfinite, chunks)
         self.data_axes = stage_data_axes(mesh, stage_axis)
         self.num_stages = mesh.shape[stage_axis]

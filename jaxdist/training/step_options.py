@@ -133,13 +133,14 @@ def _probe_trees() -> tuple[dict, dict]:
     return as32(params), as32(grads)
 
 
-def check_shardable(optimizer: Any, *, updates_together: bool = True) -> None:
+def check_shardable(optimizer: Any, *, updates_together: bool = True) -> bool:
     """Refuse an optimizer whose update changes when it sees one pipeline stage's layers at a
     time, as a pipeline step updates them: per-layer rules such as LARS work, and so do sums
     over the whole model taken with :func:`~jaxdist.training.global_norm.model_sum`
     (:func:`~jaxdist.training.global_norm.clip_by_global_norm`), which the pipeline adds over
     its stages -- where its stages update together (``updates_together``); a global norm
-    computed otherwise does not. Probed on a small kernel and bias, on the host."""
+    computed otherwise does not. Probed on a small kernel and bias, on the host. Returns
+    whether the update sums anything over the whole model."""
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's own
         params, grads = _probe_trees()
         whole, sums = global_norm.partial_sums(lambda: _probe_update(optimizer, params, grads))
@@ -167,3 +168,4 @@ def check_shardable(optimizer: Any, *, updates_together: bool = True) -> None:
                              "jaxdist.training.global_norm.clip_by_global_norm, or "
                              "optimizer.clip_norm in a recipe, which the pipeline takes over "
                              "every stage)")  # fmt: skip
+    return bool(sums)
