@@ -415,6 +415,8 @@ logging.getLogger("absl").warning("Reached preemption sync point, step=3")
 logging.getLogger("absl").warning("an orbax warning")
 logging.getLogger("absl").error("an orbax error")
 os.write(2, b"a native error\\n")
+print("the last line, not flushed")
+os._exit(0)  # as a watchdog ends a process: unbuffered (jaxdist launch), nothing is lost
 """
 
 
@@ -425,8 +427,9 @@ def test_a_process_of_a_run_prints_only_its_own_lines(process_id):
     other than 0; errors are never dropped."""
     logging_setup = "import logging; logging.basicConfig()\n"
     done = subprocess.run([PY, "-c", logging_setup + QUIET_PEER, str(process_id)],
-                          env=clean_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+                          env=clean_env(PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "python's own line\n"
+    assert done.stdout == "python's own line\nthe last line, not flushed\n"
     warnings = ["WARNING:absl:an orbax warning"] if process_id == 0 else []
     assert done.stderr.splitlines() == [*warnings, "ERROR:absl:an orbax error", "a native error"]

@@ -267,6 +267,12 @@ def test_a_pipeline_refuses_updates_that_need_the_whole_model():
     ) as err:
         check_shardable(clipped)
     assert "\n" not in str(err.value)
+    # A sum over the model inside a conditional transformation cannot leave it to be added
+    # over the stages: one line, not a leaked tracer.
+    guarded = optax.apply_if_finite(summed, max_consecutive_errors=5)
+    with pytest.raises(ValueError, match=r"inside a conditional transformation") as err:
+        check_shardable(guarded)
+    assert "\n" not in str(err.value)
 
 
 def test_clip_norm_clips_by_the_global_norm_as_optax_does():

@@ -218,9 +218,12 @@ def compile_train_step(
         code=analysis.generated_code_size_in_bytes,
     )
     text = compiled.as_text()
-    traced = lowered.as_text(dialect="hlo", debug_info=True)
-    scatter_roles = rewritten_scatter_roles(traced, step.mesh.size)
-    cost = _cost_analysis(compiled, lowered, text, platform=step.mesh.devices.flat[0].platform)
+    platform = step.mesh.devices.flat[0].platform
+    scatter_roles = {}
+    if platform == "tpu":  # the compiler that rewrites reduce-scatters
+        traced = lowered.as_text(dialect="hlo", debug_info=True)
+        scatter_roles = rewritten_scatter_roles(traced, step.mesh.size)
+    cost = _cost_analysis(compiled, lowered, text, platform=platform)
     flops = _step_flops(float(cost.get("flops", 0.0)), step.accumulation_steps)
     sizes = bucketing.leaf_bytes(state.params)  # what the step's buckets are planned from
     buckets = step.buckets or [list(range(len(sizes)))]

@@ -242,7 +242,8 @@ def rewritten_scatter_roles(traced_text: str, num_devices: int) -> dict[int, str
         if not match or match.group(3) != "reduce-scatter":
             continue
         inst = Instruction(*match.groups())
-        role = role_of(f"/{inst.op_name}")  # a scope may open the traced name
+        # role_of looks for a scope after a "/" or "(", and a traced name may start with one.
+        role = role_of(f"/{inst.op_name}")
         if role != "other":
             roles[nbytes_of(inst.type_text) * group_size_of(inst, num_devices)] = role
     return roles

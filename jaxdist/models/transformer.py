@@ -9,7 +9,7 @@ causal self-attention and an MLP, a final norm and a linear head over the vocabu
 
 With ``remat=True`` each block keeps only its input for the backward pass and runs its
 forward again there (``nnx.remat``, activation checkpointing): the activations a step holds
-fall from every block's to one block's, for about a third more compute.
+fall from every block's to one block's, for about a quarter more compute.
 
 Layers are kept as a list (``blocks``), so spans of them can run on their own
 (:class:`TransformerSpan`, :meth:`Transformer.span`): the embedding is layer 0, block ``i``

@@ -120,9 +120,9 @@ def update(
 
     Quantities the optimizer sums over the whole model (:func:`~jaxdist.training.global_norm.
     model_sum`: global-norm clipping's sum of squares) are summed over every stage and chunk
-    first, where the optimizer takes any (``step.sums_over_model``): the update runs once to
-    record this device's parts, which are added over its chunks and the stage axis, and
-    again with the totals."""
+    first, when the optimizer calls ``model_sum`` at all (``step.sums_over_model``): the
+    update runs once to record this device's parts, which are added over its chunks and the
+    stage axis, and again with the totals."""
     S = step.num_stages
     p_layout, o_layout = step.layouts["params"], step.layouts["opt_state"]
 
@@ -134,6 +134,8 @@ def update(
             updates, o = step.optimizer.update(g, o, p)
             return p_layout.flatten(optax.apply_updates(p, updates)), o_layout.flatten(o)
 
+        if not step.sums_over_model:
+            return run
         if totals is None:  # the first pass: only the parts
             return lambda *flats: global_norm.partial_sums(lambda: run(*flats))[1]
         return lambda *flats: global_norm.with_sums(lambda: run(*flats), totals)
@@ -147,7 +149,7 @@ def update(
             )
         return results
 
-    totals = []
+    totals = None
     if step.sums_over_model:
         totals = [sum(parts) for parts in zip(*each_chunk(None), strict=True)]
         totals = lax.psum(totals, step.stage_axis)

@@ -12,8 +12,8 @@ stage, which the pipeline computes in two passes over its update:
 2. the pipeline adds the parts over its stages (and a device's model chunks), and
    :func:`with_sums` runs the update again with those totals in place of the parts.
 
-The first pass costs nothing in the compiled program but the parts: the rest of it is dead
-code. ::
+The first pass adds to the compiled program only what the parts need (with the clip first
+in the chain, the sums of squares): the rest of it is dead code. ::
 
     optimizer = optax.chain(clip_by_global_norm(1.0), optax.adamw(1e-3))
 """
@@ -55,7 +55,9 @@ def partial_sums(fn: Callable[[], Any]) -> tuple[Any, list[jax.Array]]:
     parts: list[jax.Array] = []
 
     def record(part: jax.Array) -> jax.Array:
-        parts.append(part)
+        # float32 whatever the part: a stage with no parameters sums to an int32 zero, and
+        # every stage's parts must agree in type (the pipeline switches between them).
+        parts.append(jnp.asarray(part, jnp.float32))
         return part
 
     with _summing_with(record):

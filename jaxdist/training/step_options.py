@@ -138,12 +138,18 @@ def check_shardable(optimizer: Any, *, updates_together: bool = True) -> bool:
     time, as a pipeline step updates them: per-layer rules such as LARS work, and so do sums
     over the whole model taken with :func:`~jaxdist.training.global_norm.model_sum`
     (:func:`~jaxdist.training.global_norm.clip_by_global_norm`), which the pipeline adds over
-    its stages -- where its stages update together (``updates_together``); a global norm
-    computed otherwise does not. Probed on a small kernel and bias, on the host. Returns
-    whether the update sums anything over the whole model."""
+    its stages; a global norm computed otherwise does not. Where the stages do not update
+    together (``updates_together=False``: PipeDream) no sum over the model is possible, and
+    one is refused. Probed on a small kernel and bias, on the host. Returns whether the
+    update sums anything over the whole model."""
     with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's own
         params, grads = _probe_trees()
         whole, sums = global_norm.partial_sums(lambda: _probe_update(optimizer, params, grads))
+        if any(isinstance(s, jax.core.Tracer) for s in sums):  # it never left a lax.cond
+            raise ValueError("the optimizer takes a norm over the model inside a conditional "
+                             "transformation (optax.apply_if_finite, MultiSteps, ...), where a "
+                             "pipeline cannot add it over its stages: put the clip outside it, "
+                             "or use the step's skip_nonfinite")  # fmt: skip
         expected = [ravel_pytree(update)[0] for update in whole]
         if sums and not updates_together:
             raise ValueError("this optimizer takes a norm over the whole model, and this "
