@@ -40,9 +40,8 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute
 _MATMULS = ("convolution", "dot")
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
           "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
-# The program as traced names its instructions without the "%".
-_TRACED_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
+# A compiled program names its instructions "%name", the program as traced "name".
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
@@ -238,7 +237,7 @@ def rewritten_scatter_roles(traced_text: str, num_devices: int) -> dict[int, str
     all-reduce of no role whose bytes are such an input that reduce-scatter's role."""
     roles: dict[int, str] = {}
     for line in traced_text.splitlines():
-        match = _TRACED_INSTRUCTION.match(line)
+        match = _INSTRUCTION.match(line)
         if not match or match.group(3) != "reduce-scatter":
             continue
         inst = Instruction(*match.groups())
@@ -324,8 +323,9 @@ def _collective(inst, op_name, asynchronous, num_devices, scatter_roles, *, turn
     """The :class:`Collective` of one instruction, its role read from ``op_name`` (or, for a
     rewritten reduce-scatter, from ``scatter_roles``)."""
     kind, nbytes = inst.opcode.removesuffix("-start"), nbytes_of(inst.type_text)
-    role = collective_role(kind, nbytes, role_of(op_name), scatter_roles)
-    source = REWRITTEN_SCATTER if role != role_of(op_name) else _source(op_name)
+    named = role_of(op_name)
+    role = collective_role(kind, nbytes, named, scatter_roles)
+    source = REWRITTEN_SCATTER if role != named else _source(op_name)
     return Collective(kind, nbytes, asynchronous, role, group_size_of(inst, num_devices), source,
                       turns=turns, in_loop=in_loop)  # fmt: skip
 

@@ -254,11 +254,8 @@ def header_events(parts: Any) -> list[tuple[str, Any, dict]]:
     """``(key, value, metadata)`` of every event between ``cache_clear`` and ``init_stop``:
     the recorded config of ``parts`` (:class:`~jaxdist.run.build.RunParts`) and what it
     resolved; ``init_start`` is when building it began."""
-    cfg, final, init_ms = (
-        parts.config,
-        parts.plans[-1],
-        parts.init_ms,
-    )  # the plan of the recipe's batch_size
+    cfg, init_ms = parts.config, parts.init_ms
+    final = parts.plans[-1]  # the plan of the recipe's batch_size
     group = cfg.model.get("bn_group_size") or parts.num_replicas
     events = [
         (keys.CACHE_CLEAR, bool(cfg.mlperf.cache_cleared), {"time_ms": init_ms}),
