@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 from jaxdist.aot.topology import parse_topology
 from jaxdist.cli import main
-from tests.test_aot import compile_step
+from tests.test_aot import OWN_TASK, compile_step
 
 
 def schedule_facts(report) -> dict:
@@ -32,9 +32,8 @@ def run() -> dict:
     native = compile_step(line, allreduce="native", bucket_bytes=1 << 19)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["plan", "mnist_small_batch", "--topology", "h100:2x4", "--efficiency",
-                     "0.3", "--set", "num_epochs=2", "--set", "mesh=hierarchical-2x4",
-                     "--json"])  # fmt: skip
+        code = main(["plan", OWN_TASK, "--topology", "h100:2x4", "--efficiency", "0.3",
+                     "--set", "mesh=hierarchical-2x4", "--json"])  # fmt: skip
     return {
         "torus2d_h100_2x4": schedule_facts(torus),
         "native_h100_1x4": schedule_facts(native),

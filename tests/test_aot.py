@@ -29,6 +29,7 @@ from jaxdist.aot.topology import (
 )
 from jaxdist.comm import collectives
 from jaxdist.training.train_step import TrainStep
+from tests._procs import REPO
 
 needs_libtpu = pytest.mark.skipif(
     not libtpu_available(), reason="the TPU compiler is not installed (pip install -e '.[tpu]')"
@@ -53,6 +54,11 @@ def loss_fn(params, model_state, batch, rng):
     logits = MODEL.apply({"params": params}, batch["x"])
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
     return loss, (model_state, {})
+
+
+# A recipe whose whole model is a two-layer MLP: plans that test the plan's mechanics (meshes,
+# links, loops) rather than a model compile in a second instead of ResNet-18's ten.
+OWN_TASK = str(REPO / "examples" / "own_task.py")
 
 
 def batch_of(size):
@@ -560,8 +566,8 @@ def test_a_compiled_plan_over_the_published_capacity_ends_with_one_line(capsys):
 def test_plan_over_two_slices_runs_the_outer_axis_over_the_data_centre_network(capsys):
     from jaxdist.cli import main
 
-    code = main(["plan", "mnist_small_batch", "--topology", "v5e:2x2/2", "--efficiency", "0.4",
-                 "--set", "num_epochs=2", "--set", "mesh=torus-2x2", "--json"])  # fmt: skip
+    code = main(["plan", OWN_TASK, "--topology", "v5e:2x2/2", "--efficiency", "0.4",
+                 "--set", "mesh=torus-2x2", "--json"])  # fmt: skip
     assert code == 0
     plan = json.loads(capsys.readouterr().out)
     # The recipe's torus of 4 laid over 8 chips: a slice along the inner axis.
@@ -587,7 +593,7 @@ def test_plan_takes_the_recipes_unroll_limit(capsys, monkeypatch):
         return text(plan, note)
 
     monkeypatch.setattr(report, "plan_text", keep_plan)
-    assert main(["plan", "mnist_small_batch", "--topology", "v5e:2x2", "--efficiency", "0.4",
+    assert main(["plan", OWN_TASK, "--topology", "v5e:2x2", "--efficiency", "0.4",
                  "--set", "allreduce=ring", "--set", "unroll_limit=2"]) == 0  # fmt: skip
     out = capsys.readouterr().out
     (plan,) = printed

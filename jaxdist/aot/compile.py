@@ -132,23 +132,34 @@ def _cost_analysis(compiled, lowered, text: str | None = None, *, platform: str 
     included (:func:`~jaxdist.aot.timeline.matrix_flops`). The GPU compiler's own count leaves
     out most of what its library calls run (on an H200, 7.0 of a ResNet-50 training step's
     24 GFLOP per image) and it has none without a GPU, so a step priced on a GPU and one
-    planned for it here count alike. Elsewhere, a compiled program without an analysis is
+    planned for it here count alike (a program whose products the compiler turned into
+    broadcasts and reductions, by its products as traced). Elsewhere, a compiled program without an analysis is
     counted by XLA's generic analysis of the program as lowered, or else by its matrix
     products. The matrix count leaves out elementwise ops and, as the usual counts of ResNet
     FLOPs do, takes a convolution's taps on its padding too: 2% above the TPU compiler's own
     count of the same ResNet-50 step. ``text``: the compiled program's text, where the
     caller has it."""
-    analysed_programs = () if platform in GPU_PLATFORMS else (compiled, lowered)
-    for analysed in analysed_programs:
-        cost = analysed.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
+    on_gpu = platform in GPU_PLATFORMS
+    for analysed in () if on_gpu else (compiled, lowered):
+        cost = _analysis(analysed)
         if cost:
             return cost
     flops = matrix_flops(compiled.as_text() if text is None else text)
-    if not flops:
-        raise RuntimeError("neither the compiler nor a count of the compiled program's "
-                           "matrix products gave this step's FLOPs")  # fmt: skip
-    return {"flops": flops}
+    if flops:
+        return {"flops": flops}
+    # A program with no matrix product left (a model so small that the compiler turned its
+    # products into broadcasts and reductions) is counted by its products as traced.
+    flops = matrix_flops(lowered.as_text(dialect="hlo"))
+    if flops:
+        return {"flops": flops}
+    raise RuntimeError("neither the compiler nor a count of the compiled program's "
+                       "matrix products gave this step's FLOPs")  # fmt: skip
+
+
+def _analysis(program) -> dict | None:
+    """A compiled or lowered program's cost analysis (one dict), or None."""
+    cost = program.cost_analysis()
+    return (cost[0] if cost else None) if isinstance(cost, list) else cost
 
 
 def _step_flops(counted: float, accumulation_steps: int) -> float:

@@ -43,7 +43,7 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f
 # A compiled program names its instructions "%name", the program as traced "name".
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
-_CALLS = re.compile(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)")
+_CALLS = re.compile(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%?([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _OPERAND = re.compile(r"%([\w.\-]+)")
 # Matrix products and convolutions that a GPU program hands to a library (cuBLAS, cuDNN).
@@ -144,8 +144,8 @@ def computations_of(text: str) -> tuple[dict[str, list[Instruction]], str]:
     computations: dict[str, list[Instruction]] = {}
     current, entry = None, ""
     for line in text.splitlines():
-        if line.endswith("{") and not line.startswith(" ") and "%" in line:
-            head = line.split("(")[0].split()
+        if line.endswith("{") and not line.startswith((" ", "HloModule")):
+            head = line.removesuffix("{").split("(")[0].split()
             current = head[-1].lstrip("%")
             if head[0] == "ENTRY":
                 entry = current

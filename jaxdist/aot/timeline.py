@@ -203,8 +203,9 @@ class _Weights:
 
 
 def _operands(inst: Instruction) -> list[str]:
-    """Names of an instruction's operands."""
-    return re.findall(r"%([\w.\-]+)", inst.rest.split(")")[0])
+    """Names of an instruction's operands (a traced program's text writes them without %)."""
+    head = inst.rest.split(")")[0]
+    return re.findall(r"%([\w.\-]+)", head) or re.findall(r"[\w.\-]+", head)
 
 
 def _shape(type_text: str) -> list[int]:
