@@ -26,21 +26,19 @@ PIPELINE = {
 }
 
 
-def test_pipeline_recipe_trains_and_resumes_exactly(tmp_path):
-    straight = Trainer(tiny_config(**PIPELINE), tmp_path / "straight")
-    summary = straight.run()
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The pipeline recipe trained start to end with explicit boundaries, no crash."""
+    trainer = Trainer(tiny_config(**PIPELINE), tmp_path_factory.mktemp("straight"))
+    trainer.summary = trainer.run()
+    return trainer
+
+
+def test_pipeline_recipe_trains_and_sets_the_learning_rate_in_every_stage(straight):
+    summary = straight.summary
     assert summary["step"] == 7 and 0 <= summary["top1"] <= 1
     assert isinstance(straight.train_step_for(0), PipelineStep)
     assert isinstance(straight.train_step_for(0), Step)
-
-    workdir = tmp_path / "crashed"
-    resumed = Trainer(tiny_config(**PIPELINE), workdir)
-    with pytest.raises(Crash):
-        resumed.run(on_step=_crash_at(4))
-    assert_same_abstract(resumed.abstract_state(), abstract_like(resumed.initial_state()))
-    assert resumed.run()["step"] == 7
-    for field in ("params", "model_state", "opt_state"):
-        _assert_trees_equal(getattr(resumed.state, field), getattr(straight.state, field), field)
     # The learning rate the schedule set last is in every stage's optimizer state.
     step = straight.train_step_for(0)
     stage, chunk, offset = step._learning_rate_at
@@ -112,18 +110,19 @@ def test_micro_batches_that_do_not_divide_the_batch_are_refused_before_training(
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_auto_boundaries_cut_where_the_profile_says_and_survive_a_resume(tmp_path, capsys):
-    """A profile whose only balanced cut is the explicit one: the auto run equals the
-    explicit run, records the cut, and a resume reuses it without profiling again."""
+def test_auto_boundaries_cut_where_the_profile_says_and_resume_exactly(straight, tmp_path,
+                                                                      capsys):  # fmt: skip
+    """A profile whose only balanced cut is the explicit one: the auto run, crashed and
+    resumed, equals the explicit run, records the cut, and the resume restores the state's
+    shapes and shardings and reuses the cut without profiling again."""
     import json
 
     from jaxdist.pipeline.profile import LayerCost, Profile, layer_sizes
 
-    explicit = Trainer(tiny_config(**PIPELINE), tmp_path / "explicit")
-    explicit.run()
+    capsys.readouterr()
     micro = 8  # the final batch of 32 on 2 replicas in 2 micro-batches
-    example = jax.ShapeDtypeStruct((micro, *explicit.task.data.image_shape), "float32")
-    sizes = layer_sizes(explicit.task.model, example)
+    example = jax.ShapeDtypeStruct((micro, *straight.task.data.image_shape), "float32")
+    sizes = layer_sizes(straight.task.model, example)
     costs = [1, 1, 1, 1.5, 1.5, 1.5, 1.5, 1, 1, 1]  # stage sums 3, 3, 3, 3 only at (0, 3, 5, 7)
     layers = tuple(
         LayerCost(f"l{i}", c / 3, 2 * c / 3, 64, size, size, 0)
@@ -141,7 +140,8 @@ def test_auto_boundaries_cut_where_the_profile_says_and_survive_a_resume(tmp_pat
     assert recorded["pipeline_boundaries"] == [0, 3, 5, 7]
     path.unlink()  # the resume must not need the profile: the cut is recorded
     resumed = Trainer(tiny_config(**auto), workdir)
+    assert_same_abstract(resumed.abstract_state(), abstract_like(resumed.initial_state()))
     assert resumed.run()["step"] == 7
     assert "boundaries auto" not in capsys.readouterr().out
     for field in ("params", "model_state", "opt_state"):
-        _assert_trees_equal(getattr(resumed.state, field), getattr(explicit.state, field), field)
+        _assert_trees_equal(getattr(resumed.state, field), getattr(straight.state, field), field)
