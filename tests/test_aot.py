@@ -553,12 +553,12 @@ def test_a_compiled_plan_over_the_published_capacity_ends_with_one_line(capsys):
         stage = SimpleNamespace(index=1, compiled=SimpleNamespace(memory=memory))
         return SimpleNamespace(topology=parse_topology("v5e:2x2"), stages=[stage])
 
-    assert _fit_verdict(plan_with(15 * 10**9)) == 0
+    assert _fit_verdict(plan_with(15.9 * 2**30)) == 0
     assert _fit_verdict(plan_with(17 * 2**30)) == 2
     err = capsys.readouterr().err
     assert err == (
-        "jaxdist plan: stage 1 needs 17.00 GiB per chip, 2.10 GiB more than a TPU v5e's "
-        f"14.90 GiB: {FIT_HINT}\n"
+        "jaxdist plan: stage 1 needs 17.00 GiB per chip, 1.00 GiB more than a TPU v5e's "
+        f"16.00 GiB: {FIT_HINT}\n"
     )
 
 

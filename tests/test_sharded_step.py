@@ -81,6 +81,30 @@ def test_fsdp_with_every_schedule_matches_single_device(reference_sgd, mesh_name
     assert_trees_close(state.model_state, model_state, atol=2e-6)
 
 
+@pytest.mark.parametrize(
+    ("sharding", "mesh_name", "algorithm", "gather"),
+    [("fsdp", "ring-8", "ring", "native"), ("zero1", "torus-4x2", "torus2d", "bidirectional_ring")],
+)
+def test_parameters_gathered_by_a_schedule_of_their_own_match_single_device(
+    reference_sgd, sharding, mesh_name, algorithm, gather
+):
+    """The gradients' reduce-scatters by ``allreduce``, the parameters' all-gathers by
+    ``gather``: the same training."""
+    batches, (params, model_state) = reference_sgd
+    make_mesh, axes = MESHES[mesh_name]
+    state, _, step = distributed_training(
+        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, sharding=sharding,
+        allreduce=algorithm, gather=gather, **SHARDED,
+    )  # fmt: skip
+    lowered = step.lower(state, step.shard_batch(batches[0]), jax.random.key(1)).as_text()
+    # XLA's all-gather runs the parameters' gathers under "native" only; the permute schedules
+    # run both halves otherwise.
+    assert ("all_gather" in lowered) == (gather == "native")
+    assert "collective_permute" in lowered
+    assert_trees_close(state.params, params, atol=3e-6)
+    assert_trees_close(state.model_state, model_state, atol=2e-6)
+
+
 @pytest.fixture(scope="module")
 def reference_sgd():
     batches = [data(seed=s) for s in range(STEPS)]
@@ -205,6 +229,7 @@ def test_sharded_steps_refuse_what_they_cannot_run_in_one_line():
         ({"allreduce": "ring", "shard_axes": "z"}, "data axes ['z'] are not axes of the mesh"),
         ({"allreduce": "ring", "wait_free": True}, "does not combine with sharding='fsdp'"),
         ({"allreduce": "ring", "zero1": True}, "zero1=True is sharding='zero1'"),
+        ({"allreduce": "ring", "gather": "halving_doubling"}, "gather must be one of native, "),
     ]
     for options, message in cases:
         with pytest.raises(ValueError) as err:
@@ -214,6 +239,8 @@ def test_sharded_steps_refuse_what_they_cannot_run_in_one_line():
         ValueError, match="sharding must be one of replicated, zero1, fsdp; got 'zero3'"
     ):
         ts.TrainStep(loss, optax.sgd(0.1), mesh, sharding="zero3")
+    with pytest.raises(ValueError, match="sharding='replicated' gathers none"):
+        ts.TrainStep(loss, optax.sgd(0.1), mesh, allreduce="ring", gather="native")
 
 
 def test_fsdp_paces_each_layers_gather_and_keeps_tied_weights_in_one_segment():

@@ -1,8 +1,10 @@
 """The trainer: exact resume (also across a batch-size stage boundary), SIGTERM, logs."""
 
 import contextlib
+import io
 import json
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -80,9 +82,19 @@ def _assert_trees_equal(a, b, what):
         )
 
 
-def test_resume_is_bitwise_exact_across_a_ramp(tmp_path, monkeypatch):
-    straight = Trainer(tiny_config(), tmp_path / "straight")
-    summary = straight.run()
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The tiny recipe trained start to end, no crash, with what it printed."""
+    trainer = Trainer(tiny_config(), tmp_path_factory.mktemp("straight") / "run")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer.summary = trainer.run()
+    trainer.printed = printed.getvalue()
+    return trainer
+
+
+def test_resume_is_bitwise_exact_across_a_ramp(straight, tmp_path, monkeypatch):
+    summary = straight.summary
     assert summary["step"] == 7 and not summary["preempted"]
     assert straight.schedule.stage_index_at(4) == 0 and straight.schedule.stage_index_at(5) == 1
     assert isinstance(straight.train_step_for(0), TrainStep)
@@ -191,12 +203,13 @@ def test_sigterm_and_ctrl_c_save_a_checkpoint_before_exit(tmp_path, signum, code
     assert stop["metadata"]["reason"] == f"preempted ({signal.Signals(signum).name})"
 
 
-def test_a_finished_run_rerun_says_so_and_appends_nothing(tmp_path, capsys):
+def test_a_finished_run_rerun_says_so_and_appends_nothing(straight, tmp_path, capsys):
     workdir = tmp_path / "run"
-    first = Trainer(tiny_config(eval_every_epochs=1.0), workdir).run()
+    shutil.copytree(straight.workdir, workdir)
+    first = straight.summary
     written = {name: (workdir / name).read_text() for name in ("metrics.jsonl", "events.log")}
     capsys.readouterr()
-    again = Trainer(tiny_config(eval_every_epochs=1.0), workdir).run()
+    again = Trainer(tiny_config(), workdir).run()
     out = capsys.readouterr().out
     assert "already finished: step 7 of 7" in out and "resumed" not in out, out
     assert again["already_finished"] and again["step"] == first["step"] == 7
@@ -206,9 +219,8 @@ def test_a_finished_run_rerun_says_so_and_appends_nothing(tmp_path, capsys):
         assert (workdir / name).read_text() == text, f"the rerun appended to {name}"
 
 
-def test_progress_lines_carry_elapsed_time_and_an_eta(tmp_path, capsys):
-    Trainer(tiny_config(), tmp_path / "run").run()
-    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+def test_progress_lines_carry_elapsed_time_and_an_eta(straight):
+    lines = [x for x in straight.printed.splitlines() if x.startswith("step ")]
     assert lines, "no progress line"
     for line in lines:
         assert re.search(r"\| \d+(?:m\d\ds|s) elapsed, eta \d+(?:m\d\ds|s)$", line), line

@@ -42,7 +42,9 @@ class Chip:
       name: the vendor's name.
       peak_flops: dense 16-bit (bf16, or fp16 on tensor cores) FLOP/s of one chip.
       peak_flops_fp32: dense float32 FLOP/s, for runs that trained in float32.
-      hbm_bytes: memory of one chip, as published (GB or GiB, converted to bytes).
+      hbm_bytes: memory of one chip, as published, converted to bytes. TPU pages write GB
+        for what are GiB (a v5e's "16 GB" is 16 GiB: its compiler's own limit is 15.75 GiB,
+        16 GiB less the runtime's reserve); GPU pages mean GB.
       hbm_bandwidth: bytes/s.
       link_bandwidth: bytes/s in one direction of the fast link (see the module docstring).
       link_ports: fast links a chip drives at once in a ring step.
@@ -101,7 +103,7 @@ CHIPS: dict[str, Chip] = {
         name="TPU v5e",
         peak_flops=197e12,
         peak_flops_fp32=0.0,
-        hbm_bytes=16 * GB,
+        hbm_bytes=16 * GIB,
         hbm_bandwidth=819 * GB,
         link_bandwidth=400 * GB / 4 / 2,  # 400 GB/s bidirectional per chip over 4 ports
         link_ports=2,
@@ -114,7 +116,7 @@ CHIPS: dict[str, Chip] = {
         name="TPU v5p",
         peak_flops=459e12,
         peak_flops_fp32=0.0,
-        hbm_bytes=95 * GB,
+        hbm_bytes=95 * GIB,
         hbm_bandwidth=2765 * GB,
         link_bandwidth=1200 * GB / 6 / 2,  # 1200 GB/s bidirectional per chip over 6 links
         link_ports=2,
@@ -127,7 +129,7 @@ CHIPS: dict[str, Chip] = {
         name="TPU v6e (Trillium)",
         peak_flops=918e12,
         peak_flops_fp32=0.0,
-        hbm_bytes=32 * GB,
+        hbm_bytes=32 * GIB,
         hbm_bandwidth=1640 * GB,
         link_bandwidth=800 * GB / 4 / 2,  # 800 GB/s bidirectional per chip over 4 ports
         link_ports=2,

@@ -92,6 +92,7 @@ class Plan:
     epochs: float
     time_rows: list[dict] = field(default_factory=list)
     wait_free: bool = False  # gradient buckets paced beside backward (TrainStep(wait_free=...))
+    gather: str = ""  # the parameters' all-gather schedule when not the allreduce's
     # Where each link class's figures come from ("fast", "host"): the chip table or a flag.
     link_sources: dict[str, str] = field(default_factory=dict)
     # What compiling another batch size needs (see largest_fitting_batch_of).
@@ -240,8 +241,8 @@ def plan_recipe(
         stages.append(_plan_stage(trainer, index, device_plan, variables, topology, network,
                                   efficiency=efficiency))  # fmt: skip
     plan = Plan(topology, spec, mesh_note, data_note, config.allreduce, network, stages,
-                config.num_epochs, wait_free=config.wait_free, link_sources=link_sources,
-                trainer=trainer,
+                config.num_epochs, wait_free=config.wait_free, gather=config.gather,
+                link_sources=link_sources, trainer=trainer,
                 variable_shapes=(params, model_state))  # fmt: skip
     step_seconds = [s.step_time.total for s in stages]
     plan.time_rows = time_to_train(trainer.schedule, config.num_epochs, step_seconds)

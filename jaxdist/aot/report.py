@@ -157,12 +157,13 @@ def plan_text(plan: Plan, efficiency_note: str) -> str:
             f"; {slow} {1 / network.inter.beta / 1e9:g} GB/s per chip, latency "
             f"{network.inter.alpha * 1e6:g} us ({sources.get('host', '')}; --host-link to change)"
         )
+    gathered = f" (parameters all-gathered by {plan.gather})" if plan.gather else ""
     lines = [
         f"topology: {topo.name}: {topo.num_chips} x {chip.name} ({_gib(chip.hbm_bytes)} GiB HBM, "
         f"{chip.peak_flops / 1e12:.0f} TFLOP/s bf16 each), {topo.num_hosts} hosts",
         f"{meshes.summary(plan.mesh_spec).splitlines()[0]} -- {plan.mesh_note}",
         f"data: {plan.data_note}",
-        f"allreduce: {plan.algorithm}; links: {links}",
+        f"allreduce: {plan.algorithm}{gathered}; links: {links}",
         *filter(None, [torus3d_hint(topo, plan.mesh_spec, plan.algorithm)]),
         "link model: alpha-beta (jaxdist.comm.cost_model); gradients travel as "
         + ("the compiler's all-reduce" if plan.algorithm == "native" else "the step's schedule")
@@ -270,6 +271,7 @@ def plan_json(plan: Plan, efficiency_note: str) -> dict:
         "mesh_note": plan.mesh_note,
         "data": plan.data_note,
         "allreduce": plan.algorithm,
+        "gather": plan.gather or plan.algorithm,
         "links": {
             "fast": _link_json(plan.network.intra),
             "host": None if plan.network.inter is None else _link_json(plan.network.inter),

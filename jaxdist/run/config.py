@@ -42,6 +42,9 @@ Fields:
     reduce-scatters and all-gathers run ``allreduce``'s halves. On a mesh with an axis named
     ``fsdp`` the state is sharded over that axis alone and the other axes are data-parallel
     replicas (HSDP).
+  gather: the schedule of the parameters' all-gathers under ``zero1`` and ``fsdp`` when it is
+    not ``allreduce``'s (``""``): ``native`` beside a permute ``allreduce`` gathers with XLA's
+    all-gather and reduce-scatters the gradients with the schedule.
   wait_free: run every gradient bucket's schedule beside the rest of the backward pass, one
     message step per matrix product, in the compiled program's own order (wait-free
     backprop, :mod:`jaxdist.training.wait_free`); a permute schedule's steps then run
@@ -336,6 +339,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.sfb_layers = ""
     c.unroll_limit = 16  # the schedules' own default, jaxdist.comm.collectives.UNROLL_LIMIT
     c.sharding = "replicated"
+    c.gather = ""  # the parameters' all-gather schedule under zero1/fsdp; "": allreduce's
     c.wait_free = False
     c.batch_size = 256
     c.batch_ramp = ()

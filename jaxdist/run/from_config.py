@@ -179,4 +179,5 @@ def step_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
         "skip_nonfinite": config.skip_nonfinite_steps > 0,
         "wait_free": config.wait_free,
         "sharding": config.sharding,
+        **({"gather": config.gather} if config.gather else {}),
     }

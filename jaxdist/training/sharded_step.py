@@ -54,7 +54,7 @@ def build_sharded_step(step: Any, state: Any) -> Callable:
     )
     gather_back = jax.shard_map(
         lambda b: sharding_lib.gather_parameters(
-            b, layout, step.shard_axes, step.allreduce, _parameter_options(step)
+            b, layout, step.shard_axes, step.gather, step.gather_options
         ),
         mesh=mesh,
         in_specs=(blocks,),
@@ -92,12 +92,6 @@ def build_sharded_step(step: Any, state: Any) -> Callable:
     )
 
 
-def _parameter_options(step: Any) -> dict:
-    """The step's schedule options for its parameters: all but ``transfer_dtype``, which is for
-    gradients (a rounded gather would cut every device's float32 master copy)."""
-    return {k: v for k, v in step.allreduce_options.items() if k != "transfer_dtype"}
-
-
 def _gradients(step: Any, layout: sharding_lib.Layout, params: Any, model_state: Any,
                batch: Any, rng: jax.Array, scale: jax.Array | None):  # fmt: skip
     """Inside shard_map: ``(gradient blocks, model state, loss, metrics)``, every gradient the
@@ -108,9 +102,9 @@ def _gradients(step: Any, layout: sharding_lib.Layout, params: Any, model_state:
     gradient_options = step.allreduce_options
     loss_fn = step.loss_fn
     if step.sharding == "fsdp":
-        loss_fn = sharding_lib.gathered_loss(loss_fn, layout, shard_axes, step.allreduce,
-                                             _parameter_options(step), gradient_options,
-                                             step.keep_gathered)  # fmt: skip
+        loss_fn = sharding_lib.gathered_loss(loss_fn, layout, shard_axes, step.gather,
+                                             step.allreduce, step.gather_options,
+                                             gradient_options, step.keep_gathered)  # fmt: skip
     grads, model_state, loss, metrics, _ = local_gradients(
         loss_fn, params, model_state, batch, rng, scale, step.accumulation_steps
     )

@@ -192,50 +192,52 @@ def scatter_unit(whole: Sequence[jax.Array], dims: Sequence[int], axes: Any, alg
     return blocks
 
 
-def gatherer(dims: Sequence[int], axes: Any, algorithm: str, options: Mapping[str, Any],
-             gradient_options: Mapping[str, Any]) -> Any:  # fmt: skip
-    """``gather(blocks) -> whole parameters`` for one unit, whose gradient is the
-    reduce-scatter (summing) of the whole parameters' gradients: FSDP's forward and backward
-    collectives as one differentiable function. Parameters travel in their own dtype;
-    ``gradient_options`` (a ``transfer_dtype``, say) apply to the gradients."""
+def gatherer(dims: Sequence[int], axes: Any, gather: str, scatter: str,
+             options: Mapping[str, Any], gradient_options: Mapping[str, Any]) -> Any:  # fmt: skip
+    """``gather(blocks) -> whole parameters`` for one unit (by the ``gather`` schedule), whose
+    gradient is the reduce-scatter (summing, by the ``scatter`` schedule) of the whole
+    parameters' gradients: FSDP's forward and backward collectives as one differentiable
+    function. Parameters travel in their own dtype; ``gradient_options`` (a
+    ``transfer_dtype``, say) apply to the gradients."""
     dims = tuple(dims)
 
     @jax.custom_vjp
-    def gather(blocks):
+    def gather_blocks(blocks):
         with jax.named_scope(PARAMETER_SCOPE):
-            return gather_unit(blocks, dims, axes, algorithm, options)
+            return gather_unit(blocks, dims, axes, gather, options)
 
     def forward(blocks):
-        return gather(blocks), None
+        return gather_blocks(blocks), None
 
     def backward(_, cotangents):
         with jax.named_scope(GRADIENT_SCOPE):
-            return (scatter_unit(cotangents, dims, axes, algorithm, gradient_options),)
+            return (scatter_unit(cotangents, dims, axes, scatter, gradient_options),)
 
-    gather.defvjp(forward, backward)
-    return gather
+    gather_blocks.defvjp(forward, backward)
+    return gather_blocks
 
 
-def gathered_loss(loss_fn: Any, layout: Layout, axes: Any, algorithm: str,
+def gathered_loss(loss_fn: Any, layout: Layout, axes: Any, gather: str, scatter: str,
                   options: Mapping[str, Any], gradient_options: Mapping[str, Any],
                   keep_gathered: bool) -> Any:  # fmt: skip
-    """``loss_fn`` on a device's parameter blocks. By default each layer's parameters are
-    gathered just before it runs, one layer ahead, and again in backward
+    """``loss_fn`` on a device's parameter blocks, gathered by the ``gather`` schedule and
+    their gradients reduce-scattered by the ``scatter`` schedule. By default each layer's
+    parameters are gathered just before it runs, one layer ahead, and again in backward
     (:mod:`jaxdist.training.fsdp_pacing`); with ``keep_gathered`` every unit is gathered at
     the top of the loss and kept for backward (more memory, half the parameter traffic)."""
     if not keep_gathered:
         return paced_loss(
             loss_fn, layout,
-            lambda blocks, dims, again: gather_unit(blocks, dims, axes, algorithm, options,
+            lambda blocks, dims, again: gather_unit(blocks, dims, axes, gather, options,
                                                     reversed_=again),
-            lambda whole, dims: scatter_unit(whole, dims, axes, algorithm, gradient_options),
+            lambda whole, dims: scatter_unit(whole, dims, axes, scatter, gradient_options),
         )  # fmt: skip
 
-    def gather(leaves, dims):  # scoped inside: forward's gather, backward's reduce-scatter
-        return gatherer(dims, axes, algorithm, options, gradient_options)(leaves)
+    def gather_leaves(leaves, dims):  # scoped inside: forward's gather, backward's scatter
+        return gatherer(dims, axes, gather, scatter, options, gradient_options)(leaves)
 
     def sharded_loss(params, model_state, batch, rng):
-        return loss_fn(_unit_by_unit(params, layout, gather), model_state, batch, rng)
+        return loss_fn(_unit_by_unit(params, layout, gather_leaves), model_state, batch, rng)
 
     return sharded_loss
 

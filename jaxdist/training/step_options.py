@@ -95,6 +95,20 @@ def check_sharded(mesh: Mesh, data_axes: Any, shard_axes: Any, sharding: str, al
         raise ValueError(f"{what} with allreduce={allreduce!r}, which cannot: {reason}")
 
 
+def check_gather(mesh: Mesh, data_axes: Any, shard_axes: Any, sharding: str, gather: str,
+                 options: Mapping[str, Any]) -> None:  # fmt: skip
+    """Refuse, in one line, a parameter all-gather schedule (``gather``) that a step cannot
+    run: one with halves, over ``shard_axes``, of a sharded step."""
+    if sharding == "replicated":
+        raise ValueError(f"gather={gather!r} is the schedule of a sharded step's parameter "
+                         "all-gathers; sharding='replicated' gathers none (choose "
+                         "sharding='zero1' or 'fsdp')")  # fmt: skip
+    if gather not in collectives.SHARDED_ALGORITHMS:
+        raise ValueError(f"gather must be one of {', '.join(collectives.SHARDED_ALGORITHMS)}; "
+                         f"got {gather!r}")  # fmt: skip
+    check_sharded(mesh, data_axes, shard_axes, sharding, gather, options, None)
+
+
 # A wait-free step paces every message step beside backward compute, which a step inside a
 # loop could not be: its schedules run unrolled whatever their length.
 WAIT_FREE_UNROLL_LIMIT = 1 << 30

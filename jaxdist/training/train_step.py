@@ -65,6 +65,7 @@ from jaxdist.training.sharded_step import build_sharded_step
 from jaxdist.training.step_options import (
     WAIT_FREE_UNROLL_LIMIT,
     check_allreduce,
+    check_gather,
     check_optimizer,
     check_sharded,
     check_wait_free,
@@ -125,6 +126,9 @@ class TrainStep:
         :mod:`jaxdist.training.sharding`. Every optax transformation is exact under each.
         The reduce-scatters and all-gathers run ``allreduce``'s two halves
         (:data:`jaxdist.comm.collectives.SHARDED_ALGORITHMS`).
+      gather: the schedule of a sharded step's parameter all-gathers, when it is not
+        ``allreduce``'s (``"native"`` beside a permute ``allreduce``: XLA's all-gather for the
+        parameters, the schedule's reduce-scatter for the gradients). Default: ``allreduce``.
       zero1: the same as ``sharding="zero1"``.
       shard_axes: the data axes the state is sharded over (default: all of them). Fewer is
         HSDP: sharded inside each group, the groups averaging their gradients as data
@@ -164,6 +168,7 @@ class TrainStep:
         links: Any = None,
         accumulation_steps: int = 1,
         sharding: str | None = None,
+        gather: str | None = None,
         zero1: bool = False,
         shard_axes: str | tuple[str, ...] | None = None,
         keep_gathered: bool = False,
@@ -202,6 +207,10 @@ class TrainStep:
         if sharding != "replicated":
             check_sharded(mesh, self.data_axes, self.shard_axes, sharding, allreduce,
                           self.allreduce_options, sfb_layers)  # fmt: skip
+        self.gather = allreduce if gather is None else gather
+        if gather is not None and gather != allreduce:
+            check_gather(mesh, self.data_axes, self.shard_axes, sharding, gather,
+                         self.gather_options)  # fmt: skip
         self.keep_gathered = keep_gathered
         self.min_shard_elements = min_shard_elements
         self.layout: sharding_lib.Layout | None = None
@@ -408,6 +417,14 @@ class TrainStep:
 
         return ended_step(state, params, model_state, opt_state, finite, loss, metrics,
                           self.skip_nonfinite)  # fmt: skip
+
+    @property
+    def gather_options(self) -> dict[str, Any]:
+        """The options of the parameters' all-gathers: those of the step's that the gather
+        schedule takes, never ``transfer_dtype``, which is for gradients (a rounded gather
+        would cut every device's float32 master copy)."""
+        taken = (*collectives.COMMON_OPTIONS, *collectives.get(self.gather).options)
+        return {k: v for k, v in self.allreduce_options.items() if k in taken}
 
     # ------------------------------------------------------------------ the gradient plan
 
