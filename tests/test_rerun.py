@@ -2,6 +2,7 @@
 continues, and --allow-config-change continues and records the change."""
 
 import json
+import shutil
 
 import pytest
 
@@ -106,9 +107,17 @@ def test_a_workdir_without_progress_takes_the_new_config(tmp_path):
     assert recorded["lr"]["peak"] == 0.4
 
 
-def test_trainer_refuses_a_changed_learning_rate_and_appends_nothing(tmp_path):
-    workdir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """The workdir of the tiny recipe trained to its end (7 steps); tests work on copies."""
+    workdir = tmp_path_factory.mktemp("finished") / "run"
     Trainer(tiny_config(), workdir).run()
+    return workdir
+
+
+def test_trainer_refuses_a_changed_learning_rate_and_appends_nothing(finished, tmp_path):
+    workdir = tmp_path / "run"
+    shutil.copytree(finished, workdir)
     written = {name: (workdir / name).read_text() for name in ("metrics.jsonl", "events.log")}
     with pytest.raises(rerun.ConfigChangedError, match=r"lr.peak: 0.2 -> 0.3"):
         Trainer(tiny_config(**{"lr.peak": 0.3, "max_steps": 9}), workdir).run()
@@ -116,9 +125,10 @@ def test_trainer_refuses_a_changed_learning_rate_and_appends_nothing(tmp_path):
         assert (workdir / name).read_text() == text, f"the refused rerun wrote to {name}"
 
 
-def test_trainer_continues_a_longer_run_and_the_flag_records_in_the_event_log(tmp_path):
+def test_trainer_continues_a_longer_run_and_the_flag_records_in_the_event_log(finished,
+                                                                            tmp_path):  # fmt: skip
     workdir = tmp_path / "run"
-    Trainer(tiny_config(), workdir).run()
+    shutil.copytree(finished, workdir)
     longer = Trainer(tiny_config(max_steps=9), workdir).run()
     assert longer["step"] == 9
     changed = tiny_config(**{"max_steps": 10, "label_smoothing": 0.1})
