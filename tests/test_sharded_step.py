@@ -239,8 +239,9 @@ def test_sharded_steps_refuse_what_they_cannot_run_in_one_line():
         ValueError, match="sharding must be one of replicated, zero1, fsdp; got 'zero3'"
     ):
         ts.TrainStep(loss, optax.sgd(0.1), mesh, sharding="zero3")
-    with pytest.raises(ValueError, match="sharding='replicated' gathers none"):
-        ts.TrainStep(loss, optax.sgd(0.1), mesh, allreduce="ring", gather="native")
+    for gather in ("native", "ring"):  # named, even as the allreduce's own, it is refused
+        with pytest.raises(ValueError, match="sharding='replicated' gathers none"):
+            ts.TrainStep(loss, optax.sgd(0.1), mesh, allreduce="ring", gather=gather)
 
 
 def test_fsdp_paces_each_layers_gather_and_keeps_tied_weights_in_one_segment():

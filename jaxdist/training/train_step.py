@@ -208,7 +208,7 @@ class TrainStep:
             check_sharded(mesh, self.data_axes, self.shard_axes, sharding, allreduce,
                           self.allreduce_options, sfb_layers)  # fmt: skip
         self.gather = allreduce if gather is None else gather
-        if gather is not None and gather != allreduce:
+        if gather is not None:
             check_gather(mesh, self.data_axes, self.shard_axes, sharding, gather,
                          self.gather_options)  # fmt: skip
         self.keep_gathered = keep_gathered
