@@ -230,6 +230,7 @@ def test_sharded_steps_refuse_what_they_cannot_run_in_one_line():
         ({"allreduce": "ring", "wait_free": True}, "does not combine with sharding='fsdp'"),
         ({"allreduce": "ring", "zero1": True}, "zero1=True is sharding='zero1'"),
         ({"allreduce": "ring", "gather": "halving_doubling"}, "gather must be one of native, "),
+        ({"allreduce": "ring", "gather": "torus3d"}, "gather='torus3d': allreduce 'torus3d' needs"),
     ]
     for options, message in cases:
         with pytest.raises(ValueError) as err:

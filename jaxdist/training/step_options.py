@@ -106,7 +106,10 @@ def check_gather(mesh: Mesh, data_axes: Any, shard_axes: Any, sharding: str, gat
     if gather not in collectives.SHARDED_ALGORITHMS:
         raise ValueError(f"gather must be one of {', '.join(collectives.SHARDED_ALGORITHMS)}; "
                          f"got {gather!r}")  # fmt: skip
-    check_sharded(mesh, data_axes, shard_axes, sharding, gather, options, None)
+    try:
+        check_sharded(mesh, data_axes, shard_axes, sharding, gather, options, None)
+    except ValueError as err:  # its lines name the schedule as the allreduce's
+        raise ValueError(f"gather={gather!r}: {err}") from None
 
 
 # A wait-free step paces every message step beside backward compute, which a step inside a
