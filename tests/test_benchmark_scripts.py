@@ -55,6 +55,17 @@ def test_exchange_pieces_checks_its_data_across_processes(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_gloo_reduce_scatter_times_each_collective_at_each_moment(tmp_path):
+    result = _launched_json(tmp_path, 2, "gloo_reduce_scatter.py", ["--mib", "1", "--iters", "1"])
+    assert result["processes"] == 2 and result["mib"] == 1
+    moments = ["fresh", "after jaxdist's native reduce-scatter", "after XLA's psum_scatter"]
+    assert [(row["moment"], row["collective"]) for row in result["rows"]] == [
+        (moment, collective) for moment in moments for collective in ("psum", "ring allreduce")
+    ], result
+    assert all(row["seconds"] > 0 for row in result["rows"]), result
+
+
+@pytest.mark.multiprocess
 def test_ppermute_patterns_across_processes(tmp_path):
     result = _launched_json(tmp_path, 2, "ppermute_patterns.py", ["--sizes", "4K", "--iters", "1"])
     assert result["devices"] == 2 and result["processes"] == 2

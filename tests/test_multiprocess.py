@@ -61,6 +61,8 @@ def assert_all_algorithms(output: str, processes: int, layout: str) -> None:
         for algorithm in (a for a in SHARDED_ALGORITHMS if a != "torus3d"):
             line = f"[p{p}] CHECK halves {algorithm} {layout} OK"
             assert line in output, f"expected {line!r} in the output, not found:\n{output}"
+        line = f"[p{p}] CHECK native reduce-scatter over gloo is an all-reduce {layout} OK"
+        assert line in output, f"expected {line!r} in the output, not found:\n{output}"
         # ring and torus2d exchange only on a 2-device axis ("2x2"; not "4x1"); the
         # bidirectional ring's steps go in pieces on every layout (all have 4 devices).
         has_pair_axis = "2" in layout.split("x")

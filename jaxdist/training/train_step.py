@@ -235,7 +235,9 @@ class TrainStep:
 
     def init(self, params: Any, model_state: Any = None) -> TrainState:
         """The initial state, placed on the mesh (replicated; ZeRO-1 state sharded)."""
-        state = self._fresh_state(jax.tree.map(jnp.asarray, params), model_state)
+        # One compiled program: op by op, the optimizer's init compiles each op on its own at
+        # every start (a zeros per parameter shape), and no compilation cache keeps them.
+        state = jax.jit(self._fresh_state)(jax.tree.map(jnp.asarray, params), model_state)
 
         def place(leaf, spec):
             # Each process places its own devices' part. device_put would also check that
@@ -334,8 +336,11 @@ class TrainStep:
     def set_learning_rate(self, state: TrainState, learning_rate: float) -> TrainState:
         """The state with ``learning_rate`` in its ``inject_hyperparams`` optimizer state (see
         :func:`jaxdist.training.optim.set_learning_rate`)."""
-        # Placed like the rest of the state, so the jitted step sees the same shardings.
-        value = jax.device_put(np.float32(learning_rate), NamedSharding(self.mesh, P()))
+        # Placed like the rest of the state, so the jitted step sees the same shardings. Each
+        # process places its own copy: with several processes, device_put would first check
+        # that all of them hold the same value, a collective before every step.
+        value = np.float32(learning_rate)
+        value = jax.make_array_from_callback((), NamedSharding(self.mesh, P()), lambda _: value)
         return state.replace(opt_state=optim.set_learning_rate(state.opt_state, value))
 
     def whole_variables(self, state: TrainState) -> tuple[Any, Any]:

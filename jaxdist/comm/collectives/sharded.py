@@ -11,7 +11,8 @@ flat buffer cut into ``p`` equal chunks, one per device; device ``i`` -- its ind
 ======================  =====================================================================
 algorithm               reduce-scatter (the all-gather runs the same steps backwards)
 ======================  =====================================================================
-``native``              XLA's own ``psum_scatter`` / ``all_gather``
+``native``              XLA's own ``psum_scatter`` / ``all_gather`` (over gloo, ``psum`` and
+                        this device's chunk of the sum)
 ``ring``                ``p - 1`` steps round one ring
 ``bidirectional_ring``  two rings at once, one each way round, each on half of every chunk
 ``torus2d``             inner ring on the whole buffer, then outer ring on ``1/X`` of it
@@ -48,7 +49,14 @@ from jaxdist.comm.collectives.ring_steps import (
     ring_all_gather,
     ring_reduce_scatter,
 )
-from jaxdist.comm.collectives.wire import AxisName, Wire, axis_size, divided, pad_to_chunks
+from jaxdist.comm.collectives.wire import (
+    AxisName,
+    Wire,
+    axis_size,
+    divided,
+    over_gloo,
+    pad_to_chunks,
+)
 
 __all__ = [
     "SHARDED_ALGORITHMS",
@@ -239,12 +247,24 @@ def reduce_scatter(
     p = axis_size(axis_name)
     padded = pad_to_chunks(jnp.asarray(x).reshape(-1), p)
     if algorithm == "native":
-        shard = padded if p == 1 else lax.psum_scatter(padded, axis_name, tiled=True)
+        shard = padded if p == 1 else _native_reduce_scatter(padded, axis_name, p)
     else:
         wire, unroll_limit, own = _prepared(algorithm, axis_name, options)
         axes, schedules = _level_schedules(algorithm, axis_name, own, wire, unroll_limit, True)
         shard = _scatter_levels(padded, axes, schedules)
     return divided(shard, p if op == "mean" and p > 1 else None)
+
+
+def _native_reduce_scatter(padded: jax.Array, axis_name: AxisName, p: int) -> jax.Array:
+    """XLA's reduce-scatter of a buffer of ``p`` chunks. Over gloo it is XLA's all-reduce and
+    this device's chunk of the sum instead: once gloo's own reduce-scatter has run in a
+    process, that process's later collectives on large buffers run hundreds of times slower
+    (docs/collectives.md, "XLA's reduce-scatter over gloo")."""
+    if not over_gloo():
+        return lax.psum_scatter(padded, axis_name, tiled=True)
+    chunk = padded.size // p
+    total = lax.psum(padded, axis_name)
+    return lax.dynamic_slice_in_dim(total, lax.axis_index(axis_name) * chunk, chunk)
 
 
 def all_gather(

@@ -84,10 +84,15 @@ def default_exchange_piece_bytes(reverse_traffic: bool = False) -> int | None:
     pieces keep each step's message from running that far ahead. NCCL, ICI and the in-process
     CPU runtime have no such queue: there one message is best (``None``).
     """
-    multi_process_cpu = jax.process_count() > 1 and jax.default_backend() == "cpu"
-    if multi_process_cpu and jax.config.jax_cpu_collectives_implementation == "gloo":
+    if over_gloo():
         return GLOO_REVERSE_TRAFFIC_PIECE_BYTES if reverse_traffic else GLOO_EXCHANGE_PIECE_BYTES
     return None
+
+
+def over_gloo() -> bool:
+    """Whether collectives run over gloo: CPU devices in several processes."""
+    multi_process_cpu = jax.process_count() > 1 and jax.default_backend() == "cpu"
+    return multi_process_cpu and jax.config.jax_cpu_collectives_implementation == "gloo"
 
 
 def piece_bytes(piece: int | str | None, reverse_traffic: bool = False) -> int | None:
