@@ -71,7 +71,7 @@ from jaxdist.training.step_options import (
     check_shardable,
     donation_default,
 )
-from jaxdist.training.train_step import NO_ALLREDUCE
+from jaxdist.training.train_step import NO_ALLREDUCE, place_per_process
 
 __all__ = ["PipelineLossFn", "PipelineState", "PipelineStep"]
 
@@ -206,9 +206,9 @@ class PipelineStep:
             for name, array in stacked.items()
         }
         return PipelineState(
-            step=jax.device_put(jnp.zeros((), jnp.int32), replicated),
+            step=place_per_process(np.zeros((), np.int32), replicated),
             **placed,
-            loss_scale=jax.device_put(self.loss_scale, replicated),
+            loss_scale=jax.tree.map(lambda x: place_per_process(x, replicated), self.loss_scale),
             previous_params=jnp.copy(placed["params"]) if self._two_versions else None,
         )
 

@@ -78,6 +78,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "classifier_loss",
+    "place_per_process",
 ]
 
 # Measurement only: skip the gradient allreduce, so each device trains on its own shard. The
@@ -95,6 +96,15 @@ class TrainState(struct.PyTreeNode):
     model_state: Any
     opt_state: Any
     loss_scale: DynamicLossScale | None = None
+
+
+def place_per_process(value: Any, sharding: NamedSharding) -> jax.Array:
+    """``value`` (the same on every process) placed with ``sharding``, each process filling
+    only its own devices. ``jax.device_put`` would first check across processes that all hold
+    the same value: a blocking collective (before every step, for a learning rate), and for a
+    whole train state an all-gather that ran 8 processes of one machine out of memory."""
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
 
 
 class TrainStep:
@@ -238,16 +248,11 @@ class TrainStep:
         # One compiled program: op by op, the optimizer's init compiles each op on its own at
         # every start (a zeros per parameter shape), and no compilation cache keeps them.
         state = jax.jit(self._fresh_state)(jax.tree.map(jnp.asarray, params), model_state)
-
-        def place(leaf, spec):
-            # Each process places its own devices' part. device_put would also check that
-            # every process holds the same values by all-gathering the whole state, which
-            # for a 0.5 GB model on 8 processes of one machine ran it out of memory.
-            host = np.asarray(leaf)
-            sharding = NamedSharding(self.mesh, spec)
-            return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
-
-        state = jax.tree.map(place, state, self.state_specs(state))
+        state = jax.tree.map(
+            lambda leaf, spec: place_per_process(leaf, NamedSharding(self.mesh, spec)),
+            state,
+            self.state_specs(state),
+        )
         # device_put may alias the caller's buffers on devices they already live on; a step
         # that donates its state gets buffers of its own, so the caller's stay valid.
         return jax.tree.map(jnp.copy, state) if self.donate else state
@@ -336,11 +341,8 @@ class TrainStep:
     def set_learning_rate(self, state: TrainState, learning_rate: float) -> TrainState:
         """The state with ``learning_rate`` in its ``inject_hyperparams`` optimizer state (see
         :func:`jaxdist.training.optim.set_learning_rate`)."""
-        # Placed like the rest of the state, so the jitted step sees the same shardings. Each
-        # process places its own copy: with several processes, device_put would first check
-        # that all of them hold the same value, a collective before every step.
-        value = np.float32(learning_rate)
-        value = jax.make_array_from_callback((), NamedSharding(self.mesh, P()), lambda _: value)
+        # Placed like the rest of the state, so the jitted step sees the same shardings.
+        value = place_per_process(np.float32(learning_rate), NamedSharding(self.mesh, P()))
         return state.replace(opt_state=optim.set_learning_rate(state.opt_state, value))
 
     def whole_variables(self, state: TrainState) -> tuple[Any, Any]:
