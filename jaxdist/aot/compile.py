@@ -135,10 +135,10 @@ def _cost_analysis(compiled, lowered, text: str | None = None, *, platform: str 
     planned for it here count alike (a program whose products the compiler turned into
     broadcasts and reductions, by its products as traced). Elsewhere, a compiled program
     without an analysis is counted by XLA's generic analysis of the program as lowered, or
-    else by its matrix products. The matrix count leaves out elementwise ops and, as the usual counts of ResNet
-    FLOPs do, takes a convolution's taps on its padding too: 2% above the TPU compiler's own
-    count of the same ResNet-50 step. ``text``: the compiled program's text, where the
-    caller has it."""
+    else by its matrix products. The matrix count leaves out elementwise ops and, as the
+    usual counts of ResNet FLOPs do, takes a convolution's taps on its padding too: 2% above
+    the TPU compiler's own count of the same ResNet-50 step. ``text``: the compiled
+    program's text, where the caller has it."""
     on_gpu = platform in GPU_PLATFORMS
     for analysed in () if on_gpu else (compiled, lowered):
         cost = _analysis(analysed)

@@ -200,11 +200,8 @@ class PipelineStep:
             )
             for name in trees
         }
-        placed = {
-            # Each process places only its own devices' stages (no cross-process check).
-            name: jax.make_array_from_callback(array.shape, sharding, array.__getitem__)
-            for name, array in stacked.items()
-        }
+        # Each process places only its own devices' stages.
+        placed = {name: place_per_process(array, sharding) for name, array in stacked.items()}
         return PipelineState(
             step=place_per_process(np.zeros((), np.int32), replicated),
             **placed,
