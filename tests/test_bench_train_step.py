@@ -19,21 +19,16 @@ from jaxdist.training import train_step as ts
 
 def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
     out_json = tmp_path / "train_step.json"
-    argv = ["bench", "train-step", "--mesh", "torus-4x2", "--algorithms", "ring,native",
+    argv = ["bench", "train-step", "--mesh", "torus-4x2", "--algorithms", "ring",
             "--per-device-batch", "2", "--image-size", "8", "--width", "4", "--steps", "1",
             "--rounds", "2", "--wait-free", "--json", str(out_json)]  # fmt: skip
     assert main(argv) == 0
     table = capsys.readouterr().out
     rows = json.loads(out_json.read_text())
-    # One row per variant asked for, in the order asked, after the baseline; the compute-only
-    # twins ("/none") are folded into their rows, not reported as variants of their own; a
-    # permute schedule also runs wait-free (native has no steps to pace), against the same twin.
-    assert [r["variant"] for r in rows] == [
-        "baseline",
-        "jaxdist ring",
-        "jaxdist ring wait-free",
-        "jaxdist native",
-    ], rows
+    # One row per variant asked for, after the baseline; the compute-only twins ("/none") are
+    # folded into their rows, not reported as variants of their own; a permute schedule also
+    # runs wait-free, against the same twin (test_variants_in_the_order_asked has the rest).
+    assert [r["variant"] for r in rows] == ["baseline", "jaxdist ring", "jaxdist ring wait-free"]
     global_batch = 2 * 8  # --per-device-batch 2 on the 8 devices of torus-4x2
     baseline = rows[0]
     for row in rows:
@@ -66,6 +61,19 @@ def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
         assert math.isfinite(spread) and spread >= 0, row
         assert spread_ms == pytest.approx(spread * 1e3, abs=0.051), table
     assert "comm = step - compute" in table and "+-: half its spread" in table
+
+
+def test_variants_in_the_order_asked_and_wait_free_only_for_permute_schedules():
+    names = [name for name, _, _ in bench_train._jaxdist_variants(("ring", "native", "auto"), True)]
+    assert names == ["jaxdist ring", "jaxdist ring/none", "jaxdist ring wait-free",
+                     "jaxdist native", "jaxdist native/none", "jaxdist auto", "jaxdist auto/none"]  # fmt: skip
+    twins = [allreduce for name, allreduce, _ in bench_train._jaxdist_variants(["ring"], False)]
+    assert twins == ["ring", ts.NO_ALLREDUCE]
+    times = {name: [0.01] for name in ["baseline", "baseline/none", *names]}
+    rows = bench_train._measurements(times, global_batch=16)
+    assert [r.variant for r in rows] == [
+        "baseline", "jaxdist ring", "jaxdist ring wait-free", "jaxdist native", "jaxdist auto"
+    ]  # fmt: skip
 
 
 def _small_run():

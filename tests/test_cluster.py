@@ -1,4 +1,4 @@
-"""The emulated cluster: namespaces come up, an allreduce runs across 4 hosts, all goes away.
+"""The emulated cluster: namespaces come up, an allreduce runs across the hosts, all goes away.
 
 Tests that build namespaces need root and a kernel that allows ``ip netns add``; elsewhere they
 skip and say why.
@@ -77,12 +77,18 @@ def test_without_root_it_says_so(monkeypatch):
 
 @needs_namespaces
 @pytest.mark.multiprocess
-def test_four_hosts_allreduce_and_teardown():
+@pytest.mark.parametrize(
+    # Two hosts carry the same checks at half the processes; four also check a 2x2 grid whose
+    # inner axis crosses hosts (tests/multiprocess_worker.py).
+    "hosts",
+    [2, pytest.param(4, marks=pytest.mark.slow)],
+)
+def test_hosts_allreduce_and_teardown(hosts):
     argv = [
         *JAXDIST,
         "cluster",
         "--hosts",
-        "4",
+        str(hosts),
         "--bandwidth",
         "1gbit",
         "--timeout",
@@ -99,10 +105,10 @@ def test_four_hosts_allreduce_and_teardown():
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"expected exit 0, found {proc.returncode}:\n{output}"
     run = _run_names(output)
-    for p in range(4):
+    for p in range(hosts):
         assert f"[p{p}] CHECK host OK {run}-h{p} 10.213.0.{p + 1}" in output, output
         for algorithm in ALGORITHMS:
-            assert f"[p{p}] CHECK allreduce {algorithm} 4x1 OK" in output, output
+            assert f"[p{p}] CHECK allreduce {algorithm} {hosts}x1 OK" in output, output
     _assert_gone(run)
 
 

@@ -266,7 +266,7 @@ def test_ctrl_c_stops_all(tmp_path):
     assert processes_with_env(token) == [], "workers survived Ctrl-C"
 
 
-@pytest.mark.multiprocess
+# Beside other tests: the processes only join and sleep, and the limits are a minute.
 def test_killed_jax_process_fails_the_launch_within_60s(tmp_path):
     """Two JAX processes in one run; SIGKILL one mid-run: non-zero exit, nothing left."""
     pid_dir = tmp_path / "pids"

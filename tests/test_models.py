@@ -65,6 +65,13 @@ def test_param_count_matches_torchvision_and_hand_count(name):
     assert found == expected, f"{name}: expected {expected:,} parameters, found {found:,}"
 
 
+def test_resnet10_is_one_basic_block_per_stage():
+    """ResNet-10 is not torchvision's; its count is the architecture's, by hand."""
+    assert models.ARCHITECTURES["resnet10"] == ("basic", (1, 1, 1, 1))
+    found = models.param_count(models.create("resnet10", num_classes=1000), (1, 224, 224, 3))
+    assert found == count_by_hand("basic", (1, 1, 1, 1)) == 5_418_792
+
+
 def test_resnet50_is_25_6m_and_gives_imagenet_logits():
     model = models.resnet50()
     variables = models.param_shapes(model, (2, 224, 224, 3))

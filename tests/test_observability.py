@@ -59,7 +59,7 @@ def test_tensorboard_holds_every_logged_scalar_and_the_config(tmp_path):
     for key in ("top1", "top5"):
         assert scalars[f"eval/{key}"] == {final["step"]: pytest.approx(final[key])}
     assert hparams["lr.peak"].number_value == pytest.approx(0.2)
-    assert hparams["model.name"].string_value == "resnet18"
+    assert hparams["model.name"].string_value == "resnet10"
     assert hparams["batch_ramp"].string_value == "[[0.05, 16]]"
 
 

@@ -224,10 +224,10 @@ def test_the_trainer_measures_a_profile_of_a_model_with_cross_replica_batchnorm(
     from jaxdist.tasks.image_classification import ImageClassification
 
     config = base_config()
-    config.model.name, config.model.width, config.model.stem = "resnet18", 4, "small"
+    config.model.name, config.model.width, config.model.stem = "resnet10", 4, "small"
     config.data.source, config.data.image_size, config.data.num_classes = "synthetic", 8, 10
     config.data.synthetic_train_examples = config.data.synthetic_eval_examples = 4
     task = ImageClassification(config, Replicas("data", 2))
     parts = StepParts(task=task, optimizer=optax.sgd(0.1), options={})
     profile = profile_for(config, parts, micro=2)
-    assert len(profile.layers) == 10 and profile.micro_batch == 2
+    assert len(profile.layers) == 6 and profile.micro_batch == 2  # stem, 4 blocks, head

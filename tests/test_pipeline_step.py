@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from jaxdist import meshes
 from jaxdist.models import init_variables
-from jaxdist.models.resnet import resnet18
+from jaxdist.models.resnet import resnet10, resnet18
 from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.pipeline.program import compile_schedule
 from jaxdist.pipeline.schedules import build
@@ -180,25 +180,23 @@ def test_pipedream_refuses_a_norm_over_the_whole_model():
     assert "\n" not in str(err.value)
 
 
-def small_resnet(**kwargs):
-    return resnet18(num_classes=5, width=4, stem="small", **kwargs)
-
-
 RESNET_CASES = [
-    # (schedule, stages, chunks, micro-batches, boundaries): ResNet-18 has 10 layers.
-    ("1f1b", 3, 1, 4, [0, 4, 7]),  # uneven: 4, 3, 3 layers
-    pytest.param("gpipe", 2, 1, 2, [0, 6], marks=pytest.mark.slow),
-    pytest.param("interleaved", 2, 2, 2, [0, 3, 5, 8], marks=pytest.mark.slow),
+    # (model, schedule, stages, chunks, micro-batches, boundaries): ResNet-10 has 6 layers (stem,
+    # one block per stage, head), ResNet-18 10.
+    (resnet10, "1f1b", 3, 1, 4, [0, 3, 5]),  # uneven: 3, 2, 1 layers
+    pytest.param(resnet18, "gpipe", 2, 1, 2, [0, 6], marks=pytest.mark.slow),
+    pytest.param(resnet18, "interleaved", 2, 2, 2, [0, 3, 5, 8], marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("schedule, stages, chunks, micro_batches, boundaries", RESNET_CASES)
+@pytest.mark.parametrize("resnet, schedule, stages, chunks, micro_batches, boundaries",
+                         RESNET_CASES)  # fmt: skip
 def test_resnet_stages_with_batchnorm_equal_accumulation(
-    schedule, stages, chunks, micro_batches, boundaries
+    resnet, schedule, stages, chunks, micro_batches, boundaries
 ):
     """BatchNorm inside a pipeline normalises each micro-batch with its own statistics and
     threads its running statistics through the micro-batches in order, as accumulation does."""
-    model = small_resnet()
+    model = resnet(num_classes=5, width=4, stem="small")
     images = jax.random.normal(jax.random.key(1), (16, 8, 8, 3))
     batch = {"x": images, "label": jax.random.randint(jax.random.key(2), (16,), 0, 5)}
     variables = init_variables(model, jax.random.key(0), images[:2])

@@ -19,6 +19,7 @@ from jaxdist.training import optim
 from jaxdist.training.protocol import Step
 
 PIPELINE = {
+    "model.name": "resnet18",  # 10 layers for 4 stages
     "mesh": "pipeline-2x4",
     "pipeline.stages": 4,
     "pipeline.microbatches": 2,

@@ -14,8 +14,10 @@ def _max_difference(a, b) -> float:
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))  # fmt: skip
 
 
-# One batch size throughout (no ramp): each run compiles one train step.
-ONE_BATCH = {"batch_ramp": ()}
+# One batch size throughout (no ramp): each run compiles one train step. ResNet-18: over the
+# four steps after the resume, float32 rounding (8 devices against 4) stays under the bound
+# below, where ResNet-10's steps grow it to 1e-4.
+ONE_BATCH = {"batch_ramp": (), "model.name": "resnet18"}
 
 
 @pytest.fixture(scope="module")

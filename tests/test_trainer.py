@@ -25,7 +25,7 @@ from tests._procs import JAXDIST, clean_env
 # A tiny run on the 8x8 digits (1,438 train images of 8x8): 16 images per step until
 # 0.05 epochs (72 samples: steps 0-4), then 32 per step from step 5.
 TINY = {
-    "model.name": "resnet18",
+    "model.name": "resnet10",
     "model.stem": "small",
     "model.width": 4,
     "data.source": "digits",
@@ -148,7 +148,7 @@ from jaxdist.run.config import base_config
 
 def get_config():
     c = base_config()
-    c.model.name = "resnet18"
+    c.model.name = "resnet10"
     c.model.stem = "small"
     c.model.width = 4
     c.data.source = "digits"
@@ -163,7 +163,8 @@ def get_config():
 """
 
 
-@pytest.mark.multiprocess
+# Beside other tests: the child trains for 50 epochs, far beyond the signal, and nothing is
+# timed but a generous deadline.
 @pytest.mark.parametrize(
     ("signum", "code", "said"),
     [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "stopped by Ctrl-C")],

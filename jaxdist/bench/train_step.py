@@ -208,28 +208,36 @@ def _jaxdist_runners(
     with no allreduce (``jaxdist ALGORITHM/none``) and, with ``wait_free``, the schedule
     paced beside backward (``jaxdist ALGORITHM wait-free``), each on its own state."""
     runners = {}
-    for algorithm in algorithms:
-        kinds = [(algorithm, False), (ts.NO_ALLREDUCE, False)]
-        if wait_free and algorithm not in ("native", hybrid.AUTO):
-            kinds.append((algorithm, True))
-        for allreduce, paced in kinds:
-            step = ts.TrainStep(
-                ts.classifier_loss(model, num_classes=num_classes),
-                optimizer,
-                mesh,
-                allreduce=allreduce,
-                bucket_bytes=bucket_bytes,
-                wait_free=paced,
-            )
-            holder = [step.init(variables["params"], {"batch_stats": variables["batch_stats"]})]
+    for name, allreduce, paced in _jaxdist_variants(algorithms, wait_free):
+        step = ts.TrainStep(
+            ts.classifier_loss(model, num_classes=num_classes),
+            optimizer,
+            mesh,
+            allreduce=allreduce,
+            bucket_bytes=bucket_bytes,
+            wait_free=paced,
+        )
+        holder = [step.init(variables["params"], {"batch_stats": variables["batch_stats"]})]
 
-            def run_jaxdist(step=step, holder=holder):
-                holder[0], _ = step(holder[0], batch, jax.random.key(0))
-                jax.block_until_ready(holder[0].params)
+        def run_jaxdist(step=step, holder=holder):
+            holder[0], _ = step(holder[0], batch, jax.random.key(0))
+            jax.block_until_ready(holder[0].params)
 
-            suffix = " wait-free" if paced else "" if allreduce == algorithm else "/none"
-            runners[f"jaxdist {algorithm}{suffix}"] = run_jaxdist
+        runners[name] = run_jaxdist
     return runners
+
+
+def _jaxdist_variants(algorithms: Sequence[str], wait_free: bool) -> list[tuple[str, str, bool]]:
+    """``(name, allreduce, paced)`` of each jaxdist step the benchmark times: per algorithm the
+    step, its compute-only twin (``/none``) and, with ``wait_free``, the step paced beside
+    backward, for the permute schedules only (``native`` and ``auto`` have no steps to pace)."""
+    variants = []
+    for algorithm in algorithms:
+        variants += [(f"jaxdist {algorithm}", algorithm, False),
+                     (f"jaxdist {algorithm}/none", ts.NO_ALLREDUCE, False)]  # fmt: skip
+        if wait_free and algorithm not in ("native", hybrid.AUTO):
+            variants.append((f"jaxdist {algorithm} wait-free", algorithm, True))
+    return variants
 
 
 def _measurements(times: dict[str, list[float]], global_batch: int) -> list[Measurement]:

@@ -28,6 +28,7 @@ from jaxdist.models.resnet import (
     PointwiseConv,
     ResNet,
     default_norm,
+    resnet10,
     resnet18,
     resnet34,
     resnet50,
@@ -36,6 +37,7 @@ from jaxdist.models.resnet import (
 )
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
+    "resnet10": resnet10,
     "resnet18": resnet18,
     "resnet34": resnet34,
     "resnet50": resnet50,
@@ -86,6 +88,7 @@ __all__ = [
     "init_variables",
     "param_count",
     "param_shapes",
+    "resnet10",
     "resnet18",
     "resnet34",
     "resnet50",
