@@ -30,10 +30,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # another, but many also wait (for the processes they start to import JAX and meet, for a
 # file, for a child to exit), and a third worker fills those waits: on 2 cores the default
 # run took 15 min 08 s with three workers, 17 min 15 s with two. A test whose processes need the
-# machine to themselves (marked `multiprocess`: JAX peers that compile and must meet, a race
-# with a child, a watchdog's time limit) takes the lock below exclusively and runs with
-# nothing beside it, while every other test shares it. Tests whose processes only sleep, or
-# exit after a fixed wait, run beside others.
+# machine to themselves (marked `multiprocess`: JAX peers that compile and must meet) takes
+# every slot below and runs with nothing beside it; one that starts a single child it races
+# or times (marked `beside_one`: a kill during a write, a watchdog) runs beside at most one
+# other test. Tests whose processes only sleep, or exit after a fixed wait, run beside others.
 if "JAXDIST_TEST_LOCKS" not in os.environ:
     _locks = tempfile.mkdtemp(prefix="jaxdist-tests-locks-")
     atexit.register(shutil.rmtree, _locks, ignore_errors=True)
@@ -64,72 +64,101 @@ LONGEST_FIRST = (
 )  # fmt: skip
 
 
-def _runs_alone(item) -> bool:
-    return item is not None and item.get_closest_marker("multiprocess") is not None
+# What share of the machine a test needs, in slots: one per xdist worker. A test marked
+# `multiprocess` takes every slot and runs alone; one marked `beside_one` (a single child it
+# races or times, which uses about one core of the two) takes all but one, so at most one
+# other test runs beside it; every other test takes one.
+SLOTS = 3
+
+
+def _slots_needed(item) -> int:
+    if item is None:
+        return 0
+    if item.get_closest_marker("multiprocess") is not None:
+        return SLOTS
+    if item.get_closest_marker("beside_one") is not None:
+        return SLOTS - 1
+    return 1
 
 
 def pytest_collection_modifyitems(config, items):
-    # Files stay whole; within a file the tests that run alone come last, one after another,
-    # so that the lock below changes hands once per file (the order within each group stays).
+    # Files stay whole; within a file the tests that need more than a slot come last, the
+    # heaviest at the end, so that the slots change hands once per kind (the order within each
+    # kind stays).
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: (rank.get(item.path.stem, len(rank)), item.path, _runs_alone(item)))
+    items.sort(
+        key=lambda item: (rank.get(item.path.stem, len(rank)), item.path, _slots_needed(item))
+    )
 
 
 @contextlib.contextmanager
-def _run_alone_or_beside(alone: bool):
-    """A reader-writer lock over two files, fair to the writer: each test passes the
-    turnstile first, and a test that must run alone holds the turnstile until every test
-    running beside it has finished, so that no new one starts meanwhile."""
+def _take_slots(needed: int):
+    """Hold ``needed`` of the slot files (flock), fair to the test that needs many: each test
+    passes the turnstile first and keeps it until it holds its slots, so that no test starts
+    while one that needs several waits for them. A one-slot test takes any free slot, the last
+    first; one that needs several takes the first ones, in order (no deadlock: a test waits
+    for slots only while it holds the turnstile, and holders never need the turnstile)."""
     folder = os.environ["JAXDIST_TEST_LOCKS"]
     turnstile = os.open(os.path.join(folder, "turnstile"), os.O_CREAT | os.O_RDWR)
-    shared = os.open(os.path.join(folder, "running"), os.O_CREAT | os.O_RDWR)
+    slots = [
+        os.open(os.path.join(folder, f"slot{i}"), os.O_CREAT | os.O_RDWR) for i in range(SLOTS)
+    ]
     try:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
-        if alone:
-            fcntl.flock(shared, fcntl.LOCK_EX)
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        if needed == 1:
+            for slot in reversed(slots):
+                try:
+                    fcntl.flock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    continue
+            else:  # more workers than slots: wait for the last one
+                fcntl.flock(slots[-1], fcntl.LOCK_EX)
         else:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-            fcntl.flock(shared, fcntl.LOCK_SH)
+            for slot in slots[:needed]:
+                fcntl.flock(slot, fcntl.LOCK_EX)
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
         yield
     finally:
-        os.close(shared)  # closing a descriptor releases its lock
-        os.close(turnstile)
+        for descriptor in (*slots, turnstile):
+            os.close(descriptor)  # closing a descriptor releases its lock
 
 
-class _HeldAlone:
-    """The exclusive lock, kept from one test that runs alone to the next: between two of
-    them the other worker would start a test, and the second would wait for it to end."""
+class _HeldSlots:
+    """Several slots, kept from one test that needs them to the next that needs as many:
+    between two of them another worker would start a test, and the second would wait for it."""
 
     def __init__(self) -> None:
         self._stack = contextlib.ExitStack()
-        self.held = False
+        self.held = 0
 
-    def take(self) -> None:
-        if not self.held:
-            self._stack.enter_context(_run_alone_or_beside(True))
-            self.held = True
+    def take(self, needed: int) -> None:
+        if self.held != needed:
+            self.give_back()
+            self._stack.enter_context(_take_slots(needed))
+            self.held = needed
 
     def give_back(self) -> None:
         self._stack.close()
-        self.held = False
+        self.held = 0
 
 
-_alone = _HeldAlone()
+_held = _HeldSlots()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    if not _runs_alone(item):
-        with _run_alone_or_beside(False):
+    needed = _slots_needed(item)
+    if needed == 1:
+        with _take_slots(1):
             yield
         return
-    _alone.take()
+    _held.take(needed)
     try:
         yield
     finally:
-        if not _runs_alone(nextitem):
-            _alone.give_back()
+        if _slots_needed(nextitem) != needed:
+            _held.give_back()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -151,7 +151,7 @@ def test_a_checkpoint_of_another_model_names_the_first_mismatched_parameter(
     assert (workdir / "config.json").read_text() == recorded, "the refused config was recorded"
 
 
-@pytest.mark.multiprocess
+@pytest.mark.beside_one
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_step(
     recipe, uninterrupted, tmp_path
 ):
@@ -178,7 +178,7 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_step(
     assert_same_as_uninterrupted(workdir, uninterrupted)
 
 
-@pytest.mark.multiprocess
+@pytest.mark.beside_one
 def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_step(
     recipe, uninterrupted, tmp_path
 ):
@@ -277,7 +277,7 @@ def test_skipping_non_finite_steps_stops_after_the_limit_in_a_row(recipe, tmp_pa
         assert all(np.isfinite(v).all() for v in saved_state(workdir, step).values())
 
 
-@pytest.mark.multiprocess
+@pytest.mark.beside_one
 def test_a_second_run_on_the_same_workdir_is_refused_and_the_first_finishes(
     recipe, uninterrupted, tmp_path, capsys
 ):
@@ -352,7 +352,7 @@ def test_a_data_file_deleted_mid_run_stops_at_a_checkpoint_naming_it(
     assert_same_as_uninterrupted(workdir, reference, step=12)
 
 
-@pytest.mark.multiprocess
+@pytest.mark.beside_one
 def test_a_stuck_input_reader_is_reported_by_the_watchdog(recipe, images, tmp_path):
     """The images become FIFOs that nobody writes: reading one blocks forever, as on a hung
     network filesystem. The watchdog names the process, the step and the wait."""
