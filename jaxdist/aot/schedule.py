@@ -45,7 +45,8 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.+?) ([a-z][a-z0-9\-
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%?([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_OPERAND = re.compile(r"%([\w.\-]+)")
+# An operand as a compiled program writes it: "%name".
+OPERAND = re.compile(r"%([\w.\-]+)")
 # Matrix products and convolutions that a GPU program hands to a library (cuBLAS, cuDNN).
 _LIBRARY_MATMUL = re.compile(r'custom_call_target="[^"]*(?:conv|gemm|matmul)', re.IGNORECASE)
 
@@ -382,7 +383,7 @@ def _names_by_use(instructions: list[Instruction]) -> dict[str, str]:
     by_name = {i.name: i for i in instructions}
     users: dict[str, list[str]] = {}
     for inst in instructions:
-        for used in dict.fromkeys(_OPERAND.findall(inst.rest)):
+        for used in dict.fromkeys(OPERAND.findall(inst.rest)):
             users.setdefault(used, []).append(inst.name)
 
     def first_named_user(start: str) -> str:

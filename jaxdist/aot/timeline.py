@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from jaxdist.aot.schedule import (
     ASYNC_FUSION,
     COLLECTIVES,
+    OPERAND,
     Collective,
     Instruction,
     collective_role,
@@ -205,7 +206,7 @@ class _Weights:
 def _operands(inst: Instruction) -> list[str]:
     """Names of an instruction's operands (a traced program's text writes them without %)."""
     head = inst.rest.split(")")[0]
-    return re.findall(r"%([\w.\-]+)", head) or re.findall(r"[\w.\-]+", head)
+    return OPERAND.findall(head) or re.findall(r"[\w.\-]+", head)
 
 
 def _shape(type_text: str) -> list[int]:
