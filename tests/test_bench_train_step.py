@@ -27,7 +27,7 @@ def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
     rows = json.loads(out_json.read_text())
     # One row per variant asked for, after the baseline; the compute-only twins ("/none") are
     # folded into their rows, not reported as variants of their own; a permute schedule also
-    # runs wait-free, against the same twin (test_variants_in_the_order_asked has the rest).
+    # runs wait-free, against the same twin (the rest: the test of the variant list below).
     assert [r["variant"] for r in rows] == ["baseline", "jaxdist ring", "jaxdist ring wait-free"]
     global_batch = 2 * 8  # --per-device-batch 2 on the 8 devices of torus-4x2
     baseline = rows[0]
