@@ -98,6 +98,7 @@ def test_learning_rate_and_lars_reach_every_stage():
         ({"max_per_device_batch": 8}, "accumulation_steps=2: a pipeline's micro-batches take"),
         ({"pipeline.chunks": 2}, "pipeline.chunks=2 is for the interleaved schedule"),
         ({"gather": "native"}, "a pipeline's stages keep their parameters whole"),
+        ({"prefetch": 2}, "prefetch=2 paces a sharded step's parameter all-gathers"),
     ],
 )
 def test_bad_pipeline_config_is_one_line(tmp_path, overrides, message):

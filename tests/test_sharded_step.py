@@ -1,6 +1,8 @@
 """ZeRO-1 and FSDP train steps against one-device training: every optimizer, every schedule with
 halves, HSDP, accumulation, loss scaling; memory per device; refusals."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,6 +105,64 @@ def test_parameters_gathered_by_a_schedule_of_their_own_match_single_device(
     assert "collective_permute" in lowered
     assert_trees_close(state.params, params, atol=3e-6)
     assert_trees_close(state.model_state, model_state, atol=2e-6)
+
+
+@pytest.mark.parametrize("prefetch", [2, 3])
+def test_fsdp_gathering_layers_further_ahead_matches_single_device(reference_sgd, prefetch):
+    """Each layer's gather free to start ``prefetch`` layers ahead, in forward and backward:
+    the same training."""
+    batches, (params, model_state) = reference_sgd
+    make_mesh, axes = MESHES["torus-4x2"]
+    state, _, step = distributed_training(
+        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, sharding="fsdp",
+        allreduce="ring", prefetch=prefetch, **SHARDED,
+    )  # fmt: skip
+    assert step.prefetch == prefetch
+    assert_trees_close(state.params, params, atol=3e-6)
+    assert_trees_close(state.model_state, model_state, atol=2e-6)
+
+
+def test_bfloat16_layers_gather_their_parameters_as_bfloat16_for_the_same_training(monkeypatch):
+    """A layer that computes in bfloat16 casts its float32 kernel first: FSDP gathers the
+    cast, half the bytes, and training is the same as gathering float32."""
+    import flax.linen as nn
+
+    from jaxdist.training import fsdp_pacing
+
+    class HalfNet(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=True):
+            x = nn.relu(nn.Dense(64, dtype=jnp.bfloat16)(x))
+            x = nn.LayerNorm()(x)  # reads its scale in float32: that gather stays float32
+            return nn.Dense(NUM_CLASSES, dtype=jnp.bfloat16)(x).astype(jnp.float32)
+
+    model = HalfNet()
+    params = model.init(jax.random.key(0), np.zeros((2, 10), np.float32))["params"]
+    batches = [data(seed=s) for s in range(STEPS)]
+
+    def train():
+        step = ts.TrainStep(ts.classifier_loss(model, num_classes=NUM_CLASSES),
+                            optax.adam(1e-2), meshes.ring(8), sharding="fsdp",
+                            allreduce="ring", **SHARDED)  # fmt: skip
+        state = step.init(params)
+        for batch in batches:
+            state, metrics = step(state, step.shard_batch(batch), jax.random.key(1))
+        text = step.lower(state, step.shard_batch(batches[0]), jax.random.key(1)).as_text()
+        return state, metrics, text
+
+    narrow, narrow_metrics, narrow_text = train()
+    own_dtypes = lambda segment: [jnp.dtype(p.aval.dtype) for p in segment.params]  # noqa: E731
+    monkeypatch.setattr(fsdp_pacing, "gather_dtypes", own_dtypes)
+    wide, wide_metrics, wide_text = train()
+
+    def sent_dtypes(text):  # as the program is written: XLA:CPU then sends bf16 as f32
+        return set(re.findall(r"collective_permute.*: \(tensor<\w+x(\w+)>\)", text))
+
+    # The gradients travel as float32 either way; only the kernels' gathers can be bf16.
+    assert sent_dtypes(narrow_text) == {"bf16", "f32"}
+    assert sent_dtypes(wide_text) == {"f32"}
+    assert float(narrow_metrics["loss"]) == float(wide_metrics["loss"])
+    assert_trees_close(narrow.params, wide.params, atol=0)
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +291,11 @@ def test_sharded_steps_refuse_what_they_cannot_run_in_one_line():
         ({"allreduce": "ring", "zero1": True}, "zero1=True is sharding='zero1'"),
         ({"allreduce": "ring", "gather": "halving_doubling"}, "gather must be one of native, "),
         ({"allreduce": "ring", "gather": "torus3d"}, "gather='torus3d': allreduce 'torus3d' needs"),
+        ({"allreduce": "ring", "prefetch": 0}, "prefetch must be a whole number of layers >= 1"),
+        (
+            {"allreduce": "ring", "prefetch": 2, "keep_gathered": True},
+            "a step that keeps every unit gathered none layer by layer",
+        ),
     ]
     for options, message in cases:
         with pytest.raises(ValueError) as err:
@@ -240,6 +305,8 @@ def test_sharded_steps_refuse_what_they_cannot_run_in_one_line():
         ValueError, match="sharding must be one of replicated, zero1, fsdp; got 'zero3'"
     ):
         ts.TrainStep(loss, optax.sgd(0.1), mesh, sharding="zero3")
+    with pytest.raises(ValueError, match="a step that sharding='zero1' gathers none layer by"):
+        ts.TrainStep(loss, optax.sgd(0.1), mesh, allreduce="ring", sharding="zero1", prefetch=2)
     for gather in ("native", "ring"):  # named, even as the allreduce's own, it is refused
         with pytest.raises(ValueError, match="sharding='replicated' gathers none"):
             ts.TrainStep(loss, optax.sgd(0.1), mesh, allreduce="ring", gather=gather)
@@ -264,6 +331,20 @@ def test_fsdp_paces_each_layers_gather_and_keeps_tied_weights_in_one_segment():
     segments = fsdp_pacing.segments_of(closed.jaxpr, param_vars)
     # Leaves in tree order: a.bias, a.kernel, b.bias, ...: one segment per layer.
     assert [sorted(s.leaves) for s in segments] == [[0, 1], [2, 3], [4, 5]]
+
+    def half_mlp(params, x):  # each layer casts its parameters to bfloat16 just before use
+        for name in ("a", "b", "c"):
+            kernel, bias = (params[name][k].astype(jnp.bfloat16) for k in ("kernel", "bias"))
+            x = jnp.tanh(x.astype(jnp.bfloat16) @ kernel + bias)
+        return x
+
+    closed = jax.make_jaxpr(lambda *ls: half_mlp(jax.tree.unflatten(jax.tree.structure(params),
+                                                                    ls), jnp.ones((2, 8))))(
+        *leaves)  # fmt: skip
+    param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars)}
+    segments = fsdp_pacing.segments_of(closed.jaxpr, param_vars)
+    assert [sorted(s.leaves) for s in segments] == [[0, 1], [2, 3], [4, 5]]
+    assert all(fsdp_pacing.gather_dtypes(s) == [jnp.bfloat16] * 2 for s in segments)
 
     def tied(params, x):
         h = x @ params["embed"]

@@ -45,6 +45,9 @@ Fields:
   gather: the schedule of the parameters' all-gathers under ``zero1`` and ``fsdp`` when it is
     not ``allreduce``'s (``""``): ``native`` beside a permute ``allreduce`` gathers with XLA's
     all-gather and reduce-scatters the gradients with the schedule.
+  prefetch: under ``fsdp``, how many layers ahead of its use a layer's all-gather may start,
+    in forward and in backward (1: beside the layer before); more gives each gather more
+    compute to hide behind and holds that many more layers gathered.
   wait_free: run every gradient bucket's schedule beside the rest of the backward pass, one
     message step per matrix product, in the compiled program's own order (wait-free
     backprop, :mod:`jaxdist.training.wait_free`); a permute schedule's steps then run
@@ -340,6 +343,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.unroll_limit = 16  # the schedules' own default, jaxdist.comm.collectives.UNROLL_LIMIT
     c.sharding = "replicated"
     c.gather = ""  # the parameters' all-gather schedule under zero1/fsdp; "": allreduce's
+    c.prefetch = 1  # layers ahead FSDP's gathers may start
     c.wait_free = False
     c.batch_size = 256
     c.batch_ramp = ()

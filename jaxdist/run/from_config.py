@@ -180,4 +180,5 @@ def step_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
         "wait_free": config.wait_free,
         "sharding": config.sharding,
         **({"gather": config.gather} if config.gather else {}),
+        **({"prefetch": config.prefetch} if config.prefetch != 1 else {}),
     }

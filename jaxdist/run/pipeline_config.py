@@ -120,6 +120,10 @@ class Pipeline:
             raise ValueError(f"gather={options['gather']!r} is the schedule of a sharded step's "
                              "parameter all-gathers; a pipeline's stages keep their parameters "
                              "whole: leave gather out")  # fmt: skip
+        if "prefetch" in options:
+            raise ValueError(f"prefetch={options['prefetch']!r} paces a sharded step's parameter "
+                             "all-gathers; a pipeline's stages keep their parameters whole: "
+                             "leave prefetch out")  # fmt: skip
         boundaries = None
         if p.boundaries == "auto":
             boundaries = self._auto_boundaries(parts)

@@ -9,11 +9,15 @@ memory is gone. This module fixes the order in the program itself:
 
 1. The loss is traced once on whole parameters (``jax.make_jaxpr``) and cut into
    *segments*: a segment starts at each matrix product or convolution that reads
-   parameters no earlier segment read (a layer's kernel; its bias or a norm's scale joins
-   the segment open when it is first read), and a parameter read again later keeps every
-   equation between its reads in one segment.
+   parameters no earlier segment read, itself or through casts and relayouts (a layer's
+   kernel, or the bfloat16 copy a mixed-precision layer makes of it: the segment then
+   starts at that cast; its bias or a norm's scale joins the segment open when it is first
+   read), and a parameter read again later keeps every equation between its reads in one
+   segment.
 2. Each segment runs as one ``jax.custom_vjp`` function of its inputs and its parameters'
-   blocks. Forward: it gathers its blocks (one collective of the family for all of them)
+   blocks. Forward: it gathers its blocks (one collective of the family for all of them, in
+   the narrower dtype the segment casts them to before any use, if it does: a bfloat16
+   layer's float32 kernel travels as bfloat16)
    once a scalar the segment *before* it hands over at its own start exists -- so segment
    ``k + 1``'s gather runs beside segment ``k``'s compute and no earlier -- and keeps for
    backward what ``jax.vjp`` keeps, less what is computed from the gathered parameters alone
@@ -29,7 +33,10 @@ memory is gone. This module fixes the order in the program itself:
    (``x * 0``, which compilers do not fold for floats), added to one element of the blocks.
 
 The arithmetic is the loss's own, equation by equation; only where the compiler may place
-the collectives is narrowed: no gather starts more than one segment ahead of its use.
+the collectives is narrowed: no gather starts more than one segment ahead of its use, or
+``prefetch`` segments where asked (the handover then carries the marks of that many
+segments along, and a gather waits for the mark of the segment ``prefetch`` before it in
+forward, after it in backward).
 """
 
 from __future__ import annotations
@@ -58,6 +65,11 @@ class _Segment:
     params: list  # their invars, in the order of ``leaves``
 
 
+# Primitives that only cast or lay out one value anew.
+_RELAYOUTS = {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
+              "expand_dims", "copy", "copy_p"}  # fmt: skip
+
+
 def _is_var(v: Any) -> bool:
     return isinstance(v, jex.Var)
 
@@ -66,25 +78,43 @@ def segments_of(jaxpr: Any, param_vars: Mapping[Any, int]) -> list[_Segment]:
     """The loss's equations cut into segments (see the module docstring); ``param_vars`` maps
     each sharded parameter's invar to its leaf index."""
     eqns = list(jaxpr.eqns)
-    first: dict[Any, int] = {}
-    last: dict[Any, int] = {}
+    # A value cast or reshaped from one parameter alone (a bfloat16 layer's copy of its
+    # float32 kernel) is read as that parameter: the product reading it opens the layer.
+    origin: dict[Any, Any] = {v: v for v in param_vars}
+    first: dict[Any, int] = {}  # each parameter's first read (its cast, if it is cast)
+    last: dict[Any, int] = {}  # its last read, itself or a value cast from it
+    first_use: dict[Any, int] = {}  # its first read by anything but such a cast
     for i, eqn in enumerate(eqns):
+        sources = {origin[v] for v in eqn.invars if _is_var(v) and v in origin}
         for v in eqn.invars:
             if _is_var(v) and v in param_vars:
                 first.setdefault(v, i)
-                last[v] = i
+        for p in sources:
+            last[p] = i
+        if eqn.primitive.name in _RELAYOUTS and len(sources) == 1 and all(
+            not _is_var(v) or v in origin for v in eqn.invars
+        ):  # fmt: skip
+            origin.update(dict.fromkeys(eqn.outvars, next(iter(sources))))
+        else:
+            for p in sources:
+                first_use.setdefault(p, i)
     if any(v in param_vars for v in jaxpr.outvars if _is_var(v)):
         raise ValueError("fsdp: the loss returns a parameter itself; it cannot be paced")
     # Boundaries at products that read new parameters (a layer's kernel), once the open
-    # segment did a product; other new parameters (a bias, a norm's scale) join the open one.
-    starts, matmul_since = [0], False
+    # segment did a product -- placed at the first cast of those parameters if it comes after
+    # that product; other new parameters (a bias, a norm's scale) join the open segment.
+    starts, matmul_since, last_matmul = [0], False, -1
     for i, eqn in enumerate(eqns):
         matmul = has_matmul(eqn)
-        opens = any(first.get(v) == i for v in eqn.invars if _is_var(v))
-        if opens and matmul and matmul_since and i > starts[-1]:
-            starts.append(i)
-            matmul_since = False
+        opened = [origin[v] for v in eqn.invars
+                  if _is_var(v) and v in origin and first_use.get(origin[v]) == i]  # fmt: skip
+        if opened and matmul and matmul_since:
+            start = max(min(first[p] for p in opened), last_matmul + 1)
+            if start > starts[-1]:
+                starts.append(start)
+                matmul_since = False
         matmul_since = matmul_since or matmul
+        last_matmul = i if matmul else last_matmul
     # A parameter read in several segments keeps them one.
     for v in first:
         lo = max(s for s in starts if s <= first[v])
@@ -108,6 +138,24 @@ def segments_of(jaxpr: Any, param_vars: Mapping[Any, int]) -> list[_Segment]:
         outputs = [v for eqn in part for v in eqn.outvars if last_read.get(v, -1) >= b]
         segments.append(_Segment(part, inputs, outputs, [param_vars[v] for v in params], params))
     return segments
+
+
+def gather_dtypes(segment: _Segment) -> list[Any]:
+    """Per parameter of ``segment``, the dtype its gather travels in: the narrower float
+    dtype that every read of it casts it to first (a bfloat16 layer's float32 kernel), else
+    its own. The cast commutes with the gather, so the segment sees the very same values for
+    half the bytes."""
+    dtypes = []
+    for param in segment.params:
+        own = jnp.dtype(param.aval.dtype)
+        reads = [eqn for eqn in segment.eqns if any(_is_var(v) and v == param for v in eqn.invars)]
+        casts = {jnp.dtype(eqn.params["new_dtype"]) for eqn in reads
+                 if eqn.primitive.name == "convert_element_type"}  # fmt: skip
+        narrow = casts.pop() if len(casts) == 1 and len(reads) == sum(
+            eqn.primitive.name == "convert_element_type" for eqn in reads) else own  # fmt: skip
+        floats = jnp.issubdtype(own, jnp.floating) and jnp.issubdtype(narrow, jnp.floating)
+        dtypes.append(narrow if floats and narrow.itemsize < own.itemsize else own)
+    return dtypes
 
 
 def _evaluate(segment: _Segment, inputs: Sequence[Any], params: Sequence[Any]) -> list[Any]:
@@ -139,16 +187,22 @@ def _handover(values: Sequence[Any]) -> jax.Array:
     return zero
 
 
-def _handover_pair(inputs: Sequence[Any]) -> jax.Array:
-    """Forward's handover: ``[zero once the inputs are there, 0]``. Backward hands back
-    ``[zero once this segment's backward has begun and the next one's reduce-scatter is done,
-    zero once this one's reduce-scatter is done]`` in its place (the cotangent)."""
-    return jnp.stack([_handover(inputs), jnp.zeros((), jnp.float32)])
+def _handover_vector(inputs: Sequence[Any], handover: jax.Array | None, prefetch: int) -> jax.Array:
+    """Forward's handover, ``prefetch + 1`` entries: a zero once this segment's inputs are
+    there, then the zeros of the ``prefetch - 1`` segments before it (shifted along from the
+    handover it was given), then a 0 that backward's cotangent fills. Backward hands back, in
+    its place, a zero once this segment's backward has begun and the next one's
+    reduce-scatter is done, the same for the ``prefetch - 1`` segments after it, and last a
+    zero once this one's reduce-scatter is done."""
+    earlier = (jnp.zeros((prefetch - 1,), jnp.float32) if handover is None
+               else handover[: prefetch - 1])  # fmt: skip
+    return jnp.concatenate([_handover(inputs)[None], earlier, jnp.zeros((1,), jnp.float32)])
 
 
-def _gate(handover: jax.Array | None) -> jax.Array | None:
-    """What a segment's gather waits for: the first entry of the handover it was given."""
-    return None if handover is None else handover[0]
+def _gate(handover: jax.Array | None, prefetch: int) -> jax.Array | None:
+    """What a segment's gather waits for: in forward, the inputs of the segment ``prefetch``
+    before it; in backward, the backward of the segment ``prefetch`` after it."""
+    return None if handover is None else handover[prefetch - 1]
 
 
 def _after(shards: Sequence[jax.Array], handover: jax.Array | None) -> list[jax.Array]:
@@ -188,12 +242,14 @@ def _placeholder(aval: jax.ShapeDtypeStruct) -> jax.Array:
     return jnp.zeros(aval.shape, aval.dtype)
 
 
-def paced_loss(loss_fn: Callable, layout: Any, gather: Callable, scatter: Callable) -> Callable:
+def paced_loss(loss_fn: Callable, layout: Any, gather: Callable, scatter: Callable,
+               prefetch: int = 1) -> Callable:  # fmt: skip
     """``loss_fn`` on a device's parameter blocks with every gather and reduce-scatter placed
     as the module docstring says. ``gather(blocks, dims, again) -> whole`` and
     ``scatter(whole, dims) -> blocks`` are the unit collectives
     (:mod:`jaxdist.training.sharding`); ``again`` marks backward's gather, which must not be
-    merged with forward's."""
+    merged with forward's. ``prefetch``: how many segments ahead of its use a gather may
+    start (1: beside the segment before it)."""
 
     def sharded_loss(params, model_state, batch, rng):
         blocks, treedef = jax.tree.flatten(params)
@@ -216,9 +272,9 @@ def paced_loss(loss_fn: Callable, layout: Any, gather: Callable, scatter: Callab
         env = dict(zip(jaxpr.constvars, closed.consts))
         env.update(zip(jaxpr.invars[len(split) :], [*free, *others]))
         segments = segments_of(jaxpr, {v: split[k] for k, v in enumerate(whole_vars)})
-        handover = None  # what the previous segment handed over (see _handover_pair)
+        handover = None  # what the previous segment handed over (see _handover_vector)
         for segment in segments:
-            step = _segment_step(segment, layout, gather, scatter)
+            step = _segment_step(segment, layout, gather, scatter, prefetch)
             shards = [blocks[i] for i in segment.leaves]
             values = [env[v] for v in segment.inputs]
             outputs, handover = step(values, shards, handover)
@@ -229,36 +285,46 @@ def paced_loss(loss_fn: Callable, layout: Any, gather: Callable, scatter: Callab
     return sharded_loss
 
 
-def _segment_step(segment: _Segment, layout: Any, gather: Callable, scatter: Callable):
+def _segment_step(segment: _Segment, layout: Any, gather: Callable, scatter: Callable,
+                  prefetch: int):  # fmt: skip
     """``(inputs, blocks, handover) -> (outputs, handover)``: one segment as a custom_vjp."""
     dims = [layout.dims[i] for i in segment.leaves]
+    travel = gather_dtypes(segment)
     f = lambda ins, ws: _evaluate(segment, ins, ws)  # noqa: E731
     saved: dict[str, Any] = {}
 
     def gathered(shards, tie, again=False):
-        if not shards:
-            return []
+        """The whole parameters, one gather per dtype they travel in, each cast back to the
+        parameter's own dtype (exact: a cast up from the narrower dtype)."""
+        whole: list[Any] = [None] * len(shards)
         with jax.named_scope(PARAMETER_SCOPE):
-            return gather(_after(shards, tie), dims, again)
+            for dtype in dict.fromkeys(travel):
+                group = [i for i, d in enumerate(travel) if d == dtype]
+                cast = [shards[i].astype(dtype) for i in group]
+                for i, w in zip(group, gather(_after(cast, tie), [dims[i] for i in group], again)):
+                    whole[i] = w.astype(shards[i].dtype)
+        return whole
 
     @jax.custom_vjp
     def step(inputs, shards, handover):
-        return f(inputs, gathered(shards, _gate(handover))), _handover_pair(inputs)
+        whole = gathered(shards, _gate(handover, prefetch))
+        return f(inputs, whole), _handover_vector(inputs, handover, prefetch)
 
     def forward(inputs, shards, handover):
-        whole = gathered(shards, _gate(handover))
+        whole = gathered(shards, _gate(handover, prefetch))
         outputs, vjp_fn = jax.vjp(f, list(inputs), list(whole))
         leaves, saved["treedef"] = jax.tree.flatten(vjp_fn)
         recomputed = _w_only_residuals(f, inputs, whole) if shards else [False] * len(leaves)
         saved["recomputed"] = recomputed
         kept = [leaf for leaf, r in zip(leaves, recomputed, strict=True) if not r]
         saved["inputs"] = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
-        return (outputs, _handover_pair(inputs)), (kept, list(shards), handover)
+        handed = _handover_vector(inputs, handover, prefetch)
+        return (outputs, handed), (kept, list(shards), handover)
 
     def backward(residuals, cotangents):
         kept, shards, handover = residuals
         output_cts, handover_ct = cotangents
-        whole = gathered(shards, _gate(handover_ct), again=True)
+        whole = gathered(shards, _gate(handover_ct, prefetch), again=True)
         if any(saved["recomputed"]):
             # What depends on the parameters alone does not read the inputs: stand-ins do.
             stand_ins = [_placeholder(x) for x in saved["inputs"]]
@@ -269,13 +335,19 @@ def _segment_step(segment: _Segment, layout: Any, gather: Callable, scatter: Cal
         input_cts, whole_cts = vjp_fn(list(output_cts))
         with jax.named_scope(GRADIENT_SCOPE):
             shard_cts = scatter(whole_cts, dims) if shards else []
-        # The previous segment may gather again once this one's backward has begun and the
-        # next one's reduce-scatter is done (it ran beside this one's backward); this one's
-        # reduce-scatter is handed on, to gate the gather after that.
+        # The segment before may gather again once this one's backward has begun and the
+        # next one's reduce-scatter is done (it ran beside this one's backward); so may the
+        # segment ``prefetch`` before, once the segment ``prefetch - 1`` after this one got
+        # as far. This one's reduce-scatter is handed on, to gate the gather after that.
         if handover is None:
             return input_cts, shard_cts, None
-        begun = _handover(list(output_cts)) + handover_ct[1]
-        return input_cts, shard_cts, jnp.stack([begun, _handover(shard_cts)])
+        begun = _handover(list(output_cts)) + handover_ct[prefetch]
+        later = handover_ct[: prefetch - 1]
+        return (
+            input_cts,
+            shard_cts,
+            jnp.concatenate([begun[None], later, _handover(shard_cts)[None]]),
+        )
 
     step.defvjp(forward, backward)
     return step

@@ -219,18 +219,20 @@ def gatherer(dims: Sequence[int], axes: Any, gather: str, scatter: str,
 
 def gathered_loss(loss_fn: Any, layout: Layout, axes: Any, gather: str, scatter: str,
                   options: Mapping[str, Any], gradient_options: Mapping[str, Any],
-                  keep_gathered: bool) -> Any:  # fmt: skip
+                  keep_gathered: bool, prefetch: int = 1) -> Any:  # fmt: skip
     """``loss_fn`` on a device's parameter blocks, gathered by the ``gather`` schedule and
     their gradients reduce-scattered by the ``scatter`` schedule. By default each layer's
     parameters are gathered just before it runs, one layer ahead, and again in backward
-    (:mod:`jaxdist.training.fsdp_pacing`); with ``keep_gathered`` every unit is gathered at
-    the top of the loss and kept for backward (more memory, half the parameter traffic)."""
+    (:mod:`jaxdist.training.fsdp_pacing`), or ``prefetch`` layers ahead; with
+    ``keep_gathered`` every unit is gathered at the top of the loss and kept for backward
+    (more memory, half the parameter traffic)."""
     if not keep_gathered:
         return paced_loss(
             loss_fn, layout,
             lambda blocks, dims, again: gather_unit(blocks, dims, axes, gather, options,
                                                     reversed_=again),
             lambda whole, dims: scatter_unit(whole, dims, axes, scatter, gradient_options),
+            prefetch,
         )  # fmt: skip
 
     def gather_leaves(leaves, dims):  # scoped inside: forward's gather, backward's scatter

@@ -112,6 +112,19 @@ def check_gather(mesh: Mesh, data_axes: Any, shard_axes: Any, sharding: str, gat
         raise ValueError(f"gather={gather!r}: {err}") from None
 
 
+def check_prefetch(prefetch: Any, sharding: str, keep_gathered: bool) -> int:
+    """``prefetch`` if a step can honour it: a positive count of layers, which only FSDP's
+    paced gathers read (1, the default, is accepted anywhere)."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"prefetch must be a whole number of layers >= 1; got {prefetch!r}")
+    if prefetch != 1 and (sharding != "fsdp" or keep_gathered):
+        how = "keeps every unit gathered" if keep_gathered else f"sharding={sharding!r} gathers"
+        raise ValueError(f"prefetch={prefetch} is how many layers ahead FSDP gathers parameters; "
+                         f"a step that {how} none layer by layer (choose sharding='fsdp' "
+                         "without keep_gathered, or leave prefetch=1)")  # fmt: skip
+    return prefetch
+
+
 # A wait-free step paces every message step beside backward compute, which a step inside a
 # loop could not be: its schedules run unrolled whatever their length.
 WAIT_FREE_UNROLL_LIMIT = 1 << 30

@@ -67,6 +67,7 @@ from jaxdist.training.step_options import (
     check_allreduce,
     check_gather,
     check_optimizer,
+    check_prefetch,
     check_sharded,
     check_wait_free,
     donation_default,
@@ -145,6 +146,9 @@ class TrainStep:
         parallel replicas (with the ring, or XLA's all-reduce under ``native``).
       keep_gathered: FSDP keeps each unit's gathered parameters from forward for backward
         instead of gathering them again (more memory, half the parameter traffic).
+      prefetch: how many layers ahead of its use FSDP may start a layer's gather, in forward
+        and in backward (default 1: beside the layer before). More gives a gather more
+        compute to hide behind and holds that many more layers gathered at once.
       min_shard_elements: parameters with fewer elements stay whole on every device.
       wait_free: run each gradient bucket's schedule beside the rest of the backward pass,
         one message step per matrix product, in the compiled program's own order
@@ -182,6 +186,7 @@ class TrainStep:
         zero1: bool = False,
         shard_axes: str | tuple[str, ...] | None = None,
         keep_gathered: bool = False,
+        prefetch: int = 1,
         min_shard_elements: int = sharding_lib.DEFAULT_MIN_SHARD_ELEMENTS,
         wait_free: bool = False,
         loss_scale: DynamicLossScale | None = None,
@@ -222,6 +227,7 @@ class TrainStep:
             check_gather(mesh, self.data_axes, self.shard_axes, sharding, gather,
                          self.gather_options)  # fmt: skip
         self.keep_gathered = keep_gathered
+        self.prefetch = check_prefetch(prefetch, sharding, keep_gathered)
         self.min_shard_elements = min_shard_elements
         self.layout: sharding_lib.Layout | None = None
         # Auto cannot choose without links: refuse now, not at the first step.
