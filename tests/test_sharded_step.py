@@ -109,15 +109,19 @@ def test_parameters_gathered_by_a_schedule_of_their_own_match_single_device(
 
 def test_fsdp_gathering_layers_further_ahead_matches_single_device(reference_sgd):
     """Each layer's gather free to start two layers ahead, in forward and backward (the third
-    layer's gather waits for the first's inputs): the same training."""
+    layer's gather waits for the first's inputs, the first's backward gather for the third's
+    backward): the same training. Sharded 4 ways (HSDP), every kernel splits."""
     prefetch = 2
     batches, (params, model_state) = reference_sgd
     make_mesh, axes = MESHES["torus-4x2"]
+    mesh = make_mesh()
+    four = next(a for a in axes if mesh.shape[a] == 4)
     state, _, step = distributed_training(
-        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, sharding="fsdp",
-        allreduce="ring", prefetch=prefetch, **SHARDED,
+        mesh, axes, optax.sgd(0.1, momentum=0.9), batches, sharding="fsdp",
+        allreduce="ring", shard_axes=four, prefetch=prefetch, **SHARDED,
     )  # fmt: skip
     assert step.prefetch == prefetch
+    assert step.paced_layers == 3  # each Dense, the BatchNorm with the first
     assert_trees_close(state.params, params, atol=3e-6)
     assert_trees_close(state.model_state, model_state, atol=2e-6)
 
@@ -148,6 +152,7 @@ def test_bfloat16_layers_gather_their_parameters_as_bfloat16_for_the_same_traini
         for batch in batches:
             state, metrics = step(state, step.shard_batch(batch), jax.random.key(1))
         text = step.lower(state, step.shard_batch(batches[0]), jax.random.key(1)).as_text()
+        assert step.paced_layers == 2  # each Dense; the norm joins the first
         return state, metrics, text
 
     narrow, narrow_metrics, narrow_text = train()

@@ -56,6 +56,10 @@ def _sharding_lines(plan: Plan, t: Any) -> list[str]:
         return []
     step = plan.trainer.train_step_for(0)
     lines = [f"  sharding: {sharding}: {step.layout.describe()}"]
+    if step.paced_layers is not None:
+        ahead = "one layer" if step.prefetch == 1 else f"{step.prefetch} layers"
+        lines.append(f"  fsdp's gathers: the loss cut into {step.paced_layers} layers, each "
+                     f"gathered {ahead} ahead of its use, in forward and again in backward")  # fmt: skip
     if t.parameter_communication:
         share = t.parameter_hidden / t.parameter_communication
         lines.append(

@@ -243,13 +243,15 @@ def _placeholder(aval: jax.ShapeDtypeStruct) -> jax.Array:
 
 
 def paced_loss(loss_fn: Callable, layout: Any, gather: Callable, scatter: Callable,
-               prefetch: int = 1) -> Callable:  # fmt: skip
+               prefetch: int = 1, on_segments: Callable[[int], None] | None = None,
+               ) -> Callable:  # fmt: skip
     """``loss_fn`` on a device's parameter blocks with every gather and reduce-scatter placed
     as the module docstring says. ``gather(blocks, dims, again) -> whole`` and
     ``scatter(whole, dims) -> blocks`` are the unit collectives
     (:mod:`jaxdist.training.sharding`); ``again`` marks backward's gather, which must not be
     merged with forward's. ``prefetch``: how many segments ahead of its use a gather may
-    start (1: beside the segment before it)."""
+    start (1: beside the segment before it). ``on_segments`` is told, at each trace, how
+    many segments the loss was cut into."""
 
     def sharded_loss(params, model_state, batch, rng):
         blocks, treedef = jax.tree.flatten(params)
@@ -272,6 +274,8 @@ def paced_loss(loss_fn: Callable, layout: Any, gather: Callable, scatter: Callab
         env = dict(zip(jaxpr.constvars, closed.consts))
         env.update(zip(jaxpr.invars[len(split) :], [*free, *others]))
         segments = segments_of(jaxpr, {v: split[k] for k, v in enumerate(whole_vars)})
+        if on_segments is not None:
+            on_segments(len(segments))
         handover = None  # what the previous segment handed over (see _handover_vector)
         for segment in segments:
             step = _segment_step(segment, layout, gather, scatter, prefetch)

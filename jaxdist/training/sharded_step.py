@@ -105,7 +105,7 @@ def _gradients(step: Any, layout: sharding_lib.Layout, params: Any, model_state:
         loss_fn = sharding_lib.gathered_loss(loss_fn, layout, shard_axes, step.gather,
                                              step.allreduce, step.gather_options,
                                              gradient_options, step.keep_gathered,
-                                             step.prefetch)  # fmt: skip
+                                             step.prefetch, step.record_paced_layers)  # fmt: skip
     grads, model_state, loss, metrics, _ = local_gradients(
         loss_fn, params, model_state, batch, rng, scale, step.accumulation_steps
     )

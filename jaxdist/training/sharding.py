@@ -219,11 +219,13 @@ def gatherer(dims: Sequence[int], axes: Any, gather: str, scatter: str,
 
 def gathered_loss(loss_fn: Any, layout: Layout, axes: Any, gather: str, scatter: str,
                   options: Mapping[str, Any], gradient_options: Mapping[str, Any],
-                  keep_gathered: bool, prefetch: int = 1) -> Any:  # fmt: skip
+                  keep_gathered: bool, prefetch: int = 1,
+                  on_segments: Any = None) -> Any:  # fmt: skip
     """``loss_fn`` on a device's parameter blocks, gathered by the ``gather`` schedule and
     their gradients reduce-scattered by the ``scatter`` schedule. By default each layer's
     parameters are gathered just before it runs, one layer ahead, and again in backward
-    (:mod:`jaxdist.training.fsdp_pacing`), or ``prefetch`` layers ahead; with
+    (:mod:`jaxdist.training.fsdp_pacing`), or ``prefetch`` layers ahead (``on_segments`` is
+    told how many layers the loss was cut into); with
     ``keep_gathered`` every unit is gathered at the top of the loss and kept for backward
     (more memory, half the parameter traffic)."""
     if not keep_gathered:
@@ -232,7 +234,7 @@ def gathered_loss(loss_fn: Any, layout: Layout, axes: Any, gather: str, scatter:
             lambda blocks, dims, again: gather_unit(blocks, dims, axes, gather, options,
                                                     reversed_=again),
             lambda whole, dims: scatter_unit(whole, dims, axes, scatter, gradient_options),
-            prefetch,
+            prefetch, on_segments,
         )  # fmt: skip
 
     def gather_leaves(leaves, dims):  # scoped inside: forward's gather, backward's scatter

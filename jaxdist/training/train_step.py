@@ -230,6 +230,8 @@ class TrainStep:
         self.prefetch = check_prefetch(prefetch, sharding, keep_gathered)
         self.min_shard_elements = min_shard_elements
         self.layout: sharding_lib.Layout | None = None
+        # How many layers FSDP's paced gathers cut the loss into, once the step is traced.
+        self.paced_layers: int | None = None
         # Auto cannot choose without links: refuse now, not at the first step.
         self.links = (
             hybrid.resolve_links(links, self.axis_sizes)
@@ -365,6 +367,10 @@ class TrainStep:
         new_state, metrics = self._compiled(state, batch, rng)
         self._in_flight.add(metrics)  # metrics, never donated: safe to wait on later
         return new_state, metrics
+
+    def record_paced_layers(self, count: int) -> None:
+        """Called as FSDP's paced loss is traced: how many layers it gathers one by one."""
+        self.paced_layers = count
 
     def lower(self, state: TrainState, batch: Any, rng: jax.Array):
         """The lowered step (``.compile().as_text()`` shows XLA's scheduled program)."""
