@@ -65,9 +65,10 @@ class _Segment:
     params: list  # their invars, in the order of ``leaves``
 
 
-# Primitives that only cast or lay out one value anew.
+# Primitives that only cast or lay out one value anew (``jnp.expand_dims`` traces to
+# ``broadcast_in_dim``).
 _RELAYOUTS = {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
-              "expand_dims", "copy", "copy_p"}  # fmt: skip
+              "copy"}  # fmt: skip
 
 
 def _is_var(v: Any) -> bool:
@@ -149,10 +150,10 @@ def gather_dtypes(segment: _Segment) -> list[Any]:
     for param in segment.params:
         own = jnp.dtype(param.aval.dtype)
         reads = [eqn for eqn in segment.eqns if any(_is_var(v) and v == param for v in eqn.invars)]
-        casts = {jnp.dtype(eqn.params["new_dtype"]) for eqn in reads
-                 if eqn.primitive.name == "convert_element_type"}  # fmt: skip
-        narrow = casts.pop() if len(casts) == 1 and len(reads) == sum(
-            eqn.primitive.name == "convert_element_type" for eqn in reads) else own  # fmt: skip
+        # What its reads are: narrowed only if every one is the same cast.
+        kinds = {(eqn.primitive.name, eqn.params.get("new_dtype")) for eqn in reads}
+        name, target = next(iter(kinds))
+        narrow = jnp.dtype(target) if len(kinds) == 1 and name == "convert_element_type" else own
         floats = jnp.issubdtype(own, jnp.floating) and jnp.issubdtype(narrow, jnp.floating)
         dtypes.append(narrow if floats and narrow.itemsize < own.itemsize else own)
     return dtypes

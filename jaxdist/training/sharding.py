@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,7 +220,7 @@ def gatherer(dims: Sequence[int], axes: Any, gather: str, scatter: str,
 def gathered_loss(loss_fn: Any, layout: Layout, axes: Any, gather: str, scatter: str,
                   options: Mapping[str, Any], gradient_options: Mapping[str, Any],
                   keep_gathered: bool, prefetch: int = 1,
-                  on_segments: Any = None) -> Any:  # fmt: skip
+                  on_segments: Callable[[int], None] | None = None) -> Any:  # fmt: skip
     """``loss_fn`` on a device's parameter blocks, gathered by the ``gather`` schedule and
     their gradients reduce-scattered by the ``scatter`` schedule. By default each layer's
     parameters are gathered just before it runs, one layer ahead, and again in backward
