@@ -1,13 +1,17 @@
 """Peak memory per device of a pipeline step as the micro-batch count grows: GPipe against 1F1B,
-and 1F1B against PipeDream's weight stashing and 2BW's two versions.
+1F1B against PipeDream's weight stashing and 2BW's two versions, and each stage's state
+replicated over data-parallel replicas against split over them (FSDP inside the stages).
 
     python benchmarks/pipeline_memory.py [--stages 4] [--microbatches 1,2,4,8,16,32]
         [--topology cpu|v5e:2x2|...] [--plot docs/pipeline_memory.png]
         [--schedules gpipe,1f1b | 1f1b,pipedream,pipedream_2bw]
+        [--replicas 4 --sharding replicated,fsdp]
 
 The model is an MLP of eight 1024-wide layers cut into ``--stages`` equal stages; each
 micro-batch holds 1,024 examples, so the global batch grows with M while each op's work stays
-the same. Every configuration is compiled (not run) and XLA's own figures are read from
+the same. ``--replicas`` adds data-parallel replicas of the pipeline (each with its own
+micro-batches; gradients averaged by the ring), and ``--sharding`` lists how each stage's state
+is kept over them. Every configuration is compiled (not run) and XLA's own figures are read from
 ``compiled.memory_analysis()``: arguments (the stage's parameters, optimizer state and the
 batch), temporaries (the activation and gradient stashes, the recomputed forward, the
 messages) and their sum. ``--topology cpu`` compiles for forced CPU devices; a TPU slice name
@@ -91,15 +95,17 @@ def model_stages(model: str, stages: int, micro_batch: int):
 
 def measure(
     topology: str, stages: int, schedules: list[str], micro_batches: list[int],
-    model: str = "mlp", micro_batch: int = MICRO_BATCH,
+    model: str = "mlp", micro_batch: int = MICRO_BATCH, replicas: int = 1,
+    shardings: tuple[str, ...] = ("replicated",),
 ) -> list:  # fmt: skip
-    devices = devices_for(topology, stages)
+    devices = devices_for(topology, stages * replicas)
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    from jaxdist import meshes
     from jaxdist.pipeline import stages as pipeline_stages
     from jaxdist.pipeline.step import PipelineStep
 
@@ -108,16 +114,23 @@ def measure(
         lambda x: pipeline_stages.init_flax_stages(modules, jax.random.key(0), x),
         jnp.zeros(example.shape, example.dtype),
     )
-    mesh = Mesh(np.array(devices), ("stage",))
+    if replicas > 1:
+        mesh = meshes.pipeline(replicas, stages, devices)
+    else:
+        mesh = Mesh(np.array(devices), ("stage",))
     replicated = NamedSharding(mesh, PartitionSpec())
     rows = []
-    for schedule in schedules:
+    for schedule, sharding in ((s, h) for h in shardings for s in schedules):
         for M in micro_batches:
             step = PipelineStep(pipeline_stages.flax_stages(modules), loss_fn, optax.sgd(0.1, 0.9)
                                 if model == "resnet152" else optax.adam(1e-3), mesh,
-                                microbatches=M, schedule=schedule, inputs=lambda b: b["x"])  # fmt: skip
+                                microbatches=M, schedule=schedule, inputs=lambda b: b["x"],
+                                allreduce="ring" if replicas > 1 else "native",
+                                sharding=sharding)  # fmt: skip
             state = step.abstract_init(params, model_state)
-            batch = {name: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+            split = NamedSharding(mesh, PartitionSpec(step.data_axes or None))
+            batch = {name: jax.ShapeDtypeStruct((shape[0] * replicas, *shape[1:]), dtype,
+                                                sharding=split)
                      for name, (shape, dtype) in batch_shapes(M).items()}  # fmt: skip
             rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
             memory = step.lower(state, batch, rng).compile().memory_analysis()
@@ -126,6 +139,8 @@ def measure(
                 "model": model,
                 "micro_batch": micro_batch,
                 "stages": stages,
+                "replicas": replicas,
+                "sharding": sharding,
                 "schedule": schedule,
                 "microbatches": M,
                 "stash_slots": step.program.input_slots,
@@ -140,7 +155,7 @@ def measure(
                              + memory.output_size_in_bytes - memory.alias_size_in_bytes) / 2**20,
             }  # fmt: skip
             rows.append(row)
-            print(f"| {schedule} | {M} | {row['stash_slots']} | {row['weight_versions']} | "
+            print(f"| {schedule} | {sharding} | {M} | {row['stash_slots']} | {row['weight_versions']} | "
                   f"{row['bubble']:.3f} | "
                   f"{row['argument_mib']:.1f} | {row['temp_mib']:.1f} | {row['peak_mib']:.1f} |",
                   flush=True)  # fmt: skip
@@ -177,6 +192,15 @@ def main(argv=None) -> int:
     parser.add_argument("--schedules", default="gpipe,1f1b")
     parser.add_argument("--topology", default="cpu")
     parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="data-parallel replicas of the pipeline (devices: stages x replicas)",
+    )
+    parser.add_argument("--sharding", default="replicated",
+                        help="how each stage's state is kept over the replicas: replicated, fsdp "
+                             "or both, comma-separated")  # fmt: skip
+    parser.add_argument(
         "--model",
         default="mlp",
         choices=("mlp", "resnet152"),
@@ -190,14 +214,15 @@ def main(argv=None) -> int:
                         help="rows to this file (default benchmarks/results/pipeline_memory_<topology>.json)")  # fmt: skip
     args = parser.parse_args(argv)
     print(
-        "| schedule | M | stash slots | weight versions | bubble | arguments (MiB) | "
+        "| schedule | sharding | M | stash slots | weight versions | bubble | arguments (MiB) | "
         "temporaries (MiB) | peak (MiB) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     rows = measure(args.topology, args.stages, args.schedules.split(","),
                    [int(m) for m in args.microbatches.split(",")], args.model,
-                   args.micro_batch)  # fmt: skip
+                   args.micro_batch, args.replicas, tuple(args.sharding.split(",")))  # fmt: skip
     name = f"{args.topology.replace(':', '_')}" + ("" if args.model == "mlp" else f"_{args.model}")
+    name += "" if args.replicas == 1 else f"_replicas{args.replicas}"
     out = args.json or RESULTS / f"pipeline_memory_{name}.json"
     out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"rows in {out}", file=sys.stderr)

@@ -135,6 +135,19 @@ def test_queue_depth_runs_a_bounded_loop(tmp_path):
     ], rows
 
 
+def test_pipeline_memory_fsdp_keeps_a_quarter_of_each_stage_state(tmp_path):
+    out = tmp_path / "memory.json"
+    _run([sys.executable, str(BENCHMARKS / "pipeline_memory.py"), "--stages", "2",
+          "--replicas", "4", "--sharding", "replicated,fsdp", "--schedules", "1f1b",
+          "--microbatches", "2", "--micro-batch", "64", "--json", str(out)])  # fmt: skip
+    rows = {r["sharding"]: r for r in json.loads(out.read_text())}
+    # A stage: four 1024-wide layers and Adam's two moments, 48 MiB; split 4 ways, 12 MiB.
+    # The batch (1 MiB a replica) and the rng stay in the arguments.
+    state = rows["replicated"]["argument_mib"] - rows["fsdp"]["argument_mib"]
+    assert 35 < state < 37, rows
+    assert rows["fsdp"]["peak_mib"] < rows["replicated"]["peak_mib"]
+
+
 def test_pipeline_memory_gpipe_grows_with_micro_batches_and_1f1b_does_not(tmp_path):
     out = tmp_path / "memory.json"
     _run([sys.executable, str(BENCHMARKS / "pipeline_memory.py"), "--stages", "2",

@@ -269,15 +269,23 @@ def test_skip_nonfinite_leaves_every_stage_as_it_was():
     optimizer = optax.sgd(0.1)
     step = PipelineStep(fns, cross_entropy, optimizer, stage_mesh(2), microbatches=2,
                         skip_nonfinite=True, inputs=lambda b: b["x"])  # fmt: skip
+    skips_poison_then_trains(step, fns, params, states, batch, optimizer, row=0)
+
+
+def skips_poison_then_trains(step, fns, params, states, batch, optimizer, row):
+    """Poison ``batch`` at ``row``: the step is skipped and changes nothing but its count;
+    then the clean batch trains as the reference does. The skipped step's metrics."""
     state = step.init(params, states)
-    poisoned = {**batch, "x": batch["x"].at[0, 0].set(jnp.nan)}
-    state, metrics = step(state, step.shard_batch(poisoned), jax.random.key(3))
-    assert bool(metrics["skipped"]) and int(state.step) == 1
+    poisoned = {**batch, "x": batch["x"].at[row, 0].set(jnp.nan)}
+    state, skipped = step(state, step.shard_batch(poisoned), jax.random.key(3))
+    assert bool(skipped["skipped"]) and int(state.step) == 1
     assert_trees_close(step.unstack(state)[0], params, atol=0)
     state, metrics = step(state, step.shard_batch(batch), jax.random.key(3))
     assert not bool(metrics["skipped"])
-    want, _, _ = reference(fns, params, states, batch, optimizer, 2, 1)
+    micro_batches = step.microbatches * step.num_replicas
+    want, _, _ = reference(fns, params, states, batch, optimizer, micro_batches, 1)
     assert_trees_close(step.unstack(state)[0], want)
+    return skipped
 
 
 def test_each_device_holds_only_its_stage():

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 from test_pipeline_step import assert_trees_close, cross_entropy, data, mlp_stages, reference
 from test_trainer import Crash, _assert_trees_equal, _crash_at, assert_same_abstract, tiny_config
 
@@ -97,14 +98,36 @@ def test_learning_rate_and_lars_reach_every_stage():
         ({"links": "10us:1GB/s"}, "links='10us:1GB/s' price a data-parallel gradient plan"),
         ({"max_per_device_batch": 8}, "accumulation_steps=2: a pipeline's micro-batches take"),
         ({"pipeline.chunks": 2}, "pipeline.chunks=2 is for the interleaved schedule"),
-        ({"gather": "native"}, "a pipeline's stages keep their parameters whole"),
-        ({"prefetch": 2}, "prefetch=2 paces a sharded step's parameter all-gathers"),
+        ({"gather": "native"}, "sharding='replicated' keeps each stage's parameters whole"),
+        ({"sharding": "zero1"}, "a pipeline shards a stage's parameters and optimizer state"),
+        ({"sharding": "fsdp", "prefetch": 2}, "prefetch=2 paces a sharded step's parameter"),
     ],
 )
 def test_bad_pipeline_config_is_one_line(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message) as caught:
         Trainer(tiny_config(**{**PIPELINE, **overrides}), tmp_path)
     assert "\n" not in str(caught.value)
+
+
+def test_fsdp_inside_stages_resumes_and_trains_as_the_replicated_pipeline(straight, tmp_path):
+    """``--set sharding=fsdp``: each stage's state split over the data axis, crashed and
+    resumed, ends where the replicated pipeline does (float32 rounding apart), with the
+    learning rate written into every shard's optimizer state."""
+    with pytest.raises(Crash):
+        Trainer(tiny_config(**PIPELINE, sharding="fsdp"), tmp_path).run(on_step=_crash_at(4))
+    trainer = Trainer(tiny_config(**PIPELINE, sharding="fsdp"), tmp_path)
+    assert_same_abstract(trainer.abstract_state(), abstract_like(trainer.initial_state()))
+    assert trainer.run()["step"] == 7
+    step = trainer.train_step_for(0)
+    assert trainer.state.params.sharding.spec == P("stage", None, "data")
+    got = step.whole_variables(trainer.state)
+    want = straight.train_step_for(0).whole_variables(straight.state)
+    assert_trees_close(got, want, atol=1e-5)
+    stage, chunk, offset = step._learning_rate_at
+    assert len(offset) == 4 * 2  # every stage's rate, once in each of its two shards
+    stored = np.asarray(trainer.state.opt_state)[stage, chunk, offset]
+    np.testing.assert_allclose(stored, float(trainer.lr_fn(trainer.schedule.epoch_at(6))),
+                               rtol=1e-6)  # fmt: skip
 
 
 def test_micro_batches_that_do_not_divide_the_batch_are_refused_before_training(tmp_path):

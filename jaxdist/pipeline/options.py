@@ -10,6 +10,8 @@ import jax
 from jax.sharding import Mesh
 
 from jaxdist.comm import collectives
+from jaxdist.pipeline import schedules
+from jaxdist.training.step_options import check_gather, check_sharded, gather_options
 from jaxdist.training.train_step import NO_ALLREDUCE
 
 __all__: list[str] = []  # building blocks of the package's own modules
@@ -27,7 +29,12 @@ def stage_data_axes(mesh: Mesh, stage_axis: str) -> tuple[str, ...]:
 
 
 def refuse_unsupported(
-    allreduce: str, sfb_layers: Any, links: Any, accumulation_steps: int, sharding: str
+    allreduce: str,
+    sfb_layers: Any,
+    links: Any,
+    accumulation_steps: int,
+    sharding: str,
+    schedule: str,
 ) -> None:
     """One line for each data-parallel option a pipeline cannot honour, rather than ignoring
     it: its gradients are one flat vector per stage, averaged by one schedule."""
@@ -50,10 +57,40 @@ def refuse_unsupported(
             f"accumulation_steps={accumulation_steps}: a pipeline's micro-batches take the "
             "place of gradient accumulation; use more micro-batches instead"
         )
-    if sharding != "replicated":
-        raise ValueError(f"sharding={sharding!r} shards a data-parallel step's state; a "
-                         "pipeline keeps each stage's state on that stage's devices and does "
-                         "not shard it further: leave sharding='replicated'")  # fmt: skip
+    if sharding == "zero1":
+        raise ValueError("sharding='zero1' keeps parameters whole and shards the optimizer "
+                         "state; a pipeline shards a stage's parameters and optimizer state "
+                         "together: choose sharding='fsdp' (or 'replicated')")  # fmt: skip
+    if sharding not in ("replicated", "fsdp"):
+        raise ValueError(
+            f"sharding must be one of replicated, fsdp in a pipeline; got {sharding!r}"
+        )
+    if sharding == "fsdp" and schedule in schedules.ASYNCHRONOUS:
+        raise ValueError(f"sharding='fsdp' gathers each stage's parameters once a step and "
+                         f"updates them after it; schedule={schedule!r} updates (or keeps "
+                         "versions of) them between micro-batches: choose gpipe, 1f1b or "
+                         "interleaved, or sharding='replicated'")  # fmt: skip
+
+
+def check_stage_sharding(mesh: Mesh, reduce_axes: Any, stage_axis: str, sharding: str,
+                         allreduce: str, gather: str | None,
+                         options: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """Refuse, in one line, FSDP inside stages that cannot run (no data axes to split over, an
+    allreduce with no halves, ``gather`` without FSDP); the options of its gathers."""
+    if gather is not None and sharding != "fsdp":
+        raise ValueError(f"gather={gather!r} is the schedule of FSDP's parameter all-gathers; "
+                         f"sharding={sharding!r} keeps each stage's parameters whole: "
+                         "choose sharding='fsdp' or leave gather out")  # fmt: skip
+    if sharding != "fsdp":
+        return {}
+    if reduce_axes is None:
+        raise ValueError(f"sharding='fsdp' splits each stage's state over the data axes; the "
+                         f"mesh has none beside {stage_axis!r}: use a mesh with data axes "
+                         "(e.g. the preset pipeline-2x4)")  # fmt: skip
+    check_sharded(mesh, reduce_axes, reduce_axes, sharding, allreduce, options, None)
+    if gather is not None:
+        check_gather(mesh, reduce_axes, reduce_axes, sharding, gather, options)
+    return gather_options(allreduce if gather is None else gather, options)
 
 
 def check_stage_count(functions: int, stages: int, chunks: int, stage_axis: str) -> None:

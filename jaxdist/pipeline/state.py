@@ -49,6 +49,15 @@ def stack(layout: FlatLayout, trees: Sequence[Any], stages: int, chunks: int) ->
     return out
 
 
+def stack_traced(layout: Any, trees: Sequence[Any], stages: int, chunks: int) -> jax.Array:
+    """:func:`stack` as a traced computation, for a state made under ``jax.jit`` straight
+    into its shardings."""
+    out = jnp.zeros((stages, chunks, layout.size), layout.dtype)
+    for v, tree in enumerate(trees):
+        out = out.at[v % stages, v // stages].set(layout.flatten(tree))
+    return out
+
+
 def unstack(layout: FlatLayout, array: Any, stages: int, count: int) -> list[Any]:
     """The ``count`` virtual stages' trees back from a stacked array, on the host."""
     array = np.asarray(array)

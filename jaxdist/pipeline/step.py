@@ -20,6 +20,11 @@ one's output. Inside one jitted shard_map program each device
    :mod:`jaxdist.comm.collectives` schedule, in buckets;
 3. updates its own stage's parameters and optimizer state with the optax optimizer.
 
+Under ``sharding="fsdp"`` each stage's parameters and optimizer state are also split over the
+data axes (:mod:`jaxdist.pipeline.fsdp`): a device gathers its stage's parameters once, before
+the first micro-batch, reduce-scatters the gradients after the last, and updates only its
+shard.
+
 Each device holds only its stage's parameters, model state and optimizer state, as flat vectors
 padded to the largest stage's (:class:`~jaxdist.pipeline.stages.FlatLayout`). A stage keeps
 only its input per micro-batch in flight and recomputes its forward pass during the backward
@@ -44,12 +49,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.comm import buckets as bucketing
 from jaxdist.comm.compiler_options import compiler_options_for
-from jaxdist.comm.scopes import GRADIENT_SCOPE
+from jaxdist.comm.scopes import GRADIENT_SCOPE, PARAMETER_SCOPE
 from jaxdist.pipeline import asynchronous, schedules
 from jaxdist.pipeline import state as pipeline_state
+from jaxdist.pipeline.fsdp import ShardedFlatLayout, build_fsdp_step, gather_rows, scatter_rows
 from jaxdist.pipeline.options import (
     check_micro_batches,
     check_stage_count,
+    check_stage_sharding,
     refuse_unsupported,
     stage_data_axes,
 )
@@ -65,6 +72,7 @@ from jaxdist.training.batches import (
     split_micro_batches,
 )
 from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_scaled_step
+from jaxdist.training.sharding import DEFAULT_MIN_SHARD_ELEMENTS
 from jaxdist.training.step_options import (
     check_allreduce,
     check_optimizer,
@@ -109,7 +117,12 @@ class PipelineStep:
         stage)``; with it :meth:`init` and :meth:`abstract_init` take the whole model's trees
         (:func:`~jaxdist.pipeline.stages.variable_splitter` makes one for flax stages),
         without it one tree per virtual stage.
-      sfb_layers, links, accumulation_steps, zero1, sharding: the data-parallel step's options that a
+      sharding: ``"replicated"`` (each stage's state whole on every device of that stage) or
+        ``"fsdp"``: split over the data axes, gathered once a step by ``gather``'s schedule
+        (default ``allreduce``'s), gradients reduce-scattered by ``allreduce``'s.
+      gather: the schedule of FSDP's parameter all-gathers, when not ``allreduce``'s.
+      min_shard_elements: under FSDP, parameters with fewer values stay whole on every shard.
+      sfb_layers, links, accumulation_steps, zero1: the data-parallel step's options that a
         pipeline cannot honour; anything but their defaults is refused in one line.
     """
 
@@ -138,9 +151,11 @@ class PipelineStep:
         accumulation_steps: int = 1,
         zero1: bool = False,
         sharding: str = "replicated",
+        gather: str | None = None,
+        min_shard_elements: int = DEFAULT_MIN_SHARD_ELEMENTS,
     ):
         sharding = "zero1" if zero1 else sharding
-        refuse_unsupported(allreduce, sfb_layers, links, accumulation_steps, sharding)
+        refuse_unsupported(allreduce, sfb_layers, links, accumulation_steps, sharding, schedule)
         check_optimizer(optimizer)
         # Whether the update sums over the whole model (global-norm clipping): then each
         # update adds its parts over the stages first (jaxdist.pipeline.passes.update).
@@ -157,6 +172,14 @@ class PipelineStep:
         self.reduce_axes = data_axes_of(mesh, self.data_axes) if self.data_axes else None
         if allreduce != NO_ALLREDUCE and self.data_axes:
             check_allreduce(mesh, self.reduce_axes, allreduce, dict(allreduce_options or {}))
+        self.sharding = sharding
+        self.gather = allreduce if gather is None else gather
+        self.min_shard_elements = min_shard_elements
+        # The gathers' options under FSDP (never the gradients' transfer_dtype).
+        self.gather_options = check_stage_sharding(
+            mesh, self.reduce_axes, stage_axis, sharding, allreduce, gather,
+            dict(allreduce_options or {}),
+        )  # fmt: skip
         self.schedule = schedule
         self.stages = [full_stage(fn) for fn in stages]
         self.loss_fn = loss_fn
@@ -192,7 +215,6 @@ class PipelineStep:
         opt_states = [self.optimizer.init(p) for p in params]
         self._set_layouts(params, model_state, opt_states)
         trees = {"params": params, "model_state": model_state, "opt_state": opt_states}
-        sharding = NamedSharding(self.mesh, P(self.stage_axis))
         replicated = NamedSharding(self.mesh, P())
         stacked = {
             name: pipeline_state.stack(
@@ -200,8 +222,11 @@ class PipelineStep:
             )
             for name in trees
         }
-        # Each process places only its own devices' stages.
-        placed = {name: place_per_process(array, sharding) for name, array in stacked.items()}
+        # Each process places only its own devices' stages (and, under FSDP, shards).
+        placed = {
+            name: place_per_process(array, NamedSharding(self.mesh, self.state_spec(name)))
+            for name, array in stacked.items()
+        }
         return PipelineState(
             step=place_per_process(np.zeros((), np.int32), replicated),
             **placed,
@@ -216,12 +241,12 @@ class PipelineStep:
         params, model_state = self._per_stage(params, model_state)
         opt_states = [jax.eval_shape(self.optimizer.init, p) for p in params]
         self._set_layouts(params, model_state, opt_states)
-        sharded = NamedSharding(self.mesh, P(self.stage_axis))
         replicated = NamedSharding(self.mesh, P())
 
         def stacked(name):
             layout = self.layouts[name]
             shape = (self.num_stages, self.chunks, layout.size)
+            sharded = NamedSharding(self.mesh, self.state_spec(name))
             return jax.ShapeDtypeStruct(shape, layout.dtype, sharding=sharded)
 
         return PipelineState(
@@ -235,6 +260,45 @@ class PipelineStep:
             ),
             previous_params=stacked("params") if self._two_versions else None,
         )
+
+    def init_sharded(self, init_variables: Callable[[jax.Array], tuple[Any, Any]],
+                     rng: jax.Array) -> PipelineState:  # fmt: skip
+        """The initial state made straight into its shards (FSDP): ``init_variables(rng) ->
+        (params, model_state)`` of the whole model, the cut into stages, the optimizer's init
+        and the flat layouts all run under ``jax.jit`` with the state's shardings as output,
+        so the host never holds the whole state. Needs ``split``."""
+        if self.split is None:
+            raise ValueError("init_sharded starts from the whole model's variables and needs "
+                             "split= to cut them into stages; without it call init() with one "
+                             "tree per virtual stage")  # fmt: skip
+        abstract = self.abstract_init(*jax.eval_shape(init_variables, rng))
+        shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract)
+
+        def fresh(key):
+            params, model_state = self._per_stage(*init_variables(key))
+            trees = {"params": params, "model_state": model_state,
+                     "opt_state": [self.optimizer.init(p) for p in params]}  # fmt: skip
+            stacked = {
+                name: pipeline_state.stack_traced(
+                    self.layouts[name], trees[name], self.num_stages, self.chunks
+                )
+                for name in trees
+            }
+            return PipelineState(
+                step=jnp.zeros((), jnp.int32),
+                **stacked,
+                loss_scale=self.loss_scale,
+                previous_params=stacked["params"] if self._two_versions else None,
+            )
+
+        return jax.jit(fresh, out_shardings=shardings)(rng)
+
+    def state_spec(self, name: str) -> P:
+        """Where the state's array ``name`` lives: split by stage, and under FSDP the
+        parameters and optimizer state by rows over the data axes too."""
+        if self.sharding == "fsdp" and name in ("params", "opt_state"):
+            return P(self.stage_axis, None, self.reduce_axes)
+        return P(self.stage_axis)
 
     def _per_stage(self, params: Any, model_state: Any) -> tuple[list, list]:
         """One parameter tree and one model-state tree per virtual stage."""
@@ -255,10 +319,16 @@ class PipelineStep:
         self._opt_shapes = [
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), o) for o in opt_states
         ]
+        if self.sharding == "fsdp":
+            sharded = lambda trees: ShardedFlatLayout(  # noqa: E731
+                trees, self.num_replicas, self.min_shard_elements
+            )
+        else:
+            sharded = FlatLayout
         self.layouts = {
-            "params": FlatLayout(params),
+            "params": sharded(params),
             "model_state": FlatLayout(model_state),
-            "opt_state": FlatLayout(opt_states),
+            "opt_state": sharded(opt_states),
         }
 
     def unstack(self, state: PipelineState) -> tuple[list[Any], list[Any]]:
@@ -348,6 +418,8 @@ class PipelineStep:
     def _build(self, state: PipelineState) -> Callable:
         if self.layouts is None:
             raise RuntimeError("the step's layouts come from init(); call init first")
+        if self.sharding == "fsdp":
+            return build_fsdp_step(self, state)
         stage = P(self.stage_axis)
         specs = PipelineState(step=P(), params=stage, model_state=stage, opt_state=stage,
                               loss_scale=jax.tree.map(lambda _: P(), state.loss_scale),
@@ -376,15 +448,26 @@ class PipelineStep:
         scale = None if state.loss_scale is None else state.loss_scale.scale
         # 2BW computes on the older version; PipeDream's versions live in the loop.
         used = state.previous_params[0] if self._two_versions else params
+        if self.sharding == "fsdp":  # every stage's parameters, gathered once for the step
+            with jax.named_scope(PARAMETER_SCOPE):
+                used = gather_rows(params, self.reduce_axes, self.gather, self.gather_options,
+                                   self.bucket_bytes)  # fmt: skip
         per_backward = None
         if self.schedule == "pipedream":
             per_backward = asynchronous.PerBackward(self, params, opt_state, stage)
         carry = run_schedule(self, state, used, micro, rng, scale, metric_shapes, stage,
                              per_backward)  # fmt: skip
+        if self.sharding == "fsdp":
+            grads, model_state, loss, metrics = self._averaged(state, carry)
+            finite = all_finite(grads).astype(jnp.int32)  # each device sees its own shard
+            finite = lax.pmin(finite, (self.stage_axis, *self.data_axes)) > 0
+            return grads[None], model_state[None], loss, metrics, finite
         return self._finish(state, carry, params, opt_state, stage)
 
-    def _finish(self, state, carry, params, opt_state, stage):
-        """Average gradients over the data axes, update this stage, gather loss and metrics."""
+    def _averaged(self, state, carry):
+        """``(grads, model_state, loss, metrics)`` of the step: gradients averaged over the
+        data axes (under FSDP reduce-scattered into this device's rows) and unscaled, the
+        last stage's loss and metrics on every device."""
         M = self.microbatches
         grads = carry["grads"] / M
         # Only the last stage computed the loss; every device reports it.
@@ -395,10 +478,19 @@ class PipelineStep:
             model_state, loss, metrics = lax.pmean((model_state, loss, metrics), self.data_axes)
         if self.averages_gradients and self.schedule != "pipedream":  # it averaged per tick
             with jax.named_scope(GRADIENT_SCOPE):
-                grads = mean_over_data_axes(self, grads)
-        finite = None
+                if self.sharding == "fsdp":
+                    grads = scatter_rows(grads, self.reduce_axes, self.allreduce,
+                                         self.allreduce_options, self.bucket_bytes)  # fmt: skip
+                else:
+                    grads = mean_over_data_axes(self, grads)
         if state.loss_scale is not None:
             grads = state.loss_scale.unscale(grads)
+        return grads, model_state, loss, metrics
+
+    def _finish(self, state, carry, params, opt_state, stage):
+        """Average gradients over the data axes, update this stage, gather loss and metrics."""
+        grads, model_state, loss, metrics = self._averaged(state, carry)
+        finite = None
         if state.loss_scale is not None:
             # A non-finite gradient on any stage skips the step on all of them.
             finite = lax.pmin(all_finite(grads).astype(jnp.int32), self.stage_axis) > 0

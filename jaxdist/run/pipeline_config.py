@@ -116,14 +116,10 @@ class Pipeline:
             raise ValueError("wait_free=True paces a data-parallel step's gradient buckets; a "
                              "pipeline step's gradients already travel while the pipeline "
                              "drains: set wait_free=False")  # fmt: skip
-        if "gather" in options:
-            raise ValueError(f"gather={options['gather']!r} is the schedule of a sharded step's "
-                             "parameter all-gathers; a pipeline's stages keep their parameters "
-                             "whole: leave gather out")  # fmt: skip
         if "prefetch" in options:
             raise ValueError(f"prefetch={options['prefetch']!r} paces a sharded step's parameter "
-                             "all-gathers; a pipeline's stages keep their parameters whole: "
-                             "leave prefetch out")  # fmt: skip
+                             "all-gathers layer by layer; a pipeline stage gathers its "
+                             "parameters once a step: leave prefetch out")  # fmt: skip
         boundaries = None
         if p.boundaries == "auto":
             boundaries = self._auto_boundaries(parts)

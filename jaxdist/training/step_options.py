@@ -112,6 +112,14 @@ def check_gather(mesh: Mesh, data_axes: Any, shard_axes: Any, sharding: str, gat
         raise ValueError(f"gather={gather!r}: {err}") from None
 
 
+def gather_options(gather: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The options of a sharded step's parameter all-gathers: those of ``options`` that the
+    ``gather`` schedule takes, never ``transfer_dtype``, which is for gradients (a rounded
+    gather would cut every device's float32 master copy)."""
+    taken = (*collectives.COMMON_OPTIONS, *collectives.get(gather).options)
+    return {k: v for k, v in options.items() if k in taken}
+
+
 def check_prefetch(prefetch: Any, sharding: str, keep_gathered: bool) -> int:
     """``prefetch`` if a step can honour it: a positive count of layers, which only FSDP's
     paced gathers read (1, the default, is accepted anywhere)."""

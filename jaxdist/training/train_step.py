@@ -71,6 +71,7 @@ from jaxdist.training.step_options import (
     check_sharded,
     check_wait_free,
     donation_default,
+    gather_options,
 )
 
 __all__ = [
@@ -439,11 +440,9 @@ class TrainStep:
 
     @property
     def gather_options(self) -> dict[str, Any]:
-        """The options of the parameters' all-gathers: those of the step's that the gather
-        schedule takes, never ``transfer_dtype``, which is for gradients (a rounded gather
-        would cut every device's float32 master copy)."""
-        taken = (*collectives.COMMON_OPTIONS, *collectives.get(self.gather).options)
-        return {k: v for k, v in self.allreduce_options.items() if k in taken}
+        """The options of the parameters' all-gathers (:func:`~jaxdist.training.step_options.
+        gather_options`)."""
+        return gather_options(self.gather, self.allreduce_options)
 
     # ------------------------------------------------------------------ the gradient plan
 
