@@ -13,7 +13,7 @@ from test_trainer import Crash, _assert_trees_equal, _crash_at, assert_same_abst
 from jaxdist import meshes
 from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.pipeline.step import PipelineStep
-from jaxdist.run.checkpoint import abstract_like
+from jaxdist.run.checkpoint import CheckpointMismatchError, abstract_like
 from jaxdist.run.config import ConfigError
 from jaxdist.run.trainer import Trainer
 from jaxdist.training import optim
@@ -128,6 +128,19 @@ def test_fsdp_inside_stages_resumes_and_trains_as_the_replicated_pipeline(straig
     stored = np.asarray(trainer.state.opt_state)[stage, chunk, offset]
     np.testing.assert_allclose(stored, float(trainer.lr_fn(trainer.schedule.epoch_at(6))),
                                rtol=1e-6)  # fmt: skip
+
+
+def test_a_pipeline_checkpoint_under_another_sharding_is_refused_saying_so(straight):
+    """A pipeline stores each stage laid out for its sharding: resuming the replicated run
+    under FSDP says that in one line (not "another model") and leaves the workdir as it was."""
+    recorded = (straight.workdir / "config.json").read_text()
+    again = Trainer(tiny_config(**PIPELINE, sharding="fsdp"), straight.workdir,
+                    allow_config_change=True)  # fmt: skip
+    with pytest.raises(CheckpointMismatchError, match=r"hold this pipeline under sharding="
+                       r"'replicated'.*rerun with --set sharding=replicated") as caught:  # fmt: skip
+        again.run()
+    assert "\n" not in str(caught.value)
+    assert (straight.workdir / "config.json").read_text() == recorded
 
 
 def test_micro_batches_that_do_not_divide_the_batch_are_refused_before_training(tmp_path):

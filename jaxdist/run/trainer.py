@@ -49,10 +49,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdist.data import DatasetError
+from jaxdist.pipeline.step import PipelineStep
 from jaxdist.run import rerun
 from jaxdist.run.agreement import check_same_everywhere, run_facts
 from jaxdist.run.build import TaskFactory, build_run
-from jaxdist.run.checkpoint import Checkpointer
+from jaxdist.run.checkpoint import Checkpointer, CheckpointMismatchError, newest_config_record
 from jaxdist.run.hooks import Hook, Hooks, OnStep
 from jaxdist.run.log import RunLog, WorkdirError, describe_error, format_duration, last_eval
 from jaxdist.run.standard_hooks import standard_hooks
@@ -259,7 +260,10 @@ class Trainer:
         """The loop's state: from the newest checkpoint, or fresh from the seed."""
         step, data_state, meta = 0, None, {}
         if ckpt.steps():
-            step, state, data_state, meta = ckpt.restore(self.abstract_state())
+            try:
+                step, state, data_state, meta = ckpt.restore(self.abstract_state())
+            except CheckpointMismatchError as err:
+                raise self._pipeline_mismatch(err, ckpt) from None
         else:
             state = self.initial_state()
         loop = Loop(state=state, step=step, total_steps=self.total_steps,
@@ -269,6 +273,21 @@ class Trainer:
         if 0 < step < self.total_steps:
             log.progress(f"resumed from step {step} (epoch {meta['epoch']:.3f})", final=True)
         return loop
+
+    def _pipeline_mismatch(self, err: CheckpointMismatchError,
+                           ckpt: Checkpointer) -> CheckpointMismatchError:  # fmt: skip
+        """``err``, said as what it is when a pipeline recipe resumes under another sharding:
+        the same model, laid out another way."""
+        recorded = newest_config_record(ckpt.directory) or {}
+        old, new = recorded.get("sharding"), self.config.sharding
+        if not isinstance(self.train_step_for(0), PipelineStep) or old in (None, new):
+            return err
+        return CheckpointMismatchError(
+            f"the checkpoints in {ckpt.directory} hold this pipeline under sharding={old!r}; "
+            "a pipeline stores each stage as one vector laid out for its sharding and "
+            f"replica count, so it resumes only under them: rerun with --set sharding={old}, "
+            f"or train under sharding={new!r} in another --workdir"
+        )
 
     def _already_finished(self, loop: Loop, log: RunLog) -> dict[str, Any]:
         """A rerun of a finished run: say so, train nothing, append nothing."""
