@@ -63,7 +63,7 @@ def test_fsdp_inside_stages_equals_one_device(preset, allreduce, gather, schedul
     fns, params, states = stages_of(stages * chunks, batch)
     # Few elements suffice to split: the small layers' kernels are split, biases kept whole.
     step = PipelineStep(fns, cross_entropy, optimizer(), mesh, microbatches=4, schedule=schedule,
-                        chunks=chunks, allreduce=allreduce, gather=gather, bucket_bytes=64,
+                        chunks=chunks, allreduce=allreduce, gather=gather, bucket_bytes=4096,
                         inputs=lambda b: b["x"], sharding="fsdp", min_shard_elements=8)  # fmt: skip
     state, metrics = run_pipeline(step, params, states, batch, steps=3)
     layout = step.layouts["params"]

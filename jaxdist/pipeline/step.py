@@ -372,16 +372,20 @@ class PipelineStep:
     def bytes_per_step(self) -> dict[str, int]:
         """What each device sends per step, known once the step was traced: ``messages``
         between stages of ``message_bytes`` each (the largest boundary's activation for one
-        micro-batch) and ``gradient_bytes``, its stage gradients, which the data axes'
-        allreduce averages (padded to the largest stage)."""
+        micro-batch), ``gradient_bytes``, its stage gradients, which the data axes'
+        allreduce averages (padded to the largest stage; under FSDP its reduce-scatter), and
+        ``parameter_bytes``, the stage parameters FSDP all-gathers (0 replicated)."""
         if self.activations is None:
             raise RuntimeError(
                 "bytes_per_step is known once the step was traced (call or lower it)"
             )
+        layout = self.layouts["params"]
+        gathered = layout.size * np.dtype(layout.dtype).itemsize if self.sharding == "fsdp" else 0
         return {
             "messages": self.program.messages_per_step,
             "message_bytes": self.activations.size * np.dtype(self.activations.dtype).itemsize,
-            "gradient_bytes": self.chunks * self.layouts["params"].size * 4,
+            "gradient_bytes": self.chunks * layout.size * 4,
+            "parameter_bytes": self.chunks * gathered,
         }
 
     def shard_batch(self, batch: Any) -> Any:
@@ -459,8 +463,10 @@ class PipelineStep:
                              per_backward)  # fmt: skip
         if self.sharding == "fsdp":
             grads, model_state, loss, metrics = self._averaged(state, carry)
-            finite = all_finite(grads).astype(jnp.int32)  # each device sees its own shard
-            finite = lax.pmin(finite, (self.stage_axis, *self.data_axes)) > 0
+            finite = jnp.ones((), bool)  # read only under a loss scale or skip_nonfinite
+            if state.loss_scale is not None or self.skip_nonfinite:
+                finite = all_finite(grads).astype(jnp.int32)  # each device has its own shard
+                finite = lax.pmin(finite, (self.stage_axis, *self.data_axes)) > 0
             return grads[None], model_state[None], loss, metrics, finite
         return self._finish(state, carry, params, opt_state, stage)
 
