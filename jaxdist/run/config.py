@@ -41,7 +41,8 @@ Fields:
     all-gathered as the loss reads it); see :mod:`jaxdist.training.sharding`. The
     reduce-scatters and all-gathers run ``allreduce``'s halves. On a mesh with an axis named
     ``fsdp`` the state is sharded over that axis alone and the other axes are data-parallel
-    replicas (HSDP).
+    replicas (HSDP). With pipeline stages, ``fsdp`` splits each stage's state over the data
+    axes and gathers it once a step (:mod:`jaxdist.pipeline.fsdp`); ``zero1`` is refused.
   gather: the schedule of the parameters' all-gathers under ``zero1`` and ``fsdp`` when it is
     not ``allreduce``'s (``""``): ``native`` beside a permute ``allreduce`` gathers with XLA's
     all-gather and reduce-scatters the gradients with the schedule.
