@@ -7,8 +7,10 @@ One device per process. The model is of large dense layers (a 6272-wide input, s
 1024-wide layers, a 1000-way output: 13.7M parameters, 52 MiB), the global batch the same for
 every variant. Data parallelism runs over all devices (ring allreduce); the pipeline over
 ``pipeline-2x4`` (2 replicas x 4 stages, 8 micro-batches per replica, GPipe and 1F1B) with its
-stage gradients ring-allreduced over the 2 replicas. Each variant also runs without its
-gradient allreduce; the difference is what that allreduce adds to a step. Variants are timed in
+stage gradients ring-allreduced over the 2 replicas, and 1F1B under FSDP (each stage's state
+split over the 2 replicas: its parameters ring-gathered before the first tick, its gradients
+ring-reduce-scattered after the last). Each variant also runs without its gradient allreduce
+(FSDP: against 1F1B without one); the difference is what its collectives add to a step. Variants are timed in
 interleaved rounds (:func:`jaxdist.bench.timing.interleaved_rounds`). Beside each, the bytes
 each device sends per step (for the pipeline: the largest stage's devices) and the cost
 model's communication time on the cluster's links (``JAXDIST_LINK_*``, or ``--link``).
@@ -96,15 +98,20 @@ def main(argv=None) -> int:
         runners[name] = _runner(step, state, batch, jax)
         steps[name] = step
     pipeline_mesh = meshes.build("pipeline-2x4")
-    for schedule in ("gpipe", "1f1b"):
-        for suffix, allreduce in (("", "ring"), (", no allreduce", NO_ALLREDUCE)):
-            step = PipelineStep(pipeline_stages.flax_stages(modules), cross_entropy, sgd,
-                                pipeline_mesh, microbatches=M, schedule=schedule,
-                                allreduce=allreduce, inputs=lambda batch: batch["x"])  # fmt: skip
-            state = step.init(stage_params)
-            batch = step.shard_batch(local_rows(host_batch, pipeline_mesh, step.data_axes))
-            runners[f"pipeline {schedule}{suffix}"] = _runner(step, state, batch, jax)
-            steps[f"pipeline {schedule}{suffix}"] = step
+    pipelines = [
+        (schedule, suffix, allreduce, "replicated")
+        for schedule in ("gpipe", "1f1b")
+        for suffix, allreduce in (("", "ring"), (", no allreduce", NO_ALLREDUCE))
+    ]
+    pipelines.append(("1f1b", ", fsdp", "ring", "fsdp"))  # fmt: skip
+    for schedule, suffix, allreduce, sharding in pipelines:
+        step = PipelineStep(pipeline_stages.flax_stages(modules), cross_entropy, sgd,
+                            pipeline_mesh, microbatches=M, schedule=schedule, allreduce=allreduce,
+                            sharding=sharding, inputs=lambda batch: batch["x"])  # fmt: skip
+        state = step.init(stage_params)
+        batch = step.shard_batch(local_rows(host_batch, pipeline_mesh, step.data_axes))
+        runners[f"pipeline {schedule}{suffix}"] = _runner(step, state, batch, jax)
+        steps[f"pipeline {schedule}{suffix}"] = step
 
     link = _link(args.link)  # before timing: a bad link fails at once
     timing.warm_up(runners, warmup=1)
@@ -120,6 +127,7 @@ def main(argv=None) -> int:
             row["bytes_sent"] = 2 * 7 / 8 * model_bytes
             row["predicted_communication"] = cost_model.predict("ring", model_bytes, (8,), link)
         elif name.startswith("pipeline") and "no allreduce" not in name:
+            # Over 2 replicas FSDP's gather and reduce-scatter send what the allreduce sends.
             sent = steps[name].bytes_per_step()
             gradient = sent["gradient_bytes"]
             row["bytes_sent"] = sent["messages"] * sent["message_bytes"] + gradient
@@ -135,7 +143,8 @@ def main(argv=None) -> int:
     )
     print("|---|---|---|---|---|")
     for row in rows:
-        base = by_name.get(f"{row['variant']}, no allreduce")
+        without = row["variant"].replace(", fsdp", "")
+        base = by_name.get(f"{without}, no allreduce")
         adds = f"{row['step_seconds'] - base['step_seconds']:.3f}" if base else ""
         sent = f"{row['bytes_sent'] / 2**20:.0f} MiB" if "bytes_sent" in row else ""
         predicted = f"{row['predicted_communication']:.3f}" if "bytes_sent" in row else ""

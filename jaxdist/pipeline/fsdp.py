@@ -12,13 +12,14 @@ of its stage's parameters and optimizer state.
 The step then
 
 1. all-gathers its rows (:func:`gather_rows`) with a schedule of the family, once, before
-   the first micro-batch: the stages compute on whole parameters as they would replicated,
-   and the gathered copy is kept for every micro-batch (one gather a step, not one per
-   micro-batch);
-2. reduce-scatters the summed gradients back into rows (:func:`scatter_rows`), bucket by
-   bucket, after the last micro-batch: a split parameter's block reaches the shard that owns
-   it, and a whole parameter's gradient, written into every row, arrives summed in every
-   row;
+   the first micro-batch, and lays them out as the replicated pipeline's flat vector
+   (:func:`rows_to_whole`, one pass): the stages compute on whole parameters exactly as they
+   would replicated, and the gathered copy is kept for every micro-batch (one gather a step,
+   not one per micro-batch);
+2. lays the summed gradients out as rows (:func:`whole_to_rows`) and reduce-scatters them
+   (:func:`scatter_rows`), bucket by bucket, after the last micro-batch: a split parameter's
+   block reaches the shard that owns it, and a whole parameter's gradient, written into
+   every row, arrives summed in every row;
 3. updates each stage's shard with the optimizer under XLA's SPMD partitioner over the data
    axes (the stage axis stays manual). The matrix's rows are its shards, and every parameter
    is read out of it by slices, reshapes and transposes that keep them, so the optimizer sees
@@ -41,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.comm import collectives
 from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.pipeline.passes import update
+from jaxdist.pipeline.stages import FlatLayout
 from jaxdist.pipeline.state import PipelineState
 from jaxdist.training.loss_scale import all_finite, finish_scaled_step
 from jaxdist.training.sharding import DEFAULT_MIN_SHARD_ELEMENTS, Layout
@@ -55,7 +57,8 @@ class ShardedFlatLayout:
     ``flatten(tree)`` gives ``shards * row_size`` elements, row ``d`` (of :attr:`row_size`,
     padded with zeros to the largest stage's) holding block ``d`` of every split leaf and a
     copy of every whole leaf; ``unflatten(v, flat)`` gives virtual stage ``v``'s tree back.
-    Attributes as ``FlatLayout``'s: :attr:`size` (the whole vector), :attr:`dtype`.
+    Attributes as ``FlatLayout``'s: :attr:`size` (the whole vector), :attr:`dtype`; and
+    :attr:`whole`, the ``FlatLayout`` of the same trees, which the stages compute on.
     """
 
     def __init__(self, trees: Sequence[Any], shards: int,
@@ -76,6 +79,7 @@ class ShardedFlatLayout:
             self.row_sizes.append(sum(self._row_width(layout, i) for i in range(len(leaves))))
             dtypes.extend(leaf.dtype for leaf in leaves)
         self.row_size = max([*self.row_sizes, 1])  # a zero-length row would be a special case
+        self.whole = FlatLayout(trees)
         self.size = shards * self.row_size
         self.dtype = jnp.result_type(*dtypes) if dtypes else jnp.float32
 
@@ -125,6 +129,33 @@ class ShardedFlatLayout:
         )
         return (f"{split} of {total} parameter arrays split {self.shards} ways; "
                 f"{total - split} kept whole in every shard ({whole:,} values)")  # fmt: skip
+
+
+def rows_to_whole(step: Any, rows: jax.Array, stage: jax.Array) -> jax.Array:
+    """Inside shard_map: this device's ``(chunks, shards * row_size)`` gathered parameters as
+    the ``(chunks, size)`` flat vectors the stages compute on (each leaf contiguous, so a
+    stage reads its layers as the replicated pipeline does, without a strided copy each
+    tick)."""
+    layout = step.layouts["params"]
+    return _each_chunk(step, rows, stage,
+                       lambda v, flat: layout.whole.flatten(layout.unflatten(v, flat)))  # fmt: skip
+
+
+def whole_to_rows(step: Any, flats: jax.Array, stage: jax.Array) -> jax.Array:
+    """Inside shard_map: :func:`rows_to_whole` undone, for the summed gradients."""
+    layout = step.layouts["params"]
+    return _each_chunk(step, flats, stage,
+                       lambda v, flat: layout.flatten(layout.whole.unflatten(v, flat)))  # fmt: skip
+
+
+def _each_chunk(step: Any, array: jax.Array, stage: jax.Array, convert: Any) -> jax.Array:
+    """``convert(v, array[chunk])`` for each chunk, ``v`` this device's virtual stage."""
+    S = step.num_stages
+    out = []
+    for chunk in range(array.shape[0]):
+        branches = [lambda flat, v=chunk * S + s: convert(v, flat) for s in range(S)]
+        out.append(lax.switch(stage, branches, array[chunk]))
+    return jnp.stack(out)
 
 
 def _column_buckets(width: int, itemsize: int, shards: int, bucket_bytes: int | None) -> list:

@@ -42,7 +42,7 @@ def branches(
         weights = lambda carry, kind, weight_slot: params  # noqa: E731
     S, V = step.num_stages, len(step.stages)
     acts = step.activations
-    p_layout, s_layout = step.layouts["params"], step.layouts["model_state"]
+    p_layout, s_layout = step.layouts["gathered"], step.layouts["model_state"]
     silent = jnp.zeros((acts.size,), acts.dtype)
 
     def stage_inputs(v: int, carry: dict, m: jax.Array, input_slot: jax.Array, block):
@@ -241,7 +241,7 @@ def activation_layout(step: Any, micro: Any) -> tuple[ActivationLayout, Any]:
     shapes = []
     for v, apply in enumerate(step.stages):
         p = jax.eval_shape(
-            functools.partial(step.layouts["params"].unflatten, v), _flat(step, "params")
+            functools.partial(step.layouts["gathered"].unflatten, v), _flat(step, "gathered")
         )
         ms = jax.eval_shape(
             functools.partial(step.layouts["model_state"].unflatten, v),

@@ -52,7 +52,14 @@ from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.comm.scopes import GRADIENT_SCOPE, PARAMETER_SCOPE
 from jaxdist.pipeline import asynchronous, schedules
 from jaxdist.pipeline import state as pipeline_state
-from jaxdist.pipeline.fsdp import ShardedFlatLayout, build_fsdp_step, gather_rows, scatter_rows
+from jaxdist.pipeline.fsdp import (
+    ShardedFlatLayout,
+    build_fsdp_step,
+    gather_rows,
+    rows_to_whole,
+    scatter_rows,
+    whole_to_rows,
+)
 from jaxdist.pipeline.options import (
     check_micro_batches,
     check_stage_count,
@@ -330,6 +337,8 @@ class PipelineStep:
             "model_state": FlatLayout(model_state),
             "opt_state": sharded(opt_states),
         }
+        # The parameters as the stages compute on them (under FSDP, once gathered).
+        self.layouts["gathered"] = getattr(self.layouts["params"], "whole", self.layouts["params"])
 
     def unstack(self, state: PipelineState) -> tuple[list[Any], list[Any]]:
         """``(params, model_state)`` per virtual stage, as trees on the host (one process)."""
@@ -456,6 +465,7 @@ class PipelineStep:
             with jax.named_scope(PARAMETER_SCOPE):
                 used = gather_rows(params, self.reduce_axes, self.gather, self.gather_options,
                                    self.bucket_bytes)  # fmt: skip
+            used = rows_to_whole(self, used, stage)
         per_backward = None
         if self.schedule == "pipedream":
             per_backward = asynchronous.PerBackward(self, params, opt_state, stage)
@@ -485,7 +495,8 @@ class PipelineStep:
         if self.averages_gradients and self.schedule != "pipedream":  # it averaged per tick
             with jax.named_scope(GRADIENT_SCOPE):
                 if self.sharding == "fsdp":
-                    grads = scatter_rows(grads, self.reduce_axes, self.allreduce,
+                    rows = whole_to_rows(self, grads, lax.axis_index(self.stage_axis))
+                    grads = scatter_rows(rows, self.reduce_axes, self.allreduce,
                                          self.allreduce_options, self.bucket_bytes)  # fmt: skip
                 else:
                     grads = mean_over_data_axes(self, grads)
