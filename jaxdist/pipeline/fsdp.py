@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.comm import collectives
 from jaxdist.comm.compiler_options import compiler_options_for
-from jaxdist.pipeline.passes import update
+from jaxdist.pipeline.passes import per_chunk, update
 from jaxdist.pipeline.stages import FlatLayout
 from jaxdist.pipeline.state import PipelineState
 from jaxdist.training.loss_scale import all_finite, finish_scaled_step
@@ -137,25 +137,21 @@ def rows_to_whole(step: Any, rows: jax.Array, stage: jax.Array) -> jax.Array:
     stage reads its layers as the replicated pipeline does, without a strided copy each
     tick)."""
     layout = step.layouts["params"]
-    return _each_chunk(step, rows, stage,
-                       lambda v, flat: layout.whole.flatten(layout.unflatten(v, flat)))  # fmt: skip
+
+    def relaid(v):
+        return lambda flat: layout.whole.flatten(layout.unflatten(v, flat))
+
+    return jnp.stack(per_chunk(step, stage, relaid, rows))
 
 
 def whole_to_rows(step: Any, flats: jax.Array, stage: jax.Array) -> jax.Array:
     """Inside shard_map: :func:`rows_to_whole` undone, for the summed gradients."""
     layout = step.layouts["params"]
-    return _each_chunk(step, flats, stage,
-                       lambda v, flat: layout.flatten(layout.whole.unflatten(v, flat)))  # fmt: skip
 
+    def relaid(v):
+        return lambda flat: layout.flatten(layout.whole.unflatten(v, flat))
 
-def _each_chunk(step: Any, array: jax.Array, stage: jax.Array, convert: Any) -> jax.Array:
-    """``convert(v, array[chunk])`` for each chunk, ``v`` this device's virtual stage."""
-    S = step.num_stages
-    out = []
-    for chunk in range(array.shape[0]):
-        branches = [lambda flat, v=chunk * S + s: convert(v, flat) for s in range(S)]
-        out.append(lax.switch(stage, branches, array[chunk]))
-    return jnp.stack(out)
+    return jnp.stack(per_chunk(step, stage, relaid, flats))
 
 
 def _column_buckets(width: int, itemsize: int, shards: int, bucket_bytes: int | None) -> list:

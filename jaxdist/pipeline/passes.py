@@ -123,7 +123,6 @@ def update(
     first, when the optimizer calls ``model_sum`` at all (``step.sums_over_model``): the
     update runs once to record this device's parts, which are added over its chunks and the
     stage axis, and again with the totals."""
-    S = step.num_stages
     p_layout, o_layout = step.layouts["params"], step.layouts["opt_state"]
 
     def update_of(v: int, totals: list | None) -> Callable:
@@ -141,13 +140,7 @@ def update(
         return lambda *flats: global_norm.with_sums(lambda: run(*flats), totals)
 
     def each_chunk(totals: list | None) -> list:
-        results = []
-        for chunk in range(step.chunks):
-            branches = [update_of(chunk * S + s, totals) for s in range(S)]
-            results.append(
-                lax.switch(stage, branches, params[chunk], grads[chunk], opt_state[chunk])
-            )
-        return results
+        return per_chunk(step, stage, lambda v: update_of(v, totals), params, grads, opt_state)
 
     totals = None
     if step.sums_over_model:
@@ -155,6 +148,18 @@ def update(
         totals = lax.psum(totals, step.stage_axis)
     new_params, new_opt = zip(*each_chunk(totals), strict=True)
     return jnp.stack(new_params), jnp.stack(new_opt)
+
+
+def per_chunk(step: Any, stage: jax.Array, branch: Callable[[int], Callable],
+              *arrays: jax.Array) -> list:  # fmt: skip
+    """For each of this device's chunks, ``branch(v)(*(a[chunk] for a in arrays))`` with
+    ``v`` the virtual stage this device runs in that chunk (``stage`` is its place on the
+    stage axis, known only inside the program: a ``lax.switch`` picks the branch)."""
+    S = step.num_stages
+    return [
+        lax.switch(stage, [branch(chunk * S + s) for s in range(S)], *(a[chunk] for a in arrays))
+        for chunk in range(step.chunks)
+    ]
 
 
 def run_schedule(

@@ -49,8 +49,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdist.data import DatasetError
-from jaxdist.pipeline.step import PipelineStep
-from jaxdist.run import rerun
+from jaxdist.run import pipeline_config, rerun
 from jaxdist.run.agreement import check_same_everywhere, run_facts
 from jaxdist.run.build import TaskFactory, build_run
 from jaxdist.run.checkpoint import Checkpointer, CheckpointMismatchError, newest_config_record
@@ -280,7 +279,7 @@ class Trainer:
         the same model, laid out another way."""
         recorded = newest_config_record(ckpt.directory) or {}
         old, new = recorded.get("sharding"), self.config.sharding
-        if not isinstance(self.train_step_for(0), PipelineStep) or old in (None, new):
+        if not pipeline_config.enabled(self.config) or old in (None, new):
             return err
         return CheckpointMismatchError(
             f"the checkpoints in {ckpt.directory} hold this pipeline under sharding={old!r}; "
