@@ -759,6 +759,10 @@ def test_native_buckets_stay_apart_and_some_run_beside_backward(torus_2x2):
     assert report.schedule.overlapped_backward_fraction > 0
     assert compiler_options_for(torus_2x2.devices.flat, "ring") is None
     assert compiler_options_for(jax.devices("cpu"), "native") is None
+    # A paced permute schedule gets the TPU scheduler's further features, on the TPU alone.
+    paced = compiler_options_for(torus_2x2.devices.flat, "ring", wait_free=True)
+    assert paced == {"xla_tpu_enable_all_experimental_scheduler_features": True}
+    assert compiler_options_for(jax.devices("cpu"), "ring", wait_free=True) is None
 
 
 @needs_libtpu

@@ -393,7 +393,9 @@ class TrainStep:
         return jax.jit(
             sharded,
             donate_argnums=(0,) if self.donate else (),
-            compiler_options=compiler_options_for(self.mesh.devices.flat, self.allreduce),
+            compiler_options=compiler_options_for(
+                self.mesh.devices.flat, self.allreduce, self.wait_free
+            ),
         )
 
     def _body(self, state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
