@@ -40,8 +40,8 @@ A wait-free step on a TPU (each bucket's permute schedule paced beside backward,
 step; where the step's receive waits between that bound and the step's start is the
 scheduler's choice alone, and by default it waits for most of them before the product
 between, with nothing beside them. With the further features it leaves more of them in flight
-across a product: on ``v4:8x8x16`` (ResNet-50, the 3-D torus) 54% of the gradient time hidden
-instead of 30%, and a step 9% shorter. docs/planning.md has each chip's measured overlap.
+across a product: on ``v4:8x8x16`` (ResNet-50, the 3-D torus) 56% of the gradient time hidden
+instead of 33%, and a step 9% shorter. docs/planning.md has each chip's measured overlap.
 """
 
 from __future__ import annotations
