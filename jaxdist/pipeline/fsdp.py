@@ -137,19 +137,20 @@ def rows_to_whole(step: Any, rows: jax.Array, stage: jax.Array) -> jax.Array:
     stage reads its layers as the replicated pipeline does, without a strided copy each
     tick)."""
     layout = step.layouts["params"]
-
-    def relaid(v):
-        return lambda flat: layout.whole.flatten(layout.unflatten(v, flat))
-
-    return jnp.stack(per_chunk(step, stage, relaid, rows))
+    return _relaid(step, rows, stage, layout, layout.whole)
 
 
 def whole_to_rows(step: Any, flats: jax.Array, stage: jax.Array) -> jax.Array:
     """Inside shard_map: :func:`rows_to_whole` undone, for the summed gradients."""
     layout = step.layouts["params"]
+    return _relaid(step, flats, stage, layout.whole, layout)
+
+
+def _relaid(step: Any, flats: jax.Array, stage: jax.Array, source: Any, target: Any) -> jax.Array:
+    """Each chunk's flat vector, read by the ``source`` layout and written by ``target``."""
 
     def relaid(v):
-        return lambda flat: layout.flatten(layout.whole.unflatten(v, flat))
+        return lambda flat: target.flatten(source.unflatten(v, flat))
 
     return jnp.stack(per_chunk(step, stage, relaid, flats))
 
