@@ -214,6 +214,19 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_step
     assert_same_as_uninterrupted(workdir, uninterrupted)
 
 
+def test_a_write_error_names_the_reason_of_its_os_error_code():
+    """TensorStore's text may put a spec payload between the reason and the code; the reason
+    is named from the code either way."""
+    from jaxdist.run.checkpoint import _os_error
+
+    plain = "OUT_OF_RANGE: Error writing local file: File too large [os_error_code='27']"
+    spec = ("OUT_OF_RANGE: Error writing local file: File too large [source locations='a.cc:1'] "
+            "[tensorstore_spec='{\"create\":true}'] [os_error_code='27']")  # fmt: skip
+    assert _os_error(RuntimeError(plain)) == "File too large (errno 27)"
+    assert _os_error(RuntimeError(spec)) == "File too large (errno 27)"
+    assert _os_error(RuntimeError("no code here")) == "RuntimeError: no code here"
+
+
 def test_os_errors_at_start_are_one_line_and_leave_no_temporary_file(recipe, tmp_path):
     """A workdir that is a file, one under a file, and a file-size limit hit while writing
     config.json: one line each naming the path and the reason, exit 1, nothing half-written.

@@ -27,6 +27,7 @@ would differ alike. A preemption (SIGTERM) saves through :mod:`jaxdist.run.preem
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import warnings
@@ -358,10 +359,13 @@ def newest_config_record(directory: Path) -> dict | None:
 
 def _os_error(err: Exception) -> str:
     """The operating system's reason inside a TensorStore error ("File too large (errno
-    27)"), or the error's first line."""
-    found = re.search(r"([^:]+) \[os_error_code='(\d+)'\]", str(err))
+    27)"), or the error's first line. The reason is named from the error code: the text
+    before the code is not always the reason (a spec payload such as ``[tensorstore_spec=
+    '...']`` can stand between them)."""
+    found = re.search(r"\[os_error_code='(\d+)'\]", str(err))
     if found:
-        return f"{found.group(1).strip()} (errno {found.group(2)})"
+        code = int(found.group(1))
+        return f"{os.strerror(code)} (errno {code})"
     return describe_error(err, limit=200)
 
 
