@@ -187,7 +187,7 @@ def test_a_recipe_with_its_own_task_trains_with_jaxdist_train(tmp_path):
     assert config["model"]["name"] == "sine_mlp"
 
 
-@pytest.mark.parametrize("schedule, remat", [("gpipe", False), ("1f1b", True)])
+@pytest.mark.parametrize("schedule, remat", [("gpipe", "none"), ("1f1b", "full")])
 def test_the_language_model_pipeline_step_equals_one_device_training(corpus_root, schedule, remat):
     """The NNX transformer cut into two stages over a data x stage mesh (4 x 2), two
     micro-batches per replica: the whole model after three steps is the one-device model
@@ -274,12 +274,12 @@ def test_the_nnx_language_model_trains_with_zero1_and_in_bfloat16(corpus_root):
 
 
 def test_remat_recomputes_each_block_and_fsdp_paces_it_as_one_unit(corpus_root):
-    """``model.remat=True`` keeps only each block's input and recomputes the block in the
+    """``model.remat=full`` keeps only each block's input and recomputes the block in the
     backward pass; under FSDP each block is then gathered whole. Two steps on 2 devices
     equal the replicated model that keeps its activations."""
     config = lm_config(corpus_root, **{"model.num_layers": 2})
     task = LanguageModel(config, Replicas("data", 2))
-    remat = LanguageModel(lm_config(corpus_root, **{"model.num_layers": 2, "model.remat": True}),
+    remat = LanguageModel(lm_config(corpus_root, **{"model.num_layers": 2, "model.remat": "full"}),
                           Replicas("data", 2))  # fmt: skip
     params, model_state = task.init_variables(jax.random.key(0))
     it = task.data.train_iterator(8)

@@ -56,7 +56,9 @@ def _reseeded(rng_state: nnx.State, rng: jax.Array | None) -> nnx.State:
     fresh = []
     for index, leaf in enumerate(leaves):
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            fresh.append(jax.random.fold_in(rng, index))
+            key = jax.random.fold_in(rng, index)
+            # A stream of stacked layers (nnx.vmap) holds one key per layer.
+            fresh.append(jax.random.split(key, leaf.shape) if leaf.shape else key)
         else:
             fresh.append(jax.numpy.zeros_like(leaf))
     return _fresh(rng_state, jax.tree.unflatten(treedef, fresh))

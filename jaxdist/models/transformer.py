@@ -7,11 +7,21 @@ causal self-attention and an MLP, a final norm and a linear head over the vocabu
                         rngs=nnx.Rngs(0))
     logits = model(tokens)                    # [batch, length] int -> [batch, length, vocab]
 
-With ``remat=True`` each block keeps only its input for the backward pass and runs its
-forward again there (``nnx.remat``, activation checkpointing): the activations a step holds
-fall from every block's to one block's, for about a quarter more compute.
+``remat`` chooses what each block keeps for the backward pass (activation checkpointing,
+``nnx.remat``): ``"none"`` keeps every activation; ``"full"`` only the block's input, running
+its forward again in backward (the activations a step holds fall from every block's to one
+block's, for about a quarter more compute); ``"dots"`` the outputs of its matrix products
+(``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``), recomputing the cheap
+element-wise work between them.
 
-Layers are kept as a list (``blocks``), so spans of them can run on their own
+With ``scan_layers=True`` the blocks are one module whose parameters carry a leading layer
+axis (``blocks.attention.query.kernel`` is ``[num_layers, d_model, heads, head_dim]``), made
+with ``nnx.vmap`` and run with ``nnx.scan``: the compiled program holds one block whatever
+the depth, so compile time and code size stay flat as the model deepens.
+:func:`stack_blocks` and :func:`unstack_blocks` turn one layout's parameters into the
+other's (the same model either way).
+
+Unscanned, layers are kept as a list (``blocks``), so spans of them can run on their own
 (:class:`TransformerSpan`, :meth:`Transformer.span`): the embedding is layer 0, block ``i``
 layer ``i + 1`` and the final norm with the head the last layer, the convention the
 pipeline's stage cuts use.
@@ -23,7 +33,30 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["Block", "Transformer", "TransformerSpan"]
+__all__ = [
+    "REMAT_POLICIES",
+    "Block",
+    "Transformer",
+    "TransformerSpan",
+    "stack_blocks",
+    "unstack_blocks",
+]
+
+# What a block keeps for backward, by name: None keeps everything (no remat).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_policy_name(remat: bool | str) -> str:
+    """``remat`` as one of :data:`REMAT_POLICIES`' names (``True``/``False``: full/none)."""
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"model.remat must be one of {', '.join(REMAT_POLICIES)}; got {remat!r}")
+    return remat
 
 
 class Block(nnx.Module):
@@ -48,8 +81,8 @@ class Block(nnx.Module):
 
 class Transformer(nnx.Module):
     """A causal language model over ``vocab_size`` tokens, sequences up to ``max_len``;
-    ``remat`` recomputes each block's activations in the backward pass instead of keeping
-    them."""
+    ``remat`` names what each block keeps for backward (:data:`REMAT_POLICIES`; ``True`` is
+    ``"full"``), ``scan_layers`` stacks the blocks and scans over them."""
 
     def __init__(
         self,
@@ -62,25 +95,36 @@ class Transformer(nnx.Module):
         mlp_ratio: int = 4,
         dropout: float = 0.0,
         dtype=jnp.float32,
-        remat: bool = False,
+        remat: bool | str = False,
+        scan_layers: bool = False,
         rngs: nnx.Rngs,
     ) -> None:
-        self.remat = remat
+        self.remat = remat_policy_name(remat)
+        self.scan_layers = scan_layers
+        self.depth = num_layers
         self.token_embed = nnx.Embed(vocab_size, d_model, dtype=dtype, rngs=rngs)
         self.position_embed = nnx.Embed(max_len, d_model, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List(
-            [Block(d_model, num_heads, mlp_ratio, dropout, dtype, rngs) for _ in range(num_layers)]
-        )
+        make = lambda rngs: Block(d_model, num_heads, mlp_ratio, dropout, dtype, rngs)  # noqa: E731
+        if scan_layers:
+            stacked = nnx.split_rngs(splits=num_layers)(nnx.vmap(make, in_axes=0, out_axes=0))
+            self.blocks = stacked(rngs)
+        else:
+            self.blocks = nnx.List([make(rngs) for _ in range(num_layers)])
         self.norm = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab_size, dtype=dtype, rngs=rngs)
 
     @property
     def num_layers(self) -> int:
         """Layers a stage cut counts: the embedding, each block, the head."""
-        return len(self.blocks) + 2
+        return self.depth + 2
 
     def span(self, start: int, stop: int) -> TransformerSpan:
         """Layers ``[start, stop)`` as a module of their own, sharing this one's layers."""
+        if self.scan_layers:
+            raise ValueError(
+                "a transformer with scanned layers (model.scan_layers=True) cannot "
+                "be cut into pipeline stages; set model.scan_layers=False"
+            )
         return TransformerSpan(self, start, stop)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -98,7 +142,7 @@ class TransformerSpan(nnx.Module):
             raise ValueError(f"a span of layers [{start}, {stop}) of a transformer with "
                              f"{model.num_layers} layers")  # fmt: skip
         self.start, self.stop, self.total = start, stop, model.num_layers
-        self.remat = model.remat
+        self.remat, self.scan_layers = model.remat, False
         if start == 0:
             self.token_embed, self.position_embed = model.token_embed, model.position_embed
         self.blocks = nnx.List(list(model.blocks[max(start - 1, 0) : stop - 1]))
@@ -109,10 +153,15 @@ class TransformerSpan(nnx.Module):
         return _run(self, x, self.start, self.stop, self.total)
 
 
-@nnx.remat
-def _rematerialised(block: Block, x: jax.Array) -> jax.Array:
-    """``block(x)``, its activations recomputed in the backward pass."""
+def _call(block: Block, x: jax.Array) -> jax.Array:
     return block(x)
+
+
+def _block_fn(remat: str):
+    """``(block, x) -> block(x)``, keeping for backward what the ``remat`` policy saves."""
+    if remat == "none":
+        return _call
+    return nnx.remat(_call, policy=REMAT_POLICIES[remat])
 
 
 def _run(layers: Transformer | TransformerSpan, x: jax.Array, start: int, stop: int,
@@ -121,8 +170,31 @@ def _run(layers: Transformer | TransformerSpan, x: jax.Array, start: int, stop: 
     if start == 0:
         positions = jnp.arange(x.shape[-1])
         x = layers.token_embed(x) + layers.position_embed(positions)
-    for block in layers.blocks:
-        x = _rematerialised(block, x) if layers.remat else block(x)
+    block_fn = _block_fn(layers.remat)
+    if layers.scan_layers:
+        x = nnx.scan(block_fn, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(layers.blocks, x)
+    else:
+        for block in layers.blocks:
+            x = block_fn(block, x)
     if stop == total:
         x = layers.head(layers.norm(x)).astype(jnp.float32)
     return x
+
+
+def stack_blocks(params: dict) -> dict:
+    """An unscanned transformer's parameters (``blocks`` a dict of layers ``0..L-1``) laid
+    out for ``scan_layers=True``: every block leaf stacked along a new leading layer axis."""
+    blocks = params["blocks"]
+    layers = [blocks[i] for i in sorted(blocks)]
+    return {**params, "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
+
+
+def unstack_blocks(params: dict) -> dict:
+    """A scanned transformer's parameters laid out as the unscanned model's (the inverse of
+    :func:`stack_blocks`)."""
+    stacked = params["blocks"]
+    depth = jax.tree.leaves(stacked)[0].shape[0]
+    return {
+        **params,
+        "blocks": {i: jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(depth)},
+    }

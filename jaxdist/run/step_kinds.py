@@ -46,6 +46,13 @@ class DataParallel:
         sharded over the mesh's ``fsdp`` axis where it has one (HSDP), else over every axis."""
         hsdp = FSDP_AXIS in self.data_axes and len(self.data_axes) > 1
         shard_axes = FSDP_AXIS if hsdp and parts.options.get("sharding") != "replicated" else None
-        return TrainStep(parts.task.loss, parts.optimizer, self.mesh, data_axes=self.data_axes,
-                         accumulation_steps=accumulation_steps, shard_axes=shard_axes,
-                         **parts.options)  # fmt: skip
+        return TrainStep(
+            parts.task.loss,
+            parts.optimizer,
+            self.mesh,
+            data_axes=self.data_axes,
+            accumulation_steps=accumulation_steps,
+            shard_axes=shard_axes,
+            stacked_layers=parts.task.stacked_layers(),
+            **parts.options,
+        )

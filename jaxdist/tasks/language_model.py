@@ -4,9 +4,10 @@ Python standard library's sources), evaluated by held-out bits per byte beside t
 the training bytes' frequencies.
 
 Recipe fields it reads: ``model.num_layers``, ``d_model``, ``num_heads``, ``mlp_ratio``,
-``dropout``, ``dtype``, ``remat`` (recompute each block's activations in the backward pass
-instead of keeping them); ``data.root`` (``""``: the standard library), ``pattern``,
-``seq_len``, ``held_out_every``, ``max_train_bytes``, ``max_eval_bytes``, ``seed`` (the
+``dropout``, ``dtype``, ``remat`` (what each block keeps for the backward pass: ``none``,
+``full`` or ``dots``, the products' outputs), ``scan_layers`` (the blocks stacked and
+scanned: a program that does not grow with depth); ``data.root`` (``""``: the standard
+library), ``pattern``, ``seq_len``, ``held_out_every``, ``max_train_bytes``, ``max_eval_bytes``, ``seed`` (the
 shuffle); ``seed`` (the initial weights). ``recipes/transformer_lm.py`` is its recipe.
 """
 
@@ -25,7 +26,7 @@ from flax import nnx
 from jaxdist.data.byte_corpus import ByteCorpus, unigram_bits_per_byte
 from jaxdist.data.records import RecordData
 from jaxdist.models.nnx_model import NnxModel
-from jaxdist.models.transformer import Transformer
+from jaxdist.models.transformer import Transformer, remat_policy_name
 from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.tasks.image_classification import DTYPES
 from jaxdist.tasks.task import PipelineParts, Replicas, Task
@@ -46,7 +47,8 @@ def model_fields() -> ml_collections.ConfigDict:
             mlp_ratio=4,
             dropout=0.0,
             dtype="float32",
-            remat=False,
+            remat="none",
+            scan_layers=False,
         )
     )
 
@@ -130,6 +132,7 @@ class LanguageModel(Task):
         m, d = config.model, config.data
         if m.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {m.dtype!r}")
+        remat_policy_name(m.remat)  # one line naming the choices, before anything is built
         if m.d_model % m.num_heads:
             raise ValueError(
                 f"model.d_model={m.d_model} must divide by model.num_heads={m.num_heads}"
@@ -145,10 +148,20 @@ class LanguageModel(Task):
         self._make = lambda key: Transformer(
             vocab_size=VOCAB, max_len=d.seq_len, num_layers=m.num_layers, d_model=m.d_model,
             num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, dropout=m.dropout,
-            dtype=DTYPES[m.dtype], remat=m.remat, rngs=nnx.Rngs(key),
+            dtype=DTYPES[m.dtype], remat=m.remat, scan_layers=m.scan_layers, rngs=nnx.Rngs(key),
         )  # fmt: skip
         self._abstract = nnx.eval_shape(lambda: self._make(jax.random.key(0)))  # structure only
         self.model = NnxModel(self._abstract)
+
+    def stacked_layers(self) -> Any:
+        """With ``model.scan_layers``, every leaf under ``blocks`` is stacked over the blocks."""
+        if not self._abstract.scan_layers:
+            return None
+        params, _ = self.model.variables()
+        return {
+            name: jax.tree.map(lambda _, n=name: n == "blocks", tree)
+            for name, tree in params.items()
+        }
 
     def init_variables(self, rng: jax.Array) -> tuple[Any, Any]:
         return jax.jit(lambda key: NnxModel(self._make(key)).variables())(rng)
@@ -181,6 +194,11 @@ class LanguageModel(Task):
         """The transformer cut into spans of layers (embedding, blocks, norm and head); the
         next-byte cross-entropy on the last stage's logits."""
         whole = self._abstract
+        if whole.scan_layers:
+            raise ValueError(
+                "pipeline stages cut the transformer between blocks, which "
+                "model.scan_layers=True stacks into one; set model.scan_layers=False"
+            )
         cuts = pipeline_stages.spans(whole.num_layers, None if boundaries else virtual_stages,
                                      boundaries)  # fmt: skip
         stages = [_SpanStage(whole, start, stop) for start, stop in cuts]

@@ -164,6 +164,13 @@ class Task(abc.ABC):
             for k, v in batch.items()
         }
 
+    def stacked_layers(self) -> Any:
+        """A tree of booleans like the parameters, true where a leaf's first dimension counts
+        layers a ``lax.scan`` runs over (``nnx.scan``, ``nn.scan``): FSDP splits such a leaf
+        below that axis and gathers it one layer at a time inside the scan. Default: None,
+        no such leaves."""
+        return None
+
     def pipeline_parts(
         self, virtual_stages: int, boundaries: Sequence[int] | None
     ) -> PipelineParts:

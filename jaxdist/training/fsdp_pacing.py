@@ -42,15 +42,25 @@ forward, after it in backward).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jex
 
-from jaxdist.comm.scopes import GRADIENT_SCOPE, PARAMETER_SCOPE
+from jaxdist.comm.scopes import GRADIENT_SCOPE
+from jaxdist.training.fsdp_scan import scanned_step, scans_stacked_layers
+from jaxdist.training.fsdp_ties import (
+    gate,
+    gather_dtypes,
+    gather_whole,
+    handed_back,
+    handover_vector,
+    is_var,
+    placeholder,
+    w_only_residuals,
+)
 from jaxdist.training.wait_free import has_matmul
 
 __all__: list[str] = []  # building blocks of the package's own modules
@@ -63,6 +73,7 @@ class _Segment:
     outputs: list  # vars defined here and read later (or returned)
     leaves: list[int]  # the sharded parameter leaves it gathers
     params: list  # their invars, in the order of ``leaves``
+    scan: bool = False  # one scan over stacked layers, gathered layer by layer (fsdp_scan)
 
 
 # Primitives that only cast or lay out one value anew (``jnp.expand_dims`` traces to
@@ -71,13 +82,13 @@ _RELAYOUTS = {"convert_element_type", "reshape", "transpose", "broadcast_in_dim"
               "copy"}  # fmt: skip
 
 
-def _is_var(v: Any) -> bool:
-    return isinstance(v, jex.Var)
-
-
-def segments_of(jaxpr: Any, param_vars: Mapping[Any, int]) -> list[_Segment]:
+def segments_of(
+    jaxpr: Any, param_vars: Mapping[Any, int], stacked: Container[int] = ()
+) -> list[_Segment]:
     """The loss's equations cut into segments (see the module docstring); ``param_vars`` maps
-    each sharded parameter's invar to its leaf index."""
+    each sharded parameter's invar to its leaf index, ``stacked`` names the leaves split
+    below a leading layer axis: a scan over them is a segment of its own, gathered layer by
+    layer inside the scan (:mod:`jaxdist.training.fsdp_scan`)."""
     eqns = list(jaxpr.eqns)
     # A value cast or reshaped from one parameter alone (a bfloat16 layer's copy of its
     # float32 kernel) is read as that parameter: the product reading it opens the layer.
@@ -86,20 +97,20 @@ def segments_of(jaxpr: Any, param_vars: Mapping[Any, int]) -> list[_Segment]:
     last: dict[Any, int] = {}  # its last read, itself or a value cast from it
     first_use: dict[Any, int] = {}  # its first read by anything but such a cast
     for i, eqn in enumerate(eqns):
-        sources = {origin[v] for v in eqn.invars if _is_var(v) and v in origin}
+        sources = {origin[v] for v in eqn.invars if is_var(v) and v in origin}
         for v in eqn.invars:
-            if _is_var(v) and v in param_vars:
+            if is_var(v) and v in param_vars:
                 first.setdefault(v, i)
         for p in sources:
             last[p] = i
         if eqn.primitive.name in _RELAYOUTS and len(sources) == 1 and all(
-            not _is_var(v) or v in origin for v in eqn.invars
+            not is_var(v) or v in origin for v in eqn.invars
         ):  # fmt: skip
             origin.update(dict.fromkeys(eqn.outvars, next(iter(sources))))
         else:
             for p in sources:
                 first_use.setdefault(p, i)
-    if any(v in param_vars for v in jaxpr.outvars if _is_var(v)):
+    if any(v in param_vars for v in jaxpr.outvars if is_var(v)):
         raise ValueError("fsdp: the loss returns a parameter itself; it cannot be paced")
     # Boundaries at products that read new parameters (a layer's kernel), once the open
     # segment did a product -- placed at the first cast of those parameters if it comes after
@@ -108,7 +119,7 @@ def segments_of(jaxpr: Any, param_vars: Mapping[Any, int]) -> list[_Segment]:
     for i, eqn in enumerate(eqns):
         matmul = has_matmul(eqn)
         opened = [origin[v] for v in eqn.invars
-                  if _is_var(v) and v in origin and first_use.get(origin[v]) == i]  # fmt: skip
+                  if is_var(v) and v in origin and first_use.get(origin[v]) == i]  # fmt: skip
         if opened and matmul and matmul_since:
             start = max(min(first[p] for p in opened), last_matmul + 1)
             if start > starts[-1]:
@@ -116,6 +127,8 @@ def segments_of(jaxpr: Any, param_vars: Mapping[Any, int]) -> list[_Segment]:
                 matmul_since = False
         matmul_since = matmul_since or matmul
         last_matmul = i if matmul else last_matmul
+    scans = [i for i, eqn in enumerate(eqns) if scans_stacked_layers(eqn, param_vars, stacked)]
+    starts = sorted({*starts, *scans, *(i + 1 for i in scans if i + 1 < len(eqns))})
     # A parameter read in several segments keeps them one.
     for v in first:
         lo = max(s for s in starts if s <= first[v])
@@ -124,39 +137,24 @@ def segments_of(jaxpr: Any, param_vars: Mapping[Any, int]) -> list[_Segment]:
     last_read: dict[Any, int] = {}
     for i, eqn in enumerate(eqns):
         for v in eqn.invars:
-            if _is_var(v):
+            if is_var(v):
                 last_read[v] = i
     for v in jaxpr.outvars:
-        if _is_var(v):
+        if is_var(v):
             last_read[v] = len(eqns)
     segments = []
     for a, b in itertools.pairwise(bounds):
         part = eqns[a:b]
         defined = {v for eqn in part for v in eqn.outvars}
-        reads = list(dict.fromkeys(v for eqn in part for v in eqn.invars if _is_var(v)))
+        reads = list(dict.fromkeys(v for eqn in part for v in eqn.invars if is_var(v)))
         params = [v for v in reads if v in param_vars]
         inputs = [v for v in reads if v not in defined and v not in param_vars]
         outputs = [v for eqn in part for v in eqn.outvars if last_read.get(v, -1) >= b]
-        segments.append(_Segment(part, inputs, outputs, [param_vars[v] for v in params], params))
+        scan = len(part) == 1 and a in scans
+        segments.append(
+            _Segment(part, inputs, outputs, [param_vars[v] for v in params], params, scan)
+        )
     return segments
-
-
-def gather_dtypes(segment: _Segment) -> list[Any]:
-    """Per parameter of ``segment``, the dtype its gather travels in: the narrower float
-    dtype that every read of it casts it to first (a bfloat16 layer's float32 kernel), else
-    its own. The cast commutes with the gather, so the segment sees the very same values for
-    half the bytes."""
-    dtypes = []
-    for param in segment.params:
-        own = jnp.dtype(param.aval.dtype)
-        reads = [eqn for eqn in segment.eqns if any(_is_var(v) and v == param for v in eqn.invars)]
-        # What its reads are: narrowed only if every one is the same cast.
-        kinds = {(eqn.primitive.name, eqn.params.get("new_dtype")) for eqn in reads}
-        name, target = next(iter(kinds))
-        narrow = jnp.dtype(target) if len(kinds) == 1 and name == "convert_element_type" else own
-        floats = jnp.issubdtype(own, jnp.floating) and jnp.issubdtype(narrow, jnp.floating)
-        dtypes.append(narrow if floats and narrow.itemsize < own.itemsize else own)
-    return dtypes
 
 
 def _evaluate(segment: _Segment, inputs: Sequence[Any], params: Sequence[Any]) -> list[Any]:
@@ -168,79 +166,6 @@ def _evaluate(segment: _Segment, inputs: Sequence[Any], params: Sequence[Any]) -
     jaxpr = jex.Jaxpr([], [*segment.inputs, *segment.params], segment.outputs, segment.eqns,
                       effects, names)  # fmt: skip
     return jax.core.eval_jaxpr(jaxpr, [], *inputs, *params)
-
-
-def _floats(values: Sequence[Any]) -> list[jax.Array]:
-    return [x for x in values if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
-
-
-def _handover(values: Sequence[Any]) -> jax.Array:
-    """A float32 zero computed from one element of every floating-point value of ``values``:
-    it exists once they all do, which marks when a segment's inputs (forward) or its outputs'
-    cotangents (backward) are there. Computed, not merely tied by an optimization barrier,
-    since compilers drop barriers before they schedule: ``x * 0`` is not folded for floats
-    (``inf * 0`` is NaN), and a NaN or an infinity becomes 0."""
-    zero = jnp.zeros((), jnp.float32)
-    for x in _floats(values):
-        if x.size:
-            element = x.reshape(-1)[0].astype(jnp.float32) * 0.0
-            zero = zero + jnp.where(jnp.isfinite(element), element, 0.0)
-    return zero
-
-
-def _handover_vector(inputs: Sequence[Any], handover: jax.Array | None, prefetch: int) -> jax.Array:
-    """Forward's handover, ``prefetch + 1`` entries: a zero once this segment's inputs are
-    there, then the zeros of the ``prefetch - 1`` segments before it (shifted along from the
-    handover it was given), then a 0 that backward's cotangent fills. Backward hands back, in
-    its place, a zero once this segment's backward has begun and the next one's
-    reduce-scatter is done, the same for the ``prefetch - 1`` segments after it, and last a
-    zero once this one's reduce-scatter is done."""
-    earlier = (jnp.zeros((prefetch - 1,), jnp.float32) if handover is None
-               else handover[: prefetch - 1])  # fmt: skip
-    return jnp.concatenate([_handover(inputs)[None], earlier, jnp.zeros((1,), jnp.float32)])
-
-
-def _gate(handover: jax.Array | None, prefetch: int) -> jax.Array | None:
-    """What a segment's gather waits for: in forward, the inputs of the segment ``prefetch``
-    before it; in backward, the backward of the segment ``prefetch`` after it."""
-    return None if handover is None else handover[prefetch - 1]
-
-
-def _after(shards: Sequence[jax.Array], handover: jax.Array | None) -> list[jax.Array]:
-    """``shards`` made to depend on ``handover`` (a zero): its first element plus it, so that
-    the gather reading them cannot start before the handover exists. Adding zero changes no
-    value (a -0.0 turns +0.0)."""
-    shards = list(shards)
-    if handover is None or not shards:
-        return shards
-    first = shards[0]
-    flat = first.reshape(-1)
-    flat = flat.at[0].add(handover.astype(first.dtype))
-    shards[0] = flat.reshape(first.shape)
-    return shards
-
-
-def _w_only_residuals(f: Callable, inputs: Sequence[Any], whole: Sequence[Any]) -> list[bool]:
-    """Which leaves of ``jax.vjp(f, inputs, whole)``'s residuals depend on the parameters
-    alone (not on the inputs): those backward recomputes from the gathered parameters."""
-
-    def residuals(ins, ws):
-        return jax.tree.leaves(jax.vjp(f, ins, ws)[1])
-
-    closed = jax.make_jaxpr(residuals)(list(inputs), list(whole))
-    jaxpr = closed.jaxpr
-    from_inputs = set(jaxpr.invars[: len(inputs)])
-    for eqn in jaxpr.eqns:  # a call's outputs follow all its operands: the safe side
-        if any(_is_var(v) and v in from_inputs for v in eqn.invars):
-            from_inputs.update(eqn.outvars)
-    return [not (_is_var(v) and v in from_inputs) for v in jaxpr.outvars]
-
-
-def _placeholder(aval: jax.ShapeDtypeStruct) -> jax.Array:
-    """An array of ``aval``'s shape and dtype (a PRNG key array too) whose values go unread."""
-    if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key):
-        return jnp.broadcast_to(jax.random.key(0), aval.shape)
-    return jnp.zeros(aval.shape, aval.dtype)
 
 
 def paced_loss(loss_fn: Callable, layout: Any, gather: Callable, scatter: Callable,
@@ -274,12 +199,14 @@ def paced_loss(loss_fn: Callable, layout: Any, gather: Callable, scatter: Callab
         whole_vars = jaxpr.invars[: len(split)]
         env = dict(zip(jaxpr.constvars, closed.consts))
         env.update(zip(jaxpr.invars[len(split) :], [*free, *others]))
-        segments = segments_of(jaxpr, {v: split[k] for k, v in enumerate(whole_vars)})
+        stacked = {i for i in split if layout.stacked[i]}
+        segments = segments_of(jaxpr, {v: split[k] for k, v in enumerate(whole_vars)}, stacked)
         if on_segments is not None:
             on_segments(len(segments))
-        handover = None  # what the previous segment handed over (see _handover_vector)
+        handover = None  # what the previous segment handed over (see handover_vector)
         for segment in segments:
-            step = _segment_step(segment, layout, gather, scatter, prefetch)
+            make_step = scanned_step if segment.scan else _segment_step
+            step = make_step(segment, layout, gather, scatter, prefetch)
             shards = [blocks[i] for i in segment.leaves]
             values = [env[v] for v in segment.inputs]
             outputs, handover = step(values, shards, handover)
@@ -299,40 +226,31 @@ def _segment_step(segment: _Segment, layout: Any, gather: Callable, scatter: Cal
     saved: dict[str, Any] = {}
 
     def gathered(shards, tie, again=False):
-        """The whole parameters, one gather per dtype they travel in, each cast back to the
-        parameter's own dtype (exact: a cast up from the narrower dtype)."""
-        whole: list[Any] = [None] * len(shards)
-        with jax.named_scope(PARAMETER_SCOPE):
-            for dtype in dict.fromkeys(travel):
-                group = [i for i, d in enumerate(travel) if d == dtype]
-                cast = [shards[i].astype(dtype) for i in group]
-                for i, w in zip(group, gather(_after(cast, tie), [dims[i] for i in group], again)):
-                    whole[i] = w.astype(shards[i].dtype)
-        return whole
+        return gather_whole(shards, tie, again, travel, dims, gather)
 
     @jax.custom_vjp
     def step(inputs, shards, handover):
-        whole = gathered(shards, _gate(handover, prefetch))
-        return f(inputs, whole), _handover_vector(inputs, handover, prefetch)
+        whole = gathered(shards, gate(handover, prefetch))
+        return f(inputs, whole), handover_vector(inputs, handover, prefetch)
 
     def forward(inputs, shards, handover):
-        whole = gathered(shards, _gate(handover, prefetch))
+        whole = gathered(shards, gate(handover, prefetch))
         outputs, vjp_fn = jax.vjp(f, list(inputs), list(whole))
         leaves, saved["treedef"] = jax.tree.flatten(vjp_fn)
-        recomputed = _w_only_residuals(f, inputs, whole) if shards else [False] * len(leaves)
+        recomputed = w_only_residuals(f, inputs, whole) if shards else [False] * len(leaves)
         saved["recomputed"] = recomputed
         kept = [leaf for leaf, r in zip(leaves, recomputed, strict=True) if not r]
         saved["inputs"] = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
-        handed = _handover_vector(inputs, handover, prefetch)
+        handed = handover_vector(inputs, handover, prefetch)
         return (outputs, handed), (kept, list(shards), handover)
 
     def backward(residuals, cotangents):
         kept, shards, handover = residuals
         output_cts, handover_ct = cotangents
-        whole = gathered(shards, _gate(handover_ct, prefetch), again=True)
+        whole = gathered(shards, gate(handover_ct, prefetch), again=True)
         if any(saved["recomputed"]):
             # What depends on the parameters alone does not read the inputs: stand-ins do.
-            stand_ins = [_placeholder(x) for x in saved["inputs"]]
+            stand_ins = [placeholder(x) for x in saved["inputs"]]
             again = jax.tree.leaves(jax.vjp(f, stand_ins, list(whole))[1])
         kept_iter = iter(kept)
         leaves = [again[k] if r else next(kept_iter) for k, r in enumerate(saved["recomputed"])]
@@ -340,18 +258,10 @@ def _segment_step(segment: _Segment, layout: Any, gather: Callable, scatter: Cal
         input_cts, whole_cts = vjp_fn(list(output_cts))
         with jax.named_scope(GRADIENT_SCOPE):
             shard_cts = scatter(whole_cts, dims) if shards else []
-        # The segment before may gather again once this one's backward has begun and the
-        # next one's reduce-scatter is done (it ran beside this one's backward); so may the
-        # segment ``prefetch`` before, once the segment ``prefetch - 1`` after this one got
-        # as far. This one's reduce-scatter is handed on, to gate the gather after that.
-        if handover is None:
-            return input_cts, shard_cts, None
-        begun = _handover(list(output_cts)) + handover_ct[prefetch]
-        later = handover_ct[: prefetch - 1]
         return (
             input_cts,
             shard_cts,
-            jnp.concatenate([begun[None], later, _handover(shard_cts)[None]]),
+            handed_back(handover, handover_ct, output_cts, shard_cts, prefetch),
         )
 
     step.defvjp(forward, backward)

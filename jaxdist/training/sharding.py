@@ -67,13 +67,18 @@ def check_sharding(sharding: str) -> str:
     return sharding
 
 
-def _split_dimension(shape: tuple[int, ...], shards: int, min_elements: int) -> int | None:
+def _split_dimension(
+    shape: tuple[int, ...], shards: int, min_elements: int, stacked: bool = False
+) -> int | None:
     """The dimension a parameter of ``shape`` is split along over ``shards`` devices: the first
-    that ``shards`` divides (the outermost, which needs no transpose to gather), or None."""
-    if shards == 1 or math.prod(shape) < max(min_elements, shards):
+    that ``shards`` divides (the outermost, which needs no transpose to gather), or None. A
+    ``stacked`` parameter's first dimension counts layers and is never split: each device
+    keeps a slice of every layer, so a scan can gather one layer at a time."""
+    per_layer = math.prod(shape[1:]) if stacked else math.prod(shape)
+    if shards == 1 or per_layer < max(min_elements, shards):
         return None
-    for dim, size in enumerate(shape):
-        if size % shards == 0:
+    for dim in range(1 if stacked else 0, len(shape)):
+        if shape[dim] % shards == 0:
             return dim
     return None
 
@@ -89,6 +94,7 @@ class Layout:
       paths: their dotted names, for messages and plans.
       units: the gather units, lists of indices of sharded leaves.
       shards: the device count over the shard axes.
+      stacked: per leaf, whether its first dimension counts scanned layers (never split).
     """
 
     dims: tuple[int | None, ...]
@@ -96,15 +102,30 @@ class Layout:
     paths: tuple[str, ...]
     units: tuple[tuple[int, ...], ...]
     shards: int
+    stacked: tuple[bool, ...] = ()
 
     @classmethod
-    def of(cls, params: Any, shards: int, *, unit_bytes: int | None,
-           min_elements: int = DEFAULT_MIN_SHARD_ELEMENTS) -> Layout:  # fmt: skip
-        """The layout of ``params`` (arrays or shapes) over ``shards`` devices."""
-        flat, _ = jax.tree_util.tree_flatten_with_path(params)
+    def of(
+        cls,
+        params: Any,
+        shards: int,
+        *,
+        unit_bytes: int | None,
+        min_elements: int = DEFAULT_MIN_SHARD_ELEMENTS,
+        stacked: Any = None,
+    ) -> Layout:
+        """The layout of ``params`` (arrays or shapes) over ``shards`` devices; ``stacked``: a
+        tree of booleans like ``params`` (or None), true where a leaf's first dimension
+        counts scanned layers."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         shapes = tuple(tuple(leaf.shape) for _, leaf in flat)
         paths = tuple(jax.tree_util.keystr(path, simple=True, separator=".") for path, _ in flat)
-        dims = tuple(_split_dimension(s, shards, min_elements) for s in shapes)
+        flags = (
+            (False,) * len(flat)
+            if stacked is None
+            else tuple(bool(b) for b in treedef.flatten_up_to(stacked))
+        )
+        dims = tuple(_split_dimension(s, shards, min_elements, f) for s, f in zip(shapes, flags))
         units: list[list[int]] = []
         size = 0
         for index, (_leaf_path, leaf) in enumerate(flat):
@@ -117,7 +138,7 @@ class Layout:
                 size = 0
             units[-1].append(index)
             size += nbytes
-        return cls(dims, shapes, paths, tuple(tuple(u) for u in units), shards)
+        return cls(dims, shapes, paths, tuple(tuple(u) for u in units), shards, flags)
 
     def specs(self, treedef: Any, axes: Sequence[str] | str) -> Any:
         """PartitionSpecs of the parameter tree ``treedef`` laid out this way over ``axes``."""

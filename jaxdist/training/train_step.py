@@ -151,6 +151,10 @@ class TrainStep:
         and in backward (default 1: beside the layer before). More gives a gather more
         compute to hide behind and holds that many more layers gathered at once.
       min_shard_elements: parameters with fewer elements stay whole on every device.
+      stacked_layers: a tree of booleans like the parameters, true where a leaf's first
+        dimension counts layers the loss scans over (:meth:`jaxdist.tasks.task.Task.stacked_layers`):
+        ZeRO-1 and FSDP split such a leaf below that axis, and FSDP gathers it one layer at
+        a time inside the scan (:mod:`jaxdist.training.fsdp_scan`).
       wait_free: run each gradient bucket's schedule beside the rest of the backward pass,
         one message step per matrix product, in the compiled program's own order
         (:mod:`jaxdist.training.wait_free`); the same arithmetic. With accumulation, beside
@@ -189,6 +193,7 @@ class TrainStep:
         keep_gathered: bool = False,
         prefetch: int = 1,
         min_shard_elements: int = sharding_lib.DEFAULT_MIN_SHARD_ELEMENTS,
+        stacked_layers: Any = None,
         wait_free: bool = False,
         loss_scale: DynamicLossScale | None = None,
         skip_nonfinite: bool = False,
@@ -230,6 +235,7 @@ class TrainStep:
         self.keep_gathered = keep_gathered
         self.prefetch = check_prefetch(prefetch, sharding, keep_gathered)
         self.min_shard_elements = min_shard_elements
+        self.stacked_layers = stacked_layers
         self.layout: sharding_lib.Layout | None = None
         # How many layers FSDP's paced gathers cut the loss into, once the step is traced.
         self.paced_layers: int | None = None
@@ -308,8 +314,13 @@ class TrainStep:
             shards = math.prod(self.mesh.shape[a] for a in np.atleast_1d(self.shard_axes))
             if self.sharding == "replicated":
                 shards = 1
-            self.layout = sharding_lib.Layout.of(params, shards, unit_bytes=self.bucket_bytes,
-                                                 min_elements=self.min_shard_elements)  # fmt: skip
+            self.layout = sharding_lib.Layout.of(
+                params,
+                shards,
+                unit_bytes=self.bucket_bytes,
+                min_elements=self.min_shard_elements,
+                stacked=self.stacked_layers,
+            )
         return self.layout
 
     def _block_specs(self, params: Any) -> Any:

@@ -1,0 +1,236 @@
+"""FSDP for layers a loss scans over: each layer's parameters gathered inside the scan.
+
+A deep model runs its blocks as one ``lax.scan`` over parameters stacked along a leading
+layer axis (``nnx.scan``, linen's ``nn.scan``, MaxText's ``scan_layers``), so its program
+holds one block whatever the depth. FSDP keeps such a parameter split along a dimension
+*below* the layer axis (:class:`~jaxdist.training.sharding.Layout` with ``stacked``): each
+device holds a slice of every layer. Paced as one segment, the scan would gather the whole
+stack at once; instead the scan is run again here, as one ``jax.custom_vjp``:
+
+* forward, a scan over the layers: layer ``i`` computes on the parameters gathered during
+  layer ``i - 1`` while it gathers layer ``i + 1``'s (one layer ahead, two layers gathered
+  at once), and keeps for backward what ``jax.vjp`` of the layer keeps, less what is
+  computed from its parameters alone;
+* backward, a scan over the layers in reverse: layer ``i`` gathers its parameters again
+  (prefetched during layer ``i + 1``'s backward), recomputes what depends on them alone,
+  applies the layer's ``vjp`` and reduce-scatters its gradient into this device's slice.
+
+The model's own activation checkpointing (``nnx.remat`` in the scanned body) decides what a
+layer keeps, as without FSDP. The first layer's gather waits for the handover of the
+segment before the scan, and the segment after it sees the scan as one segment
+(:mod:`jaxdist.training.fsdp_ties`). The prefetch wraps around: the last layer of each pass
+gathers one layer more than it uses, one layer in ``L`` of the parameter traffic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxdist.comm.scopes import GRADIENT_SCOPE
+from jaxdist.training.fsdp_ties import (
+    gate,
+    gather_dtypes,
+    gather_whole,
+    handed_back,
+    handover_vector,
+    is_var,
+    w_only_residuals,
+)
+
+__all__: list[str] = []  # building blocks of the package's own modules
+
+
+def scans_stacked_layers(eqn: Any, param_vars: Mapping[Any, int], stacked: Container[int]) -> bool:
+    """Whether ``eqn`` is a forward ``lax.scan`` whose sharded parameters are all stacked
+    leaves (``stacked``: leaf indices split below their layer axis) scanned over, each
+    read once: a scan this module can gather layer by layer."""
+    if eqn.primitive.name != "scan" or eqn.params["reverse"]:
+        return False
+    first_xs = eqn.params["num_consts"] + eqn.params["num_carry"]
+    read = [(k, v) for k, v in enumerate(eqn.invars) if is_var(v) and v in param_vars]
+    if not read or len({v for _, v in read}) < len(read):
+        return False
+    return all(k >= first_xs and param_vars[v] in stacked for k, v in read)
+
+
+def _float(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _zero_cotangent(aval: Any) -> Any:
+    """The cotangent of a value that has none (an integer, a PRNG key): float0 zeros."""
+    return np.zeros(aval.shape, jax.dtypes.float0)
+
+
+def scanned_step(
+    segment: Any, layout: Any, gather: Callable, scatter: Callable, prefetch: int
+) -> Callable:
+    """``(inputs, blocks, handover) -> (outputs, handover)`` for a segment that is one scan
+    over stacked layers (:func:`scans_stacked_layers`), as a custom_vjp (see the module
+    docstring). ``blocks`` are this device's slices of the stacked parameters."""
+    (eqn,) = segment.eqns
+    body = eqn.params["jaxpr"]
+    num_consts, num_carry, length = (eqn.params[k] for k in ("num_consts", "num_carry", "length"))
+    first_xs = num_consts + num_carry
+    param_at = {k: segment.params.index(v) for k, v in enumerate(eqn.invars) if v in segment.params}
+    other_xs = [k for k in range(first_xs, len(eqn.invars)) if k not in param_at]
+    needed = [eqn.outvars.index(v) for v in segment.outputs]  # each a carry or a ys
+    needed_ys = [o - num_carry for o in needed if o >= num_carry]
+    # Within one layer a stacked leaf's split dimension is one lower.
+    dims = [layout.dims[i] - 1 for i in segment.leaves]
+    body_params = [body.jaxpr.invars[k] for k in sorted(param_at, key=param_at.get)]
+    travel = gather_dtypes(_Reads(body_params, body.jaxpr.eqns))
+    carry_avals = [v.aval for v in body.jaxpr.outvars[:num_carry]]
+    ys_avals = [body.jaxpr.outvars[num_carry + y].aval for y in needed_ys]
+    saved: dict[str, Any] = {}
+
+    def value(inputs, k):
+        v = eqn.invars[k]
+        return v.val if not is_var(v) else inputs[segment.inputs.index(v)]
+
+    def layer(ins, ws):
+        """One layer: ``ins`` = carry + its slice of the other scanned values, ``ws`` = its
+        whole parameters + the scan's constants; ``-> carry + the needed outputs``."""
+        args: list[Any] = [None] * len(eqn.invars)
+        carry, xs = ins[:num_carry], ins[num_carry:]
+        params, consts = ws[: len(param_at)], ws[len(param_at) :]
+        args[:num_consts] = consts
+        args[num_consts:first_xs] = carry
+        for k, x in zip(other_xs, xs):
+            args[k] = x
+        for k, j in param_at.items():
+            args[k] = params[j]
+        outs = jax.core.eval_jaxpr(body.jaxpr, body.consts, *args)
+        return [*outs[:num_carry], *(outs[num_carry + y] for y in needed_ys)]
+
+    def gathered(shards, i, tie, again=False):
+        layer_shards = [lax.dynamic_index_in_dim(s, i, 0, keepdims=False) for s in shards]
+        return gather_whole(layer_shards, tie, again, travel, dims, gather)
+
+    def split(inputs):
+        consts = [value(inputs, k) for k in range(num_consts)]
+        carry = [value(inputs, k) for k in range(num_consts, first_xs)]
+        return consts, carry, [value(inputs, k) for k in other_xs]
+
+    def run(inputs, shards, handover, keep):
+        """Forward over the layers: ``(needed outputs, kept residuals per layer)``."""
+        consts, carry, xs = split(inputs)
+
+        def one_layer(state, scanned):
+            carry, whole = state
+            i, xs_i = scanned
+            ahead = gathered(shards, (i + 1) % length, None)
+            ins, ws = [*carry, *xs_i], [*whole, *consts]
+            if not keep:
+                outs = layer(ins, ws)
+                return (outs[:num_carry], ahead), (outs[num_carry:], [])
+            outs, vjp_fn = jax.vjp(layer, ins, ws)
+            leaves, saved["treedef"] = jax.tree.flatten(vjp_fn)
+            recomputed = w_only_residuals(layer, ins, ws)
+            # Per residual: None (recomputed from the parameters), ("in", j) (the layer's
+            # input j itself, kept once) or ("kept", k).
+            kept, saved["source"] = [], []
+            for x, r in zip(leaves, recomputed, strict=True):
+                j = next((j for j, v in enumerate(ins) if v is x), None)
+                if r:
+                    saved["source"].append(None)
+                elif j is not None:
+                    saved["source"].append(("in", j))
+                else:
+                    saved["source"].append(("kept", len(kept)))
+                    kept.append(x)
+            return (outs[:num_carry], ahead), (outs[num_carry:], (kept, ins))
+
+        first = gathered(shards, 0, gate(handover, prefetch))
+        (carry, _), (ys, kept) = lax.scan(one_layer, (carry, first), (jnp.arange(length), xs))
+        pick = lambda o: carry[o] if o < num_carry else ys[needed_ys.index(o - num_carry)]  # noqa: E731
+        return [pick(o) for o in needed], kept
+
+    @jax.custom_vjp
+    def step(inputs, shards, handover):
+        outputs, _ = run(inputs, shards, handover, keep=False)
+        return outputs, handover_vector(inputs, handover, prefetch)
+
+    def forward(inputs, shards, handover):
+        outputs, kept = run(inputs, shards, handover, keep=True)
+        handed = handover_vector(inputs, handover, prefetch)
+        return (outputs, handed), (kept, list(shards), handover, list(inputs))
+
+    def backward(residuals, cotangents):
+        kept, shards, handover, inputs = residuals
+        output_cts, handover_ct = cotangents
+        consts, _, _ = split(inputs)
+        # Cotangents of every carry (zero where the loss does not read it) and needed ys;
+        # only floating-point ones travel through the scan, the rest are float0 zeros.
+        carry_ct = [jnp.zeros(a.shape, a.dtype) if _float(a) else None for a in carry_avals]
+        for o, ct in zip(needed, output_cts):
+            if o < num_carry and _float(carry_avals[o]):
+                carry_ct[o] = ct
+        ys_ct = [ct for o, ct in zip(needed, output_cts) if o >= num_carry]
+        float_ys = [j for j, a in enumerate(ys_avals) if _float(a)]
+        const_cts = [jnp.zeros_like(c) if _float(c) else None for c in consts]
+
+        def one_layer(state, scanned):
+            carry_ct, whole, const_cts = state
+            i, (kept_i, ins_i), ys_ct_i = scanned
+            behind = gathered(shards, (i - 1) % length, None, again=True)
+            ws = [*whole, *consts]
+            source = saved["source"]
+            # What depends on the parameters alone is computed again from the gathered ones.
+            again = jax.tree.leaves(jax.vjp(layer, ins_i, ws)[1]) if None in source else []
+            held = {"in": ins_i, "kept": kept_i}
+            leaves = [again[k] if s is None else held[s[0]][s[1]] for k, s in enumerate(source)]
+            vjp_fn = jax.tree.unflatten(saved["treedef"], leaves)
+            out_ct = [
+                c if c is not None else _zero_cotangent(a) for c, a in zip(carry_ct, carry_avals)
+            ]
+            ys_full = [_zero_cotangent(a) for a in ys_avals]
+            for j, ct in zip(float_ys, ys_ct_i):
+                ys_full[j] = ct
+            ins_ct, ws_ct = vjp_fn([*out_ct, *ys_full])
+            with jax.named_scope(GRADIENT_SCOPE):
+                shard_ct = scatter(ws_ct[: len(param_at)], dims)
+            new_carry_ct = [ins_ct[k] if c is not None else None for k, c in enumerate(carry_ct)]
+            new_const_cts = [
+                None if acc is None else acc + ct
+                for acc, ct in zip(const_cts, ws_ct[len(param_at) :])
+            ]
+            xs_ct = [ins_ct[num_carry + j] for j in range(len(other_xs))]
+            xs_ct = [ct if _float(ct) else None for ct in xs_ct]
+            return (new_carry_ct, behind, new_const_cts), (shard_ct, xs_ct)
+
+        last = gathered(shards, length - 1, gate(handover_ct, prefetch), again=True)
+        float_ys_ct = [ys_ct[j] for j in float_ys]
+        (carry_ct, _, const_cts), (shard_cts, xs_cts) = lax.scan(
+            one_layer,
+            (carry_ct, last, const_cts),
+            (jnp.arange(length), kept, float_ys_ct),
+            reverse=True,
+        )
+        input_cts = [_zero_cotangent(x) if not _float(x) else jnp.zeros_like(x) for x in inputs]
+        by_position = {k: c for k, c in enumerate(const_cts)}
+        by_position |= {num_consts + k: c for k, c in enumerate(carry_ct)}
+        by_position |= {k: c for k, c in zip(other_xs, xs_cts)}
+        for k, ct in by_position.items():
+            v = eqn.invars[k]
+            if ct is not None and is_var(v):
+                j = segment.inputs.index(v)
+                input_cts[j] = input_cts[j] + ct
+        back = handed_back(handover, handover_ct, output_cts, shard_cts, prefetch)
+        return input_cts, shard_cts, back
+
+    step.defvjp(forward, backward)
+    return step
+
+
+class _Reads:
+    """Parameters and the equations reading them, as :func:`gather_dtypes` takes them."""
+
+    def __init__(self, params: Sequence[Any], eqns: Sequence[Any]) -> None:
+        self.params, self.eqns = list(params), list(eqns)

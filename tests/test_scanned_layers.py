@@ -1,0 +1,131 @@
+"""Scanned transformer layers (``model.scan_layers``): the same model as the unrolled one,
+and under FSDP each layer's slice of the stacked parameters gathered inside the scan."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from jaxdist import meshes
+from jaxdist.models.transformer import stack_blocks, unstack_blocks
+from jaxdist.tasks import Replicas
+from jaxdist.tasks.language_model import LanguageModel
+from jaxdist.training.sharding import Layout
+from jaxdist.training.train_step import TrainStep
+from tests.test_tasks import corpus_root, lm_config  # noqa: F401  (the fixture)
+
+STEPS = 2
+
+
+def _batches(task, count=STEPS):
+    it = task.data.train_iterator(16)
+    batches = [next(it) for _ in range(count)]
+    it.close()
+    return batches
+
+
+def _train(task, params, model_state, batches, **options):
+    step = TrainStep(
+        task.loss,
+        optax.sgd(0.5, momentum=0.9),
+        meshes.ring(4),
+        allreduce="ring",
+        stacked_layers=task.stacked_layers(),
+        **options,
+    )
+    state = step.init(params, model_state)
+    for batch in batches:
+        state, metrics = step(state, step.shard_batch(batch), jax.random.key(1))
+    return step, state, metrics
+
+
+def _assert_close(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=2e-6)
+
+
+def test_scanned_fsdp_equals_the_unrolled_model_and_gathers_one_layer_at_a_time(corpus_root):  # noqa: F811
+    """Three blocks of width 32, every block recomputed in backward (``remat=full``): the
+    scanned model under FSDP over 4 devices, after two steps, is the unrolled replicated
+    model's; its stacked leaves are split below the layer axis, and the scan is one of the
+    loss's paced segments, whatever the depth."""
+    shape = {"model.num_layers": 3, "model.d_model": 32}
+    unrolled = LanguageModel(lm_config(corpus_root, **shape), Replicas("data", 4))
+    scanned = LanguageModel(
+        lm_config(corpus_root, **shape, **{"model.scan_layers": True, "model.remat": "full"}),
+        Replicas("data", 4),
+    )
+    params, model_state = unrolled.init_variables(jax.random.key(0))
+    batches = _batches(unrolled)
+    _, expected, _ = _train(unrolled, params, model_state, batches)
+    step, state, _ = _train(scanned, stack_blocks(params), model_state, batches, sharding="fsdp")
+    _assert_close(unstack_blocks(jax.device_get(state.params)), expected.params)
+
+    layout = step.layout
+    blocks = [i for i, path in enumerate(layout.paths) if path.startswith("blocks.")]
+    assert all(layout.stacked[i] for i in blocks)
+    assert {layout.dims[i] for i in blocks} - {None} and all(
+        layout.dims[i] != 0 for i in blocks
+    )  # split, and never along the layers
+    # The embeddings, the scan over every block, the final norm, the head.
+    assert step.paced_layers == 4
+    kernel = state.params["blocks"]["up"]["kernel"]
+    assert kernel.shape == (3, 32, 128)
+    assert kernel.addressable_shards[0].data.shape == (3, 8, 128)  # every layer, a quarter
+
+
+def test_scanned_fsdp_with_dropout_and_saved_products_equals_its_replicated_run(corpus_root):  # noqa: F811
+    """Dropout draws per layer from keys scanned beside the parameters, and ``remat=dots``
+    keeps the products' outputs: FSDP over 4 devices equals the replicated scanned model;
+    the program's collectives do not grow with depth."""
+    overrides = {
+        "model.d_model": 32,
+        "model.scan_layers": True,
+        "model.remat": "dots",
+        "model.dropout": 0.1,
+    }
+    task = LanguageModel(
+        lm_config(corpus_root, **overrides, **{"model.num_layers": 2}), Replicas("data", 4)
+    )
+    params, model_state = task.init_variables(jax.random.key(0))
+    batches = _batches(task)
+    _, expected, expected_metrics = _train(task, params, model_state, batches)
+    _, state, metrics = _train(task, params, model_state, batches, sharding="fsdp")
+    _assert_close(state.params, expected.params)
+    np.testing.assert_allclose(float(metrics["loss"]), float(expected_metrics["loss"]), atol=2e-6)
+
+    def permutes(num_layers):
+        deeper = LanguageModel(
+            lm_config(corpus_root, **overrides, **{"model.num_layers": num_layers}),
+            Replicas("data", 4),
+        )
+        p, m = deeper.init_variables(jax.random.key(0))
+        s = TrainStep(
+            deeper.loss,
+            optax.sgd(0.1),
+            meshes.ring(4),
+            allreduce="ring",
+            sharding="fsdp",
+            stacked_layers=deeper.stacked_layers(),
+        )
+        state = s.init(p, m)
+        text = s.lower(state, s.shard_batch(batches[0]), jax.random.key(1)).as_text()
+        return text.count("collective_permute")
+
+    assert permutes(2) == permutes(6) > 0
+
+
+def test_stacked_leaves_split_below_the_layer_axis_and_scans_refuse_stage_cuts(corpus_root):  # noqa: F811
+    params = {"stack": np.zeros((4, 8, 256)), "embed": np.zeros((4, 512))}
+    flat = Layout.of(params, 4, unit_bytes=None)
+    assert flat.dims == (0, 0)
+    stacked = Layout.of(params, 4, unit_bytes=None, stacked={"stack": True, "embed": False})
+    assert stacked.dims == (0, 1)  # tree order: embed, stack
+    task = LanguageModel(lm_config(corpus_root, **{"model.scan_layers": True}), Replicas("data", 1))
+    with pytest.raises(ValueError, match=r"model.scan_layers=True .*set model.scan_layers=False"):
+        task.pipeline_parts(2, None)
+    with pytest.raises(
+        ValueError, match=r"model.remat must be one of none, full, dots; got 'some'"
+    ):
+        LanguageModel(lm_config(corpus_root, **{"model.remat": "some"}), Replicas("data", 1))
