@@ -156,7 +156,7 @@ def test_bfloat16_layers_gather_their_parameters_as_bfloat16_for_the_same_traini
         return state, metrics, text
 
     narrow, narrow_metrics, narrow_text = train()
-    own_dtypes = lambda segment: [jnp.dtype(p.aval.dtype) for p in segment.params]  # noqa: E731
+    own_dtypes = lambda params, eqns: [jnp.dtype(p.aval.dtype) for p in params]  # noqa: E731
     monkeypatch.setattr(fsdp_pacing, "gather_dtypes", own_dtypes)
     wide, wide_metrics, wide_text = train()
 
@@ -349,7 +349,7 @@ def test_fsdp_paces_each_layers_gather_and_keeps_tied_weights_in_one_segment():
     param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars)}
     segments = fsdp_pacing.segments_of(closed.jaxpr, param_vars)
     assert [sorted(s.leaves) for s in segments] == [[0, 1], [2, 3], [4, 5]]
-    assert all(fsdp_pacing.gather_dtypes(s) == [jnp.bfloat16] * 2 for s in segments)
+    assert all(fsdp_pacing.gather_dtypes(s.params, s.eqns) == [jnp.bfloat16] * 2 for s in segments)
 
     def tied(params, x):
         h = x @ params["embed"]

@@ -7,8 +7,8 @@ Recipe fields it reads: ``model.num_layers``, ``d_model``, ``num_heads``, ``mlp_
 ``dropout``, ``dtype``, ``remat`` (what each block keeps for the backward pass: ``none``,
 ``full`` or ``dots``, the products' outputs), ``scan_layers`` (the blocks stacked and
 scanned: a program that does not grow with depth); ``data.root`` (``""``: the standard
-library), ``pattern``, ``seq_len``, ``held_out_every``, ``max_train_bytes``, ``max_eval_bytes``, ``seed`` (the
-shuffle); ``seed`` (the initial weights). ``recipes/transformer_lm.py`` is its recipe.
+library), ``pattern``, ``seq_len``, ``held_out_every``, ``max_train_bytes``,
+``max_eval_bytes``, ``seed`` (the shuffle); ``seed`` (the initial weights). ``recipes/transformer_lm.py`` is its recipe.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ class LanguageModel(Task):
         """The transformer cut into spans of layers (embedding, blocks, norm and head); the
         next-byte cross-entropy on the last stage's logits."""
         whole = self._abstract
-        if whole.scan_layers:
+        if whole.scan_layers:  # before the stage count is checked against the layers
             raise ValueError(
                 "pipeline stages cut the transformer between blocks, which "
                 "model.scan_layers=True stacks into one; set model.scan_layers=False"

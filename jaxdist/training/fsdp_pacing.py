@@ -221,7 +221,7 @@ def _segment_step(segment: _Segment, layout: Any, gather: Callable, scatter: Cal
                   prefetch: int):  # fmt: skip
     """``(inputs, blocks, handover) -> (outputs, handover)``: one segment as a custom_vjp."""
     dims = [layout.dims[i] for i in segment.leaves]
-    travel = gather_dtypes(segment)
+    travel = gather_dtypes(segment.params, segment.eqns)
     f = lambda ins, ws: _evaluate(segment, ins, ws)  # noqa: E731
     saved: dict[str, Any] = {}
 

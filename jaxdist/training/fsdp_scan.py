@@ -24,7 +24,7 @@ gathers one layer more than it uses, one layer in ``L`` of the parameter traffic
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 import jax
@@ -85,7 +85,7 @@ def scanned_step(
     # Within one layer a stacked leaf's split dimension is one lower.
     dims = [layout.dims[i] - 1 for i in segment.leaves]
     body_params = [body.jaxpr.invars[k] for k in sorted(param_at, key=param_at.get)]
-    travel = gather_dtypes(_Reads(body_params, body.jaxpr.eqns))
+    travel = gather_dtypes(body_params, body.jaxpr.eqns)
     carry_avals = [v.aval for v in body.jaxpr.outvars[:num_carry]]
     ys_avals = [body.jaxpr.outvars[num_carry + y].aval for y in needed_ys]
     saved: dict[str, Any] = {}
@@ -119,7 +119,8 @@ def scanned_step(
         return consts, carry, [value(inputs, k) for k in other_xs]
 
     def run(inputs, shards, handover, keep):
-        """Forward over the layers: ``(needed outputs, kept residuals per layer)``."""
+        """Forward over the layers: ``(needed outputs, per layer what backward reads)``:
+        the residuals kept and the layer's inputs."""
         consts, carry, xs = split(inputs)
 
         def one_layer(state, scanned):
@@ -148,9 +149,9 @@ def scanned_step(
             return (outs[:num_carry], ahead), (outs[num_carry:], (kept, ins))
 
         first = gathered(shards, 0, gate(handover, prefetch))
-        (carry, _), (ys, kept) = lax.scan(one_layer, (carry, first), (jnp.arange(length), xs))
+        (carry, _), (ys, held) = lax.scan(one_layer, (carry, first), (jnp.arange(length), xs))
         pick = lambda o: carry[o] if o < num_carry else ys[needed_ys.index(o - num_carry)]  # noqa: E731
-        return [pick(o) for o in needed], kept
+        return [pick(o) for o in needed], held
 
     @jax.custom_vjp
     def step(inputs, shards, handover):
@@ -158,12 +159,12 @@ def scanned_step(
         return outputs, handover_vector(inputs, handover, prefetch)
 
     def forward(inputs, shards, handover):
-        outputs, kept = run(inputs, shards, handover, keep=True)
+        outputs, held = run(inputs, shards, handover, keep=True)
         handed = handover_vector(inputs, handover, prefetch)
-        return (outputs, handed), (kept, list(shards), handover, list(inputs))
+        return (outputs, handed), (held, list(shards), handover, list(inputs))
 
     def backward(residuals, cotangents):
-        kept, shards, handover, inputs = residuals
+        held, shards, handover, inputs = residuals
         output_cts, handover_ct = cotangents
         consts, _, _ = split(inputs)
         # Cotangents of every carry (zero where the loss does not read it) and needed ys;
@@ -184,8 +185,8 @@ def scanned_step(
             source = saved["source"]
             # What depends on the parameters alone is computed again from the gathered ones.
             again = jax.tree.leaves(jax.vjp(layer, ins_i, ws)[1]) if None in source else []
-            held = {"in": ins_i, "kept": kept_i}
-            leaves = [again[k] if s is None else held[s[0]][s[1]] for k, s in enumerate(source)]
+            held_i = {"in": ins_i, "kept": kept_i}
+            leaves = [again[k] if s is None else held_i[s[0]][s[1]] for k, s in enumerate(source)]
             vjp_fn = jax.tree.unflatten(saved["treedef"], leaves)
             out_ct = [
                 c if c is not None else _zero_cotangent(a) for c, a in zip(carry_ct, carry_avals)
@@ -210,7 +211,7 @@ def scanned_step(
         (carry_ct, _, const_cts), (shard_cts, xs_cts) = lax.scan(
             one_layer,
             (carry_ct, last, const_cts),
-            (jnp.arange(length), kept, float_ys_ct),
+            (jnp.arange(length), held, float_ys_ct),
             reverse=True,
         )
         input_cts = [_zero_cotangent(x) if not _float(x) else jnp.zeros_like(x) for x in inputs]
@@ -227,10 +228,3 @@ def scanned_step(
 
     step.defvjp(forward, backward)
     return step
-
-
-class _Reads:
-    """Parameters and the equations reading them, as :func:`gather_dtypes` takes them."""
-
-    def __init__(self, params: Sequence[Any], eqns: Sequence[Any]) -> None:
-        self.params, self.eqns = list(params), list(eqns)

@@ -25,15 +25,15 @@ def is_var(v: Any) -> bool:
     return isinstance(v, jex.Var)
 
 
-def gather_dtypes(segment: Any) -> list[Any]:
-    """Per parameter of ``segment`` (its ``params``, read by its ``eqns``), the dtype its gather travels in: the narrower float
-    dtype that every read of it casts it to first (a bfloat16 layer's float32 kernel), else
-    its own. The cast commutes with the gather, so the segment sees the very same values for
-    half the bytes."""
+def gather_dtypes(params: Sequence[Any], eqns: Sequence[Any]) -> list[Any]:
+    """Per parameter (a jaxpr var of ``params``, read by ``eqns``), the dtype its gather
+    travels in: the narrower float dtype that every read of it casts it to first (a bfloat16
+    layer's float32 kernel), else its own. The cast commutes with the gather, so the layer
+    sees the very same values for half the bytes."""
     dtypes = []
-    for param in segment.params:
+    for param in params:
         own = jnp.dtype(param.aval.dtype)
-        reads = [eqn for eqn in segment.eqns if any(is_var(v) and v == param for v in eqn.invars)]
+        reads = [eqn for eqn in eqns if any(is_var(v) and v == param for v in eqn.invars)]
         # What its reads are: narrowed only if every one is the same cast.
         kinds = {(eqn.primitive.name, eqn.params.get("new_dtype")) for eqn in reads}
         name, target = next(iter(kinds))
