@@ -606,6 +606,61 @@ def test_plan_takes_the_recipes_unroll_limit(capsys, monkeypatch):
 
 
 @needs_libtpu
+def test_a_sharded_plan_prints_xla_own_fsdp_of_the_step_beside_it(capsys):
+    """An FSDP plan compiles XLA's own FSDP of the same step (a plain jit, the same layout)
+    and prints its total beside ours; --no-xla-fsdp skips it."""
+    from jaxdist.cli import main
+
+    base = ["plan", OWN_TASK, "--topology", "v5e:2x2", "--efficiency", "0.4",
+            "--set", "sharding=fsdp", "--set", "allreduce=ring"]  # fmt: skip
+    assert main([*base, "--json"]) == 0
+    stage = json.loads(capsys.readouterr().out)["stages"][0]
+    xla = stage["xla_fsdp"]
+    ours = stage["memory_bytes"]
+    # The same state, laid out alike: the arguments' parameters and optimizer state agree.
+    assert xla["refusal"] == "" and xla["compile_seconds"] > 0
+    for part in ("parameters", "optimizer_state", "model_state"):
+        assert xla["memory_bytes"][part] == ours[part]
+    assert xla["memory_bytes"]["total"] > ours["parameters"] + ours["optimizer_state"]
+    assert main(base) == 0
+    out = capsys.readouterr()
+    ratio = ours["total"] / xla["memory_bytes"]["total"]
+    assert "XLA's own FSDP of this step (a plain jax.jit, the same layout): total" in out.out
+    assert f"ours {ratio:.2f}x it" in out.out
+    assert "compiling XLA's own FSDP of stage 0 beside it" in out.err
+    assert main([*base, "--no-xla-fsdp"]) == 0
+    assert "XLA's own FSDP" not in capsys.readouterr().out
+
+
+@needs_libtpu
+def test_a_scanned_fsdp_plan_counts_every_layer_and_its_loop_as_compute(capsys, monkeypatch):
+    """The transformer scanned over 4 blocks under FSDP: its FLOPs per chip are the unrolled
+    model's (the compiler counts the scan's body once; the plan every turn), and its
+    gradient reduce-scatters inside the scan are not told to unroll."""
+    from jaxdist.aot import report
+    from jaxdist.cli import main
+
+    planned = []
+
+    def keep_plan(plan, note, as_json=report.plan_json):
+        planned.append(plan)
+        return as_json(plan, note)
+
+    monkeypatch.setattr(report, "plan_json", keep_plan)
+
+    base = ["plan", "recipes/transformer_lm.py", "--topology", "v5e:2x2", "--efficiency", "0.4",
+            "--no-xla-fsdp", "--set", "sharding=fsdp", "--set", "model.num_layers=4",
+            "--set", "data.max_train_bytes=65536", "--set", "data.max_eval_bytes=8192"]  # fmt: skip
+    assert main([*base, "--json"]) == 0
+    unrolled = json.loads(capsys.readouterr().out)["stages"][0]
+    assert main([*base, "--set", "model.scan_layers=True", "--json"]) == 0
+    scanned = json.loads(capsys.readouterr().out)["stages"][0]
+    assert scanned["flops_per_chip"] == pytest.approx(unrolled["flops_per_chip"], rel=0.05)
+    assert sum(r["in_loop"] for r in scanned["collectives"] if r["role"] == "gradients") > 0
+    assert "run inside loops" not in report.plan_text(planned[-1], "")
+
+
+@needs_libtpu
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_pipeline_step_compiles_for_a_tpu_slice(schedule):
     """The pipeline program (a switch per tick, permutes under a per-tick condition, in a

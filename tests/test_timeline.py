@@ -176,3 +176,22 @@ def test_a_gpu_step_is_counted_by_its_matrix_products_like_one_planned_without_a
     )
     assert _cost_analysis(compiled, lowered, text, platform="tpu")["flops"] == 7.0
     assert _cost_analysis(_Analysed(None), lowered, text, platform="cpu")["flops"] == 24.0
+
+
+def test_a_loops_products_count_once_per_turn_for_the_steps_flops():
+    """A scan over five stacked layers: the compilers' count (and ``matrix_flops``) takes the
+    body once; the step's FLOPs take it once per layer, as the device runs it."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from jaxdist.aot.compile import _step_flops
+
+    def layers(x, kernels):
+        return lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, kernels)[0]
+
+    text = jax.jit(layers).lower(jnp.ones((8, 16)), jnp.ones((5, 16, 16))).compile().as_text()
+    once = 2 * 8 * 16 * 16
+    assert matrix_flops(text) == once
+    assert matrix_flops(text, every_turn=True) == 5 * once
+    assert _step_flops(3.0 * once, text) == 15.0 * once

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +37,9 @@ __all__ = [
     "CompiledStep",
     "DoesNotFitError",
     "MemoryPerChip",
+    "compile_or_refuse",
     "compile_train_step",
+    "memory_per_chip",
 ]
 
 
@@ -162,20 +164,50 @@ def _analysis(program) -> dict | None:
     return (cost[0] if cost else None) if isinstance(cost, list) else cost
 
 
-def _step_flops(counted: float, accumulation_steps: int) -> float:
-    """FLOPs of a step from the compiler's count, which takes a loop's body once. With k > 1
-    micro-batches the step runs k - 1 of them in a loop and the last one after it, so the
-    count holds two forward and backward passes; the whole count is scaled to k of them,
-    the update with it (a share of a per cent of any real model's step)."""
-    if accumulation_steps == 1:
-        return counted
-    return counted * accumulation_steps / 2
+def _step_flops(counted: float, text: str) -> float:
+    """FLOPs of a step from the compiler's count, which takes a loop's body once: scaled as
+    the compiled program's matrix products grow when each loop's body is counted once per
+    turn. Scanned layers run their body once per layer; accumulation runs k - 1
+    micro-batches in a loop and the last after it (the count holds two passes, the step k).
+    Loops without products (a long ring's steps) change nothing."""
+    once = matrix_flops(text)
+    return counted * matrix_flops(text, every_turn=True) / once if once else counted
 
 
 def _itemsize(dtype) -> int:
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         return 8  # a threefry key: two uint32 words
     return np.dtype(dtype).itemsize
+
+
+def compile_or_refuse(lower: Callable[[], Any], device: jax.Device) -> tuple[Any, Any, float]:
+    """``(lowered, compiled, seconds to lower and compile)`` of the program ``lower()``
+    gives; :class:`DoesNotFitError` (the compiler's first line) where it cannot fit."""
+    started = time.perf_counter()
+    try:
+        lowered = lower()
+        with no_cache_write_unless_here(device):
+            compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        raise DoesNotFitError(str(err).splitlines()[0]) from err
+    return lowered, compiled, time.perf_counter() - started
+
+
+def memory_per_chip(state: Any, compiled: Any) -> MemoryPerChip:
+    """A compiled step's memory per chip: the state's parts (shapes with shardings) and the
+    compiler's own analysis of arguments, temporaries, outputs and code."""
+    analysis = compiled.memory_analysis()
+    return MemoryPerChip(
+        parameters=per_chip_bytes(state.params),
+        optimizer_state=per_chip_bytes(state.opt_state),
+        model_state=per_chip_bytes(state.model_state),
+        arguments=analysis.argument_size_in_bytes,
+        temp=analysis.temp_size_in_bytes,
+        outputs=max(0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes),
+        code=analysis.generated_code_size_in_bytes,
+    )
 
 
 def abstract_batch(
@@ -208,26 +240,10 @@ def compile_train_step(
         batch = abstract_batch(step.mesh, step.data_axes, batch)
     key = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(step.mesh, P()))
-    started = time.perf_counter()
-    try:
-        lowered = step.lower(state, batch, rng)
-        with no_cache_write_unless_here(step.mesh.devices.flat[0]):
-            compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as err:
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        raise DoesNotFitError(str(err).splitlines()[0]) from err
-    seconds = time.perf_counter() - started
-    analysis = compiled.memory_analysis()
-    memory = MemoryPerChip(
-        parameters=per_chip_bytes(state.params),
-        optimizer_state=per_chip_bytes(state.opt_state),
-        model_state=per_chip_bytes(state.model_state),
-        arguments=analysis.argument_size_in_bytes,
-        temp=analysis.temp_size_in_bytes,
-        outputs=max(0, analysis.output_size_in_bytes - analysis.alias_size_in_bytes),
-        code=analysis.generated_code_size_in_bytes,
+    lowered, compiled, seconds = compile_or_refuse(
+        lambda: step.lower(state, batch, rng), step.mesh.devices.flat[0]
     )
+    memory = memory_per_chip(state, compiled)
     text = compiled.as_text()
     platform = step.mesh.devices.flat[0].platform
     scatter_roles = {}
@@ -235,7 +251,7 @@ def compile_train_step(
         traced = lowered.as_text(dialect="hlo", debug_info=True)
         scatter_roles = rewritten_scatter_roles(traced, step.mesh.size)
     cost = _cost_analysis(compiled, lowered, text, platform=platform)
-    flops = _step_flops(float(cost.get("flops", 0.0)), step.accumulation_steps)
+    flops = _step_flops(float(cost.get("flops", 0.0)), text)
     sizes = bucketing.leaf_bytes(state.params)  # what the step's buckets are planned from
     buckets = step.buckets or [list(range(len(sizes)))]
     return CompiledStep(

@@ -36,6 +36,7 @@ from jaxdist.aot.compile import (
 )
 from jaxdist.aot.predict import StepTime, predict_step, time_to_train
 from jaxdist.aot.topology import Topology
+from jaxdist.aot.xla_fsdp import XlaFsdp, compile_xla_fsdp
 from jaxdist.comm import cost_model
 from jaxdist.data.config import SYNTHETIC_CLASSES
 from jaxdist.training.batch_schedule import DevicePlan
@@ -76,6 +77,8 @@ class StagePlan:
     device_plan: DevicePlan
     compiled: CompiledStep
     step_time: StepTime
+    # XLA's own FSDP of the same step (a sharded step's plan, unless asked not to).
+    xla_fsdp: XlaFsdp | None = None
 
 
 @dataclass
@@ -199,6 +202,8 @@ def plan_recipe(
     host_link: str | None = None,
     on_stage: Callable[[int, DevicePlan], None] | None = None,
     task: Callable | None = None,
+    xla_fsdp: bool = True,
+    on_xla_fsdp: Callable[[int], None] | None = None,
 ) -> Plan:
     """Compile every batch-size stage of ``config`` for ``topology`` and predict its time.
 
@@ -206,7 +211,9 @@ def plan_recipe(
     peak FLOP/s a step reaches (:mod:`jaxdist.aot.predict`); ``fast_link`` and ``host_link``
     (``"LATENCY:BANDWIDTH"``, one direction of one link) replace the chip table's links;
     ``on_stage`` is called before each stage compiles (for progress output); ``task`` is
-    the recipe's ``get_task``, if it has one (:mod:`jaxdist.tasks`).
+    the recipe's ``get_task``, if it has one (:mod:`jaxdist.tasks`). With ``xla_fsdp``, a
+    ZeRO-1 or FSDP stage is compiled a second time as XLA's own FSDP
+    (:mod:`jaxdist.aot.xla_fsdp`), ``on_xla_fsdp`` called before, to print both memories.
     """
     from jaxdist.run import pipeline_config
     from jaxdist.run.trainer import Trainer
@@ -238,8 +245,15 @@ def plan_recipe(
         if on_stage is not None:
             on_stage(index, device_plan)
         variables = (params, model_state)
-        stages.append(_plan_stage(trainer, index, device_plan, variables, topology, network,
-                                  efficiency=efficiency))  # fmt: skip
+        stage = _plan_stage(trainer, index, device_plan, variables, topology, network,
+                            efficiency=efficiency)  # fmt: skip
+        step = trainer.train_step_for(index)
+        if xla_fsdp and step.sharding != "replicated":
+            if on_xla_fsdp is not None:
+                on_xla_fsdp(index)
+            batch = _batch_shapes(trainer, device_plan.global_batch_size)
+            stage.xla_fsdp = compile_xla_fsdp(step, *variables, batch)
+        stages.append(stage)
     plan = Plan(topology, spec, mesh_note, data_note, config.allreduce, network, stages,
                 config.num_epochs, wait_free=config.wait_free, gather=config.gather,
                 link_sources=link_sources, trainer=trainer,
@@ -376,9 +390,13 @@ def _variable_shapes(trainer, config) -> tuple[Any, Any]:
 def _compile_at(trainer, stage: int, global_batch: int, variable_shapes: tuple) -> CompiledStep:
     """Compile stage ``stage``'s train step for a global batch of ``global_batch`` images."""
     step = trainer.train_step_for(stage)
+    return compile_train_step(step, *variable_shapes, _batch_shapes(trainer, global_batch))
+
+
+def _batch_shapes(trainer, global_batch: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """The task's train batch of ``global_batch`` records, as ``(shape, dtype)`` per key."""
     spec = trainer.task.batch_spec(global_batch)
-    batch = {name: (leaf.shape, leaf.dtype) for name, leaf in spec.items()}
-    return compile_train_step(step, *variable_shapes, batch)
+    return {name: (leaf.shape, leaf.dtype) for name, leaf in spec.items()}
 
 
 def largest_fitting_batch_of(

@@ -8,6 +8,7 @@ from jaxdist import meshes
 from jaxdist.aot.chips import GIB
 from jaxdist.aot.plan import Plan, StagePlan
 from jaxdist.aot.topology import Topology
+from jaxdist.aot.xla_fsdp import XlaFsdp
 from jaxdist.run.log import format_duration
 
 __all__ = ["plan_json", "plan_text"]
@@ -15,6 +16,28 @@ __all__ = ["plan_json", "plan_text"]
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f}"
+
+
+def _xla_fsdp_lines(xla: XlaFsdp | None, ours: int) -> list[str]:
+    """One line setting XLA's own FSDP of the step beside ours (none where not compiled)."""
+    if xla is None:
+        return []
+    head = "  XLA's own FSDP of this step (a plain jax.jit, the same layout):"
+    if xla.memory is None:
+        return [f"{head} does not fit ({xla.refusal}); compiled in {xla.compile_seconds:.1f} s"]
+    theirs = xla.memory
+    return [
+        f"{head} total {_gib(theirs.total)} GiB (activations and temp {_gib(theirs.temp)}, "
+        f"code {_gib(theirs.code)}); ours {ours / theirs.total:.2f}x it; compiled in "
+        f"{xla.compile_seconds:.1f} s"
+    ]
+
+
+def _xla_fsdp_json(xla: XlaFsdp | None) -> dict | None:
+    if xla is None:
+        return None
+    memory = None if xla.memory is None else {**xla.memory.__dict__, "total": xla.memory.total}
+    return {"memory_bytes": memory, "refusal": xla.refusal, "compile_seconds": xla.compile_seconds}
 
 
 def _fit_line(total: int, capacity: float) -> str:
@@ -94,6 +117,7 @@ def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
         f"{_gib(mem.temp)}; outputs {_gib(mem.outputs)}; code {_gib(mem.code)}",
         f"  total {_gib(mem.total)} of {_gib(chip.hbm_bytes)} GiB: "
         f"{_fit_line(mem.total, chip.hbm_bytes)}",
+        *_xla_fsdp_lines(stage.xla_fsdp, mem.total),
         f"  FLOPs per chip per step: {stage.compiled.flops:.3e}",
         "  collectives per step (role, kind: count, MiB per chip, async, inside a loop, with "
         "backward inside, most backward matmuls inside one):",
@@ -107,7 +131,11 @@ def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
         )
     for source, count in sorted(schedule.unexplained_sources().items(), key=lambda kv: -kv[1]):
         lines.append(f"    other: {count} per step from {source}")
-    looped = sum(c.turns for c in schedule.gradient_collectives if c.in_loop)
+    # Loops of collectives alone (a ring's steps rolled up); a scanned model's loop runs its
+    # layers' products beside its collectives.
+    looped = sum(
+        c.turns for c in schedule.gradient_collectives if c.in_loop and not c.loop_computes
+    )
     if looped and plan.trainer is not None:
         longest = max(plan.mesh_spec.shape)
         lines.append(
@@ -257,6 +285,7 @@ def plan_json(plan: Plan, efficiency_note: str) -> dict:
             "memory_bytes": {**mem.__dict__, "total": mem.total,
                              "capacity": plan.topology.chip.hbm_bytes},
             "fits": mem.total <= plan.topology.chip.hbm_bytes,
+            "xla_fsdp": _xla_fsdp_json(stage.xla_fsdp),
             "flops_per_chip": stage.compiled.flops,
             "collectives": stage.compiled.schedule.by_kind(),
             "overlapped_backward_fraction": stage.compiled.schedule.overlapped_backward_fraction,

@@ -63,6 +63,7 @@ class Collective:
     source: str = ""  # the op it was traced from (jax's op_name), for the unexplained ones
     turns: int = 1  # how many times it runs per step (inside a loop: the loop's turns)
     in_loop: bool = False  # inside a loop's body: nothing outside the loop overlaps it
+    loop_computes: bool = False  # that loop's body runs matrix products (scanned layers)
     backward_between: int = 0  # backward matrix products between start and done
     compute_between: int = 0  # all matrix products between start and done
 
@@ -278,9 +279,12 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_
         if inst.opcode == "while":
             body, trips = loop_of(inst, computations)
             if body:
+                first = len(schedule.collectives)
                 _walk(computations, body, schedule, matmuls_in,
                       turns=turns * trips, in_loop=True, top=False,
                       num_devices=num_devices, scatter_roles=scatter_roles)  # fmt: skip
+                for collective in schedule.collectives[first:]:
+                    collective.loop_computes = collective.loop_computes or total > 0
             continue
         if inst.opcode in ("conditional", "call"):
             for called in inst.called:

@@ -120,7 +120,7 @@ class _Weights:
         self.peak, self.hbm = peak, hbm
         self._types = {name: {i.name: i.type_text for i in insts}
                        for name, insts in computations.items()}  # fmt: skip
-        self._flops: dict[str, float] = {}
+        self._flops: dict[tuple[str, bool], float] = {}
         self._totals: dict[str, float] = {}
 
     def of(self, inst: Instruction, computation: str) -> float:
@@ -185,22 +185,28 @@ class _Weights:
             self._totals[name] = sum(self.of(i, name) for i in self.computations.get(name, []))
         return self._totals[name]
 
-    def _op_flops(self, inst: Instruction, computation: str) -> float:
-        """FLOPs of the matrix products and convolutions an op runs (a fusion's included)."""
+    def _op_flops(self, inst: Instruction, computation: str, every_turn: bool = False) -> float:
+        """FLOPs of the matrix products and convolutions an op runs (a fusion's included; a
+        loop's body once, or once per turn with ``every_turn``)."""
         if inst.opcode in ("dot", "convolution"):
             return _matmul_flops(inst, self._types[computation])
         if inst.opcode == "custom-call":
             return _library_flops(inst, self._types[computation])
-        return sum(self.computation_flops(c) for c in inst.called)
+        if every_turn and inst.opcode == "while":
+            body, trips = loop_of(inst, self.computations)
+            return trips * self.computation_flops(body, every_turn) if body else 0.0
+        return sum(self.computation_flops(c, every_turn) for c in inst.called)
 
-    def computation_flops(self, name: str) -> float:
-        """FLOPs of a computation's matrix products, a loop's body counted once."""
-        if name not in self._flops:
-            self._flops[name] = 0.0
-            self._flops[name] = sum(
-                self._op_flops(i, name) for i in self.computations.get(name, [])
+    def computation_flops(self, name: str, every_turn: bool = False) -> float:
+        """FLOPs of a computation's matrix products, a loop's body counted once, or once per
+        turn with ``every_turn``."""
+        key = (name, every_turn)
+        if key not in self._flops:
+            self._flops[key] = 0.0
+            self._flops[key] = sum(
+                self._op_flops(i, name, every_turn) for i in self.computations.get(name, [])
             )
-        return self._flops[name]
+        return self._flops[key]
 
 
 def _operands(inst: Instruction) -> list[str]:
@@ -280,12 +286,13 @@ def _library_flops(inst: Instruction, types: dict[str, str]) -> float:
     return 2.0 * math.prod(y) * math.prod(w) / w[labels.group(1).index("o")]
 
 
-def matrix_flops(text: str) -> float:
+def matrix_flops(text: str, *, every_turn: bool = False) -> float:
     """FLOPs of a compiled program's matrix products and convolutions (library calls
-    included), each loop's body counted once, as compilers' own cost analyses count it: the
-    count where the compiler offers none (the GPU compiler without a GPU)."""
+    included), each loop's body counted once, as compilers' own cost analyses count it (the
+    count where the compiler offers none: the GPU compiler without a GPU), or with
+    ``every_turn`` once per turn, as the device runs it."""
     computations, entry = computations_of(text)
-    return _Weights(computations, 1.0, 1.0).computation_flops(entry)
+    return _Weights(computations, 1.0, 1.0).computation_flops(entry, every_turn)
 
 
 # Roles whose transfers are bandwidth-bound and queue on the network one at a time.

@@ -65,6 +65,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also find the largest per-chip batch of the first stage that fits in HBM "
         "(compiles several times)",
     )
+    p.add_argument(
+        "--no-xla-fsdp",
+        dest="xla_fsdp",
+        action="store_false",
+        help="skip compiling XLA's own FSDP of a ZeRO-1 or FSDP step (a plain jax.jit with "
+        "the same layout), which the plan otherwise prints beside the step's memory; it "
+        "about doubles the time a sharded plan takes",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run_plan, joins_process_group=False)
 
@@ -94,9 +102,18 @@ def run_plan(args: argparse.Namespace) -> int:
             print(f"compiling stage {index} (global batch {device_plan.global_batch_size:,}) "
                   f"for {topology.name} ...", file=sys.stderr, flush=True)  # fmt: skip
 
+    def progress_xla_fsdp(index):
+        if not args.json:
+            print(
+                f"compiling XLA's own FSDP of stage {index} beside it (--no-xla-fsdp skips) ...",
+                file=sys.stderr,
+                flush=True,
+            )
+
     plan = plan_recipe(config, topology, efficiency=efficiency, mesh=args.mesh,
                        task=config_lib.recipe_task(path),
-                       fast_link=args.fast_link, host_link=args.host_link, on_stage=progress)  # fmt: skip
+                       fast_link=args.fast_link, host_link=args.host_link, on_stage=progress,
+                       xla_fsdp=args.xla_fsdp, on_xla_fsdp=progress_xla_fsdp)  # fmt: skip
     fitting = largest_fitting_batch_of(plan, progress) if args.max_batch else None
     if args.json:
         data = plan_json(plan, note)
