@@ -45,12 +45,32 @@ def _assert_close(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=2e-6)
 
 
+# A block as Llama makes one, small: 4 query heads of 16 (an attention 64 wide on a 32-wide
+# stream) sharing 2 key-value heads, a gated MLP of 96, RMSNorm, rotary positions; a
+# vocabulary of 1,000 synthetic tokens.
+LLAMA_LIKE = {
+    "model.num_layers": 3,
+    "model.d_model": 32,
+    "model.num_heads": 4,
+    "model.head_dim": 16,
+    "model.num_kv_heads": 2,
+    "model.mlp_dim": 96,
+    "model.mlp": "swiglu",
+    "model.norm": "rmsnorm",
+    "model.positions": "rotary",
+    "model.vocab_size": 1000,
+    "data.source": "synthetic",
+    "data.synthetic_train_windows": 64,
+    "data.synthetic_eval_windows": 16,
+}
+
+
 def test_scanned_fsdp_equals_the_unrolled_model_and_gathers_one_layer_at_a_time(corpus_root):  # noqa: F811
-    """Three blocks of width 32, every block recomputed in backward (``remat=full``): the
+    """Three Llama-like blocks, every block recomputed in backward (``remat=full``): the
     scanned model under FSDP over 4 devices, after two steps, is the unrolled replicated
     model's; its stacked leaves are split below the layer axis, and the scan is one of the
     loss's paced segments, whatever the depth."""
-    shape = {"model.num_layers": 3, "model.d_model": 32}
+    shape = LLAMA_LIKE
     unrolled = LanguageModel(lm_config(corpus_root, **shape), Replicas("data", 4))
     scanned = LanguageModel(
         lm_config(corpus_root, **shape, **{"model.scan_layers": True, "model.remat": "full"}),
@@ -70,9 +90,19 @@ def test_scanned_fsdp_equals_the_unrolled_model_and_gathers_one_layer_at_a_time(
     )  # split, and never along the layers
     # The embeddings, the scan over every block, the final norm, the head.
     assert step.paced_layers == 4
-    kernel = state.params["blocks"]["up"]["kernel"]
-    assert kernel.shape == (3, 32, 128)
-    assert kernel.addressable_shards[0].data.shape == (3, 8, 128)  # every layer, a quarter
+    blocks = state.params["blocks"]
+    kernel = blocks["up"]["kernel"]
+    assert kernel.shape == (3, 32, 96) and blocks["gate"]["kernel"].shape == (3, 32, 96)
+    assert kernel.addressable_shards[0].data.shape == (3, 8, 96)  # every layer, a quarter
+    attention = blocks["attention"]
+    assert attention["query"]["kernel"].shape == (3, 32, 4, 16)
+    assert attention["key"]["kernel"].shape == attention["value"]["kernel"].shape == (3, 32, 2, 16)
+    assert attention["out"]["kernel"].shape == (3, 4, 16, 32)
+    assert set(blocks["norm1"]) == {"scale"}  # RMSNorm: no bias
+    assert "position_embed" not in state.params  # rotary
+    assert state.params["token_embed"]["embedding"].shape == (1000, 32)
+    assert scanned.batch_spec(8)["tokens"].dtype == np.int32
+    assert scanned.baseline_bits_per_byte == pytest.approx(np.log2(1000))
 
 
 def test_scanned_fsdp_with_dropout_and_saved_products_equals_its_replicated_run(corpus_root):  # noqa: F811
@@ -129,3 +159,20 @@ def test_stacked_leaves_split_below_the_layer_axis_and_scans_refuse_stage_cuts(c
         ValueError, match=r"model.remat must be one of none, full, dots; got 'some'"
     ):
         LanguageModel(lm_config(corpus_root, **{"model.remat": "some"}), Replicas("data", 1))
+
+
+def test_rotary_positions_make_scores_depend_on_the_distance_alone():
+    """Turned by rotary positions, a query at m and a key at n score alike for every pair at
+    the same distance m - n; unturned, they would score alike at every distance."""
+    from jaxdist.models.transformer import rotary
+
+    rng = np.random.default_rng(0)
+    q, k = rng.normal(size=(2, 1, 1, 8)).astype(np.float32)
+    length = 12
+    turned_q = rotary(np.broadcast_to(q, (length, 1, 8)))[:, 0]
+    turned_k = rotary(np.broadcast_to(k, (length, 1, 8)))[:, 0]
+    scores = np.asarray(turned_q @ turned_k.T)  # [m, n]
+    for distance in (0, 3, 7):
+        diagonal = np.diagonal(scores, offset=-distance)
+        np.testing.assert_allclose(diagonal, diagonal[0], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(scores[5, 5], scores[5, 2])

@@ -29,6 +29,8 @@ pipeline's stage cuts use.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -36,6 +38,7 @@ from flax import nnx
 __all__ = [
     "REMAT_POLICIES",
     "Block",
+    "BlockShape",
     "Transformer",
     "TransformerSpan",
     "stack_blocks",
@@ -59,24 +62,122 @@ def remat_policy_name(remat: bool | str) -> str:
     return remat
 
 
+@dataclass(frozen=True)
+class BlockShape:
+    """What a block is made of, beside its width ``d_model``.
+
+    Attributes:
+      num_heads: query heads.
+      head_dim: each head's width (None: ``d_model // num_heads``); the attention's width is
+        ``num_heads * head_dim``, which need not be ``d_model``.
+      num_kv_heads: key and value heads (None: ``num_heads``); fewer is grouped-query
+        attention, each shared by ``num_heads // num_kv_heads`` query heads.
+      mlp_dim: the MLP's hidden width (None: ``mlp_ratio * d_model``).
+      mlp_ratio: the hidden width over ``d_model`` when ``mlp_dim`` is None.
+      mlp: ``"gelu"`` (up, GELU, down) or ``"swiglu"`` (``down(silu(gate(x)) * up(x))``).
+      norm: ``"layernorm"`` or ``"rmsnorm"``.
+      rotary: rotary position embeddings on queries and keys (the model then learns no
+        position embedding).
+    """
+
+    num_heads: int
+    head_dim: int | None = None
+    num_kv_heads: int | None = None
+    mlp_dim: int | None = None
+    mlp_ratio: int = 4
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    rotary: bool = False
+
+    def check(self, d_model: int) -> None:
+        """One line naming the setting that cannot build a block of width ``d_model``."""
+        if self.mlp not in MLPS:
+            raise ValueError(f"model.mlp must be one of {', '.join(MLPS)}; got {self.mlp!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"model.norm must be one of {', '.join(NORMS)}; got {self.norm!r}")
+        if self.head_dim is None and d_model % self.num_heads:
+            raise ValueError(
+                f"model.d_model={d_model} must divide by model.num_heads="
+                f"{self.num_heads}, or give model.head_dim"
+            )
+        if self.num_heads % self.kv_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} must divide by "
+                f"model.num_kv_heads={self.kv_heads}"
+            )
+        if self.rotary and self.width_per_head(d_model) % 2:
+            raise ValueError(
+                f"rotary positions turn pairs of a head's features: head_dim "
+                f"{self.width_per_head(d_model)} must be even"
+            )
+
+    def width_per_head(self, d_model: int) -> int:
+        return self.head_dim or d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    def hidden(self, d_model: int) -> int:
+        return self.mlp_dim or self.mlp_ratio * d_model
+
+
+MLPS = ("gelu", "swiglu")
+NORMS = {"layernorm": nnx.LayerNorm, "rmsnorm": nnx.RMSNorm}
+ROTARY_BASE = 10_000.0
+
+
+def rotary(x: jax.Array) -> jax.Array:
+    """Rotary position embedding (Su et al.) of ``x`` ``[..., length, heads, head_dim]``: each
+    pair of features ``(i, i + head_dim / 2)`` turned by an angle of its position times
+    ``ROTARY_BASE ** (-2 i / head_dim)``, in float32."""
+    length, half = x.shape[-3], x.shape[-1] // 2
+    frequencies = ROTARY_BASE ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * frequencies  # [length, half]
+    cos, sin = (f(angles)[:, None, :] for f in (jnp.cos, jnp.sin))  # over the heads
+    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    turned = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
+    return turned.astype(x.dtype)
+
+
+def _rotary_attention(query, key, value, **kwargs):
+    """Dot-product attention of queries and keys turned by their positions."""
+    return nnx.dot_product_attention(rotary(query), rotary(key), value, **kwargs)
+
+
 class Block(nnx.Module):
     """Pre-norm causal self-attention and MLP, each added to the residual stream."""
 
-    def __init__(self, d_model: int, num_heads: int, mlp_ratio: int, dropout: float,
-                 dtype, rngs: nnx.Rngs) -> None:  # fmt: skip
-        self.norm1 = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
+    def __init__(self, d_model: int, shape: BlockShape, dropout: float, dtype,
+                 rngs: nnx.Rngs) -> None:  # fmt: skip
+        norm = NORMS[shape.norm]
+        hidden = shape.hidden(d_model)
+        self.norm1 = norm(d_model, dtype=dtype, rngs=rngs)
         self.attention = nnx.MultiHeadAttention(
-            num_heads, d_model, dtype=dtype, decode=False, rngs=rngs
+            shape.num_heads,
+            d_model,
+            qkv_features=shape.num_heads * shape.width_per_head(d_model),
+            out_features=d_model,
+            num_kv_heads=shape.kv_heads,
+            attention_fn=_rotary_attention if shape.rotary else nnx.dot_product_attention,
+            dtype=dtype,
+            decode=False,
+            rngs=rngs,
         )
-        self.norm2 = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
-        self.up = nnx.Linear(d_model, mlp_ratio * d_model, dtype=dtype, rngs=rngs)
-        self.down = nnx.Linear(mlp_ratio * d_model, d_model, dtype=dtype, rngs=rngs)
+        self.norm2 = norm(d_model, dtype=dtype, rngs=rngs)
+        self.gated = shape.mlp == "swiglu"
+        if self.gated:
+            self.gate = nnx.Linear(d_model, hidden, dtype=dtype, rngs=rngs)
+        self.up = nnx.Linear(d_model, hidden, dtype=dtype, rngs=rngs)
+        self.down = nnx.Linear(hidden, d_model, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         mask = nnx.make_causal_mask(x[..., 0])
         x = x + self.dropout(self.attention(self.norm1(x), mask=mask))
-        return x + self.dropout(self.down(nnx.gelu(self.up(self.norm2(x)))))
+        h = self.norm2(x)
+        h = nnx.silu(self.gate(h)) * self.up(h) if self.gated else nnx.gelu(self.up(h))
+        return x + self.dropout(self.down(h))
 
 
 class Transformer(nnx.Module):
@@ -93,6 +194,7 @@ class Transformer(nnx.Module):
         d_model: int,
         num_heads: int,
         mlp_ratio: int = 4,
+        shape: BlockShape | None = None,
         dropout: float = 0.0,
         dtype=jnp.float32,
         remat: bool | str = False,
@@ -102,15 +204,18 @@ class Transformer(nnx.Module):
         self.remat = remat_policy_name(remat)
         self.scan_layers = scan_layers
         self.depth = num_layers
+        shape = shape or BlockShape(num_heads, mlp_ratio=mlp_ratio)
+        shape.check(d_model)
         self.token_embed = nnx.Embed(vocab_size, d_model, dtype=dtype, rngs=rngs)
-        self.position_embed = nnx.Embed(max_len, d_model, dtype=dtype, rngs=rngs)
-        make = lambda rngs: Block(d_model, num_heads, mlp_ratio, dropout, dtype, rngs)  # noqa: E731
+        if not shape.rotary:
+            self.position_embed = nnx.Embed(max_len, d_model, dtype=dtype, rngs=rngs)
+        make = lambda rngs: Block(d_model, shape, dropout, dtype, rngs)  # noqa: E731
         if scan_layers:
             stacked = nnx.split_rngs(splits=num_layers)(nnx.vmap(make, in_axes=0, out_axes=0))
             self.blocks = stacked(rngs)
         else:
             self.blocks = nnx.List([make(rngs) for _ in range(num_layers)])
-        self.norm = nnx.LayerNorm(d_model, dtype=dtype, rngs=rngs)
+        self.norm = NORMS[shape.norm](d_model, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab_size, dtype=dtype, rngs=rngs)
 
     @property
@@ -144,7 +249,9 @@ class TransformerSpan(nnx.Module):
         self.start, self.stop, self.total = start, stop, model.num_layers
         self.remat, self.scan_layers = model.remat, False
         if start == 0:
-            self.token_embed, self.position_embed = model.token_embed, model.position_embed
+            self.token_embed = model.token_embed
+            if hasattr(model, "position_embed"):
+                self.position_embed = model.position_embed
         self.blocks = nnx.List(list(model.blocks[max(start - 1, 0) : stop - 1]))
         if stop == model.num_layers:
             self.norm, self.head = model.norm, model.head
@@ -168,8 +275,10 @@ def _run(layers: Transformer | TransformerSpan, x: jax.Array, start: int, stop: 
          total: int) -> jax.Array:  # fmt: skip
     """Layers ``[start, stop)`` of ``total``, from what ``layers`` holds of them."""
     if start == 0:
-        positions = jnp.arange(x.shape[-1])
-        x = layers.token_embed(x) + layers.position_embed(positions)
+        tokens = x
+        x = layers.token_embed(tokens)
+        if hasattr(layers, "position_embed"):  # else rotary, inside each block's attention
+            x = x + layers.position_embed(jnp.arange(tokens.shape[-1]))
     block_fn = _block_fn(layers.remat)
     if layers.scan_layers:
         x = nnx.scan(block_fn, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(layers.blocks, x)

@@ -3,12 +3,19 @@ trained to predict the next byte of text (:mod:`jaxdist.data.byte_corpus`; by de
 Python standard library's sources), evaluated by held-out bits per byte beside the baseline of
 the training bytes' frequencies.
 
-Recipe fields it reads: ``model.num_layers``, ``d_model``, ``num_heads``, ``mlp_ratio``,
-``dropout``, ``dtype``, ``remat`` (what each block keeps for the backward pass: ``none``,
-``full`` or ``dots``, the products' outputs), ``scan_layers`` (the blocks stacked and
-scanned: a program that does not grow with depth); ``data.root`` (``""``: the standard
-library), ``pattern``, ``seq_len``, ``held_out_every``, ``max_train_bytes``,
-``max_eval_bytes``, ``seed`` (the shuffle); ``seed`` (the initial weights). ``recipes/transformer_lm.py`` is its recipe.
+Recipe fields it reads: ``model.num_layers``, ``d_model``, ``num_heads``, ``head_dim``,
+``num_kv_heads`` (grouped-query attention), ``mlp_dim`` (or ``mlp_ratio``), ``mlp``
+(``gelu`` or ``swiglu``), ``norm`` (``layernorm`` or ``rmsnorm``), ``positions``
+(``learned`` or ``rotary``), ``vocab_size``, ``dropout``, ``dtype``, ``remat`` (what each
+block keeps for the backward pass: ``none``, ``full`` or ``dots``, the products' outputs),
+``scan_layers`` (the blocks stacked and scanned: a program that does not grow with depth);
+``data.source`` (``corpus``: the text files below; ``synthetic``: uniformly random tokens
+of the model's vocabulary, :mod:`jaxdist.data.synthetic_tokens`, ``synthetic_train_windows``
+and ``synthetic_eval_windows`` of them), ``root`` (``""``: the standard library),
+``pattern``, ``seq_len``, ``held_out_every``, ``max_train_bytes``, ``max_eval_bytes``,
+``seed`` (the shuffle, and the synthetic tokens); ``seed`` (the initial weights).
+``recipes/transformer_lm.py`` is its recipe. The defaults are the recipe's small byte-level
+model; ``bits_per_byte`` is bits per token where the tokens are not bytes.
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx
 
 from jaxdist.data.byte_corpus import ByteCorpus, unigram_bits_per_byte
 from jaxdist.data.records import RecordData
+from jaxdist.data.synthetic_tokens import SyntheticTokens
 from jaxdist.models.nnx_model import NnxModel
-from jaxdist.models.transformer import Transformer, remat_policy_name
+from jaxdist.models.transformer import BlockShape, Transformer, remat_policy_name
 from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.tasks.image_classification import DTYPES
 from jaxdist.tasks.task import PipelineParts, Replicas, Task
@@ -34,6 +43,7 @@ from jaxdist.tasks.task import PipelineParts, Replicas, Task
 __all__ = ["LanguageModel", "data_fields", "model_fields"]
 
 VOCAB = 256  # bytes
+POSITIONS = ("learned", "rotary")
 
 
 def model_fields() -> ml_collections.ConfigDict:
@@ -49,6 +59,13 @@ def model_fields() -> ml_collections.ConfigDict:
             dtype="float32",
             remat="none",
             scan_layers=False,
+            head_dim=0,  # 0: d_model // num_heads
+            num_kv_heads=0,  # 0: num_heads
+            mlp_dim=0,  # 0: mlp_ratio * d_model
+            mlp="gelu",
+            norm="layernorm",
+            positions="learned",
+            vocab_size=VOCAB,
         )
     )
 
@@ -57,6 +74,7 @@ def data_fields() -> ml_collections.ConfigDict:
     """The ``data`` section of a language-model recipe, with defaults."""
     return ml_collections.ConfigDict(
         dict(
+            source="corpus",
             root="",
             pattern="*.py",
             seq_len=128,
@@ -64,6 +82,8 @@ def data_fields() -> ml_collections.ConfigDict:
             max_train_bytes=0,
             max_eval_bytes=0,
             seed=0,
+            synthetic_train_windows=4096,
+            synthetic_eval_windows=256,
         )
     )
 
@@ -115,13 +135,47 @@ class _SpanStage:
         return y, self._blocks_shifted(model_state, self.first_block)
 
 
+def _windows(d: ml_collections.ConfigDict, vocab_size: int) -> tuple[Any, Any, float, np.dtype]:
+    """``(train records, held-out records, baseline bits per token, token dtype)`` of the
+    recipe's ``data`` section for a model of ``vocab_size`` tokens."""
+    if d.source == "synthetic":
+        tokens = SyntheticTokens(
+            vocab_size,
+            d.seq_len,
+            train_windows=d.synthetic_train_windows,
+            eval_windows=d.synthetic_eval_windows,
+            seed=d.seed,
+        )
+        return tokens.records("train"), tokens.records("eval"), tokens.baseline_bits, tokens.dtype
+    if d.source == "corpus":
+        if vocab_size < VOCAB:
+            raise ValueError(
+                f"model.vocab_size={vocab_size} is below the {VOCAB} byte values "
+                "of a text corpus; give data.source=synthetic for a smaller "
+                "vocabulary"
+            )
+        corpus = ByteCorpus(
+            d.root or None,
+            pattern=d.pattern,
+            seq_len=d.seq_len,
+            held_out_every=d.held_out_every,
+            max_train_bytes=d.max_train_bytes,
+            max_eval_bytes=d.max_eval_bytes,
+        )
+        targets = corpus.windows(corpus.eval_bytes)[:, 1:]
+        baseline = unigram_bits_per_byte(corpus.train_bytes, targets)
+        return corpus.records("train"), corpus.records("eval"), baseline, np.dtype(np.uint8)
+    raise ValueError(f"data.source must be corpus or synthetic; got {d.source!r}")
+
+
 class LanguageModel(Task):
     """Next-byte prediction with a decoder-only NNX transformer.
 
     Attributes:
-      corpus: the text, split into train and held-out windows.
+      data: the train and held-out windows (of the text corpus or synthetic tokens).
       model: the transformer as pure functions (:class:`~jaxdist.models.nnx_model.NnxModel`).
-      baseline_bits_per_byte: the held-out bits per byte of the training byte frequencies.
+      baseline_bits_per_byte: the held-out bits per byte of the training byte frequencies
+        (synthetic tokens: ``log2(vocab_size)``).
     """
 
     headline = "bits_per_byte"
@@ -133,21 +187,28 @@ class LanguageModel(Task):
         if m.dtype not in DTYPES:
             raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {m.dtype!r}")
         remat_policy_name(m.remat)  # one line naming the choices, before anything is built
-        if m.d_model % m.num_heads:
+        if m.positions not in POSITIONS:
             raise ValueError(
-                f"model.d_model={m.d_model} must divide by model.num_heads={m.num_heads}"
+                f"model.positions must be one of {', '.join(POSITIONS)}; got {m.positions!r}"
             )
+        shape = BlockShape(
+            m.num_heads,
+            head_dim=m.head_dim or None,
+            num_kv_heads=m.num_kv_heads or None,
+            mlp_dim=m.mlp_dim or None,
+            mlp_ratio=m.mlp_ratio,
+            mlp=m.mlp,
+            norm=m.norm,
+            rotary=m.positions == "rotary",
+        )
+        shape.check(m.d_model)
         self.name = m.name
-        self.corpus = ByteCorpus(d.root or None, pattern=d.pattern, seq_len=d.seq_len,
-                                 held_out_every=d.held_out_every, max_train_bytes=d.max_train_bytes,
-                                 max_eval_bytes=d.max_eval_bytes)  # fmt: skip
-        self.data = RecordData(self.corpus.records("train"), self.corpus.records("eval"),
-                               seed=d.seed)  # fmt: skip
-        targets = self.corpus.windows(self.corpus.eval_bytes)[:, 1:]
-        self.baseline_bits_per_byte = unigram_bits_per_byte(self.corpus.train_bytes, targets)
+        self.seq_len = d.seq_len
+        train, held_out, self.baseline_bits_per_byte, self.token_dtype = _windows(d, m.vocab_size)
+        self.data = RecordData(train, held_out, seed=d.seed)
         self._make = lambda key: Transformer(
-            vocab_size=VOCAB, max_len=d.seq_len, num_layers=m.num_layers, d_model=m.d_model,
-            num_heads=m.num_heads, mlp_ratio=m.mlp_ratio, dropout=m.dropout,
+            vocab_size=m.vocab_size, max_len=d.seq_len, num_layers=m.num_layers,
+            d_model=m.d_model, num_heads=m.num_heads, shape=shape, dropout=m.dropout,
             dtype=DTYPES[m.dtype], remat=m.remat, scan_layers=m.scan_layers, rngs=nnx.Rngs(key),
         )  # fmt: skip
         self._abstract = nnx.eval_shape(lambda: self._make(jax.random.key(0)))  # structure only
@@ -218,8 +279,8 @@ class LanguageModel(Task):
         )
 
     def batch_spec(self, global_batch_size: int) -> dict[str, jax.ShapeDtypeStruct]:
-        return {"tokens": jax.ShapeDtypeStruct((global_batch_size, self.corpus.seq_len + 1),
-                                               jnp.uint8)}  # fmt: skip
+        shape = (global_batch_size, self.seq_len + 1)
+        return {"tokens": jax.ShapeDtypeStruct(shape, self.token_dtype)}
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "seq_len": self.corpus.seq_len}
+        return {"name": self.name, "seq_len": self.seq_len}
