@@ -1,5 +1,6 @@
-"""Scanned transformer layers (``model.scan_layers``): the same model as the unrolled one,
-and under FSDP each layer's slice of the stacked parameters gathered inside the scan."""
+"""The transformer's shapes and scanned layers (``model.scan_layers``): the same model as the
+unrolled one, and under FSDP each layer's slice of the stacked parameters gathered inside the
+scan; rotary positions and attention in blocks of queries."""
 
 import jax
 import numpy as np
@@ -176,3 +177,43 @@ def test_rotary_positions_make_scores_depend_on_the_distance_alone():
         diagonal = np.diagonal(scores, offset=-distance)
         np.testing.assert_allclose(diagonal, diagonal[0], rtol=1e-5, atol=1e-5)
     assert not np.allclose(scores[5, 5], scores[5, 2])
+
+
+def test_attention_in_blocks_of_queries_is_the_whole_attention():
+    """Queries in blocks of 4 (each block's scores recomputed in backward) give the loss and
+    gradients of attention over all 16 at once, with grouped-query heads and rotary
+    positions."""
+    from flax import nnx
+
+    from jaxdist.models.nnx_model import NnxModel
+    from jaxdist.models.transformer import BlockShape, Transformer
+
+    def model(chunk):
+        shape = BlockShape(4, head_dim=8, num_kv_heads=2, rotary=True, attention_chunk=chunk)
+        return NnxModel(
+            Transformer(
+                vocab_size=32,
+                max_len=16,
+                num_layers=2,
+                d_model=16,
+                num_heads=4,
+                shape=shape,
+                rngs=nnx.Rngs(0),
+            )
+        )
+
+    whole, blocked = model(0), model(4)
+    params, model_state = whole.variables()
+    tokens = np.random.default_rng(0).integers(0, 32, (2, 16))
+
+    def loss(m):
+        return lambda p: (m.apply(p, model_state, tokens)[0] ** 2).mean()
+
+    expected, expected_grads = jax.value_and_grad(loss(whole))(params)
+    value, grads = jax.value_and_grad(loss(blocked))(params)
+    np.testing.assert_allclose(float(value), float(expected), rtol=1e-6)
+    _assert_close(grads, expected_grads)
+    text = str(jax.make_jaxpr(jax.grad(loss(blocked)))(params))
+    assert "checkpoint" in text or "remat" in text  # each block's scores recomputed
+    with pytest.raises(ValueError, match=r"model\.attention_chunk=5 must divide the 16 positions"):
+        model(5).apply(params, model_state, tokens)

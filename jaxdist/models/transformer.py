@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 __all__ = [
     "REMAT_POLICIES",
@@ -78,6 +79,10 @@ class BlockShape:
       norm: ``"layernorm"`` or ``"rmsnorm"``.
       rotary: rotary position embeddings on queries and keys (the model then learns no
         position embedding).
+      attention_chunk: queries per block of attention (0: all at once). Blocked, a block's
+        scores exist only while it runs and are computed again in backward, so a step holds
+        ``attention_chunk`` rows of the ``length x length`` scores instead of all of them,
+        for one more pass over them; the same values either way.
     """
 
     num_heads: int
@@ -88,6 +93,7 @@ class BlockShape:
     mlp: str = "gelu"
     norm: str = "layernorm"
     rotary: bool = False
+    attention_chunk: int = 0
 
     def check(self, d_model: int) -> None:
         """One line naming the setting that cannot build a block of width ``d_model``."""
@@ -105,6 +111,8 @@ class BlockShape:
                 f"model.num_heads={self.num_heads} must divide by "
                 f"model.num_kv_heads={self.kv_heads}"
             )
+        if self.attention_chunk < 0:
+            raise ValueError(f"model.attention_chunk must be >= 0; got {self.attention_chunk}")
         if self.rotary and self.width_per_head(d_model) % 2:
             raise ValueError(
                 f"rotary positions turn pairs of a head's features: head_dim "
@@ -140,9 +148,33 @@ def rotary(x: jax.Array) -> jax.Array:
     return turned.astype(x.dtype)
 
 
-def _rotary_attention(query, key, value, **kwargs):
-    """Dot-product attention of queries and keys turned by their positions."""
-    return nnx.dot_product_attention(rotary(query), rotary(key), value, **kwargs)
+def _attention_fn(turned: bool, chunk: int):
+    """Dot-product attention (``nnx.dot_product_attention``'s arguments), the queries and keys
+    ``turned`` by their positions (:func:`rotary`) first, the queries in blocks of ``chunk``
+    if it is not 0 (see :class:`BlockShape`)."""
+
+    def attention(query, key, value, *, mask=None, **kwargs):
+        if turned:
+            query, key = rotary(query), rotary(key)
+        length = query.shape[-3]
+        if not chunk or chunk >= length:
+            return nnx.dot_product_attention(query, key, value, mask=mask, **kwargs)
+        if length % chunk:
+            raise ValueError(f"model.attention_chunk={chunk} must divide the {length} positions")
+
+        def block(part):
+            rows, rows_mask = part
+            return nnx.dot_product_attention(rows, key, value, mask=rows_mask, **kwargs)
+
+        # [..., length, heads, dim] -> [blocks, ..., chunk, heads, dim]; the mask's rows alike.
+        rows = jnp.moveaxis(query.reshape(*query.shape[:-3], -1, chunk, *query.shape[-2:]), -4, 0)
+        masks = None
+        if mask is not None:
+            masks = jnp.moveaxis(mask.reshape(*mask.shape[:-2], -1, chunk, mask.shape[-1]), -3, 0)
+        out = lax.map(jax.checkpoint(block), (rows, masks))
+        return jnp.moveaxis(out, 0, -4).reshape(*query.shape[:-1], value.shape[-1])
+
+    return attention
 
 
 class Block(nnx.Module):
@@ -159,7 +191,7 @@ class Block(nnx.Module):
             qkv_features=shape.num_heads * shape.width_per_head(d_model),
             out_features=d_model,
             num_kv_heads=shape.kv_heads,
-            attention_fn=_rotary_attention if shape.rotary else nnx.dot_product_attention,
+            attention_fn=_attention_fn(shape.rotary, shape.attention_chunk),
             dtype=dtype,
             decode=False,
             rngs=rngs,

@@ -6,7 +6,8 @@ the training bytes' frequencies.
 Recipe fields it reads: ``model.num_layers``, ``d_model``, ``num_heads``, ``head_dim``,
 ``num_kv_heads`` (grouped-query attention), ``mlp_dim`` (or ``mlp_ratio``), ``mlp``
 (``gelu`` or ``swiglu``), ``norm`` (``layernorm`` or ``rmsnorm``), ``positions``
-(``learned`` or ``rotary``), ``vocab_size``, ``dropout``, ``dtype``, ``remat`` (what each
+(``learned`` or ``rotary``), ``attention_chunk`` (queries per block of attention),
+``vocab_size``, ``dropout``, ``dtype``, ``remat`` (what each
 block keeps for the backward pass: ``none``, ``full`` or ``dots``, the products' outputs),
 ``scan_layers`` (the blocks stacked and scanned: a program that does not grow with depth);
 ``data.source`` (``corpus``: the text files below; ``synthetic``: uniformly random tokens
@@ -65,6 +66,7 @@ def model_fields() -> ml_collections.ConfigDict:
             mlp="gelu",
             norm="layernorm",
             positions="learned",
+            attention_chunk=0,  # 0: every query at once
             vocab_size=VOCAB,
         )
     )
@@ -200,6 +202,7 @@ class LanguageModel(Task):
             mlp=m.mlp,
             norm=m.norm,
             rotary=m.positions == "rotary",
+            attention_chunk=m.attention_chunk,
         )
         shape.check(m.d_model)
         self.name = m.name
