@@ -36,6 +36,7 @@ from jaxdist.aot.compile import (
 )
 from jaxdist.aot.predict import StepTime, predict_step, time_to_train
 from jaxdist.aot.topology import Topology
+from jaxdist.aot.transformer_efficiency import fitted_efficiency
 from jaxdist.aot.xla_fsdp import XlaFsdp, compile_xla_fsdp
 from jaxdist.comm import cost_model
 from jaxdist.data.config import SYNTHETIC_CLASSES
@@ -103,6 +104,10 @@ class Plan:
     variable_shapes: tuple = field(default=(), repr=False)
     # For a ResNet-50 recipe: MLPerf's reference epochs at its batch (see reference_for).
     reference: dict | None = None
+    # The task's own count of training FLOPs per example (a transformer's), if it has one.
+    model_flops_per_example: float | None = None
+    # What the step's compute was priced with, where the plan chose it (a transformer's fit).
+    efficiency_note: str = ""
 
     @property
     def total_seconds(self) -> float:
@@ -202,6 +207,7 @@ def plan_recipe(
     host_link: str | None = None,
     on_stage: Callable[[int, DevicePlan], None] | None = None,
     task: Callable | None = None,
+    transformer_efficiency: bool = False,
     xla_fsdp: bool = True,
     on_xla_fsdp: Callable[[int], None] | None = None,
 ) -> Plan:
@@ -214,6 +220,9 @@ def plan_recipe(
     the recipe's ``get_task``, if it has one (:mod:`jaxdist.tasks`). With ``xla_fsdp``, a
     ZeRO-1 or FSDP stage is compiled a second time as XLA's own FSDP
     (:mod:`jaxdist.aot.xla_fsdp`), ``on_xla_fsdp`` called before, to print both memories.
+    With ``transformer_efficiency``, a task that counts its model FLOPs (a transformer) has
+    its compute priced at the chip generation's fitted model FLOPs utilization
+    (:mod:`jaxdist.aot.transformer_efficiency`) instead of ``efficiency``.
     """
     from jaxdist.run import pipeline_config
     from jaxdist.run.trainer import Trainer
@@ -237,6 +246,10 @@ def plan_recipe(
         mesh=meshes.build(spec, topology.devices()),
     )
     params, model_state = _variable_shapes(trainer, config)
+    model_flops = trainer.task.model_flops_per_example()
+    fit = None
+    if model_flops and transformer_efficiency:
+        fit = fitted_efficiency(topology.generation)
     host_network = topology.chip.host_network if topology.network_groups > 1 else None
     network = network_for(topology.chip, host_network=host_network, latency=link_latency)
     network, link_sources = _given_links(network, topology, fast_link, host_link)
@@ -245,8 +258,12 @@ def plan_recipe(
         if on_stage is not None:
             on_stage(index, device_plan)
         variables = (params, model_state)
+        utilization = None
+        if fit is not None:
+            per_chip = model_flops * device_plan.per_device_batch * device_plan.accumulation_steps
+            utilization = (fit.value, per_chip)
         stage = _plan_stage(trainer, index, device_plan, variables, topology, network,
-                            efficiency=efficiency)  # fmt: skip
+                            efficiency=efficiency, utilization=utilization)  # fmt: skip
         step = trainer.train_step_for(index)
         if xla_fsdp and step.sharding != "replicated":
             if on_xla_fsdp is not None:
@@ -258,6 +275,8 @@ def plan_recipe(
                 config.num_epochs, wait_free=config.wait_free, gather=config.gather,
                 link_sources=link_sources, trainer=trainer,
                 variable_shapes=(params, model_state))  # fmt: skip
+    plan.model_flops_per_example = model_flops
+    plan.efficiency_note = fit.describe() if fit is not None else ""
     step_seconds = [s.step_time.total for s in stages]
     plan.time_rows = time_to_train(trainer.schedule, config.num_epochs, step_seconds)
     final = stages[-1]
@@ -311,9 +330,13 @@ def _record_for(global_batch: int, topology: Topology, flops_per_image: float) -
 
 def _plan_stage(
     trainer, index: int, device_plan: DevicePlan, variables: tuple, topology: Topology,
-    network, *, efficiency: float,
+    network, *, efficiency: float, utilization: tuple[float, float] | None = None,
 ) -> StagePlan:  # fmt: skip
-    """Batch stage ``index`` compiled for ``topology`` and its step time predicted."""
+    """Batch stage ``index`` compiled for ``topology`` and its step time predicted, its compute
+    at ``efficiency`` of peak, or where ``utilization`` is ``(model FLOPs utilization, model
+    FLOPs per chip per step)``, at the share of peak that has those FLOPs run at that
+    utilization (a published utilization counts the model's FLOPs, whatever the step
+    recomputes)."""
     try:
         compiled = _compile_at(trainer, index, device_plan.global_batch_size, variables)
     except DoesNotFitError as err:
@@ -322,6 +345,9 @@ def _plan_stage(
             f"{device_plan.per_device_batch} per chip) does not fit on a "
             f"{topology.chip.name}: {err}; {sharding_hint(trainer, index, variables)}{FIT_HINT}"
         ) from err
+    if utilization is not None:
+        share, model_flops = utilization
+        efficiency = min(1.0, share * compiled.flops / model_flops)
     step_time = predict_step(
         compiled, topology.chip, efficiency=efficiency, network=network,
         fast_group=topology.chips_per_group if topology.network_groups > 1 else None,

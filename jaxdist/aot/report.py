@@ -62,6 +62,31 @@ def torus3d_hint(topology: Topology, spec: meshes.MeshSpec, algorithm: str) -> s
             "mesh=torus-2x2x2 --set allreduce=torus3d")  # fmt: skip
 
 
+def model_flops_utilization(plan: Plan, stage: StagePlan) -> float | None:
+    """The stage's model FLOPs per chip per second over the chip's peak (a task that counts
+    its model FLOPs, a transformer's), or None."""
+    if not plan.model_flops_per_example:
+        return None
+    dp = stage.device_plan
+    per_chip = plan.model_flops_per_example * dp.per_device_batch * dp.accumulation_steps
+    return per_chip / stage.step_time.total / plan.topology.chip.peak_flops
+
+
+def _utilization_lines(plan: Plan, stage: StagePlan) -> list[str]:
+    utilization = model_flops_utilization(plan, stage)
+    if utilization is None:
+        return []
+    line = (
+        f"  model FLOPs utilization: {utilization:.1%} "
+        f"({plan.model_flops_per_example:.3e} model FLOPs a {_unit(plan)[:-1]}, MaxText's count)"
+    )
+    seq_len = plan.trainer.task.describe().get("seq_len") if plan.trainer is not None else None
+    if seq_len:
+        tokens = stage.device_plan.global_batch_size * seq_len / stage.step_time.total
+        line += f"; {tokens:,.0f} tokens/s, {tokens / plan.topology.num_chips:,.0f} per chip"
+    return [line]
+
+
 def _unit(plan: Plan) -> str:
     """What the task calls one example (images, sequences, samples)."""
     return getattr(getattr(plan.trainer, "task", None), "unit", "samples")
@@ -156,6 +181,7 @@ def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
         f"exposed {(t.communication - t.hidden) * 1e3:.1f} ms{_parameters_exposed(t)}, other "
         f"collectives {t.other * 1e3:.1f} ms) = {t.total * 1e3:.1f} ms -> "
         f"{dp.global_batch_size / t.total:,.0f} {_unit(plan)}/s",
+        *_utilization_lines(plan, stage),
     ]
     replicated = _sharding(plan) == "replicated"
     if (
@@ -202,7 +228,7 @@ def plan_text(plan: Plan, efficiency_note: str) -> str:
         + (", wait-free" if plan.wait_free else "")
         + "; every collective of the compiled program priced by its kind, bytes and group and "
         "walked in the compiler's order",
-        f"efficiency: {efficiency_note}",
+        f"efficiency: {plan.efficiency_note or efficiency_note}",
         f"compiled {len(plan.stages)} stage(s) in {plan.compile_seconds:.1f} s",
         "",
     ]
@@ -285,6 +311,7 @@ def plan_json(plan: Plan, efficiency_note: str) -> dict:
             "memory_bytes": {**mem.__dict__, "total": mem.total,
                              "capacity": plan.topology.chip.hbm_bytes},
             "fits": mem.total <= plan.topology.chip.hbm_bytes,
+            "model_flops_utilization": model_flops_utilization(plan, stage),
             "xla_fsdp": _xla_fsdp_json(stage.xla_fsdp),
             "flops_per_chip": stage.compiled.flops,
             "collectives": stage.compiled.schedule.by_kind(),
@@ -310,7 +337,7 @@ def plan_json(plan: Plan, efficiency_note: str) -> dict:
             "host": None if plan.network.inter is None else _link_json(plan.network.inter),
             "sources": plan.link_sources,
         },
-        "efficiency": efficiency_note,
+        "efficiency": plan.efficiency_note or efficiency_note,
         "stages": stages,
         "time_to_train": plan.time_rows,
         "total_seconds": plan.total_seconds,

@@ -42,9 +42,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--efficiency",
         type=float,
         default=None,
-        help="share of peak FLOP/s a step reaches (default: the chip generation's, fitted "
-        "on its published MLPerf runs, or for a generation without any the value calibrated "
-        "on one TPU v4 run; see docs/planning.md)",
+        help="share of peak FLOP/s a step reaches (default: for a transformer, the chip "
+        "generation's model FLOPs utilization fitted on published transformer runs; else the "
+        "generation's fitted on its published MLPerf runs, or for a generation without any "
+        "the value calibrated on one TPU v4 run; see docs/planning.md)",
     )
     p.add_argument(
         "--fast-link",
@@ -113,7 +114,8 @@ def run_plan(args: argparse.Namespace) -> int:
     plan = plan_recipe(config, topology, efficiency=efficiency, mesh=args.mesh,
                        task=config_lib.recipe_task(path),
                        fast_link=args.fast_link, host_link=args.host_link, on_stage=progress,
-                       xla_fsdp=args.xla_fsdp, on_xla_fsdp=progress_xla_fsdp)  # fmt: skip
+                       xla_fsdp=args.xla_fsdp, on_xla_fsdp=progress_xla_fsdp,
+                       transformer_efficiency=args.efficiency is None)  # fmt: skip
     fitting = largest_fitting_batch_of(plan, progress) if args.max_batch else None
     if args.json:
         data = plan_json(plan, note)

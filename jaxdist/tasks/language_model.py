@@ -37,6 +37,7 @@ from jaxdist.data.records import RecordData
 from jaxdist.data.synthetic_tokens import SyntheticTokens
 from jaxdist.models.nnx_model import NnxModel
 from jaxdist.models.transformer import BlockShape, Transformer, remat_policy_name
+from jaxdist.models.transformer_flops import TransformerShape
 from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.tasks.image_classification import DTYPES
 from jaxdist.tasks.task import PipelineParts, Replicas, Task
@@ -205,6 +206,11 @@ class LanguageModel(Task):
             attention_chunk=m.attention_chunk,
         )
         shape.check(m.d_model)
+        self.shape = TransformerShape(
+            m.num_layers, m.d_model, shape.num_heads, shape.kv_heads,
+            shape.width_per_head(m.d_model), shape.hidden(m.d_model),
+            3 if shape.mlp == "swiglu" else 2, m.vocab_size, d.seq_len,
+        )  # fmt: skip
         self.name = m.name
         self.seq_len = d.seq_len
         train, held_out, self.baseline_bits_per_byte, self.token_dtype = _windows(d, m.vocab_size)
@@ -216,6 +222,10 @@ class LanguageModel(Task):
         )  # fmt: skip
         self._abstract = nnx.eval_shape(lambda: self._make(jax.random.key(0)))  # structure only
         self.model = NnxModel(self._abstract)
+
+    def model_flops_per_example(self) -> float:
+        """MaxText's training FLOPs of one sequence (:mod:`jaxdist.models.transformer_flops`)."""
+        return self.shape.training_flops_per_token() * self.seq_len
 
     def stacked_layers(self) -> Any:
         """With ``model.scan_layers``, every leaf under ``blocks`` is stacked over the blocks."""

@@ -164,6 +164,13 @@ class Task(abc.ABC):
             for k, v in batch.items()
         }
 
+    def model_flops_per_example(self) -> float | None:
+        """Training FLOPs of one example as the model's literature counts them (a
+        transformer: MaxText's 6 x parameters x tokens + attention), for a plan's model FLOPs
+        utilization and its transformer efficiency; None (the default): the plan counts the
+        compiled program's FLOPs alone."""
+        return None
+
     def stacked_layers(self) -> Any:
         """A tree of booleans like the parameters, true where a leaf's first dimension counts
         layers a ``lax.scan`` runs over (``nnx.scan``, ``nn.scan``): FSDP splits such a leaf

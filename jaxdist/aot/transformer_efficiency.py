@@ -1,0 +1,124 @@
+"""What share of peak a transformer's training step reaches, from published runs.
+
+ResNet-50's calibration (:mod:`jaxdist.aot.published`) prices every step at the share of peak
+FLOP/s one MLPerf run reached; a transformer's large matrix products reach far more. This
+module reads the published transformer runs shipped with the package
+(``data/transformer_runs.json``: MaxText's tables for TPU v4, v5p and v6e, torchtitan's for
+H100, one H200 run of ours; sources in ``benchmarks/results/NOTES_transformer_runs.md``) and
+puts them on one footing: **model FLOPs utilization** as MaxText defines it today,
+
+    training FLOPs per token = 6 x (parameters of the matrix products, the unembedding's
+    included) + 6 x layers x query heads x head_dim x context
+
+(the attention's scores and their use over a causal mask, half of a full square), per chip
+per second, over the chip's dense bfloat16 peak (:data:`jaxdist.aot.chips.CHIPS`). Each run's throughput is recovered from
+what it published (tokens per second, or TFLOP/s per chip under its own source's count,
+:data:`CONVENTIONS`), then re-expressed under that one count.
+
+The fit is the median utilization per chip generation over its bfloat16 runs (float8 runs
+reach past the bfloat16 peak and are left out); a generation with no run takes the median of
+every TPU run, or of every GPU run. MaxText's v5e table is kept out of the fit on purpose:
+it scores the predictions (``benchmarks/transformer_efficiency.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from jaxdist.aot.chips import CHIPS
+from jaxdist.models.transformer_flops import TransformerShape
+
+__all__ = [
+    "CONVENTIONS",
+    "HELD_OUT",
+    "Efficiency",
+    "fitted_efficiency",
+    "runs",
+    "utilization",
+]
+
+# Generations whose runs never enter the fit: they score it.
+HELD_OUT = ("v5e",)
+TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e")
+
+
+# Each source's own training FLOPs per token, under which its TFLOP/s per chip was published.
+# MaxText's 2023 models tie their embedding to the unembedding, so "every parameter" counts
+# its matrix once, as the matrix products' parameters do.
+CONVENTIONS: dict[str, Callable[[TransformerShape], float]] = {
+    "maxtext_2023a": lambda s: 6.0 * s.matmul_parameters,
+    "maxtext_2023b": lambda s: 6.0 * s.matmul_parameters + 12.0 * s.attention_per_token,
+    "maxtext_2023c": lambda s: 6.0 * s.matmul_parameters + 6.0 * s.attention_per_token,
+    "maxtext_2024": lambda s: 6.0 * s.matmul_parameters + 12.0 * s.attention_per_token,
+    "torchtitan": lambda s: 6.0 * s.matmul_parameters + 12.0 * s.attention_per_token,
+}
+
+
+def _convention(run: Mapping[str, Any]) -> str | None:
+    label = run["flops_convention"].split(":")[0]
+    return label if label in CONVENTIONS else None
+
+
+def runs() -> list[dict]:
+    """The published runs shipped with the package (one dict each, as recorded)."""
+    text = resources.files("jaxdist.aot").joinpath("data", "transformer_runs.json").read_text()
+    return json.loads(text)
+
+
+def utilization(run: Mapping[str, Any]) -> float | None:
+    """A run's model FLOPs utilization under MaxText's current count (None where neither its
+    tokens per second nor its TFLOP/s under a known count were published)."""
+    shape = TransformerShape.of_run(run)
+    peak = CHIPS[run["generation"]].peak_flops  # every run over the same table's peak
+    if run["tokens_per_s_per_chip"]:
+        tokens = run["tokens_per_s_per_chip"]
+    elif run["measured_tflops_per_chip"] and _convention(run):
+        tokens = run["measured_tflops_per_chip"] * 1e12 / CONVENTIONS[_convention(run)](shape)
+    else:
+        return None
+    return tokens * shape.training_flops_per_token() / peak
+
+
+def _fitted(run: Mapping[str, Any]) -> bool:
+    return run["dtype"] == "bfloat16" and run["generation"] not in HELD_OUT
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """A generation's fitted model FLOPs utilization and the runs it rests on."""
+
+    generation: str
+    value: float
+    runs: int  # how many runs the median is over
+    pooled: str = ""  # "TPU" or "GPU" where the generation had none of its own
+
+    def describe(self) -> str:
+        """One line for a plan: the value and what it rests on."""
+        where = (
+            f"the median of {self.runs} published {self.pooled} transformer runs (none "
+            f"of {self.generation})"
+            if self.pooled
+            else f"the median of {self.runs} published {self.generation} transformer runs"
+        )
+        return f"{self.value:.3f} model FLOPs utilization, {where} (MaxText, torchtitan)"
+
+
+def fitted_efficiency(
+    generation: str, table: list[dict] | None = None, leave_out: Mapping[str, Any] | None = None
+) -> Efficiency:
+    """The fitted utilization of ``generation`` (see the module docstring); ``leave_out``: a
+    run kept out of the fit, to score it against the others."""
+    table = runs() if table is None else table
+    fitted = [r for r in table if _fitted(r) and r is not leave_out]
+    values = [(r["generation"], u) for r in fitted if (u := utilization(r)) is not None]
+    own = [u for g, u in values if g == generation]
+    if own:
+        return Efficiency(generation, statistics.median(own), len(own))
+    tpu = generation in TPU_GENERATIONS
+    pooled = [u for g, u in values if (g in TPU_GENERATIONS) == tpu]
+    return Efficiency(generation, statistics.median(pooled), len(pooled), "TPU" if tpu else "GPU")

@@ -1,0 +1,78 @@
+"""The transformer efficiency fit: every published run on MaxText's count of model FLOPs,
+the fit by generation with v5e held out, and a plan of a transformer priced with it."""
+
+import json
+
+import pytest
+
+from jaxdist.aot import transformer_efficiency as te
+from jaxdist.aot.topology import libtpu_available
+from jaxdist.models.transformer_flops import TransformerShape
+
+
+def test_model_flops_count_matrix_products_and_the_causal_half_of_attention():
+    # Llama 3 8B's shape at 8,192 tokens: 6 N + 6 L h hd T per token.
+    shape = TransformerShape(32, 4096, 32, 8, 128, 14336, 3, 128256, 8192)
+    per_layer = 4096 * 128 * (2 * 32 + 2 * 8) + 3 * 4096 * 14336
+    assert shape.matmul_parameters == 32 * per_layer + 4096 * 128256  # about 7.5e9
+    assert (
+        shape.training_flops_per_token() == 6 * shape.matmul_parameters + 6 * 32 * 32 * 128 * 8192
+    )
+
+
+def test_each_runs_utilization_recomputed_on_one_count_agrees_with_what_it_published():
+    """A run published under MaxText's 2023 count without attention (v4) or with the causal
+    half (v5p) comes out within a few per cent of its own figure: the same throughput, the
+    attention added or not."""
+    runs = te.runs()
+    v5p = [r for r in runs if r["generation"] == "v5p" and "2023c" in r["flops_convention"]]
+    assert v5p and all(te.utilization(r) == pytest.approx(r["measured_mfu"], rel=0.01) for r in v5p)
+    v4 = [r for r in runs if r["generation"] == "v4"]
+    assert all(r["measured_mfu"] <= te.utilization(r) <= 1.03 * r["measured_mfu"] for r in v4)
+
+
+def test_the_fit_keeps_v5e_out_and_pools_what_a_generation_lacks():
+    runs = te.runs()
+    v5e = te.fitted_efficiency("v5e", runs)
+    assert v5e.pooled == "TPU" and "none of v5e" in v5e.describe()
+    tpu = [
+        te.utilization(r)
+        for r in runs
+        if r["generation"] in ("v4", "v5p", "v6e") and r["dtype"] == "bfloat16"
+    ]
+    assert v5e.runs == len(tpu)
+    v4 = te.fitted_efficiency("v4", runs)
+    assert v4.pooled == "" and v4.runs == 6 and 0.5 < v4.value < 0.6
+    # A run left out is not in the median it is scored against.
+    only = [r for r in runs if r["generation"] == "h200" and r["dtype"] == "bfloat16"]
+    assert te.fitted_efficiency("h200", runs, leave_out=only[0]).pooled == "GPU"
+
+
+@pytest.mark.skipif(not libtpu_available(), reason="the TPU compiler is not installed")
+def test_a_transformer_plan_prices_compute_at_the_fitted_utilization(capsys):
+    from jaxdist.cli import main
+
+    assert (
+        main(
+            [
+                "plan",
+                "recipes/transformer_lm.py",
+                "--topology",
+                "v5e:2x2",
+                "--json",
+                "--set",
+                "data.max_train_bytes=65536",
+                "--set",
+                "data.max_eval_bytes=8192",
+            ]
+        )
+        == 0
+    )
+    plan = json.loads(capsys.readouterr().out)
+    fit = te.fitted_efficiency("v5e")
+    assert plan["efficiency"] == fit.describe()
+    stage = plan["stages"][0]
+    compute = stage["step_seconds"]["compute"]
+    per_chip = stage["model_flops_utilization"] * stage["step_seconds"]["total"]
+    # Compute alone would run the model's FLOPs at the fitted utilization.
+    assert per_chip / compute == pytest.approx(fit.value, rel=1e-6)
