@@ -260,8 +260,7 @@ def plan_recipe(
         variables = (params, model_state)
         utilization = None
         if fit is not None:
-            per_chip = model_flops * device_plan.per_device_batch * device_plan.accumulation_steps
-            utilization = (fit.value, per_chip)
+            utilization = (fit.value, model_flops_per_chip(model_flops, device_plan))
         stage = _plan_stage(trainer, index, device_plan, variables, topology, network,
                             efficiency=efficiency, utilization=utilization)  # fmt: skip
         step = trainer.train_step_for(index)
@@ -417,6 +416,12 @@ def _compile_at(trainer, stage: int, global_batch: int, variable_shapes: tuple) 
     """Compile stage ``stage``'s train step for a global batch of ``global_batch`` images."""
     step = trainer.train_step_for(stage)
     return compile_train_step(step, *variable_shapes, _batch_shapes(trainer, global_batch))
+
+
+def model_flops_per_chip(model_flops_per_example: float, device_plan: DevicePlan) -> float:
+    """The model FLOPs one chip runs in a step: its examples (every micro-batch's) times the
+    task's count per example."""
+    return model_flops_per_example * device_plan.per_device_batch * device_plan.accumulation_steps
 
 
 def _batch_shapes(trainer, global_batch: int) -> dict[str, tuple[tuple[int, ...], Any]]:

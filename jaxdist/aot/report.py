@@ -6,7 +6,7 @@ from typing import Any
 
 from jaxdist import meshes
 from jaxdist.aot.chips import GIB
-from jaxdist.aot.plan import Plan, StagePlan
+from jaxdist.aot.plan import Plan, StagePlan, model_flops_per_chip
 from jaxdist.aot.topology import Topology
 from jaxdist.aot.xla_fsdp import XlaFsdp
 from jaxdist.run.log import format_duration
@@ -67,8 +67,7 @@ def model_flops_utilization(plan: Plan, stage: StagePlan) -> float | None:
     its model FLOPs, a transformer's), or None."""
     if not plan.model_flops_per_example:
         return None
-    dp = stage.device_plan
-    per_chip = plan.model_flops_per_example * dp.per_device_batch * dp.accumulation_steps
+    per_chip = model_flops_per_chip(plan.model_flops_per_example, stage.device_plan)
     return per_chip / stage.step_time.total / plan.topology.chip.peak_flops
 
 
