@@ -397,7 +397,7 @@ class _Walk:
 
         for t in self.transfers:
             seconds = t.end - t.begin
-            hidden = busy_until(t.end) - busy_until(t.begin)
+            hidden = max(0.0, busy_until(t.end) - busy_until(t.begin))  # no rounding below 0
             if t.role == "gradients":
                 result.gradient_seconds += seconds
                 result.gradient_hidden_seconds += hidden
