@@ -634,7 +634,7 @@ def test_a_sharded_plan_prints_xla_own_fsdp_of_the_step_beside_it(capsys):
 
 @needs_libtpu
 def test_a_scanned_fsdp_plan_counts_every_layer_and_its_loop_as_compute(capsys, monkeypatch):
-    """The transformer scanned over 4 blocks under FSDP: its FLOPs per chip are the unrolled
+    """The transformer scanned over 3 blocks under FSDP: its FLOPs per chip are the unrolled
     model's (the compiler counts the scan's body once; the plan every turn), and its
     gradient reduce-scatters inside the scan are not told to unroll."""
     from jaxdist.aot import report
@@ -649,7 +649,8 @@ def test_a_scanned_fsdp_plan_counts_every_layer_and_its_loop_as_compute(capsys, 
     monkeypatch.setattr(report, "plan_json", keep_plan)
 
     base = ["plan", "recipes/transformer_lm.py", "--topology", "v5e:2x2", "--efficiency", "0.4",
-            "--no-xla-fsdp", "--set", "sharding=fsdp", "--set", "model.num_layers=4",
+            "--no-xla-fsdp", "--set", "sharding=fsdp", "--set", "model.num_layers=3",
+            "--set", "allreduce=native",
             "--set", "data.max_train_bytes=65536", "--set", "data.max_eval_bytes=8192"]  # fmt: skip
     assert main([*base, "--json"]) == 0
     unrolled = json.loads(capsys.readouterr().out)["stages"][0]

@@ -209,8 +209,8 @@ def test_attention_in_blocks_of_queries_is_the_whole_attention():
     def loss(m):
         return lambda p: (m.apply(p, model_state, tokens)[0] ** 2).mean()
 
-    expected, expected_grads = jax.value_and_grad(loss(whole))(params)
-    value, grads = jax.value_and_grad(loss(blocked))(params)
+    expected, expected_grads = jax.jit(jax.value_and_grad(loss(whole)))(params)
+    value, grads = jax.jit(jax.value_and_grad(loss(blocked)))(params)
     np.testing.assert_allclose(float(value), float(expected), rtol=1e-6)
     _assert_close(grads, expected_grads)
     text = str(jax.make_jaxpr(jax.grad(loss(blocked)))(params))

@@ -52,22 +52,9 @@ def test_the_fit_keeps_v5e_out_and_pools_what_a_generation_lacks():
 def test_a_transformer_plan_prices_compute_at_the_fitted_utilization(capsys):
     from jaxdist.cli import main
 
-    assert (
-        main(
-            [
-                "plan",
-                "recipes/transformer_lm.py",
-                "--topology",
-                "v5e:2x2",
-                "--json",
-                "--set",
-                "data.max_train_bytes=65536",
-                "--set",
-                "data.max_eval_bytes=8192",
-            ]
-        )
-        == 0
-    )
+    overrides = ["allreduce=native", "data.max_train_bytes=65536", "data.max_eval_bytes=8192"]
+    args = ["plan", "recipes/transformer_lm.py", "--topology", "v5e:2x2", "--json"]
+    assert main([*args, *(f for o in overrides for f in ("--set", o))]) == 0
     plan = json.loads(capsys.readouterr().out)
     fit = te.fitted_efficiency("v5e")
     assert plan["efficiency"] == fit.describe()
