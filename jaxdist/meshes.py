@@ -7,6 +7,13 @@ TOML files in ``meshes/`` and load by preset name or by path::
 
     spec = jaxdist.meshes.load("torus-4x2")
     mesh = jaxdist.meshes.build(spec)          # a jax.sharding.Mesh
+    spec = jaxdist.meshes.load("data=2,fsdp=2,tensor=2")   # inline: axis=size, outer first
+
+An axis's name is its role (:data:`ROLES`): ``data`` splits the batch, ``fsdp`` the state
+too (the other data axes then hold replicas of it: HSDP), ``tensor`` the weights
+(tensor parallelism), ``stage`` the model into pipeline stages; any other name (``x``,
+``host``, ...) is a data axis. ``context`` and ``expert`` are roles no step handles yet, and
+are refused (:func:`check_roles`) rather than silently splitting the batch.
 
 The builders :func:`ring`, :func:`torus2d`, :func:`torus3d` and :func:`hierarchical` make the same meshes from
 code. Turning a spec into an ordered grid of devices happens in one place, :func:`build`:
@@ -38,17 +45,20 @@ from jaxdist.checks import is_integer
 from jaxdist.ring_order import short_hop_grid
 
 __all__ = [
+    "ROLES",
     "STAGE_AXIS",
     "MeshDoesNotFitError",
     "MeshSpec",
     "MeshSpecError",
     "build",
+    "check_roles",
     "describe",
     "hierarchical",
     "load",
     "pipeline",
     "presets",
     "ring",
+    "role_of",
     "summary",
     "torus2d",
     "torus3d",
@@ -64,6 +74,11 @@ _AXES_PER_LAYOUT = {
 }
 # The axis a pipeline mesh cuts the model along; its other axes are data axes.
 STAGE_AXIS = "stage"
+# Axis names that are roles; an axis of any other name is a data axis.
+ROLES = ("data", "fsdp", "tensor", "stage", "context", "expert")
+HANDLED_ROLES = ("data", "fsdp", "tensor", "stage")
+# The layout of an inline spec, by its axis count (a stage axis makes it a pipeline).
+_INLINE_LAYOUTS = {1: "ring", 2: "torus2d", 3: "torus3d"}
 CPU_DEVICES_HINT = (
     "For a dry run on CPU, force host devices before JAX starts: "
     "`jaxdist --cpu-devices N ...` or XLA_FLAGS=--xla_force_host_platform_device_count=N"
@@ -215,8 +230,42 @@ def from_dict(data: dict, *, default_name: str = "") -> MeshSpec:
     )
 
 
+def role_of(axis_name: str) -> str:
+    """The role of a mesh axis: its name if that is one of :data:`ROLES`, else ``data``."""
+    return axis_name if axis_name in ROLES else "data"
+
+
+def check_roles(axis_names: Sequence[str]) -> None:
+    """One line for an axis whose role no step handles yet."""
+    for name in axis_names:
+        if role_of(name) not in HANDLED_ROLES:
+            raise MeshSpecError(f"mesh axis {name!r} has the role {name}, which no step "
+                                f"handles yet (handled: {', '.join(HANDLED_ROLES)})")  # fmt: skip
+
+
+def parse_inline(text: str) -> MeshSpec:
+    """``"data=2,fsdp=2,tensor=2"`` as a spec: axes outer to inner, each ``name=size``; the
+    layout by the axis count (ring, torus2d, torus3d; pipeline with a ``stage`` axis)."""
+    axes = []
+    for entry in text.split(","):
+        name, _, size = (part.strip() for part in entry.partition("="))
+        if not size.isdigit():
+            raise MeshSpecError(f"an inline mesh is axis=size pairs, comma-separated "
+                                f"(data=2,tensor=4); got {entry.strip()!r} in {text!r}")  # fmt: skip
+        axes.append((name, int(size)))
+    names = [name for name, _ in axes]
+    layout = "pipeline" if STAGE_AXIS in names else _INLINE_LAYOUTS.get(len(axes))
+    if layout is None:
+        raise MeshSpecError(f"an inline mesh has 1 to 3 axes (a TOML spec can say more); got "
+                            f"{len(axes)} in {text!r}")  # fmt: skip
+    return MeshSpec(name=text, layout=layout, axes=tuple(axes))
+
+
 def load(name_or_path: str | os.PathLike) -> MeshSpec:
-    """Load a spec by preset name (``"torus-4x2"``) or from a TOML file path."""
+    """Load a spec by preset name (``"torus-4x2"``), from a TOML file path, or inline
+    (``"data=2,tensor=4"``, :func:`parse_inline`)."""
+    if "=" in str(name_or_path) and not str(name_or_path).endswith(".toml"):
+        return parse_inline(str(name_or_path))
     path = Path(name_or_path)
     if path.suffix != ".toml" and not path.exists():
         path = presets_dir() / f"{name_or_path}.toml"

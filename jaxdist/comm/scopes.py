@@ -1,7 +1,7 @@
 """Names of the scopes (``jax.named_scope``) the train steps put around their communication.
 
 They reach the compiled program's metadata, so a reader of the scheduled program
-(:mod:`jaxdist.aot.schedule`) can tell gradient traffic from parameter traffic, BatchNorm
+(:mod:`jaxdist.aot.schedule`) can tell gradient traffic from parameter traffic, tensor-parallel sums, BatchNorm
 statistics, metrics and the loss scale's check, and price each.
 """
 
@@ -12,6 +12,7 @@ __all__ = [
 
 GRADIENT_SCOPE = "gradient_sync"  # the gradient allreduce, or a sharded step's reduce-scatter
 PARAMETER_SCOPE = "parameter_gather"  # ZeRO-1's all-gather of the update, FSDP's before use
+TENSOR_SCOPE = "tensor_sum"  # a tensor-parallel product's partial products summed
 BATCHNORM_SCOPE = "batchnorm_statistics"  # a BatchNorm's mean and mean of squares, per step
 MODEL_STATE_SCOPE = "model_state_mean"  # running statistics averaged once per step
 METRICS_SCOPE = "metrics_mean"  # loss and metrics averaged for the log
@@ -23,6 +24,7 @@ LOSS_SCALE_SCOPE = (
 ROLES = {
     GRADIENT_SCOPE: "gradients",
     PARAMETER_SCOPE: "parameters",
+    TENSOR_SCOPE: "tensor",
     BATCHNORM_SCOPE: "batchnorm",
     MODEL_STATE_SCOPE: "bn running",
     METRICS_SCOPE: "metrics",

@@ -80,6 +80,18 @@ class NnxModel:
         values, and every other variable but its RNG streams."""
         return nnx.to_pure_dict(self._params), nnx.to_pure_dict(self._rest)
 
+    def logical_axes(self) -> dict:
+        """A tree like :meth:`variables`' params: per parameter, the names of its dimensions
+        from flax's partitioning metadata (``nnx.with_partitioning``), None per unnamed
+        dimension."""
+
+        def names(variable: nnx.Variable) -> tuple[str | None, ...]:
+            named = variable.get_metadata().get("out_sharding")
+            return tuple(named) if named else (None,) * len(variable.shape)
+
+        named = jax.tree.map(names, self._params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return nnx.to_pure_dict(named) if isinstance(named, nnx.State) else named
+
     def module(self, params: Any, model_state: Any, rng: jax.Array | None = None) -> nnx.Module:
         """The module holding ``params`` and ``model_state``; its RNG streams seeded from
         ``rng`` (default: key 0)."""

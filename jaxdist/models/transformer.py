@@ -36,8 +36,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxdist.comm.tensor_parallel import column_product, row_product
+
 __all__ = [
     "REMAT_POLICIES",
+    "TENSOR_PARALLEL",
     "Block",
     "BlockShape",
     "Transformer",
@@ -131,6 +134,10 @@ class BlockShape:
 
 
 MLPS = ("gelu", "swiglu")
+# Stacked blocks' leading dimension is named "layers" (never split over a mesh axis).
+LAYERS_AXIS = {nnx.PARTITION_NAME: "layers"}
+# The logical dimensions a block computes tensor-parallel.
+TENSOR_PARALLEL = ("heads", "kv_heads", "mlp")
 NORMS = {"layernorm": nnx.LayerNorm, "rmsnorm": nnx.RMSNorm}
 ROTARY_BASE = 10_000.0
 
@@ -177,8 +184,21 @@ def _attention_fn(turned: bool, chunk: int):
     return attention
 
 
+def name_dims(variable: nnx.Variable, *names: str | None) -> None:
+    """Record ``variable``'s logical dimension names (flax's partitioning metadata), which
+    the recipe's rules map to mesh axes (:mod:`jaxdist.training.logical_axes`)."""
+    variable.set_metadata("out_sharding", names)
+
+
 class Block(nnx.Module):
-    """Pre-norm causal self-attention and MLP, each added to the residual stream."""
+    """Pre-norm causal self-attention and MLP, each added to the residual stream.
+
+    The attention's query, key and value and the MLP's first layer are column-parallel
+    products, the attention's output and the MLP's second layer row-parallel ones
+    (:mod:`jaxdist.comm.tensor_parallel`): split over a ``tensor`` axis by heads and
+    hidden units, plain products otherwise. Parameters are those of ``nnx.MultiHeadAttention``
+    and ``nnx.Linear``, named ``embed``, ``heads``, ``kv_heads``, ``head_dim`` and ``mlp``.
+    """
 
     def __init__(self, d_model: int, shape: BlockShape, dropout: float, dtype,
                  rngs: nnx.Rngs) -> None:  # fmt: skip
@@ -203,13 +223,59 @@ class Block(nnx.Module):
         self.up = nnx.Linear(d_model, hidden, dtype=dtype, rngs=rngs)
         self.down = nnx.Linear(hidden, d_model, dtype=dtype, rngs=rngs)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dtype = dtype
+        self._name_dims()
+
+    def _name_dims(self) -> None:
+        attention = self.attention
+        name_dims(attention.query.kernel, "embed", "heads", "head_dim")
+        name_dims(attention.query.bias, "heads", "head_dim")
+        for kv in (attention.key, attention.value):
+            name_dims(kv.kernel, "embed", "kv_heads", "head_dim")
+            name_dims(kv.bias, "kv_heads", "head_dim")
+        name_dims(attention.out.kernel, "heads", "head_dim", "embed")
+        name_dims(attention.out.bias, "embed")
+        for layer in (self.up, *([self.gate] if self.gated else [])):
+            name_dims(layer.kernel, "embed", "mlp")
+            name_dims(layer.bias, "mlp")
+        name_dims(self.down.kernel, "mlp", "embed")
+        name_dims(self.down.bias, "embed")
+        for norm in (self.norm1, self.norm2):
+            for variable in (norm.scale, getattr(norm, "bias", None)):
+                if variable is not None:
+                    name_dims(variable, "embed")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        mask = nnx.make_causal_mask(x[..., 0])
-        x = x + self.dropout(self.attention(self.norm1(x), mask=mask))
+        x = x + self.dropout(self._attend(self.norm1(x)))
         h = self.norm2(x)
-        h = nnx.silu(self.gate(h)) * self.up(h) if self.gated else nnx.gelu(self.up(h))
-        return x + self.dropout(self.down(h))
+        if self.gated:
+            gate, up = self._column(h, self.gate, self.up)
+            h = nnx.silu(gate) * up
+        else:
+            (up,) = self._column(h, self.up)
+            h = nnx.gelu(up)
+        return x + self.dropout(self._row(h, self.down, contracted=1))
+
+    def _attend(self, x: jax.Array) -> jax.Array:
+        """Causal self-attention of ``x`` over this device's heads (all of them unsplit)."""
+        attention = self.attention
+        query, key, value = self._column(x, attention.query, attention.key, attention.value)
+        mask = nnx.make_causal_mask(x[..., 0])
+        heads = attention.attention_fn(query, key, value, mask=mask, dtype=self.dtype)
+        return self._row(heads, attention.out, contracted=2)
+
+    def _column(self, x: jax.Array, *layers: nnx.Module) -> list[jax.Array]:
+        """Column-parallel products of ``x`` with ``layers`` (kernels ``[d, *features]``),
+        each plus its bias, in the block's dtype."""
+        kernels = [layer.kernel[...].astype(self.dtype) for layer in layers]
+        outs = column_product(x.astype(self.dtype), kernels)
+        return [out + layer.bias[...].astype(self.dtype) for out, layer in zip(outs, layers)]
+
+    def _row(self, h: jax.Array, layer: nnx.Module, contracted: int) -> jax.Array:
+        """The row-parallel product of ``h``'s last ``contracted`` dimensions with ``layer``,
+        plus its bias once the partial products are summed."""
+        out = row_product(h.astype(self.dtype), layer.kernel[...].astype(self.dtype), contracted)
+        return out + layer.bias[...].astype(self.dtype)
 
 
 class Transformer(nnx.Module):
@@ -243,12 +309,20 @@ class Transformer(nnx.Module):
             self.position_embed = nnx.Embed(max_len, d_model, dtype=dtype, rngs=rngs)
         make = lambda rngs: Block(d_model, shape, dropout, dtype, rngs)  # noqa: E731
         if scan_layers:
-            stacked = nnx.split_rngs(splits=num_layers)(nnx.vmap(make, in_axes=0, out_axes=0))
-            self.blocks = stacked(rngs)
+            vmapped = nnx.vmap(make, in_axes=0, out_axes=0, transform_metadata=LAYERS_AXIS)
+            self.blocks = nnx.split_rngs(splits=num_layers)(vmapped)(rngs)
         else:
             self.blocks = nnx.List([make(rngs) for _ in range(num_layers)])
         self.norm = NORMS[shape.norm](d_model, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(d_model, vocab_size, dtype=dtype, rngs=rngs)
+        name_dims(self.token_embed.embedding, "vocab", "embed")
+        if not shape.rotary:
+            name_dims(self.position_embed.embedding, "positions", "embed")
+        for variable in (self.norm.scale, getattr(self.norm, "bias", None)):
+            if variable is not None:
+                name_dims(variable, "embed")
+        name_dims(self.head.kernel, "embed", "vocab")
+        name_dims(self.head.bias, "vocab")
 
     @property
     def num_layers(self) -> int:
@@ -313,7 +387,9 @@ def _run(layers: Transformer | TransformerSpan, x: jax.Array, start: int, stop: 
             x = x + layers.position_embed(jnp.arange(tokens.shape[-1]))
     block_fn = _block_fn(layers.remat)
     if layers.scan_layers:
-        x = nnx.scan(block_fn, in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(layers.blocks, x)
+        scan = nnx.scan(block_fn, in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
+                        transform_metadata=LAYERS_AXIS)  # fmt: skip
+        x = scan(layers.blocks, x)
     else:
         for block in layers.blocks:
             x = block_fn(block, x)

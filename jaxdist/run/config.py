@@ -23,8 +23,10 @@ Fields:
     ``bn_momentum``, ``bn_epsilon`` and ``bn_group_size`` (devices per statistics group:
     ``None`` = the whole data axis, 1 = per-device BN).
   data: :class:`jaxdist.data.DataConfig` fields.
-  mesh: a preset in ``meshes/`` or a path to a mesh TOML; ``""`` = one axis over all devices
-    (``data x stage`` over all of them when ``pipeline.stages`` is set).
+  mesh: a preset in ``meshes/``, a path to a mesh TOML, or axes inline
+    (``data=2,fsdp=2,tensor=2``: each axis's name is its role, :mod:`jaxdist.meshes`); ``""``
+    = one axis over all devices (``data x stage`` over all of them when ``pipeline.stages``
+    is set).
   allreduce, bucket_bytes: gradient averaging (:class:`jaxdist.training.train_step.TrainStep`);
     ``allreduce="auto"`` chooses a schedule per bucket and sufficient factors per dense
     layer by the cost model on ``links``.
@@ -49,6 +51,13 @@ Fields:
   prefetch: under ``fsdp``, how many layers ahead of its use a layer's all-gather may start,
     in forward and in backward (1: beside the layer before); more gives each gather more
     compute to hide behind and holds that many more layers gathered.
+  logical_axis_rules: ``name=axis`` pairs, comma-separated and ordered, mapping the model's
+    named parameter dimensions to mesh axes (MaxText's semantics,
+    :mod:`jaxdist.training.logical_axes`); ``""``: heads, key/value heads and MLP units over
+    the mesh's ``tensor`` axis, if it has one.
+  tensor_schedule: how a ``tensor`` axis's partial products are summed: ``native`` (XLA's
+    all-reduce) or ``collective_matmul`` (a reduce-scatter with the product inside it, then
+    an all-gather; :mod:`jaxdist.comm.collective_matmul`).
   wait_free: run every gradient bucket's schedule beside the rest of the backward pass, one
     message step per matrix product, in the compiled program's own order (wait-free
     backprop, :mod:`jaxdist.training.wait_free`); a permute schedule's steps then run
@@ -345,6 +354,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.sharding = "replicated"
     c.gather = ""  # the parameters' all-gather schedule under zero1/fsdp; "": allreduce's
     c.prefetch = 1  # layers ahead FSDP's gathers may start
+    c.logical_axis_rules = ""  # name=axis,...; "": heads, kv_heads and mlp over tensor
+    c.tensor_schedule = "native"  # or collective_matmul
     c.wait_free = False
     c.batch_size = 256
     c.batch_ramp = ()

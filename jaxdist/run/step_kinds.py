@@ -1,5 +1,5 @@
 """The two kinds of step a recipe trains, side by side: :class:`DataParallel` (the whole model
-on every device, every mesh axis splitting the batch) and
+on every device or split over a ``tensor`` axis, the other mesh axes splitting the batch) and
 :class:`~jaxdist.run.pipeline_config.Pipeline` (the model cut into stages over the mesh's
 ``stage`` axis); :func:`step_kind_for` makes the one choice between them."""
 
@@ -7,11 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import ml_collections
 from jax.sharding import Mesh
 
+from jaxdist import meshes
+from jaxdist.comm.tensor_parallel import TENSOR_AXIS, TensorParallel
 from jaxdist.run.from_config import StepParts, refuse_unused
 from jaxdist.run.pipeline_config import Pipeline, enabled
+from jaxdist.tasks.task import Task
+from jaxdist.training import logical_axes
 from jaxdist.training.sharding import FSDP_AXIS
 from jaxdist.training.train_step import TrainStep
 
@@ -23,19 +28,40 @@ def step_kind_for(
 ) -> DataParallel | Pipeline:
     """The recipe's kind of step: a pipeline when it has stages (``recorded``: what an
     earlier run of the workdir resolved, e.g. an "auto" cut), else data parallel."""
+    meshes.check_roles(mesh.axis_names)
     if enabled(config):
+        if TENSOR_AXIS in mesh.axis_names:
+            raise ValueError(f"the mesh's {TENSOR_AXIS!r} axis splits weights inside a stage, "
+                             "which pipeline steps do not do: use a mesh without it, or "
+                             "pipeline.stages=0")  # fmt: skip
         return Pipeline(config, mesh, recorded)
     return DataParallel(config, mesh)
 
 
 class DataParallel:
     """The kind of step a recipe without pipeline stages trains: the whole model on every
-    device, every mesh axis splitting the batch."""
+    device, or split over the mesh's ``tensor`` axis by the recipe's logical axis rules; the
+    other axes split the batch."""
 
     def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh) -> None:
         refuse_unused("pipeline", config.pipeline, ("stages",), "pipeline.stages=0")
+        if meshes.STAGE_AXIS in mesh.axis_names:
+            raise ValueError(f"the mesh's {meshes.STAGE_AXIS!r} axis cuts the model into "
+                             f"pipeline stages: set pipeline.stages={mesh.shape['stage']}, or "
+                             "use a mesh without it")  # fmt: skip
         self.mesh = mesh
-        self.data_axes: tuple[str, ...] = tuple(mesh.axis_names)
+        self.tensor_axis = TENSOR_AXIS if TENSOR_AXIS in mesh.axis_names else None
+        self.data_axes: tuple[str, ...] = tuple(
+            a for a in mesh.axis_names if meshes.role_of(a) in ("data", "fsdp")
+        )
+        if not self.data_axes:
+            raise ValueError(f"the mesh {dict(mesh.shape)} has no axis to split the batch: "
+                             "add one (data=1 keeps the batch whole)")  # fmt: skip
+        self.rules = logical_axes.parse_rules(config.logical_axis_rules)
+        self.tensor_schedule = config.tensor_schedule
+        if not self.tensor_axis and config.tensor_schedule != "native":
+            raise ValueError(f"tensor_schedule={config.tensor_schedule!r} schedules a "
+                             f"{TENSOR_AXIS!r} axis's products, and the mesh has none")  # fmt: skip
         self.resolved: dict = {}  # nothing left to the machine beyond the mesh
 
     def check_batches(self, batches: list[int], replicas: int) -> None:
@@ -54,5 +80,28 @@ class DataParallel:
             accumulation_steps=accumulation_steps,
             shard_axes=shard_axes,
             stacked_layers=parts.task.stacked_layers(),
+            tensor=self.tensor_parallel(parts.task),
             **parts.options,
         )
+
+    def tensor_parallel(self, task: Task) -> TensorParallel | None:
+        """How the task's parameters split over the mesh's tensor axis, by the recipe's rules
+        (the default rules where it gives none); None without a tensor axis. One line for
+        rules that cannot hold on this mesh and model."""
+        axes = task.logical_axes()
+        if axes is not None and self.rules:
+            logical_axes.check_rules(self.rules, self.mesh.axis_names, axes)
+        elif self.rules:  # rules for a model that names nothing
+            raise ValueError(f"logical_axis_rules are given, but the {task.name} task's model "
+                             "names no parameter dimensions")  # fmt: skip
+        if self.tensor_axis is None:
+            return None
+        if axes is None:
+            raise ValueError(f"the mesh's {TENSOR_AXIS!r} axis splits weights, but the "
+                             f"{task.name} task's model names no parameter dimensions to split "
+                             "(Task.logical_axes)")  # fmt: skip
+        shapes, _ = jax.eval_shape(task.init_variables, jax.random.key(0))
+        rules = self.rules or logical_axes.DEFAULT_RULES
+        size = self.mesh.shape[TENSOR_AXIS]
+        dims = logical_axes.split_dims(axes.names, rules, TENSOR_AXIS, shapes, size)
+        return TensorParallel(dims, TENSOR_AXIS, self.tensor_schedule)

@@ -36,11 +36,17 @@ from jaxdist.data.byte_corpus import ByteCorpus, unigram_bits_per_byte
 from jaxdist.data.records import RecordData
 from jaxdist.data.synthetic_tokens import SyntheticTokens
 from jaxdist.models.nnx_model import NnxModel
-from jaxdist.models.transformer import BlockShape, Transformer, remat_policy_name
+from jaxdist.models.transformer import (
+    TENSOR_PARALLEL,
+    BlockShape,
+    Transformer,
+    remat_policy_name,
+)
 from jaxdist.models.transformer_flops import TransformerShape
 from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.tasks.image_classification import DTYPES
 from jaxdist.tasks.task import PipelineParts, Replicas, Task
+from jaxdist.training.logical_axes import LogicalAxes
 
 __all__ = ["LanguageModel", "data_fields", "model_fields"]
 
@@ -236,6 +242,11 @@ class LanguageModel(Task):
             name: jax.tree.map(lambda _, n=name: n == "blocks", tree)
             for name, tree in params.items()
         }
+
+    def logical_axes(self) -> LogicalAxes:
+        """The transformer's named dimensions; heads, key/value heads and MLP units split
+        over a ``tensor`` axis."""
+        return LogicalAxes(self.model.logical_axes(), TENSOR_PARALLEL)
 
     def init_variables(self, rng: jax.Array) -> tuple[Any, Any]:
         return jax.jit(lambda key: NnxModel(self._make(key)).variables())(rng)

@@ -52,6 +52,8 @@ from typing import Any, Protocol
 
 import jax
 
+from jaxdist.training.logical_axes import LogicalAxes
+
 __all__ = ["Data", "PipelineParts", "Replicas", "Task"]
 
 
@@ -176,6 +178,13 @@ class Task(abc.ABC):
         layers a ``lax.scan`` runs over (``nnx.scan``, ``nn.scan``): FSDP splits such a leaf
         below that axis and gathers it one layer at a time inside the scan. Default: None,
         no such leaves."""
+        return None
+
+    def logical_axes(self) -> LogicalAxes | None:
+        """The parameters' named dimensions and which names the model computes
+        tensor-parallel (:class:`~jaxdist.training.logical_axes.LogicalAxes`), which the
+        recipe's ``logical_axis_rules`` map to mesh axes. Default: None, a model that names
+        no dimensions (it trains on any mesh without a ``tensor`` axis)."""
         return None
 
     def pipeline_parts(

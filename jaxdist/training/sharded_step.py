@@ -15,6 +15,7 @@ One ``jax.jit``-ed program in two parts:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.comm import collectives
 from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.comm.scopes import GRADIENT_SCOPE, METRICS_SCOPE, MODEL_STATE_SCOPE
+from jaxdist.comm.tensor_parallel import splitting
 from jaxdist.training import sharding as sharding_lib
 from jaxdist.training.gradients import local_gradients
 from jaxdist.training.loss_scale import all_finite, ended_step
@@ -36,14 +38,14 @@ __all__: list[str] = []  # building blocks of the package's own modules
 
 
 def build_sharded_step(step: Any, state: Any) -> Callable:
-    """The jitted ``(state, batch, rng) -> (state, metrics)`` of a ZeRO-1 or FSDP
-    :class:`~jaxdist.training.train_step.TrainStep`."""
+    """The jitted ``(state, batch, rng) -> (state, metrics)`` of a ZeRO-1, FSDP or
+    tensor-parallel :class:`~jaxdist.training.train_step.TrainStep`."""
     mesh, fsdp = step.mesh, step.sharding == "fsdp"
     specs = step.state_specs(state)
     layout = step.layout_of(state.params)
     treedef = jax.tree.structure(state.params)
-    blocks = layout.specs(treedef, step.shard_axes)
-    whole = jax.tree.map(lambda _: P(), state.params)
+    whole = layout.specs(treedef, None)  # split over the tensor axis alone, if any
+    blocks = whole if step.sharding == "replicated" else layout.specs(treedef, step.shard_axes)
     replicated_model_state = jax.tree.map(lambda _: P(), state.model_state)
     gradients = jax.shard_map(
         lambda *args: _gradients(step, layout, *args),
@@ -106,9 +108,11 @@ def _gradients(step: Any, layout: sharding_lib.Layout, params: Any, model_state:
                                              step.allreduce, step.gather_options,
                                              gradient_options, step.keep_gathered,
                                              step.prefetch, step.record_paced_layers)  # fmt: skip
-    grads, model_state, loss, metrics, _ = local_gradients(
-        loss_fn, params, model_state, batch, rng, scale, step.accumulation_steps
-    )
+    tensor = step.tensor
+    with splitting(tensor.axis, tensor.schedule) if tensor else contextlib.nullcontext():
+        grads, model_state, loss, metrics, _ = local_gradients(
+            loss_fn, params, model_state, batch, rng, scale, step.accumulation_steps
+        )
     with jax.named_scope(MODEL_STATE_SCOPE):
         model_state = lax.pmean(model_state, axes)
     with jax.named_scope(METRICS_SCOPE):

@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.comm import collectives
@@ -83,6 +84,13 @@ def _split_dimension(
     return None
 
 
+def _block_shape(shape: tuple[int, ...], tensor_dim: int | None, size: int) -> tuple[int, ...]:
+    """A parameter's shape on one device of a tensor axis of ``size``."""
+    if tensor_dim is None:
+        return shape
+    return (*shape[:tensor_dim], shape[tensor_dim] // size, *shape[tensor_dim + 1 :])
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where a sharded step keeps each parameter.
@@ -95,6 +103,10 @@ class Layout:
       units: the gather units, lists of indices of sharded leaves.
       shards: the device count over the shard axes.
       stacked: per leaf, whether its first dimension counts scanned layers (never split).
+      tensor_dims: per leaf, the dimension split over ``tensor_axis`` (tensor parallelism,
+        :mod:`jaxdist.comm.tensor_parallel`), or None; ``shapes`` are then each
+        device's tensor-parallel block, which FSDP splits further and gathers back.
+      tensor_axis: the mesh axis of ``tensor_dims``, or None.
     """
 
     dims: tuple[int | None, ...]
@@ -103,6 +115,8 @@ class Layout:
     units: tuple[tuple[int, ...], ...]
     shards: int
     stacked: tuple[bool, ...] = ()
+    tensor_dims: tuple[int | None, ...] = ()
+    tensor_axis: str | None = None
 
     @classmethod
     def of(
@@ -113,42 +127,59 @@ class Layout:
         unit_bytes: int | None,
         min_elements: int = DEFAULT_MIN_SHARD_ELEMENTS,
         stacked: Any = None,
+        tensor: tuple[str, int, Any] | None = None,
     ) -> Layout:
         """The layout of ``params`` (arrays or shapes) over ``shards`` devices; ``stacked``: a
         tree of booleans like ``params`` (or None), true where a leaf's first dimension
-        counts scanned layers."""
+        counts scanned layers; ``tensor``: ``(axis, size, dims)``, ``dims`` a tree like
+        ``params`` of the dimension each leaf splits over ``axis`` (or None)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-        shapes = tuple(tuple(leaf.shape) for _, leaf in flat)
-        paths = tuple(jax.tree_util.keystr(path, simple=True, separator=".") for path, _ in flat)
-        flags = (
-            (False,) * len(flat)
-            if stacked is None
-            else tuple(bool(b) for b in treedef.flatten_up_to(stacked))
+        per_leaf = lambda tree, default: (  # noqa: E731
+            (default,) * len(flat) if tree is None else tuple(treedef.flatten_up_to(tree))
         )
+        axis, size, tensor_dims = (None, 1, None) if tensor is None else tensor
+        tensor_dims = per_leaf(tensor_dims, None)
+        shapes = tuple(
+            _block_shape(tuple(leaf.shape), dim, size) for (_, leaf), dim in zip(flat, tensor_dims)
+        )
+        paths = tuple(jax.tree_util.keystr(path, simple=True, separator=".") for path, _ in flat)
+        flags = tuple(bool(b) for b in per_leaf(stacked, False))
         dims = tuple(_split_dimension(s, shards, min_elements, f) for s, f in zip(shapes, flags))
         units: list[list[int]] = []
         size = 0
         for index, (_leaf_path, leaf) in enumerate(flat):
             if dims[index] is None:
                 continue
-            nbytes = math.prod(leaf.shape) * jnp.dtype(leaf.dtype).itemsize
+            nbytes = math.prod(shapes[index]) * jnp.dtype(leaf.dtype).itemsize
             same_dtype = units and flat[units[-1][0]][1].dtype == leaf.dtype
             if not units or not same_dtype or (unit_bytes and size + nbytes > unit_bytes):
                 units.append([])
                 size = 0
             units[-1].append(index)
             size += nbytes
-        return cls(dims, shapes, paths, tuple(tuple(u) for u in units), shards, flags)
+        units_ = tuple(tuple(u) for u in units)
+        return cls(dims, shapes, paths, units_, shards, flags, tensor_dims, axis)
 
-    def specs(self, treedef: Any, axes: Sequence[str] | str) -> Any:
-        """PartitionSpecs of the parameter tree ``treedef`` laid out this way over ``axes``."""
+    def specs(self, treedef: Any, axes: Sequence[str] | str | None) -> Any:
+        """PartitionSpecs of the parameter tree ``treedef`` laid out this way over ``axes``
+        (None: the tensor-parallel split alone, each leaf whole over the shard axes)."""
         return jax.tree.unflatten(treedef, [self.spec(i, axes) for i in range(len(self.dims))])
 
-    def spec(self, index: int, axes: Sequence[str] | str) -> P:
+    def spec(self, index: int, axes: Sequence[str] | str | None) -> P:
+        """One leaf's PartitionSpec: its tensor-parallel dimension over the tensor axis, its
+        sharded dimension over ``axes`` (both on one dimension: tensor outer, so that a
+        gather over ``axes`` rebuilds the device's tensor block)."""
+        entries: list[Any] = [None] * len(self.shapes[index])
+        tensor_dim = self.tensor_dims[index] if self.tensor_dims else None
+        if tensor_dim is not None:
+            entries[tensor_dim] = self.tensor_axis
         dim = self.dims[index]
-        if dim is None:
-            return P()
-        return P(*([None] * dim), axes)
+        if dim is not None and axes is not None:
+            shard = tuple(np.atleast_1d(axes))
+            entries[dim] = (entries[dim], *shard) if entries[dim] else axes
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
 
     def replicated(self) -> list[str]:
         """The names of the parameters kept whole on every device."""

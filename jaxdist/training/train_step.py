@@ -54,6 +54,7 @@ from jaxdist.comm import buckets as bucketing
 from jaxdist.comm import collectives, hybrid
 from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.comm.scopes import METRICS_SCOPE, MODEL_STATE_SCOPE
+from jaxdist.comm.tensor_parallel import TensorParallel
 from jaxdist.runtime import dispatch
 from jaxdist.training import optim
 from jaxdist.training import sharding as sharding_lib
@@ -69,6 +70,7 @@ from jaxdist.training.step_options import (
     check_optimizer,
     check_prefetch,
     check_sharded,
+    check_tensor,
     check_wait_free,
     donation_default,
     gather_options,
@@ -155,6 +157,12 @@ class TrainStep:
         dimension counts layers the loss scans over (:meth:`jaxdist.tasks.task.Task.stacked_layers`):
         ZeRO-1 and FSDP split such a leaf below that axis, and FSDP gathers it one layer at
         a time inside the scan (:mod:`jaxdist.training.fsdp_scan`).
+      tensor: a :class:`~jaxdist.comm.tensor_parallel.TensorParallel`: the parameters
+        split over a mesh axis that is not a data axis, the loss traced inside
+        :func:`~jaxdist.comm.tensor_parallel.splitting` so the model's column- and
+        row-parallel products sum over it. Each device of the axis sees the same batch; the
+        optimizer runs outside the shard_map as for a sharded state, so every optax
+        transformation stays exact.
       wait_free: run each gradient bucket's schedule beside the rest of the backward pass,
         one message step per matrix product, in the compiled program's own order
         (:mod:`jaxdist.training.wait_free`); the same arithmetic. With accumulation, beside
@@ -194,6 +202,7 @@ class TrainStep:
         prefetch: int = 1,
         min_shard_elements: int = sharding_lib.DEFAULT_MIN_SHARD_ELEMENTS,
         stacked_layers: Any = None,
+        tensor: TensorParallel | None = None,
         wait_free: bool = False,
         loss_scale: DynamicLossScale | None = None,
         skip_nonfinite: bool = False,
@@ -236,6 +245,9 @@ class TrainStep:
         self.prefetch = check_prefetch(prefetch, sharding, keep_gathered)
         self.min_shard_elements = min_shard_elements
         self.stacked_layers = stacked_layers
+        self.tensor = tensor
+        if tensor is not None:
+            check_tensor(mesh, self.data_axes, tensor, allreduce, sfb_layers, wait_free)
         self.layout: sharding_lib.Layout | None = None
         # How many layers FSDP's paced gathers cut the loss into, once the step is traced.
         self.paced_layers: int | None = None
@@ -314,33 +326,32 @@ class TrainStep:
             shards = math.prod(self.mesh.shape[a] for a in np.atleast_1d(self.shard_axes))
             if self.sharding == "replicated":
                 shards = 1
+            tensor = self.tensor
             self.layout = sharding_lib.Layout.of(
                 params,
                 shards,
                 unit_bytes=self.bucket_bytes,
                 min_elements=self.min_shard_elements,
                 stacked=self.stacked_layers,
-            )
+                tensor=None if tensor is None
+                else (tensor.axis, self.mesh.shape[tensor.axis], tensor.dims),
+            )  # fmt: skip
         return self.layout
-
-    def _block_specs(self, params: Any) -> Any:
-        """Where each parameter's block lives once sharded (ZeRO-1's gradients and optimizer
-        state, FSDP's parameters too)."""
-        return self.layout_of(params).specs(jax.tree.structure(params), self.shard_axes)
 
     def state_specs(self, state: TrainState) -> TrainState:
         """PartitionSpecs of the state: replicated, but for the sharded state of ZeRO-1
-        (optimizer state) and FSDP (parameters and optimizer state)."""
+        (optimizer state) and FSDP (parameters and optimizer state), and the parameters a
+        tensor axis splits (with their optimizer state)."""
         replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
-        if self.sharding == "replicated":
-            params, opt_state = replicated(state.params), replicated(state.opt_state)
-        else:
-            blocks = self._block_specs(state.params)
-            params = blocks if self.sharding == "fsdp" else replicated(state.params)
-            opt_state = optax.tree_map_params(
-                self.optimizer, lambda _, spec: spec, state.opt_state, blocks,
-                transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P),
-            )  # fmt: skip
+        layout = self.layout_of(state.params)
+        treedef = jax.tree.structure(state.params)
+        whole = layout.specs(treedef, None)  # split over the tensor axis alone, if any
+        blocks = whole if self.sharding == "replicated" else layout.specs(treedef, self.shard_axes)
+        params = blocks if self.sharding == "fsdp" else whole
+        opt_state = optax.tree_map_params(
+            self.optimizer, lambda _, spec: spec, state.opt_state, blocks,
+            transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P),
+        )  # fmt: skip
         return TrainState(
             step=P(),
             params=params,
@@ -391,7 +402,7 @@ class TrainStep:
         return self._compiled.lower(state, batch, rng)
 
     def _build(self, state: TrainState) -> Callable:
-        if self.sharding != "replicated":
+        if self.sharding != "replicated" or self.tensor is not None:
             return build_sharded_step(self, state)
         specs = self.state_specs(state)
         sharded = jax.shard_map(
@@ -477,6 +488,9 @@ class TrainStep:
         if self.sharding != "replicated":
             raise ValueError(f"sharding={self.sharding!r} has no gradient plan: its gradients "
                              f"are reduce-scattered unit by unit")  # fmt: skip
+        if self.tensor is not None:
+            raise ValueError("a tensor-parallel step has no gradient plan: its gradients are "
+                             "averaged by one schedule, leaf by leaf")  # fmt: skip
         local = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.num_replicas, *x.shape[1:]),
                                            x.dtype), batch)  # fmt: skip

@@ -1,0 +1,90 @@
+"""Tensor parallelism's one collective: a matrix product summed over a mesh axis.
+
+Megatron's tensor-parallel layers split a product's inner (contracting) dimension over the
+``tensor`` axis: each device multiplies its rows by its slice of the weight, and the partial
+products are summed over the axis, so every device holds the whole product
+(:func:`summed_product`). Two schedules (:data:`TENSOR_SCHEDULES`):
+
+``native``
+    the product, then XLA's all-reduce (``lax.psum``): the sum waits for the whole
+    product, and the product's compute and the all-reduce's transfer run one after the other.
+
+``collective_matmul``
+    the rows cut into ``p`` chunks, each cut into two halves; a half's partial sum travels
+    once round the ring while each device adds its own product of that half as it passes
+    (the reduce-scatter with the product inside it), one ring each way::
+
+        step s:   device i computes chunk (i - 1 - s) of half 0, adds what its left
+                  neighbour sent, passes the sum right;  chunk (i + 1 + s) of half 1
+                  goes left alike
+        after p - 1 steps device i holds chunk i summed; both halves go round once more
+        (the all-gather) so every device holds every chunk.
+
+    Each step's transfer runs beside the next step's product, so the reduce-scatter's
+    transfers hide behind compute (the JAX scaling book measures this schedule's
+    all-gather form at 244 us against XLA's 311 us on a v5e-8). The all-gather has no
+    product to hide behind.
+
+Both give the same sums up to the order of float additions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxdist.comm.scopes import TENSOR_SCOPE
+
+__all__ = ["TENSOR_SCHEDULES", "check_tensor_schedule", "summed_product"]
+
+TENSOR_SCHEDULES = ("native", "collective_matmul")
+
+
+def check_tensor_schedule(schedule: str) -> str:
+    """``schedule`` if it is one of :data:`TENSOR_SCHEDULES`; else one line naming them."""
+    if schedule not in TENSOR_SCHEDULES:
+        raise ValueError(
+            f"tensor_schedule must be one of {', '.join(TENSOR_SCHEDULES)}; got {schedule!r}"
+        )
+    return schedule
+
+
+def summed_product(rows: jax.Array, weight: jax.Array, axis: str, schedule: str) -> jax.Array:
+    """``sum over axis of rows @ weight`` on every device: ``rows`` ``[m, k]`` and ``weight``
+    ``[k, n]`` are this device's parts of a product whose inner dimension is split over
+    ``axis``. Call inside ``shard_map``."""
+    with jax.named_scope(TENSOR_SCOPE):
+        if schedule == "native":
+            return lax.psum(rows @ weight, axis)
+        return _collective_matmul(rows, weight, axis)
+
+
+def _collective_matmul(rows: jax.Array, weight: jax.Array, axis: str) -> jax.Array:
+    p = lax.axis_size(axis)
+    if p == 1:
+        return rows @ weight
+    i = lax.axis_index(axis)
+    m = rows.shape[0]
+    padded = jnp.pad(rows, ((0, -m % (2 * p)), (0, 0)))
+    chunks = padded.reshape(p, 2, -1, rows.shape[1])  # [chunk, half, rows, k]
+    right = [(j, (j + 1) % p) for j in range(p)]
+    left = [(j, (j - 1) % p) for j in range(p)]
+
+    def product(chunk, half):
+        return lax.dynamic_index_in_dim(chunks, chunk % p, 0, keepdims=False)[half] @ weight
+
+    # The reduce-scatter, each step's product beside the previous step's transfer.
+    going_right, going_left = product(i - 1, 0), product(i + 1, 1)
+    for s in range(1, p):
+        going_right = lax.ppermute(going_right, axis, right) + product(i - 1 - s, 0)
+        going_left = lax.ppermute(going_left, axis, left) + product(i + 1 + s, 1)
+
+    # The all-gather: device i's chunk goes round both rings.
+    out = jnp.zeros((p, 2, *going_right.shape), going_right.dtype)
+    out = out.at[i].set(jnp.stack([going_right, going_left]))
+    for s in range(1, p):
+        going_right = lax.ppermute(going_right, axis, right)  # chunk i - s, half 0
+        going_left = lax.ppermute(going_left, axis, left)  # chunk i + s, half 1
+        out = out.at[(i - s) % p, 0].set(going_right).at[(i + s) % p, 1].set(going_left)
+    return out.reshape(-1, weight.shape[1])[:m]

@@ -1,0 +1,227 @@
+"""Tensor parallelism: the summed product's two schedules, Megatron's column- and
+row-parallel products, the transformer split over a ``tensor`` axis by logical axis rules
+(alone, beside data parallelism, FSDP and HSDP, with scanned layers) against its replicated
+run, the memory a tensor axis saves, and the one-line refusals of meshes and rules that
+cannot hold."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxdist import meshes
+from jaxdist.comm import tensor_parallel as tp
+from jaxdist.comm.collective_matmul import TENSOR_SCHEDULES, summed_product
+from jaxdist.tasks import Replicas
+from jaxdist.tasks.language_model import LanguageModel
+from jaxdist.training import logical_axes
+from jaxdist.training.train_step import TrainStep
+from tests.test_tasks import corpus_root, lm_config  # noqa: F401  (the fixture)
+
+
+def _grid(shape, names):
+    return Mesh(np.array(jax.devices()[: math.prod(shape)]).reshape(shape), names)
+
+
+@pytest.mark.parametrize("schedule", TENSOR_SCHEDULES)
+def test_a_summed_product_and_its_column_row_pair_are_the_unsplit_products(schedule):
+    """Over 4 tensor devices (and 2 data replicas): 10 rows (no multiple of the 8 half
+    chunks) summed like the whole product, and an MLP's input and weight gradients through
+    a column- then row-parallel pair like the unsplit MLP's."""
+    mesh = _grid((2, 4), ("data", "tensor"))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((10, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((16, 6)), jnp.float32)
+    summed = jax.jit(jax.shard_map(
+        lambda a, b: summed_product(a, b, "tensor", schedule), mesh=mesh,
+        in_specs=(P(None, "tensor"), P("tensor")), out_specs=P(), check_vma=False,
+    ))  # fmt: skip
+    np.testing.assert_allclose(summed(x, w), x @ w, rtol=1e-6, atol=1e-5)
+
+    w1 = jnp.asarray(rng.standard_normal((16, 32)) / 4, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((32, 16)) / 4, jnp.float32)
+
+    def loss(x, w1, w2):
+        (h,) = tp.column_product(x, [w1])
+        return jnp.sum(jnp.sin(tp.row_product(jnp.tanh(h), w2)))
+
+    def split(x, w1, w2):
+        with tp.splitting("tensor", schedule):
+            return jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2)
+
+    specs = (P(), P(None, "tensor"), P("tensor"))
+    grads = jax.jit(jax.shard_map(split, mesh=mesh, in_specs=specs, out_specs=specs,
+                                  check_vma=False))(x, w1, w2)  # fmt: skip
+    for got, want in zip(grads, jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- the transformer
+
+SHAPE = {
+    "model.num_layers": 2,
+    "model.d_model": 32,
+    "model.num_heads": 8,
+    "model.num_kv_heads": 4,
+    "model.mlp": "swiglu",
+    "model.mlp_dim": 64,
+}
+STEPS = 2
+
+
+def _task(corpus_root, **overrides):  # noqa: F811
+    return LanguageModel(lm_config(corpus_root, **SHAPE, **overrides), Replicas("data", 1))
+
+
+def _adamw():
+    return optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(3e-3, weight_decay=0.01))
+
+
+def _train(task, mesh, data_axes, schedule=None, **options):
+    tensor = None
+    if schedule is not None:
+        axes = task.logical_axes()
+        shapes, _ = jax.eval_shape(task.init_variables, jax.random.key(0))
+        dims = logical_axes.split_dims(axes.names, logical_axes.DEFAULT_RULES, "tensor", shapes,
+                                       mesh.shape["tensor"])  # fmt: skip
+        tensor = tp.TensorParallel(dims, schedule=schedule)
+    step = TrainStep(task.loss, _adamw(), mesh, data_axes=data_axes, allreduce="native",
+                     stacked_layers=task.stacked_layers(), tensor=tensor, **options)  # fmt: skip
+    state = step.init(*task.init_variables(jax.random.key(0)))
+    it = task.data.train_iterator(16)
+    losses = []
+    for _ in range(STEPS):
+        state, metrics = step(state, step.shard_batch(next(it)), jax.random.key(1))
+        losses.append(float(metrics["loss"]))
+    it.close()
+    return step, state, losses
+
+
+@pytest.fixture(scope="module")
+def replicated(corpus_root):  # noqa: F811
+    """The unrolled and the scanned model, each trained on one data axis of 4."""
+    runs = {}
+    for scan in (False, True):
+        task = _task(corpus_root, **{"model.scan_layers": scan})
+        runs[scan] = _train(task, _grid((4,), ("data",)), "data")
+    return runs
+
+
+CASES = [
+    # mesh, data axes, schedule, scanned, options
+    ((("data", 2), ("tensor", 4)), "data", "native", False, {}),
+    ((("data", 2), ("tensor", 4)), "data", "collective_matmul", False, {"accumulation_steps": 2}),
+    ((("data", 2), ("fsdp", 2), ("tensor", 2)), ("data", "fsdp"), "collective_matmul", False,
+     {"sharding": "fsdp", "shard_axes": "fsdp"}),
+    ((("fsdp", 4), ("tensor", 2)), "fsdp", "native", True, {"sharding": "fsdp"}),
+    ((("fsdp", 4), ("tensor", 2)), "fsdp", "collective_matmul", True, {"sharding": "zero1"}),
+]  # fmt: skip
+
+
+def _assert_params_close(params, expected):
+    """Every parameter but the keys' bias, whose gradient is zero in exact arithmetic (it
+    adds the same amount to each of a query's scores, which the softmax ignores), so that
+    Adam's update of it is rounding noise scaled to the learning rate."""
+    got = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, leaf), want in zip(got, jax.tree.leaves(expected), strict=True):
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
+        if not name.endswith("key.bias"):
+            np.testing.assert_allclose(np.asarray(leaf), np.asarray(want), rtol=1e-4,
+                                       atol=1e-5, err_msg=name)  # fmt: skip
+
+
+@pytest.mark.parametrize(("axes", "data_axes", "schedule", "scanned", "options"), CASES)
+def test_a_tensor_split_transformer_trains_as_its_replicated_run(
+    corpus_root,  # noqa: F811
+    replicated,
+    axes,
+    data_axes,
+    schedule,
+    scanned,
+    options,
+):
+    """Adam with global-norm clipping, two steps: the losses and parameters of the model
+    split over the tensor axis (heads, key-value heads and MLP units) are those of the
+    replicated run, whatever the data, FSDP or HSDP axes beside it."""
+    names, sizes = zip(*axes)
+    task = _task(corpus_root, **{"model.scan_layers": scanned})
+    _, state, losses = _train(task, _grid(sizes, names), data_axes, schedule, **options)
+    _, expected, expected_losses = replicated[scanned]
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-4)
+    _assert_params_close(state.params, expected.params)
+    blocks = state.params["blocks"]
+    mlp = blocks["up"]["kernel"] if scanned else blocks[0]["up"]["kernel"]
+    split_dim = mlp.ndim - 1  # the MLP's units
+    assert mlp.sharding.spec[split_dim] in ("tensor", ("tensor", "fsdp"))
+
+
+def test_a_tensor_axis_divides_the_state_a_device_holds(corpus_root):  # noqa: F811
+    """Parameters and Adam's moments per device, under FSDP over 2 and tensor over 2 (every
+    leaf split where its shape allows): what the rules split over tensor held a quarter on
+    each device, the rest (embeddings, norms, the output biases) a half."""
+    task = _task(corpus_root)
+    params, model_state = task.init_variables(jax.random.key(0))
+    names = task.logical_axes().names
+    dims = logical_axes.split_dims(names, logical_axes.DEFAULT_RULES, "tensor", params, 2)
+    mesh = _grid((2, 2), ("fsdp", "tensor"))
+    step = TrainStep(task.loss, optax.adamw(1e-3), mesh, data_axes="fsdp", sharding="fsdp",
+                     tensor=tp.TensorParallel(dims), min_shard_elements=1)  # fmt: skip
+    state = step.init(params, model_state)
+
+    def per_device(tree):
+        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+    def tensor_parallel(leaf_names):
+        return bool(set(leaf_names) & {"heads", "kv_heads", "mlp"})
+
+    split = jax.tree.leaves(jax.tree.map(
+        lambda n, leaf: leaf.nbytes if tensor_parallel(n) else 0, names, params,
+        is_leaf=lambda x: isinstance(x, tuple)))  # fmt: skip
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+    assert sum(split) > total / 3  # the blocks' products, beside the embeddings
+    expected = sum(split) / 4 + (total - sum(split)) / 2
+    held = per_device(state.params)
+    assert held == pytest.approx(expected, rel=0.05)
+    moments = per_device(state.opt_state)
+    assert moments == pytest.approx(2 * held, rel=0.05)  # Adam's mu and nu
+    # Both axes on the MLP's kernel: the model width over fsdp, the units over tensor.
+    assert state.params["blocks"][0]["up"]["kernel"].sharding.spec == P("fsdp", "tensor")
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_meshes_and_rules_that_cannot_hold_are_one_line(corpus_root):  # noqa: F811
+    spec = meshes.load("data=2,fsdp=2,tensor=2")
+    assert (spec.layout, spec.axis_names, spec.shape) == ("torus3d", ("data", "fsdp", "tensor"),
+                                                          (2, 2, 2))  # fmt: skip
+    assert meshes.load("data=2,stage=4").layout == "pipeline"
+    assert [meshes.role_of(a) for a in ("x", "fsdp", "tensor", "host")] == [
+        "data", "fsdp", "tensor", "data"]  # fmt: skip
+    with pytest.raises(meshes.MeshSpecError, match=r"axis=size pairs.*got 'tensor'"):
+        meshes.load("data=2,tensor")
+    with pytest.raises(meshes.MeshSpecError, match=r"'expert' has the role expert, which no step"):
+        meshes.check_roles(("data", "expert"))
+    task = _task(corpus_root)
+    axes = task.logical_axes()
+    with pytest.raises(ValueError, match=r"mlp=tensor names an axis the mesh lacks"):
+        logical_axes.check_rules(logical_axes.parse_rules("mlp=tensor"), ("data",), axes)
+    with pytest.raises(ValueError, match=r"embed=tensor, but the model computes only heads"):
+        logical_axes.check_rules((("embed", "tensor"),), ("data", "tensor"), axes)
+    with pytest.raises(ValueError, match=r"over tensor only"):
+        logical_axes.check_rules((("embed", "fsdp"),), ("fsdp", "tensor"), axes)
+    with pytest.raises(ValueError, match=r"entries are name=axis.*got 'heads:tensor'"):
+        logical_axes.parse_rules("heads:tensor")
+    shapes, _ = jax.eval_shape(task.init_variables, jax.random.key(0))
+    with pytest.raises(ValueError, match=r"key.bias: dimension 0 \(kv_heads, 4\) does not "
+                                         r"divide over tensor=8"):  # fmt: skip
+        logical_axes.split_dims(axes.names, logical_axes.DEFAULT_RULES, "tensor", shapes, 8)
+    # MaxText's semantics: the first rule whose axis the array does not use yet.
+    rules = (("embed", "tensor"), ("mlp", "tensor"), ("mlp", None))
+    assert logical_axes.mesh_axes(("embed", "mlp"), rules) == ("tensor", None)
+    assert logical_axes.mesh_axes(("mlp", "embed"), rules) == ("tensor", None)
