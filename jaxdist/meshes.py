@@ -239,8 +239,10 @@ def check_roles(axis_names: Sequence[str]) -> None:
     """One line for an axis whose role no step handles yet."""
     for name in axis_names:
         if role_of(name) not in HANDLED_ROLES:
-            raise MeshSpecError(f"mesh axis {name!r} has the role {name}, which no step "
-                                f"handles yet (handled: {', '.join(HANDLED_ROLES)})")  # fmt: skip
+            raise MeshSpecError(
+                f"mesh axis {name!r} has the role {name}, which no step "
+                f"handles yet (handled: {', '.join(HANDLED_ROLES)})"
+            )
 
 
 def parse_inline(text: str) -> MeshSpec:
@@ -250,14 +252,18 @@ def parse_inline(text: str) -> MeshSpec:
     for entry in text.split(","):
         name, _, size = (part.strip() for part in entry.partition("="))
         if not size.isdigit():
-            raise MeshSpecError(f"an inline mesh is axis=size pairs, comma-separated "
-                                f"(data=2,tensor=4); got {entry.strip()!r} in {text!r}")  # fmt: skip
+            raise MeshSpecError(
+                f"an inline mesh is axis=size pairs, comma-separated "
+                f"(data=2,tensor=4); got {entry.strip()!r} in {text!r}"
+            )
         axes.append((name, int(size)))
     names = [name for name, _ in axes]
     layout = "pipeline" if STAGE_AXIS in names else _INLINE_LAYOUTS.get(len(axes))
     if layout is None:
-        raise MeshSpecError(f"an inline mesh has 1 to 3 axes (a TOML spec can say more); got "
-                            f"{len(axes)} in {text!r}")  # fmt: skip
+        raise MeshSpecError(
+            f"an inline mesh has 1 to 3 axes (a TOML spec can say more); got "
+            f"{len(axes)} in {text!r}"
+        )
     return MeshSpec(name=text, layout=layout, axes=tuple(axes))
 
 

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist import meshes
-from jaxdist.comm import collectives
+from jaxdist.comm import collectives, tensor_parallel
 from jaxdist.runtime import distributed
 from jaxdist.training import train_step as ts
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm
@@ -278,6 +278,32 @@ class MLP(nn.Module):
         return nn.Dense(NUM_CLASSES)(x)
 
 
+class TensorMLP(nn.Module):
+    """Dense -> relu -> column-parallel product -> relu -> row-parallel product: split over
+    a ``tensor`` axis inside a tensor-parallel step (its hidden units), whole elsewhere."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+        x = nn.relu(nn.Dense(16)(x))
+        w_in, w_out = (
+            self._weight(name, shape)
+            for name, shape in (("w_in", (16, 32)), ("w_out", (32, NUM_CLASSES)))
+        )
+        (hidden,) = tensor_parallel.column_product(x, [w_in])
+        return tensor_parallel.row_product(nn.relu(hidden), w_out)
+
+    def _weight(self, name: str, shape: tuple[int, ...]) -> jax.Array:
+        # Read as it is: inside the step it is this device's block, whose shape linen's
+        # self.param would refuse.
+        if self.has_variable("params", name):
+            return self.get_variable("params", name)
+        return self.param(name, nn.initializers.lecun_normal(), shape)
+
+
+# TensorMLP's split: the hidden units of both products.
+TENSOR_DIMS = {"Dense_0": {"bias": None, "kernel": None}, "w_in": 1, "w_out": 0}
+
+
 def global_batch(seed: int) -> dict[str, np.ndarray]:
     """Step ``seed``'s global batch: the same numbers in every process."""
     rng = np.random.default_rng(seed)
@@ -289,6 +315,11 @@ def global_batch(seed: int) -> dict[str, np.ndarray]:
 
 def _ring_mesh(devices: int) -> tuple[Mesh, collectives.AxisName]:
     return meshes.ring(devices), "x"
+
+
+def _tensor_mesh(devices: int) -> tuple[Mesh, collectives.AxisName]:
+    # The tensor axis inside a process (its devices see the same batch), fsdp across them.
+    return meshes.build(f"fsdp={devices // 2},tensor=2"), "fsdp"
 
 
 def _host_mesh(devices: int) -> tuple[Mesh, collectives.AxisName]:
@@ -309,6 +340,16 @@ TRAIN_CASES: dict[str, tuple[Callable[[int], tuple[Mesh, collectives.AxisName]],
         _host_mesh,
         {"allreduce": "torus2d", "sharding": "fsdp", "min_shard_elements": 0},
     ),
+    "tensor_fsdp": (
+        _tensor_mesh,
+        {
+            "allreduce": "ring",
+            "sharding": "fsdp",
+            "min_shard_elements": 0,
+            "data_axes": "fsdp",
+            "tensor": tensor_parallel.TensorParallel(TENSOR_DIMS, schedule="collective_matmul"),
+        },
+    ),
 }
 
 
@@ -321,8 +362,10 @@ def train_case(name: str, devices: int) -> tuple[dict[str, np.ndarray], float]:
     """
     make_mesh, options = TRAIN_CASES[name]
     mesh, axes = make_mesh(devices)
-    model = MLP(norm_axis=axes)
-    variables = MLP().init(jax.random.key(0), np.zeros((2, 10), np.float32), train=False)
+    model = TensorMLP() if "tensor" in options else MLP(norm_axis=axes)
+    variables = (TensorMLP() if "tensor" in options else MLP()).init(
+        jax.random.key(0), np.zeros((2, 10), np.float32), train=False
+    )
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     step = ts.TrainStep(

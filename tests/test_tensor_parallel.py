@@ -37,10 +37,15 @@ def test_a_summed_product_and_its_column_row_pair_are_the_unsplit_products(sched
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((10, 16)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((16, 6)), jnp.float32)
-    summed = jax.jit(jax.shard_map(
-        lambda a, b: summed_product(a, b, "tensor", schedule), mesh=mesh,
-        in_specs=(P(None, "tensor"), P("tensor")), out_specs=P(), check_vma=False,
-    ))  # fmt: skip
+    summed = jax.jit(
+        jax.shard_map(
+            lambda a, b: summed_product(a, b, "tensor", schedule),
+            mesh=mesh,
+            in_specs=(P(None, "tensor"), P("tensor")),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
     np.testing.assert_allclose(summed(x, w), x @ w, rtol=1e-6, atol=1e-5)
 
     w1 = jnp.asarray(rng.standard_normal((16, 32)) / 4, jnp.float32)
@@ -55,8 +60,9 @@ def test_a_summed_product_and_its_column_row_pair_are_the_unsplit_products(sched
             return jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2)
 
     specs = (P(), P(None, "tensor"), P("tensor"))
-    grads = jax.jit(jax.shard_map(split, mesh=mesh, in_specs=specs, out_specs=specs,
-                                  check_vma=False))(x, w1, w2)  # fmt: skip
+    grads = jax.jit(
+        jax.shard_map(split, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=False)
+    )(x, w1, w2)
     for got, want in zip(grads, jax.grad(loss, argnums=(0, 1, 2))(x, w1, w2), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -87,11 +93,20 @@ def _train(task, mesh, data_axes, schedule=None, **options):
     if schedule is not None:
         axes = task.logical_axes()
         shapes, _ = jax.eval_shape(task.init_variables, jax.random.key(0))
-        dims = logical_axes.split_dims(axes.names, logical_axes.DEFAULT_RULES, "tensor", shapes,
-                                       mesh.shape["tensor"])  # fmt: skip
+        dims = logical_axes.split_dims(
+            axes.names, logical_axes.DEFAULT_RULES, "tensor", shapes, mesh.shape["tensor"]
+        )
         tensor = tp.TensorParallel(dims, schedule=schedule)
-    step = TrainStep(task.loss, _adamw(), mesh, data_axes=data_axes, allreduce="native",
-                     stacked_layers=task.stacked_layers(), tensor=tensor, **options)  # fmt: skip
+    step = TrainStep(
+        task.loss,
+        _adamw(),
+        mesh,
+        data_axes=data_axes,
+        allreduce="native",
+        stacked_layers=task.stacked_layers(),
+        tensor=tensor,
+        **options,
+    )
     state = step.init(*task.init_variables(jax.random.key(0)))
     it = task.data.train_iterator(16)
     losses = []
@@ -116,11 +131,16 @@ CASES = [
     # mesh, data axes, schedule, scanned, options
     ((("data", 2), ("tensor", 4)), "data", "native", False, {}),
     ((("data", 2), ("tensor", 4)), "data", "collective_matmul", False, {"accumulation_steps": 2}),
-    ((("data", 2), ("fsdp", 2), ("tensor", 2)), ("data", "fsdp"), "collective_matmul", False,
-     {"sharding": "fsdp", "shard_axes": "fsdp"}),
+    (
+        (("data", 2), ("fsdp", 2), ("tensor", 2)),
+        ("data", "fsdp"),
+        "collective_matmul",
+        False,
+        {"sharding": "fsdp", "shard_axes": "fsdp"},
+    ),
     ((("fsdp", 4), ("tensor", 2)), "fsdp", "native", True, {"sharding": "fsdp"}),
     ((("fsdp", 4), ("tensor", 2)), "fsdp", "collective_matmul", True, {"sharding": "zero1"}),
-]  # fmt: skip
+]
 
 
 def _assert_params_close(params, expected):
@@ -131,8 +151,9 @@ def _assert_params_close(params, expected):
     for (path, leaf), want in zip(got, jax.tree.leaves(expected), strict=True):
         name = jax.tree_util.keystr(path, simple=True, separator=".")
         if not name.endswith("key.bias"):
-            np.testing.assert_allclose(np.asarray(leaf), np.asarray(want), rtol=1e-4,
-                                       atol=1e-5, err_msg=name)  # fmt: skip
+            np.testing.assert_allclose(
+                np.asarray(leaf), np.asarray(want), rtol=1e-4, atol=1e-5, err_msg=name
+            )
 
 
 @pytest.mark.parametrize(("axes", "data_axes", "schedule", "scanned", "options"), CASES)
@@ -169,8 +190,15 @@ def test_a_tensor_axis_divides_the_state_a_device_holds(corpus_root):  # noqa: F
     names = task.logical_axes().names
     dims = logical_axes.split_dims(names, logical_axes.DEFAULT_RULES, "tensor", params, 2)
     mesh = _grid((2, 2), ("fsdp", "tensor"))
-    step = TrainStep(task.loss, optax.adamw(1e-3), mesh, data_axes="fsdp", sharding="fsdp",
-                     tensor=tp.TensorParallel(dims), min_shard_elements=1)  # fmt: skip
+    step = TrainStep(
+        task.loss,
+        optax.adamw(1e-3),
+        mesh,
+        data_axes="fsdp",
+        sharding="fsdp",
+        tensor=tp.TensorParallel(dims),
+        min_shard_elements=1,
+    )
     state = step.init(params, model_state)
 
     def per_device(tree):
@@ -179,9 +207,14 @@ def test_a_tensor_axis_divides_the_state_a_device_holds(corpus_root):  # noqa: F
     def tensor_parallel(leaf_names):
         return bool(set(leaf_names) & {"heads", "kv_heads", "mlp"})
 
-    split = jax.tree.leaves(jax.tree.map(
-        lambda n, leaf: leaf.nbytes if tensor_parallel(n) else 0, names, params,
-        is_leaf=lambda x: isinstance(x, tuple)))  # fmt: skip
+    split = jax.tree.leaves(
+        jax.tree.map(
+            lambda n, leaf: leaf.nbytes if tensor_parallel(n) else 0,
+            names,
+            params,
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
+    )
     total = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
     assert sum(split) > total / 3  # the blocks' products, beside the embeddings
     expected = sum(split) / 4 + (total - sum(split)) / 2
@@ -198,11 +231,18 @@ def test_a_tensor_axis_divides_the_state_a_device_holds(corpus_root):  # noqa: F
 
 def test_meshes_and_rules_that_cannot_hold_are_one_line(corpus_root):  # noqa: F811
     spec = meshes.load("data=2,fsdp=2,tensor=2")
-    assert (spec.layout, spec.axis_names, spec.shape) == ("torus3d", ("data", "fsdp", "tensor"),
-                                                          (2, 2, 2))  # fmt: skip
+    assert (spec.layout, spec.axis_names, spec.shape) == (
+        "torus3d",
+        ("data", "fsdp", "tensor"),
+        (2, 2, 2),
+    )
     assert meshes.load("data=2,stage=4").layout == "pipeline"
     assert [meshes.role_of(a) for a in ("x", "fsdp", "tensor", "host")] == [
-        "data", "fsdp", "tensor", "data"]  # fmt: skip
+        "data",
+        "fsdp",
+        "tensor",
+        "data",
+    ]
     with pytest.raises(meshes.MeshSpecError, match=r"axis=size pairs.*got 'tensor'"):
         meshes.load("data=2,tensor")
     with pytest.raises(meshes.MeshSpecError, match=r"'expert' has the role expert, which no step"):
@@ -218,10 +258,52 @@ def test_meshes_and_rules_that_cannot_hold_are_one_line(corpus_root):  # noqa: F
     with pytest.raises(ValueError, match=r"entries are name=axis.*got 'heads:tensor'"):
         logical_axes.parse_rules("heads:tensor")
     shapes, _ = jax.eval_shape(task.init_variables, jax.random.key(0))
-    with pytest.raises(ValueError, match=r"key.bias: dimension 0 \(kv_heads, 4\) does not "
-                                         r"divide over tensor=8"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"key.bias: dimension 0 \(kv_heads, 4\) does not "
+        r"divide over tensor=8",
+    ):
         logical_axes.split_dims(axes.names, logical_axes.DEFAULT_RULES, "tensor", shapes, 8)
     # MaxText's semantics: the first rule whose axis the array does not use yet.
     rules = (("embed", "tensor"), ("mlp", "tensor"), ("mlp", None))
     assert logical_axes.mesh_axes(("embed", "mlp"), rules) == ("tensor", None)
     assert logical_axes.mesh_axes(("mlp", "embed"), rules) == ("tensor", None)
+
+
+def test_a_checkpoint_written_under_tensor_2_resumes_without_a_tensor_axis(
+    corpus_root,  # noqa: F811
+    tmp_path,
+):
+    """Six steps under ``fsdp=4,tensor=2`` (FSDP), saved; restored under ``fsdp=2`` (no
+    tensor axis, half the shard count) the state is the saved one, value for value, and two
+    more steps there end where two more steps under the first mesh do."""
+    from jaxdist.run.trainer import Trainer
+
+    def config(mesh, max_steps):
+        return lm_config(
+            corpus_root,
+            **SHAPE,
+            mesh=mesh,
+            sharding="fsdp",
+            max_steps=max_steps,
+            **{"optimizer.clip_norm": 0.5},
+        )
+
+    def task(config, replicas):
+        return LanguageModel(config, replicas)
+
+    first = Trainer(config("fsdp=4,tensor=2", 6), tmp_path / "run", task=task)
+    assert first.run()["step"] == 6
+    assert first.train_step_for(0).tensor is not None
+    resumed = Trainer(config("fsdp=2", 6), tmp_path / "run", task=task, allow_config_change=True)
+    assert resumed.run()["step"] == 6  # restored, nothing left to train
+    assert resumed.train_step_for(0).tensor is None
+    for got, want in zip(jax.tree.leaves(resumed.state), jax.tree.leaves(first.state), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    kernel = resumed.state.params["blocks"][0]["up"]["kernel"]
+    assert kernel.sharding.spec == P("fsdp") and len(kernel.sharding.device_set) == 2
+
+    moved = Trainer(config("fsdp=2", 8), tmp_path / "run", task=task, allow_config_change=True)
+    stayed = Trainer(config("fsdp=4,tensor=2", 8), tmp_path / "stayed", task=task)
+    assert moved.run()["step"] == stayed.run()["step"] == 8
+    _assert_params_close(moved.state.params, stayed.state.params)

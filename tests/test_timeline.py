@@ -195,3 +195,23 @@ def test_a_loops_products_count_once_per_turn_for_the_steps_flops():
     assert matrix_flops(text) == once
     assert matrix_flops(text, every_turn=True) == 5 * once
     assert _step_flops(3.0 * once, text) == 15.0 * once
+
+
+def test_permutes_to_other_neighbours_travel_together_on_a_chip_with_two_ports():
+    """Two permutes started together: one after the other on one port (a GPU behind its
+    switch) or when both go to the same neighbour; side by side on a chip that drives a link
+    to each neighbour (a TPU), when one goes each way round."""
+    left = _start(1, "g").replace("{{0,1},{1,0}}", "{{0,1},{1,2},{2,0}}")
+    right = _start(1, "g").replace("{{0,1},{1,0}}", "{{1,0},{2,1},{0,2}}")
+    same = _start(1, "g").replace("{{0,1},{1,0}}", "{{0,1},{1,2},{2,0}}").replace(".1", ".2")
+
+    def seconds(first: str, second: str, ports: int) -> float:
+        second = second.replace("cp-start.1", "cp-start.2")
+        body = [first, second, _done(1), _done(2)]
+        price = lambda collective, inst: TRANSFER  # noqa: E731
+        timeline = walk(_program(body), 0.0, price, peak_flops=PEAK, hbm_bandwidth=HBM, ports=ports)
+        return timeline.step_seconds
+
+    assert seconds(left, right, ports=1) == pytest.approx(2 * TRANSFER)
+    assert seconds(left, right, ports=2) == pytest.approx(TRANSFER)
+    assert seconds(left, same, ports=2) == pytest.approx(2 * TRANSFER)

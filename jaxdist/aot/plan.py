@@ -260,7 +260,8 @@ def plan_recipe(
         variables = (params, model_state)
         utilization = None
         if fit is not None:
-            utilization = (fit.value, model_flops_per_chip(model_flops, device_plan))
+            per_chip = model_flops_per_chip(model_flops, device_plan, model_shared_by(trainer))
+            utilization = (fit.value, per_chip)
         stage = _plan_stage(trainer, index, device_plan, variables, topology, network,
                             efficiency=efficiency, utilization=utilization)  # fmt: skip
         step = trainer.train_step_for(index)
@@ -418,10 +419,22 @@ def _compile_at(trainer, stage: int, global_batch: int, variable_shapes: tuple) 
     return compile_train_step(step, *variable_shapes, _batch_shapes(trainer, global_batch))
 
 
-def model_flops_per_chip(model_flops_per_example: float, device_plan: DevicePlan) -> float:
+def model_flops_per_chip(
+    model_flops_per_example: float, device_plan: DevicePlan, shared_by: int = 1
+) -> float:
     """The model FLOPs one chip runs in a step: its examples (every micro-batch's) times the
-    task's count per example."""
-    return model_flops_per_example * device_plan.per_device_batch * device_plan.accumulation_steps
+    task's count per example, over the ``shared_by`` chips that split each example's model
+    (a tensor axis's)."""
+    examples = device_plan.per_device_batch * device_plan.accumulation_steps
+    return model_flops_per_example * examples / shared_by
+
+
+def model_shared_by(trainer) -> int:
+    """How many chips split each example's model FLOPs: the size of the step's tensor axis
+    (1 without one)."""
+    step = trainer.train_step_for(0)
+    tensor = getattr(step, "tensor", None)
+    return step.mesh.shape[tensor.axis] if tensor is not None else 1
 
 
 def _batch_shapes(trainer, global_batch: int) -> dict[str, tuple[tuple[int, ...], Any]]:

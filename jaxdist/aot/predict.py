@@ -6,8 +6,9 @@ A compiled step is walked in the order its compiler chose (:mod:`jaxdist.aot.tim
                compute ops by their roofline time
     each collective: the cost model's time for its kind, bytes and group on the links it
                crosses (an all-reduce: the compiler's or library's own,
-               :func:`all_reduce_seconds`), one at a time on the network; an asynchronous
-               one runs beside whatever compute the program places before its done
+               :func:`all_reduce_seconds`), one at a time on the network (but for
+               permutes, one per link port of the chip at once); an asynchronous one runs
+               beside whatever compute the program places before its done
     step     = the end of the walk: compute and every wait for a collective
     hidden   = the part of the gradient collectives' time the compute stream ran beside
 
@@ -76,6 +77,18 @@ class StepTime:
     @property
     def parameter_hidden(self) -> float:
         return self.timeline.parameter_hidden_seconds if self.timeline is not None else 0.0
+
+    @property
+    def tensor_communication(self) -> float:
+        """Seconds of a tensor-parallel step's summed products' transfers (walked steps)."""
+        return self.other_by_role.get("tensor", 0.0)
+
+    @property
+    def tensor_hidden(self) -> float:
+        """Of :attr:`tensor_communication`, the part compute ran beside."""
+        if self.timeline is None:
+            return 0.0
+        return self.timeline.other_hidden_seconds.get("tensor", 0.0)
 
     @property
     def exposed(self) -> float:
@@ -221,9 +234,16 @@ def predict_step(
     price = transfer_pricer(
         network, fast_group if fast_group is not None else math.inf, chip.torus_dims
     )
-    timeline = walk(compiled.text, compute, price, peak_flops=chip.peak_flops,
-                    hbm_bandwidth=chip.hbm_bandwidth, num_devices=compiled.num_devices,
-                    scatter_roles=compiled.scatter_roles)  # fmt: skip
+    timeline = walk(
+        compiled.text,
+        compute,
+        price,
+        peak_flops=chip.peak_flops,
+        hbm_bandwidth=chip.hbm_bandwidth,
+        num_devices=compiled.num_devices,
+        scatter_roles=compiled.scatter_roles,
+        ports=network.intra.ports,
+    )
     return StepTime(compute, timeline.gradient_seconds, timeline.gradient_hidden_seconds,
                     efficiency, dict(timeline.other_seconds), timeline)  # fmt: skip
 

@@ -6,7 +6,8 @@ from typing import Any
 
 from jaxdist import meshes
 from jaxdist.aot.chips import GIB
-from jaxdist.aot.plan import Plan, StagePlan, model_flops_per_chip
+from jaxdist.aot.placement import placement_rows, state_bytes_per_chip
+from jaxdist.aot.plan import Plan, StagePlan, model_flops_per_chip, model_shared_by
 from jaxdist.aot.topology import Topology
 from jaxdist.aot.xla_fsdp import XlaFsdp
 from jaxdist.run.log import format_duration
@@ -67,7 +68,11 @@ def model_flops_utilization(plan: Plan, stage: StagePlan) -> float | None:
     its model FLOPs, a transformer's), or None."""
     if not plan.model_flops_per_example:
         return None
-    per_chip = model_flops_per_chip(plan.model_flops_per_example, stage.device_plan)
+    per_chip = model_flops_per_chip(
+        plan.model_flops_per_example,
+        stage.device_plan,
+        model_shared_by(plan.trainer) if plan.trainer is not None else 1,
+    )
     return per_chip / stage.step_time.total / plan.topology.chip.peak_flops
 
 
@@ -122,6 +127,52 @@ def _sharding_lines(plan: Plan, t: Any) -> list[str]:
     return lines
 
 
+def _tensor_lines(plan: Plan, t: Any) -> list[str]:
+    """A tensor-parallel plan: the axis and schedule, the memory the axis saves, and the
+    summed products' transfer time with its share beside compute."""
+    step = plan.trainer.train_step_for(0) if plan.trainer is not None else None
+    tensor = getattr(step, "tensor", None)
+    if tensor is None:
+        return []
+    params, model_state = plan.variable_shapes
+    held = state_bytes_per_chip(step, params, model_state)
+    whole = state_bytes_per_chip(step, params, model_state, ignoring=tensor.axis)
+    size = step.mesh.shape[tensor.axis]
+    lines = [
+        f"  tensor parallelism: {tensor.axis}={size}, schedule {tensor.schedule}; parameters "
+        f"and optimizer state {_gib(held)} GiB per chip, {_gib(whole)} GiB were the "
+        f"{tensor.axis} axis to split nothing"
+    ]
+    if t.tensor_communication:
+        share = t.tensor_hidden / t.tensor_communication
+        lines.append(
+            f"  tensor-parallel communication: {t.tensor_communication * 1e3:.2f} ms, of which "
+            f"{t.tensor_hidden * 1e3:.2f} ms ({share:.0%}) run beside compute"
+        )
+    return lines
+
+
+def _places_parameters(plan: Plan) -> bool:
+    """Whether the plan's step splits any parameter (sharded or tensor-parallel)."""
+    if plan.trainer is None:
+        return False
+    step = plan.trainer.train_step_for(0)
+    return _sharding(plan) != "replicated" or getattr(step, "tensor", None) is not None
+
+
+def placement_lines(plan: Plan) -> list[str]:
+    """Where the plan's step keeps each parameter (one row per kind of leaf)."""
+    step = plan.trainer.train_step_for(0)
+    rows = placement_rows(step, *plan.variable_shapes)
+    width = max(len(name) for name, _, _ in rows)
+    lines = [
+        f"placement over {dict(step.mesh.shape)} (parameter, global shape, PartitionSpec;"
+        " optimizer state alike):"
+    ]
+    lines += [f"  {name:<{width}}  {shape:<18} {spec}" for name, shape, spec in rows]
+    return lines
+
+
 def _parameters_exposed(t: Any) -> str:
     if not t.parameter_communication:
         return ""
@@ -168,6 +219,7 @@ def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
             f"--set unroll_limit={longest} unrolls them (the program compiles for longer)"
         )
     lines += _sharding_lines(plan, t)
+    lines += _tensor_lines(plan, t)
     lines += [
         f"  gradient communication: {t.communication * 1e3:.2f} ms, of which "
         f"{t.hidden * 1e3:.2f} ms ({t.hidden_fraction:.0%}) run beside compute (the compiled "
@@ -231,6 +283,8 @@ def plan_text(plan: Plan, efficiency_note: str) -> str:
         f"compiled {len(plan.stages)} stage(s) in {plan.compile_seconds:.1f} s",
         "",
     ]
+    if _places_parameters(plan):
+        lines += [*placement_lines(plan), ""]
     for stage in plan.stages:
         lines += [*_stage_lines(plan, stage), ""]
     lines.append(f"time to train {plan.epochs:g} epochs (steps only: no input, eval or start-up):")
@@ -320,7 +374,8 @@ def plan_json(plan: Plan, efficiency_note: str) -> dict:
             "gradient_hidden_fraction": t.hidden_fraction,
             "step_seconds": {"compute": t.compute, "communication": t.communication,
                              "hidden": t.hidden, "exposed": t.exposed, "other": t.other,
-                             "other_by_role": t.other_by_role, "total": t.total},
+                             "other_by_role": t.other_by_role, "total": t.total,
+                             "tensor_hidden": t.tensor_hidden},
         })  # fmt: skip
     return {
         "topology": plan.topology.name,
@@ -341,4 +396,12 @@ def plan_json(plan: Plan, efficiency_note: str) -> dict:
         "time_to_train": plan.time_rows,
         "total_seconds": plan.total_seconds,
         "mlperf_reference": plan.reference,
+        "placement": (
+            [
+                dict(zip(("parameter", "shape", "spec"), row))
+                for row in placement_rows(plan.trainer.train_step_for(0), *plan.variable_shapes)
+            ]
+            if _places_parameters(plan)
+            else None
+        ),
     }

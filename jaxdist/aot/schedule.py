@@ -419,8 +419,14 @@ def loop_of(
 ) -> tuple[str | None, int]:
     """A ``while`` instruction's body computation (None if it names none) and its turns."""
     body = re.search(r"body=%([\w.\-]+)", inst.rest)
+    # The compiler's own count where it gives one (the GPU compiler's condition compares
+    # with a loop-carried bound, not a constant).
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', inst.rest)
     condition = re.search(r"condition=%([\w.\-]+)", inst.rest)
-    trips = trip_count(computations.get(condition.group(1), [])) if condition else 1
+    if known:
+        trips = int(known.group(1))
+    else:
+        trips = trip_count(computations.get(condition.group(1), [])) if condition else 1
     return (body.group(1) if body else None), trips
 
 

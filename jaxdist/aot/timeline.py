@@ -69,6 +69,7 @@ class Timeline:
     parameter_seconds: float = 0.0  # a sharded step's parameter gathers, likewise
     parameter_hidden_seconds: float = 0.0
     other_seconds: dict[str, float] = field(default_factory=dict)  # by role, transfers' time
+    other_hidden_seconds: dict[str, float] = field(default_factory=dict)  # by role, beside compute
     # The walk itself, for pictures: compute intervals, and (role, begin, end) of transfers.
     busy: list[tuple[float, float]] = field(default_factory=list, repr=False)
     transfers: list[tuple[str, float, float]] = field(default_factory=list, repr=False)
@@ -95,6 +96,7 @@ def walk(
     hbm_bandwidth: float,
     num_devices: int = 1,
     scatter_roles: Mapping[int, str] | None = None,
+    ports: int = 1,
 ) -> Timeline:
     """Walk a compiled program's text (``compiled.as_text()``).
 
@@ -102,12 +104,16 @@ def walk(
     to their roofline time on a chip of ``peak_flops`` and ``hbm_bandwidth``;
     ``transfer_seconds(collective, instruction)`` prices one run of a collective;
     ``scatter_roles`` gives back the roles of reduce-scatters the compiler rewrote
-    (:func:`jaxdist.aot.schedule.rewritten_scatter_roles`)."""
+    (:func:`jaxdist.aot.schedule.rewritten_scatter_roles`). A chip with ``ports`` > 1 drives
+    a link to each neighbour at once (a TPU's ICI): permutes to other neighbours (a
+    bidirectional schedule's two directions, two mesh axes) travel together, each link one
+    message at a time; with one port (a GPU behind its switch) and for every collective of
+    another kind, transfers queue one after the other."""
     computations, entry = computations_of(text)
     weights = _Weights(computations, peak_flops, hbm_bandwidth)
     total_weight = weights.of_computation(entry)
     scale = compute_seconds / total_weight if total_weight else 0.0
-    state = _Walk(computations, weights, scale, transfer_seconds, num_devices, scatter_roles)
+    state = _Walk(computations, weights, scale, transfer_seconds, num_devices, scatter_roles, ports)
     state.run(entry)
     return state.timeline()
 
@@ -296,7 +302,7 @@ def matrix_flops(text: str, *, every_turn: bool = False) -> float:
 
 
 # Roles whose transfers are bandwidth-bound and queue on the network one at a time.
-_QUEUED = ("gradients", "parameters")
+_QUEUED = ("gradients", "parameters", "tensor")
 
 
 @dataclass
@@ -309,12 +315,22 @@ class _Transfer:
 class _Walk:
     """The two streams' clocks while the program is walked."""
 
-    def __init__(self, computations, weights: _Weights, scale: float, price, num_devices: int,
-                 scatter_roles: Mapping[int, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        computations,
+        weights: _Weights,
+        scale: float,
+        price,
+        num_devices: int,
+        scatter_roles: Mapping[int, str] | None = None,
+        ports: int = 1,
+    ):
         self.computations, self.weights, self.scale = computations, weights, scale
         self.price, self.num_devices, self.scatter_roles = price, num_devices, scatter_roles
         self.now = 0.0  # the compute stream's clock
-        self.network_free = 0.0
+        self.ports = ports
+        self.link_free: dict[str, float] = {}  # when each link's queue (by its pairs) is free
+        self.network_free = 0.0  # when every link is free
         self.busy: list[tuple[float, float]] = []  # compute intervals, in time order
         self.transfers: list[_Transfer] = []
         self.in_flight: dict[str, _Transfer] = {}
@@ -374,9 +390,14 @@ class _Walk:
             transfer = _Transfer(collective.role, self.now, self.now + seconds)
             self.transfers.append(transfer)
             return transfer
-        begin = max(self.now, self.network_free)
+        if collective.kind == "collective-permute" and self.ports > 1:  # on its own links
+            link = inst.rest.split("source_target_pairs=")[-1].split("}}")[0]
+            begin = max(self.now, self.network_free, self.link_free.get(link, 0.0))
+            self.link_free[link] = begin + seconds
+        else:
+            begin = max(self.now, self.network_free, *self.link_free.values())
+            self.network_free = begin + seconds
         transfer = _Transfer(collective.role, begin, begin + seconds)
-        self.network_free = transfer.end
         self.transfers.append(transfer)
         return transfer
 
@@ -406,6 +427,8 @@ class _Walk:
                 result.parameter_hidden_seconds += hidden
             else:
                 result.other_seconds[t.role] = result.other_seconds.get(t.role, 0.0) + seconds
+                hidden_before = result.other_hidden_seconds.get(t.role, 0.0)
+                result.other_hidden_seconds[t.role] = hidden_before + hidden
         return result
 
 

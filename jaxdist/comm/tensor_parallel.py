@@ -118,8 +118,9 @@ def _column_backward(axis, schedule, saved, cotangents):
     rows, kernels = saved
     grads = tuple(rows.T @ ct for ct in cotangents)
     # Each device's kernels reach part of every input: their gradients sum over the axis.
-    back = summed_product(jnp.concatenate(cotangents, axis=1),
-                          jnp.concatenate(kernels, axis=1).T, axis, schedule)  # fmt: skip
+    back = summed_product(
+        jnp.concatenate(cotangents, axis=1), jnp.concatenate(kernels, axis=1).T, axis, schedule
+    )
     return back, grads
 
 

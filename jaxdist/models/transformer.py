@@ -387,8 +387,9 @@ def _run(layers: Transformer | TransformerSpan, x: jax.Array, start: int, stop: 
             x = x + layers.position_embed(jnp.arange(tokens.shape[-1]))
     block_fn = _block_fn(layers.remat)
     if layers.scan_layers:
-        scan = nnx.scan(block_fn, in_axes=(0, nnx.Carry), out_axes=nnx.Carry,
-                        transform_metadata=LAYERS_AXIS)  # fmt: skip
+        scan = nnx.scan(
+            block_fn, in_axes=(0, nnx.Carry), out_axes=nnx.Carry, transform_metadata=LAYERS_AXIS
+        )
         x = scan(layers.blocks, x)
     else:
         for block in layers.blocks:

@@ -31,9 +31,11 @@ def step_kind_for(
     meshes.check_roles(mesh.axis_names)
     if enabled(config):
         if TENSOR_AXIS in mesh.axis_names:
-            raise ValueError(f"the mesh's {TENSOR_AXIS!r} axis splits weights inside a stage, "
-                             "which pipeline steps do not do: use a mesh without it, or "
-                             "pipeline.stages=0")  # fmt: skip
+            raise ValueError(
+                f"the mesh's {TENSOR_AXIS!r} axis splits weights inside a stage, "
+                "which pipeline steps do not do: use a mesh without it, or "
+                "pipeline.stages=0"
+            )
         return Pipeline(config, mesh, recorded)
     return DataParallel(config, mesh)
 
@@ -46,22 +48,28 @@ class DataParallel:
     def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh) -> None:
         refuse_unused("pipeline", config.pipeline, ("stages",), "pipeline.stages=0")
         if meshes.STAGE_AXIS in mesh.axis_names:
-            raise ValueError(f"the mesh's {meshes.STAGE_AXIS!r} axis cuts the model into "
-                             f"pipeline stages: set pipeline.stages={mesh.shape['stage']}, or "
-                             "use a mesh without it")  # fmt: skip
+            raise ValueError(
+                f"the mesh's {meshes.STAGE_AXIS!r} axis cuts the model into "
+                f"pipeline stages: set pipeline.stages={mesh.shape['stage']}, or "
+                "use a mesh without it"
+            )
         self.mesh = mesh
         self.tensor_axis = TENSOR_AXIS if TENSOR_AXIS in mesh.axis_names else None
         self.data_axes: tuple[str, ...] = tuple(
             a for a in mesh.axis_names if meshes.role_of(a) in ("data", "fsdp")
         )
         if not self.data_axes:
-            raise ValueError(f"the mesh {dict(mesh.shape)} has no axis to split the batch: "
-                             "add one (data=1 keeps the batch whole)")  # fmt: skip
+            raise ValueError(
+                f"the mesh {dict(mesh.shape)} has no axis to split the batch: "
+                "add one (data=1 keeps the batch whole)"
+            )
         self.rules = logical_axes.parse_rules(config.logical_axis_rules)
         self.tensor_schedule = config.tensor_schedule
         if not self.tensor_axis and config.tensor_schedule != "native":
-            raise ValueError(f"tensor_schedule={config.tensor_schedule!r} schedules a "
-                             f"{TENSOR_AXIS!r} axis's products, and the mesh has none")  # fmt: skip
+            raise ValueError(
+                f"tensor_schedule={config.tensor_schedule!r} schedules a "
+                f"{TENSOR_AXIS!r} axis's products, and the mesh has none"
+            )
         self.resolved: dict = {}  # nothing left to the machine beyond the mesh
 
     def check_batches(self, batches: list[int], replicas: int) -> None:
@@ -92,14 +100,18 @@ class DataParallel:
         if axes is not None and self.rules:
             logical_axes.check_rules(self.rules, self.mesh.axis_names, axes)
         elif self.rules:  # rules for a model that names nothing
-            raise ValueError(f"logical_axis_rules are given, but the {task.name} task's model "
-                             "names no parameter dimensions")  # fmt: skip
+            raise ValueError(
+                f"logical_axis_rules are given, but the {task.name} task's model "
+                "names no parameter dimensions"
+            )
         if self.tensor_axis is None:
             return None
         if axes is None:
-            raise ValueError(f"the mesh's {TENSOR_AXIS!r} axis splits weights, but the "
-                             f"{task.name} task's model names no parameter dimensions to split "
-                             "(Task.logical_axes)")  # fmt: skip
+            raise ValueError(
+                f"the mesh's {TENSOR_AXIS!r} axis splits weights, but the "
+                f"{task.name} task's model names no parameter dimensions to split "
+                "(Task.logical_axes)"
+            )
         shapes, _ = jax.eval_shape(task.init_variables, jax.random.key(0))
         rules = self.rules or logical_axes.DEFAULT_RULES
         size = self.mesh.shape[TENSOR_AXIS]

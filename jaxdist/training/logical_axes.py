@@ -67,8 +67,10 @@ def parse_rules(text: str) -> Rules:
     for entry in filter(None, (part.strip() for part in text.split(","))):
         name, sep, axis = (s.strip() for s in entry.partition("="))
         if not sep or not name.isidentifier() or (axis and not axis.isidentifier()):
-            raise ValueError(f"logical_axis_rules entries are name=axis (or name= to keep a "
-                             f"name whole), comma-separated; got {entry!r}")  # fmt: skip
+            raise ValueError(
+                f"logical_axis_rules entries are name=axis (or name= to keep a "
+                f"name whole), comma-separated; got {entry!r}"
+            )
         rules.append((name, axis or None))
     return tuple(rules)
 
@@ -81,15 +83,21 @@ def check_rules(rules: Rules, mesh_axes_present: Sequence[str], axes: LogicalAxe
         if axis is None:
             continue
         if axis not in RULE_AXES:
-            raise ValueError(f"logical_axis_rules: {name}={axis}: the rules split parameters "
-                             f"over {' or '.join(RULE_AXES)} only (FSDP splits each block by "
-                             "its shape)")  # fmt: skip
+            raise ValueError(
+                f"logical_axis_rules: {name}={axis}: the rules split parameters "
+                f"over {' or '.join(RULE_AXES)} only (FSDP splits each block by "
+                "its shape)"
+            )
         if axis not in mesh_axes_present:
-            raise ValueError(f"logical_axis_rules: {name}={axis} names an axis the mesh lacks "
-                             f"(its axes: {', '.join(mesh_axes_present)})")  # fmt: skip
+            raise ValueError(
+                f"logical_axis_rules: {name}={axis} names an axis the mesh lacks "
+                f"(its axes: {', '.join(mesh_axes_present)})"
+            )
         if axis == "tensor" and name not in axes.tensor_parallel:
-            raise ValueError(f"logical_axis_rules: {name}=tensor, but the model computes only "
-                             f"{', '.join(axes.tensor_parallel)} tensor-parallel")  # fmt: skip
+            raise ValueError(
+                f"logical_axis_rules: {name}=tensor, but the model computes only "
+                f"{', '.join(axes.tensor_parallel)} tensor-parallel"
+            )
 
 
 def mesh_axes(names: Sequence[str | None], rules: Rules) -> tuple[str | None, ...]:
@@ -120,8 +128,10 @@ def split_dims(names: Any, rules: Rules, axis: str, shapes: Any, size: int) -> A
         dim = dims[0]
         if shape.shape[dim] % size:
             where = jax.tree_util.keystr(path, simple=True, separator=".")
-            raise ValueError(f"{where}: dimension {dim} ({leaf_names[dim]}, "
-                             f"{shape.shape[dim]}) does not divide over {axis}={size}")  # fmt: skip
+            raise ValueError(
+                f"{where}: dimension {dim} ({leaf_names[dim]}, "
+                f"{shape.shape[dim]}) does not divide over {axis}={size}"
+            )
         return dim
 
     return jax.tree_util.tree_map_with_path(dim_of, names, shapes, is_leaf=_is_names)

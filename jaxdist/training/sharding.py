@@ -35,7 +35,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.comm import collectives
@@ -175,7 +174,7 @@ class Layout:
             entries[tensor_dim] = self.tensor_axis
         dim = self.dims[index]
         if dim is not None and axes is not None:
-            shard = tuple(np.atleast_1d(axes))
+            shard = (axes,) if isinstance(axes, str) else tuple(axes)
             entries[dim] = (entries[dim], *shard) if entries[dim] else axes
         while entries and entries[-1] is None:
             entries.pop()

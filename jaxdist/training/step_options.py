@@ -96,24 +96,35 @@ def check_sharded(mesh: Mesh, data_axes: Any, shard_axes: Any, sharding: str, al
         raise ValueError(f"{what} with allreduce={allreduce!r}, which cannot: {reason}")
 
 
-def check_tensor(mesh: Mesh, data_axes: Any, tensor: Any, allreduce: str, sfb_layers: Any,
-                 wait_free: bool) -> None:  # fmt: skip
+def check_tensor(
+    mesh: Mesh, data_axes: Any, tensor: Any, allreduce: str, sfb_layers: Any, wait_free: bool
+) -> None:
     """Refuse, in one line, a tensor-parallel step that cannot run: its tensor axis must be
     an axis of the mesh that splits no batch, and its gradients are averaged by one named
     schedule (no per-bucket choice, factors or wait-free pacing)."""
     if tensor.axis not in mesh.axis_names:
-        raise ValueError(f"the tensor axis {tensor.axis!r} is not an axis of the mesh "
-                         f"{tuple(mesh.axis_names)}")  # fmt: skip
+        raise ValueError(
+            f"the tensor axis {tensor.axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}"
+        )
     if tensor.axis in np.atleast_1d(data_axes):
-        raise ValueError(f"the tensor axis {tensor.axis!r} splits weights, not the batch: "
-                         f"leave it out of the data axes {data_axes!r}")  # fmt: skip
+        raise ValueError(
+            f"the tensor axis {tensor.axis!r} splits weights, not the batch: "
+            f"leave it out of the data axes {data_axes!r}"
+        )
     problem = (
-        f"allreduce={allreduce!r}" if allreduce in ("auto", "none")
-        else "sfb_layers" if sfb_layers else "wait_free=True" if wait_free else None
-    )  # fmt: skip
+        f"allreduce={allreduce!r}"
+        if allreduce in ("auto", "none")
+        else "sfb_layers"
+        if sfb_layers
+        else "wait_free=True"
+        if wait_free
+        else None
+    )
     if problem:
-        raise ValueError(f"a tensor-parallel step averages its gradients with one named "
-                         f"schedule; it does not combine with {problem}")  # fmt: skip
+        raise ValueError(
+            f"a tensor-parallel step averages its gradients with one named "
+            f"schedule; it does not combine with {problem}"
+        )
 
 
 def check_gather(mesh: Mesh, data_axes: Any, shard_axes: Any, sharding: str, gather: str,

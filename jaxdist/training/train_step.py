@@ -333,9 +333,10 @@ class TrainStep:
                 unit_bytes=self.bucket_bytes,
                 min_elements=self.min_shard_elements,
                 stacked=self.stacked_layers,
-                tensor=None if tensor is None
+                tensor=None
+                if tensor is None
                 else (tensor.axis, self.mesh.shape[tensor.axis], tensor.dims),
-            )  # fmt: skip
+            )
         return self.layout
 
     def state_specs(self, state: TrainState) -> TrainState:
@@ -349,9 +350,13 @@ class TrainStep:
         blocks = whole if self.sharding == "replicated" else layout.specs(treedef, self.shard_axes)
         params = blocks if self.sharding == "fsdp" else whole
         opt_state = optax.tree_map_params(
-            self.optimizer, lambda _, spec: spec, state.opt_state, blocks,
-            transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P),
-        )  # fmt: skip
+            self.optimizer,
+            lambda _, spec: spec,
+            state.opt_state,
+            blocks,
+            transform_non_params=lambda _: P(),
+            is_leaf=lambda x: isinstance(x, P),
+        )
         return TrainState(
             step=P(),
             params=params,
@@ -429,9 +434,16 @@ class TrainStep:
         if self.wait_free:
             options = {**self.allreduce_options, "unroll_limit": WAIT_FREE_UNROLL_LIMIT}
             grads, model_state, loss, metrics = reduced_while_computing(
-                self.loss_fn, plan, state, batch, rng, scale, self.accumulation_steps, axes,
+                self.loss_fn,
+                plan,
+                state,
+                batch,
+                rng,
+                scale,
+                self.accumulation_steps,
+                axes,
                 options,
-            )  # fmt: skip
+            )
         else:
             grads, model_state, loss, metrics, factors = local_gradients(
                 self.loss_fn,
@@ -489,8 +501,10 @@ class TrainStep:
             raise ValueError(f"sharding={self.sharding!r} has no gradient plan: its gradients "
                              f"are reduce-scattered unit by unit")  # fmt: skip
         if self.tensor is not None:
-            raise ValueError("a tensor-parallel step has no gradient plan: its gradients are "
-                             "averaged by one schedule, leaf by leaf")  # fmt: skip
+            raise ValueError(
+                "a tensor-parallel step has no gradient plan: its gradients are "
+                "averaged by one schedule, leaf by leaf"
+            )
         local = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.num_replicas, *x.shape[1:]),
                                            x.dtype), batch)  # fmt: skip
