@@ -62,6 +62,14 @@ def _one_line(capsys, code, expected_code, *parts):
         (["unroll_limit=4"], "unroll_limit=4 shapes the ppermute schedules, and allreduce='na"),
         (["skip_nonfinite_steps=-1"], "skip_nonfinite_steps must be >= 0, got -1"),
         (["watchdog_s=-1.0"], "watchdog_s must be >= 0 (0 disables it), got -1.0"),
+        # Meshes and rules: an axis no step handles, a rule for an axis the mesh lacks, a
+        # tensor axis for a model that names no dimensions.
+        (["mesh=data=1,expert=2"], "mesh axis 'expert' has the role expert, which no step"),
+        (["mesh=data=2,stage=1"], "the mesh's 'stage' axis cuts the model into pipeline"),
+        (["logical_axis_rules=mlp=tensor"], "logical_axis_rules are given, but the resnet10"),
+        (["mesh=data=1,tensor=2"], "the mesh's 'tensor' axis splits weights, but the resnet10"),
+        (["tensor_schedule=collective_matmul"], "tensor_schedule='collective_matmul' schedules"),
+        (["tensor_sequence=True"], "tensor_sequence=True splits the sequence over the 'tensor'"),
     ],
 )
 def test_a_bad_config_value_is_one_line_exit_2(recipe, tmp_path, capsys, overrides, expected):

@@ -88,7 +88,7 @@ def _adamw():
     return optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(3e-3, weight_decay=0.01))
 
 
-def _train(task, mesh, data_axes, schedule=None, **options):
+def _train(task, mesh, data_axes, schedule=None, sequence=False, **options):
     tensor = None
     if schedule is not None:
         axes = task.logical_axes()
@@ -96,7 +96,7 @@ def _train(task, mesh, data_axes, schedule=None, **options):
         dims = logical_axes.split_dims(
             axes.names, logical_axes.DEFAULT_RULES, "tensor", shapes, mesh.shape["tensor"]
         )
-        tensor = tp.TensorParallel(dims, schedule=schedule)
+        tensor = tp.TensorParallel(dims, schedule=schedule, sequence=sequence)
     step = TrainStep(
         task.loss,
         _adamw(),
@@ -140,6 +140,9 @@ CASES = [
     ),
     ((("fsdp", 4), ("tensor", 2)), "fsdp", "native", True, {"sharding": "fsdp"}),
     ((("fsdp", 4), ("tensor", 2)), "fsdp", "collective_matmul", True, {"sharding": "zero1"}),
+    # Sequence parallelism: norms and residual stream split along the positions.
+    ((("data", 2), ("tensor", 4)), "data", "collective_matmul", False, {"sequence": True}),
+    ((("fsdp", 4), ("tensor", 2)), "fsdp", "native", True, {"sequence": True, "sharding": "fsdp"}),
 ]
 
 
@@ -307,3 +310,36 @@ def test_a_checkpoint_written_under_tensor_2_resumes_without_a_tensor_axis(
     stayed = Trainer(config("fsdp=4,tensor=2", 8), tmp_path / "stayed", task=task)
     assert moved.run()["step"] == stayed.run()["step"] == 8
     _assert_params_close(moved.state.params, stayed.state.params)
+
+
+@pytest.mark.parametrize("schedule", TENSOR_SCHEDULES)
+def test_sequence_parallel_products_are_the_unsplit_block(schedule):
+    """A norm, a column- then row-parallel pair and a bias on positions split over 4 tensor
+    devices (sequence parallelism): the output gathered back, and the gradients of the
+    input, the kernels, the shared scale and bias, are the unsplit block's."""
+    mesh = _grid((2, 4), ("data", "tensor"))
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 8, 16)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((16, 32)) / 4, jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((32, 16)) / 4, jnp.float32)
+    scale = jnp.asarray(rng.standard_normal(16), jnp.float32)
+
+    def loss(x, w1, w2, scale):
+        h = tp.to_sequence_shard(x)
+        h = h * tp.shared(scale)
+        (u,) = tp.column_product(h, [w1])
+        y = h + tp.row_product(jnp.tanh(u), w2) + tp.shared(scale)
+        return jnp.sum(jnp.sin(tp.from_sequence_shard(y)))
+
+    def split(*args):
+        with tp.splitting("tensor", schedule, sequence=True):
+            return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(*args)
+
+    specs = (P(), P(None, "tensor"), P("tensor"), P())
+    value, grads = jax.jit(
+        jax.shard_map(split, mesh=mesh, in_specs=specs, out_specs=(P(), specs), check_vma=False)
+    )(x, w1, w2, scale)
+    want_value, want = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, w1, w2, scale)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for got, expected in zip(grads, want, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

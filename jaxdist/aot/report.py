@@ -139,7 +139,8 @@ def _tensor_lines(plan: Plan, t: Any) -> list[str]:
     whole = state_bytes_per_chip(step, params, model_state, ignoring=tensor.axis)
     size = step.mesh.shape[tensor.axis]
     lines = [
-        f"  tensor parallelism: {tensor.axis}={size}, schedule {tensor.schedule}; parameters "
+        f"  tensor parallelism: {tensor.axis}={size}, schedule {tensor.schedule}"
+        f"{', positions split between the products' if tensor.sequence else ''}; parameters "
         f"and optimizer state {_gib(held)} GiB per chip, {_gib(whole)} GiB were the "
         f"{tensor.axis} axis to split nothing"
     ]

@@ -36,7 +36,13 @@ from jax import lax
 
 from jaxdist.comm.scopes import TENSOR_SCOPE
 
-__all__ = ["TENSOR_SCHEDULES", "check_tensor_schedule", "summed_product"]
+__all__ = [
+    "TENSOR_SCHEDULES",
+    "check_tensor_schedule",
+    "gathered_product",
+    "scattered_product",
+    "summed_product",
+]
 
 TENSOR_SCHEDULES = ("native", "collective_matmul")
 
@@ -57,34 +63,85 @@ def summed_product(rows: jax.Array, weight: jax.Array, axis: str, schedule: str)
     with jax.named_scope(TENSOR_SCOPE):
         if schedule == "native":
             return lax.psum(rows @ weight, axis)
-        return _collective_matmul(rows, weight, axis)
+        p, m = lax.axis_size(axis), rows.shape[0]
+        if p == 1:
+            return rows @ weight
+        padded = jnp.pad(rows, ((0, -m % (2 * p)), (0, 0)))
+        return _gather_halves(_scatter_product(padded, weight, axis), axis)[0][:m]
 
 
-def _collective_matmul(rows: jax.Array, weight: jax.Array, axis: str) -> jax.Array:
-    p = lax.axis_size(axis)
-    if p == 1:
-        return rows @ weight
-    i = lax.axis_index(axis)
-    m = rows.shape[0]
-    padded = jnp.pad(rows, ((0, -m % (2 * p)), (0, 0)))
-    chunks = padded.reshape(p, 2, -1, rows.shape[1])  # [chunk, half, rows, k]
+def scattered_product(rows: jax.Array, weight: jax.Array, axis: str, schedule: str) -> jax.Array:
+    """Device ``i``'s chunk ``i`` (of ``p``, by rows) of ``sum over axis of rows @ weight``:
+    the summed product reduce-scattered, ``[m / p, n]``. ``m`` must divide by ``2 p``."""
+    with jax.named_scope(TENSOR_SCOPE):
+        if schedule == "native":
+            return lax.psum_scatter(rows @ weight, axis, scatter_dimension=0, tiled=True)
+        if lax.axis_size(axis) == 1:
+            return rows @ weight
+        return _scatter_product(rows, weight, axis)
+
+
+def gathered_product(
+    rows: jax.Array, weight: jax.Array, axis: str, schedule: str
+) -> tuple[jax.Array, jax.Array]:
+    """Every device's ``rows`` ``[m, k]`` gathered in device order, times ``weight``:
+    ``([p m, n] product, [p m, k] gathered rows)``. ``m`` must be even."""
+    with jax.named_scope(TENSOR_SCOPE):
+        if schedule == "native" or lax.axis_size(axis) == 1:
+            gathered = lax.all_gather(rows, axis, tiled=True)
+            return gathered @ weight, gathered
+        half = rows.shape[0] // 2
+        return _gather_halves(rows[:half], axis, rows[half:], weight)
+
+
+def _rings(p: int) -> tuple[list, list]:
     right = [(j, (j + 1) % p) for j in range(p)]
-    left = [(j, (j - 1) % p) for j in range(p)]
+    return right, [(b, a) for a, b in right]
+
+
+def _scatter_product(rows: jax.Array, weight: jax.Array, axis: str) -> jax.Array:
+    """The reduce-scatter with the product inside it: chunk ``i``'s halves, summed."""
+    p, i = lax.axis_size(axis), lax.axis_index(axis)
+    chunks = rows.reshape(p, 2, -1, rows.shape[1])  # [chunk, half, rows, k]
+    right, left = _rings(p)
 
     def product(chunk, half):
         return lax.dynamic_index_in_dim(chunks, chunk % p, 0, keepdims=False)[half] @ weight
 
-    # The reduce-scatter, each step's product beside the previous step's transfer.
+    # Each step's product runs beside the previous step's transfer.
     going_right, going_left = product(i - 1, 0), product(i + 1, 1)
     for s in range(1, p):
         going_right = lax.ppermute(going_right, axis, right) + product(i - 1 - s, 0)
         going_left = lax.ppermute(going_left, axis, left) + product(i + 1 + s, 1)
+    return jnp.concatenate([going_right, going_left])
 
-    # The all-gather: device i's chunk goes round both rings.
-    out = jnp.zeros((p, 2, *going_right.shape), going_right.dtype)
-    out = out.at[i].set(jnp.stack([going_right, going_left]))
-    for s in range(1, p):
-        going_right = lax.ppermute(going_right, axis, right)  # chunk i - s, half 0
-        going_left = lax.ppermute(going_left, axis, left)  # chunk i + s, half 1
-        out = out.at[(i - s) % p, 0].set(going_right).at[(i + s) % p, 1].set(going_left)
-    return out.reshape(-1, weight.shape[1])[:m]
+
+def _gather_halves(
+    first: jax.Array, axis: str, second: jax.Array | None = None, weight: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array | None]:
+    """Every device's halves (``first`` and ``second``; without ``second``, ``first`` cut in
+    two) gathered in device order, one half round each ring; with ``weight``, each arriving
+    half's product computed beside the next transfer. Returns ``(gathered, None)``, or
+    ``(products, gathered)`` with ``weight``."""
+    p, i = lax.axis_size(axis), lax.axis_index(axis)
+    if second is None:
+        first, second = jnp.split(first, 2)
+    right, left = _rings(p)
+    use = (lambda x: x) if weight is None else (lambda x: x @ weight)
+    rows = jnp.zeros((p, 2, *first.shape), first.dtype)
+    out = (
+        rows
+        if weight is None
+        else jnp.zeros((p, 2, first.shape[0], weight.shape[1]), jnp.result_type(first, weight))
+    )
+    going_right, going_left = first, second
+    for s in range(p):
+        if s:
+            going_right = lax.ppermute(going_right, axis, right)  # chunk i - s, half 0
+            going_left = lax.ppermute(going_left, axis, left)  # chunk i + s, half 1
+        out = out.at[(i - s) % p, 0].set(use(going_right)).at[(i + s) % p, 1].set(use(going_left))
+        if weight is not None:
+            rows = rows.at[(i - s) % p, 0].set(going_right).at[(i + s) % p, 1].set(going_left)
+    if weight is None:
+        return out.reshape(-1, first.shape[1]), None
+    return out.reshape(-1, weight.shape[1]), rows.reshape(-1, first.shape[1])

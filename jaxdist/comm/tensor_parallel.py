@@ -18,9 +18,20 @@ by the step's tensor schedule (:mod:`jaxdist.comm.collective_matmul`). Everythin
 everything outside (norms, residual stream, embeddings, the head) on whole activations that
 are the same on every device of the axis.
 
-A model calls the two products unconditionally: outside :func:`splitting` they are plain
-matrix products on whole weights, so the same model runs on one device, under data
-parallelism and FSDP, and tensor-parallel inside a step that splits its weights.
+**Sequence parallelism** (Korthikanti et al.) splits that outside too, along the sequence:
+between the products each device keeps its own ``1/p`` of the positions
+(:func:`to_sequence_shard` after the embeddings, :func:`from_sequence_shard` before the
+head). A column-parallel product then all-gathers its input's positions (forward) and
+reduce-scatters its input's gradient (backward); a row-parallel one reduce-scatters its sum
+(forward) and all-gathers its output's gradient (backward): the all-reduce's two halves,
+each with a product inside it under ``collective_matmul``, so both halves have compute to
+hide behind. A norm's scale or a bias applied to a device's own positions has a gradient
+from those positions only: the model marks such parameters :func:`shared`, whose gradients
+are summed over the axis.
+
+A model calls these unconditionally: outside :func:`splitting` they are plain matrix
+products on whole weights (and the rest identities), so the same model runs on one device,
+under data parallelism and FSDP, and tensor-parallel inside a step that splits its weights.
 """
 
 from __future__ import annotations
@@ -28,22 +39,46 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from jaxdist.comm.collective_matmul import check_tensor_schedule, summed_product
+from jaxdist.comm.collective_matmul import (
+    check_tensor_schedule,
+    gathered_product,
+    scattered_product,
+    summed_product,
+)
 
-__all__ = ["TENSOR_AXIS", "TensorParallel", "column_product", "row_product", "splitting"]
+__all__ = [
+    "TENSOR_AXIS",
+    "TensorParallel",
+    "column_product",
+    "from_sequence_shard",
+    "row_product",
+    "sequence_parallel",
+    "shared",
+    "splitting",
+    "to_sequence_shard",
+]
 
 # The mesh axis whose role is tensor parallelism.
 TENSOR_AXIS = "tensor"
 
-_ACTIVE: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar(
+
+class _Split(NamedTuple):
+    axis: str
+    schedule: str
+    sequence: bool
+
+
+_ACTIVE: contextvars.ContextVar[_Split | None] = contextvars.ContextVar(
     "jaxdist_tensor_parallel", default=None
 )
 
@@ -59,21 +94,28 @@ class TensorParallel:
       axis: the mesh axis the weights are split over.
       schedule: the summed products' schedule, one of
         :data:`jaxdist.comm.collective_matmul.TENSOR_SCHEDULES`.
+      sequence: sequence parallelism between the products (see the module docstring).
     """
 
     dims: Any
     axis: str = TENSOR_AXIS
     schedule: str = "native"
+    sequence: bool = False
 
     def __post_init__(self) -> None:
         check_tensor_schedule(self.schedule)
 
+    def splitting(self) -> contextlib.AbstractContextManager[None]:
+        """:func:`splitting` with this split's axis, schedule and sequence parallelism."""
+        return splitting(self.axis, self.schedule, self.sequence)
+
 
 @contextlib.contextmanager
-def splitting(axis: str, schedule: str) -> Iterator[None]:
+def splitting(axis: str, schedule: str, sequence: bool = False) -> Iterator[None]:
     """Inside: the model's column- and row-parallel products see weights split over
-    ``axis`` and sum over it with ``schedule``. A step traces its loss inside this."""
-    token = _ACTIVE.set((axis, check_tensor_schedule(schedule)))
+    ``axis`` and sum over it with ``schedule``; with ``sequence``, activations between them
+    split along the sequence. A step traces its loss inside this."""
+    token = _ACTIVE.set(_Split(axis, check_tensor_schedule(schedule), sequence))
     try:
         yield
     finally:
@@ -82,27 +124,100 @@ def splitting(axis: str, schedule: str) -> Iterator[None]:
 
 def column_product(x: jax.Array, kernels: Sequence[jax.Array]) -> list[jax.Array]:
     """``x`` ``[..., d]`` times each kernel ``[d, *features]``, giving ``[..., *features]``:
-    column-parallel under :func:`splitting` (each kernel this device's output features)."""
-    rows = x.reshape(-1, x.shape[-1])
+    column-parallel under :func:`splitting` (each kernel this device's output features).
+    With sequence parallelism ``x`` is ``[batch, positions / p, d]`` and the outputs hold
+    every position."""
     flat = tuple(k.reshape(k.shape[0], -1) for k in kernels)
     active = _ACTIVE.get()
-    outs = _column(rows, flat, *active) if active else [rows @ k for k in flat]
+    if active and active.sequence:
+        outs = _column_gathered(_chunk_rows(x), flat, active.axis, active.schedule)
+        p = lax.axis_size(active.axis)
+        return [_unchunk_rows(o, x.shape[0], p, k.shape[1:]) for o, k in zip(outs, kernels)]
+    rows = x.reshape(-1, x.shape[-1])
+    outs = _column(rows, flat, *active[:2]) if active else [rows @ k for k in flat]
     return [o.reshape(*x.shape[:-1], *k.shape[1:]) for o, k in zip(outs, kernels)]
 
 
 def row_product(h: jax.Array, kernel: jax.Array, contracted: int = 1) -> jax.Array:
     """``h`` ``[..., *features]`` times ``kernel`` ``[*features, n]`` over the last
     ``contracted`` dimensions of ``h``: row-parallel under :func:`splitting` (the features
-    this device's, the sum over the axis)."""
+    this device's, the sum over the axis). With sequence parallelism ``h`` is ``[batch,
+    positions, ...]`` and the sum keeps this device's ``positions / p``."""
     batch = h.shape[: h.ndim - contracted]
     rows = h.reshape(math.prod(batch), -1)
     flat = kernel.reshape(-1, kernel.shape[-1])
     active = _ACTIVE.get()
-    out = _row(rows, flat, *active) if active else rows @ flat
+    if active and active.sequence:
+        p = lax.axis_size(active.axis)
+        chunked = _chunk_rows(h.reshape(*batch, -1), p)
+        out = _row_scattered(chunked, flat, active.axis, active.schedule)
+        return out.reshape(batch[0], batch[1] // p, kernel.shape[-1])
+    out = _row(rows, flat, *active[:2]) if active else rows @ flat
     return out.reshape(*batch, kernel.shape[-1])
 
 
-# ---------------------------------------------------------------------- the two products
+def to_sequence_shard(x: jax.Array) -> jax.Array:
+    """``x`` ``[batch, positions, ...]`` (the same on every device of the axis) as this
+    device's ``positions / p`` under sequence parallelism; ``x`` itself otherwise."""
+    active = _ACTIVE.get()
+    if not (active and active.sequence):
+        return x
+    p = lax.axis_size(active.axis)
+    if x.shape[1] % p:
+        raise ValueError(
+            f"sequence parallelism splits the {x.shape[1]} positions over "
+            f"{active.axis}={p}, which does not divide them"
+        )
+    if active.schedule == "collective_matmul" and x.shape[0] * x.shape[1] // p % 2:
+        raise ValueError(
+            f"the collective matmul sends half of each device's rows each way "
+            f"round: {x.shape[0]} sequences x {x.shape[1] // p} positions per "
+            f"device must be even"
+        )
+    return _shard_positions(x, active.axis)
+
+
+def from_sequence_shard(x: jax.Array) -> jax.Array:
+    """The inverse of :func:`to_sequence_shard`: every device's positions, gathered."""
+    active = _ACTIVE.get()
+    if not (active and active.sequence):
+        return x
+    return _gather_positions(x, active.axis)
+
+
+def sequence_parallel() -> bool:
+    """Whether the products run under :func:`splitting` with sequence parallelism."""
+    active = _ACTIVE.get()
+    return bool(active and active.sequence)
+
+
+def shared(value: jax.Array) -> jax.Array:
+    """``value``, a parameter applied to this device's own positions under sequence
+    parallelism (a norm's scale, a bias added after a row-parallel sum): its gradient is
+    summed over the axis. ``value`` itself otherwise."""
+    active = _ACTIVE.get()
+    if not (active and active.sequence):
+        return value
+    return _summed_gradient(value, active.axis)
+
+
+# ---------------------------------------------------------------------- rows by position
+
+
+def _chunk_rows(x: jax.Array, p: int = 1) -> jax.Array:
+    """``[batch, positions, f]`` as rows ordered position chunk first (``p`` chunks): the
+    order in which a gather over the axis lays out every device's positions."""
+    b, t, f = x.shape[0], x.shape[1], math.prod(x.shape[2:])
+    return jnp.swapaxes(x.reshape(b, p, t // p, f), 0, 1).reshape(-1, f)
+
+
+def _unchunk_rows(rows: jax.Array, batch: int, p: int, features: tuple) -> jax.Array:
+    """:func:`_chunk_rows`' rows of ``p`` chunks back as ``[batch, positions, *features]``."""
+    chunks = rows.reshape(p, batch, -1, rows.shape[-1])
+    return jnp.swapaxes(chunks, 0, 1).reshape(batch, -1, *features)
+
+
+# ---------------------------------------------------------------------- the products
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -143,3 +258,101 @@ def _row_backward(axis, schedule, saved, cotangent):
 
 
 _row.defvjp(_row_forward, _row_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _column_gathered(rows, kernels, axis, schedule):
+    return _column_gathered_forward(rows, kernels, axis, schedule)[0]
+
+
+def _column_gathered_forward(rows, kernels, axis, schedule):
+    widths = [k.shape[1] for k in kernels]
+    out, gathered = gathered_product(rows, jnp.concatenate(kernels, axis=1), axis, schedule)
+    outs = jnp.split(out, list(itertools.accumulate(widths))[:-1], axis=1)
+    return list(outs), (gathered, kernels)
+
+
+def _column_gathered_backward(axis, schedule, saved, cotangents):
+    gathered, kernels = saved
+    grads = tuple(gathered.T @ ct for ct in cotangents)
+    back = scattered_product(
+        jnp.concatenate(cotangents, axis=1), jnp.concatenate(kernels, axis=1).T, axis, schedule
+    )
+    return back, grads
+
+
+_column_gathered.defvjp(_column_gathered_forward, _column_gathered_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _row_scattered(rows, kernel, axis, schedule):
+    return scattered_product(rows, kernel, axis, schedule)
+
+
+def _row_scattered_forward(rows, kernel, axis, schedule):
+    return _row_scattered(rows, kernel, axis, schedule), (rows, kernel)
+
+
+def _row_scattered_backward(axis, schedule, saved, cotangent):
+    rows, kernel = saved
+    back, gathered = gathered_product(cotangent, kernel.T, axis, schedule)
+    return back, rows.T @ gathered
+
+
+_row_scattered.defvjp(_row_scattered_forward, _row_scattered_backward)
+
+
+# ---------------------------------------------------------------------- positions
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _shard_positions(x, axis):
+    p, i = lax.axis_size(axis), lax.axis_index(axis)
+    return lax.dynamic_slice_in_dim(x, i * (x.shape[1] // p), x.shape[1] // p, axis=1)
+
+
+def _shard_positions_forward(x, axis):
+    return _shard_positions(x, axis), None
+
+
+def _shard_positions_backward(axis, _, cotangent):
+    # Every position's gradient, from the device that kept it: the same on every device.
+    return (lax.all_gather(cotangent, axis, axis=1, tiled=True),)
+
+
+_shard_positions.defvjp(_shard_positions_forward, _shard_positions_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_positions(x, axis):
+    return lax.all_gather(x, axis, axis=1, tiled=True)
+
+
+def _gather_positions_forward(x, axis):
+    return _gather_positions(x, axis), None
+
+
+def _gather_positions_backward(axis, _, cotangent):
+    # What follows runs alike on every device: each keeps its own positions' gradient.
+    p, i = lax.axis_size(axis), lax.axis_index(axis)
+    size = cotangent.shape[1] // p
+    return (lax.dynamic_slice_in_dim(cotangent, i * size, size, axis=1),)
+
+
+_gather_positions.defvjp(_gather_positions_forward, _gather_positions_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _summed_gradient(value, axis):
+    return value
+
+
+def _summed_gradient_forward(value, axis):
+    return value, None
+
+
+def _summed_gradient_backward(axis, _, cotangent):
+    return (lax.psum(cotangent, axis),)
+
+
+_summed_gradient.defvjp(_summed_gradient_forward, _summed_gradient_backward)

@@ -36,7 +36,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from jaxdist.comm.tensor_parallel import column_product, row_product
+from jaxdist.comm.tensor_parallel import (
+    column_product,
+    from_sequence_shard,
+    row_product,
+    sequence_parallel,
+    shared,
+    to_sequence_shard,
+)
 
 __all__ = [
     "REMAT_POLICIES",
@@ -246,8 +253,8 @@ class Block(nnx.Module):
                     name_dims(variable, "embed")
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.dropout(self._attend(self.norm1(x)))
-        h = self.norm2(x)
+        x = x + self.dropout(self._attend(self._norm(self.norm1, x)))
+        h = self._norm(self.norm2, x)
         if self.gated:
             gate, up = self._column(h, self.gate, self.up)
             h = nnx.silu(gate) * up
@@ -260,7 +267,7 @@ class Block(nnx.Module):
         """Causal self-attention of ``x`` over this device's heads (all of them unsplit)."""
         attention = self.attention
         query, key, value = self._column(x, attention.query, attention.key, attention.value)
-        mask = nnx.make_causal_mask(x[..., 0])
+        mask = nnx.make_causal_mask(query[..., 0, 0])  # every position, whatever x holds
         heads = attention.attention_fn(query, key, value, mask=mask, dtype=self.dtype)
         return self._row(heads, attention.out, contracted=2)
 
@@ -275,7 +282,15 @@ class Block(nnx.Module):
         """The row-parallel product of ``h``'s last ``contracted`` dimensions with ``layer``,
         plus its bias once the partial products are summed."""
         out = row_product(h.astype(self.dtype), layer.kernel[...].astype(self.dtype), contracted)
-        return out + layer.bias[...].astype(self.dtype)
+        return out + shared(layer.bias[...]).astype(self.dtype)
+
+    def _norm(self, norm: nnx.Module, x: jax.Array) -> jax.Array:
+        """``norm(x)``; under sequence parallelism with its parameters :func:`shared`, as it
+        sees this device's positions alone."""
+        if not sequence_parallel():
+            return norm(x)
+        graphdef, state = nnx.split(norm)
+        return nnx.merge(graphdef, jax.tree.map(shared, state))(x)
 
 
 class Transformer(nnx.Module):
@@ -385,6 +400,8 @@ def _run(layers: Transformer | TransformerSpan, x: jax.Array, start: int, stop: 
         x = layers.token_embed(tokens)
         if hasattr(layers, "position_embed"):  # else rotary, inside each block's attention
             x = x + layers.position_embed(jnp.arange(tokens.shape[-1]))
+        if stop > 1:  # blocks follow: each device of a sequence-parallel axis its positions
+            x = to_sequence_shard(x)
     block_fn = _block_fn(layers.remat)
     if layers.scan_layers:
         scan = nnx.scan(
@@ -395,6 +412,8 @@ def _run(layers: Transformer | TransformerSpan, x: jax.Array, start: int, stop: 
         for block in layers.blocks:
             x = block_fn(block, x)
     if stop == total:
+        if start < total - 1:  # blocks ran
+            x = from_sequence_shard(x)
         x = layers.head(layers.norm(x)).astype(jnp.float32)
     return x
 

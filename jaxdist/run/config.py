@@ -58,6 +58,9 @@ Fields:
   tensor_schedule: how a ``tensor`` axis's partial products are summed: ``native`` (XLA's
     all-reduce) or ``collective_matmul`` (a reduce-scatter with the product inside it, then
     an all-gather; :mod:`jaxdist.comm.collective_matmul`).
+  tensor_sequence: sequence parallelism: norms, residual stream and dropout split along the
+    sequence over the ``tensor`` axis between its products, each sum then a reduce-scatter
+    and each input an all-gather (:mod:`jaxdist.comm.tensor_parallel`).
   wait_free: run every gradient bucket's schedule beside the rest of the backward pass, one
     message step per matrix product, in the compiled program's own order (wait-free
     backprop, :mod:`jaxdist.training.wait_free`); a permute schedule's steps then run
@@ -356,6 +359,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.prefetch = 1  # layers ahead FSDP's gathers may start
     c.logical_axis_rules = ""  # name=axis,...; "": heads, kv_heads and mlp over tensor
     c.tensor_schedule = "native"  # or collective_matmul
+    c.tensor_sequence = False  # sequence parallelism between the tensor-parallel products
     c.wait_free = False
     c.batch_size = 256
     c.batch_ramp = ()

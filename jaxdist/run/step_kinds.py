@@ -65,6 +65,12 @@ class DataParallel:
             )
         self.rules = logical_axes.parse_rules(config.logical_axis_rules)
         self.tensor_schedule = config.tensor_schedule
+        self.tensor_sequence = config.tensor_sequence
+        if not self.tensor_axis and config.tensor_sequence:
+            raise ValueError(
+                f"tensor_sequence=True splits the sequence over the "
+                f"{TENSOR_AXIS!r} axis, and the mesh has none"
+            )
         if not self.tensor_axis and config.tensor_schedule != "native":
             raise ValueError(
                 f"tensor_schedule={config.tensor_schedule!r} schedules a "
@@ -116,4 +122,4 @@ class DataParallel:
         rules = self.rules or logical_axes.DEFAULT_RULES
         size = self.mesh.shape[TENSOR_AXIS]
         dims = logical_axes.split_dims(axes.names, rules, TENSOR_AXIS, shapes, size)
-        return TensorParallel(dims, TENSOR_AXIS, self.tensor_schedule)
+        return TensorParallel(dims, TENSOR_AXIS, self.tensor_schedule, self.tensor_sequence)

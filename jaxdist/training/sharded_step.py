@@ -1,4 +1,6 @@
-"""The train step of a sharded state: ZeRO-1 and FSDP (:mod:`jaxdist.training.sharding`).
+"""The train step of a sharded state: ZeRO-1 and FSDP (:mod:`jaxdist.training.sharding`), and
+of a model split over a tensor axis (:mod:`jaxdist.comm.tensor_parallel`), whose loss is
+traced inside :func:`~jaxdist.comm.tensor_parallel.splitting`.
 
 One ``jax.jit``-ed program in two parts:
 
@@ -29,7 +31,6 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.comm import collectives
 from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.comm.scopes import GRADIENT_SCOPE, METRICS_SCOPE, MODEL_STATE_SCOPE
-from jaxdist.comm.tensor_parallel import splitting
 from jaxdist.training import sharding as sharding_lib
 from jaxdist.training.gradients import local_gradients
 from jaxdist.training.loss_scale import all_finite, ended_step
@@ -109,7 +110,7 @@ def _gradients(step: Any, layout: sharding_lib.Layout, params: Any, model_state:
                                              gradient_options, step.keep_gathered,
                                              step.prefetch, step.record_paced_layers)  # fmt: skip
     tensor = step.tensor
-    with splitting(tensor.axis, tensor.schedule) if tensor else contextlib.nullcontext():
+    with tensor.splitting() if tensor else contextlib.nullcontext():
         grads, model_state, loss, metrics, _ = local_gradients(
             loss_fn, params, model_state, batch, rng, scale, step.accumulation_steps
         )
