@@ -78,6 +78,20 @@ def check_mesh() -> None:
     assert f"  warning: {expected}" in meshes.describe(wrong)
     if jax.process_index() == 0:
         print(meshes.describe(spec))
+    # A tensor axis across processes: its devices would be fed different rows.
+    across = meshes.build(f"tensor={nproc},fsdp={local}")
+    try:
+        ts.TrainStep(
+            lambda *a: None,
+            optax.sgd(0.1),
+            across,
+            data_axes="fsdp",
+            tensor=tensor_parallel.TensorParallel({"w": 0}),
+        )
+    except ValueError as err:
+        assert "the tensor axis 'tensor' spans processes" in str(err), err
+    else:
+        raise AssertionError("a tensor axis across processes was not refused")
     print(f"CHECK mesh OK rows={rows}")
 
 
