@@ -140,6 +140,13 @@ CASES = [
     ),
     ((("fsdp", 4), ("tensor", 2)), "fsdp", "native", True, {"sharding": "fsdp"}),
     ((("fsdp", 4), ("tensor", 2)), "fsdp", "collective_matmul", True, {"sharding": "zero1"}),
+    (
+        (("data", 2), ("fsdp", 2), ("tensor", 2)),
+        ("data", "fsdp"),
+        "native",
+        False,
+        {"sharding": "fsdp", "shard_axes": "fsdp"},
+    ),
     # Sequence parallelism: norms and residual stream split along the positions.
     ((("data", 2), ("tensor", 4)), "data", "collective_matmul", False, {"sequence": True}),
     ((("fsdp", 4), ("tensor", 2)), "fsdp", "native", True, {"sequence": True, "sharding": "fsdp"}),
