@@ -43,15 +43,13 @@ def placement_rows(step: Any, params: Any, model_state: Any) -> list[tuple[str, 
     return list(rows.values())
 
 
-def state_bytes_per_chip(
-    step: Any, params: Any, model_state: Any, *, ignoring: str | None = None
-) -> int:
-    """Bytes of parameters and optimizer state one chip holds under ``step``'s placement;
-    ``ignoring``: as if the mesh axis of that name split nothing."""
-    state = step.abstract_init(params, model_state)
+def state_bytes_per_chip(state: Any, *, ignoring: str | None = None) -> int:
+    """Bytes of parameters and optimizer state one chip holds of ``state`` (a step's
+    ``abstract_init``, its leaves carrying their shardings); ``ignoring``: as if the mesh
+    axis of that name split nothing."""
     total = 0
     for leaf in jax.tree.leaves((state.params, state.opt_state)):
         axes = [a for a in _axes_of(leaf.sharding.spec) if a != ignoring]
-        parts = math.prod(step.mesh.shape[a] for a in axes)
+        parts = math.prod(leaf.sharding.mesh.shape[a] for a in axes)
         total += math.prod(leaf.shape) * leaf.dtype.itemsize // parts
     return total

@@ -26,13 +26,12 @@ Input reading, evaluation and start-up are outside the model.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jaxdist.aot.chips import Chip
 from jaxdist.aot.compile import CompiledStep
-from jaxdist.aot.schedule import Collective, Instruction
+from jaxdist.aot.schedule import Collective, Instruction, source_target_pairs
 from jaxdist.aot.timeline import Timeline, walk
 from jaxdist.comm import cost_model
 from jaxdist.training.batch_schedule import BatchSchedule
@@ -204,8 +203,8 @@ def transfer_pricer(network: cost_model.Network, fast_group: float = math.inf, t
 
     def price(collective: Collective, inst: Instruction) -> float:
         if collective.kind == "collective-permute":
-            pairs = re.findall(r"\{(\d+),(\d+)\}", inst.rest.split("source_target_pairs=")[-1])
-            crosses = any(int(a) // fast_group != int(b) // fast_group for a, b in pairs)
+            pairs = source_target_pairs(inst)
+            crosses = any(a // fast_group != b // fast_group for a, b in pairs)
         else:
             crosses = collective.group_size > fast_group
         if crosses and collective.kind == "all-reduce" and network.inter is not None:

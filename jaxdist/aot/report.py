@@ -134,9 +134,9 @@ def _tensor_lines(plan: Plan, t: Any) -> list[str]:
     tensor = getattr(step, "tensor", None)
     if tensor is None:
         return []
-    params, model_state = plan.variable_shapes
-    held = state_bytes_per_chip(step, params, model_state)
-    whole = state_bytes_per_chip(step, params, model_state, ignoring=tensor.axis)
+    state = step.abstract_init(*plan.variable_shapes)
+    held = state_bytes_per_chip(state)
+    whole = state_bytes_per_chip(state, ignoring=tensor.axis)
     size = step.mesh.shape[tensor.axis]
     lines = [
         f"  tensor parallelism: {tensor.axis}={size}, schedule {tensor.schedule}"

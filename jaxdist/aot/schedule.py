@@ -187,6 +187,13 @@ _GROUPS = re.compile(r"replica_groups=\{\{([\d,]*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 
 
+def source_target_pairs(inst: Instruction) -> tuple[tuple[int, int], ...]:
+    """A permute's ``(source, target)`` device pairs, as its ``source_target_pairs`` lists
+    them."""
+    listed = inst.rest.split("source_target_pairs=")[-1].split("}}")[0]
+    return tuple((int(a), int(b)) for a, b in re.findall(r"(\d+),(\d+)", listed))
+
+
 def group_size_of(inst: Instruction, num_devices: int) -> int:
     """Devices in the collective's group: from its replica groups (listed, or in the iota
     form ``[groups,size]<=[...]``); a permute's message joins two; no groups means all."""

@@ -45,6 +45,7 @@ from jaxdist.aot.schedule import (
     loop_of,
     nbytes_of,
     role_of,
+    source_target_pairs,
 )
 
 __all__ = ["Timeline", "matrix_flops", "walk"]
@@ -329,7 +330,8 @@ class _Walk:
         self.price, self.num_devices, self.scatter_roles = price, num_devices, scatter_roles
         self.now = 0.0  # the compute stream's clock
         self.ports = ports
-        self.link_free: dict[str, float] = {}  # when each link's queue (by its pairs) is free
+        # When each link's queue is free, by the pairs its permutes send between.
+        self.link_free: dict[tuple[tuple[int, int], ...], float] = {}
         self.network_free = 0.0  # when every link is free
         self.busy: list[tuple[float, float]] = []  # compute intervals, in time order
         self.transfers: list[_Transfer] = []
@@ -391,7 +393,7 @@ class _Walk:
             self.transfers.append(transfer)
             return transfer
         if collective.kind == "collective-permute" and self.ports > 1:  # on its own links
-            link = inst.rest.split("source_target_pairs=")[-1].split("}}")[0]
+            link = source_target_pairs(inst)
             begin = max(self.now, self.network_free, self.link_free.get(link, 0.0))
             self.link_free[link] = begin + seconds
         else:

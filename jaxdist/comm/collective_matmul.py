@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxdist.comm.collectives.wire import Wire, shift
 from jaxdist.comm.scopes import TENSOR_SCOPE
 
 __all__ = [
@@ -67,7 +68,8 @@ def summed_product(rows: jax.Array, weight: jax.Array, axis: str, schedule: str)
         if p == 1:
             return rows @ weight
         padded = jnp.pad(rows, ((0, -m % (2 * p)), (0, 0)))
-        return _gather_halves(_scatter_product(padded, weight, axis), axis)[0][:m]
+        mine = _scatter_product(padded, weight, axis)
+        return _gather_halves(*jnp.split(mine, 2), axis)[0][:m]
 
 
 def scattered_product(rows: jax.Array, weight: jax.Array, axis: str, schedule: str) -> jax.Array:
@@ -90,20 +92,19 @@ def gathered_product(
         if schedule == "native" or lax.axis_size(axis) == 1:
             gathered = lax.all_gather(rows, axis, tiled=True)
             return gathered @ weight, gathered
-        half = rows.shape[0] // 2
-        return _gather_halves(rows[:half], axis, rows[half:], weight)
+        gathered, products = _gather_halves(*jnp.split(rows, 2), axis, weight)
+        return products, gathered
 
 
-def _rings(p: int) -> tuple[list, list]:
-    right = [(j, (j + 1) % p) for j in range(p)]
-    return right, [(b, a) for a, b in right]
+# Each step sends one half each way round, over links the other half uses the other way:
+# the bidirectional ring's messages (cut into pieces where the runtime needs it).
+_WIRE = Wire(reverse_traffic=True)
 
 
 def _scatter_product(rows: jax.Array, weight: jax.Array, axis: str) -> jax.Array:
     """The reduce-scatter with the product inside it: chunk ``i``'s halves, summed."""
     p, i = lax.axis_size(axis), lax.axis_index(axis)
     chunks = rows.reshape(p, 2, -1, rows.shape[1])  # [chunk, half, rows, k]
-    right, left = _rings(p)
 
     def product(chunk, half):
         return lax.dynamic_index_in_dim(chunks, chunk % p, 0, keepdims=False)[half] @ weight
@@ -111,37 +112,37 @@ def _scatter_product(rows: jax.Array, weight: jax.Array, axis: str) -> jax.Array
     # Each step's product runs beside the previous step's transfer.
     going_right, going_left = product(i - 1, 0), product(i + 1, 1)
     for s in range(1, p):
-        going_right = lax.ppermute(going_right, axis, right) + product(i - 1 - s, 0)
-        going_left = lax.ppermute(going_left, axis, left) + product(i + 1 + s, 1)
+        going_right = shift(going_right, axis, 1, _WIRE) + product(i - 1 - s, 0)
+        going_left = shift(going_left, axis, -1, _WIRE) + product(i + 1 + s, 1)
     return jnp.concatenate([going_right, going_left])
 
 
 def _gather_halves(
-    first: jax.Array, axis: str, second: jax.Array | None = None, weight: jax.Array | None = None
+    first: jax.Array, second: jax.Array, axis: str, weight: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Every device's halves (``first`` and ``second``; without ``second``, ``first`` cut in
-    two) gathered in device order, one half round each ring; with ``weight``, each arriving
-    half's product computed beside the next transfer. Returns ``(gathered, None)``, or
-    ``(products, gathered)`` with ``weight``."""
+    """Every device's two halves gathered in device order (each device's ``first`` then its
+    ``second``), one half round each ring: ``(gathered rows, None)``; with ``weight``, each
+    arriving half's product computed beside the next transfer: ``(gathered rows, their
+    products)``."""
     p, i = lax.axis_size(axis), lax.axis_index(axis)
-    if second is None:
-        first, second = jnp.split(first, 2)
-    right, left = _rings(p)
-    use = (lambda x: x) if weight is None else (lambda x: x @ weight)
     rows = jnp.zeros((p, 2, *first.shape), first.dtype)
-    out = (
-        rows
-        if weight is None
-        else jnp.zeros((p, 2, first.shape[0], weight.shape[1]), jnp.result_type(first, weight))
-    )
+    products = None
+    if weight is not None:
+        dtype = jnp.result_type(first, weight)
+        products = jnp.zeros((p, 2, first.shape[0], weight.shape[1]), dtype)
     going_right, going_left = first, second
     for s in range(p):
         if s:
-            going_right = lax.ppermute(going_right, axis, right)  # chunk i - s, half 0
-            going_left = lax.ppermute(going_left, axis, left)  # chunk i + s, half 1
-        out = out.at[(i - s) % p, 0].set(use(going_right)).at[(i + s) % p, 1].set(use(going_left))
-        if weight is not None:
-            rows = rows.at[(i - s) % p, 0].set(going_right).at[(i + s) % p, 1].set(going_left)
-    if weight is None:
-        return out.reshape(-1, first.shape[1]), None
-    return out.reshape(-1, weight.shape[1]), rows.reshape(-1, first.shape[1])
+            going_right = shift(going_right, axis, 1, _WIRE)  # chunk i - s, half 0
+            going_left = shift(going_left, axis, -1, _WIRE)  # chunk i + s, half 1
+        at_right, at_left = (i - s) % p, (i + s) % p
+        rows = rows.at[at_right, 0].set(going_right).at[at_left, 1].set(going_left)
+        if products is not None:
+            products = (
+                products.at[at_right, 0]
+                .set(going_right @ weight)
+                .at[at_left, 1]
+                .set(going_left @ weight)
+            )
+    gathered = rows.reshape(-1, first.shape[1])
+    return gathered, None if products is None else products.reshape(-1, weight.shape[1])

@@ -144,7 +144,6 @@ def row_product(h: jax.Array, kernel: jax.Array, contracted: int = 1) -> jax.Arr
     this device's, the sum over the axis). With sequence parallelism ``h`` is ``[batch,
     positions, ...]`` and the sum keeps this device's ``positions / p``."""
     batch = h.shape[: h.ndim - contracted]
-    rows = h.reshape(math.prod(batch), -1)
     flat = kernel.reshape(-1, kernel.shape[-1])
     active = _ACTIVE.get()
     if active and active.sequence:
@@ -152,6 +151,7 @@ def row_product(h: jax.Array, kernel: jax.Array, contracted: int = 1) -> jax.Arr
         chunked = _chunk_rows(h.reshape(*batch, -1), p)
         out = _row_scattered(chunked, flat, active.axis, active.schedule)
         return out.reshape(batch[0], batch[1] // p, kernel.shape[-1])
+    rows = h.reshape(math.prod(batch), -1)
     out = _row(rows, flat, *active[:2]) if active else rows @ flat
     return out.reshape(*batch, kernel.shape[-1])
 
@@ -305,41 +305,30 @@ _row_scattered.defvjp(_row_scattered_forward, _row_scattered_backward)
 # ---------------------------------------------------------------------- positions
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _shard_positions(x, axis):
-    p, i = lax.axis_size(axis), lax.axis_index(axis)
-    return lax.dynamic_slice_in_dim(x, i * (x.shape[1] // p), x.shape[1] // p, axis=1)
+def _own_positions(x: jax.Array, axis: str) -> jax.Array:
+    """This device's ``1/p`` of the positions (axis 1) of ``x``."""
+    size = x.shape[1] // lax.axis_size(axis)
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(axis) * size, size, axis=1)
 
 
-def _shard_positions_forward(x, axis):
-    return _shard_positions(x, axis), None
-
-
-def _shard_positions_backward(axis, _, cotangent):
-    # Every position's gradient, from the device that kept it: the same on every device.
-    return (lax.all_gather(cotangent, axis, axis=1, tiled=True),)
-
-
-_shard_positions.defvjp(_shard_positions_forward, _shard_positions_backward)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _gather_positions(x, axis):
+def _all_positions(x: jax.Array, axis: str) -> jax.Array:
+    """Every device's positions of ``x``, gathered in device order."""
     return lax.all_gather(x, axis, axis=1, tiled=True)
 
 
-def _gather_positions_forward(x, axis):
-    return _gather_positions(x, axis), None
-
-
-def _gather_positions_backward(axis, _, cotangent):
-    # What follows runs alike on every device: each keeps its own positions' gradient.
-    p, i = lax.axis_size(axis), lax.axis_index(axis)
-    size = cotangent.shape[1] // p
-    return (lax.dynamic_slice_in_dim(cotangent, i * size, size, axis=1),)
-
-
-_gather_positions.defvjp(_gather_positions_forward, _gather_positions_backward)
+# Each is the other's transpose where what follows runs alike on every device: a device's
+# own positions' gradient comes back gathered, and a gathered value's gradient is taken back
+# at the device's own positions.
+_shard_positions = jax.custom_vjp(_own_positions, nondiff_argnums=(1,))
+_shard_positions.defvjp(
+    lambda x, axis: (_own_positions(x, axis), None),
+    lambda axis, _, cotangent: (_all_positions(cotangent, axis),),
+)
+_gather_positions = jax.custom_vjp(_all_positions, nondiff_argnums=(1,))
+_gather_positions.defvjp(
+    lambda x, axis: (_all_positions(x, axis), None),
+    lambda axis, _, cotangent: (_own_positions(cotangent, axis),),
+)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -197,6 +197,13 @@ def name_dims(variable: nnx.Variable, *names: str | None) -> None:
     variable.set_metadata("out_sharding", names)
 
 
+def _name_norm(norm: nnx.Module) -> None:
+    """A norm's scale (and bias, if it has one) span the model's width."""
+    for variable in (norm.scale, getattr(norm, "bias", None)):
+        if variable is not None:
+            name_dims(variable, "embed")
+
+
 class Block(nnx.Module):
     """Pre-norm causal self-attention and MLP, each added to the residual stream.
 
@@ -247,10 +254,8 @@ class Block(nnx.Module):
             name_dims(layer.bias, "mlp")
         name_dims(self.down.kernel, "mlp", "embed")
         name_dims(self.down.bias, "embed")
-        for norm in (self.norm1, self.norm2):
-            for variable in (norm.scale, getattr(norm, "bias", None)):
-                if variable is not None:
-                    name_dims(variable, "embed")
+        _name_norm(self.norm1)
+        _name_norm(self.norm2)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.dropout(self._attend(self._norm(self.norm1, x)))
@@ -333,9 +338,7 @@ class Transformer(nnx.Module):
         name_dims(self.token_embed.embedding, "vocab", "embed")
         if not shape.rotary:
             name_dims(self.position_embed.embedding, "positions", "embed")
-        for variable in (self.norm.scale, getattr(self.norm, "bias", None)):
-            if variable is not None:
-                name_dims(variable, "embed")
+        _name_norm(self.norm)
         name_dims(self.head.kernel, "embed", "vocab")
         name_dims(self.head.bias, "vocab")
 

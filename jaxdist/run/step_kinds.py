@@ -77,6 +77,8 @@ class DataParallel:
                 f"{TENSOR_AXIS!r} axis's products, and the mesh has none"
             )
         self.resolved: dict = {}  # nothing left to the machine beyond the mesh
+        # The task's split, worked out (its shapes traced) once for every step built.
+        self._splits: dict[Task, TensorParallel | None] = {}
 
     def check_batches(self, batches: list[int], replicas: int) -> None:
         """Any global batch works: the batch plan splits it into accumulation steps."""
@@ -94,9 +96,14 @@ class DataParallel:
             accumulation_steps=accumulation_steps,
             shard_axes=shard_axes,
             stacked_layers=parts.task.stacked_layers(),
-            tensor=self.tensor_parallel(parts.task),
+            tensor=self._split_of(parts.task),
             **parts.options,
         )
+
+    def _split_of(self, task: Task) -> TensorParallel | None:
+        if task not in self._splits:
+            self._splits[task] = self.tensor_parallel(task)
+        return self._splits[task]
 
     def tensor_parallel(self, task: Task) -> TensorParallel | None:
         """How the task's parameters split over the mesh's tensor axis, by the recipe's rules

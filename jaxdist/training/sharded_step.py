@@ -44,9 +44,7 @@ def build_sharded_step(step: Any, state: Any) -> Callable:
     mesh, fsdp = step.mesh, step.sharding == "fsdp"
     specs = step.state_specs(state)
     layout = step.layout_of(state.params)
-    treedef = jax.tree.structure(state.params)
-    whole = layout.specs(treedef, None)  # split over the tensor axis alone, if any
-    blocks = whole if step.sharding == "replicated" else layout.specs(treedef, step.shard_axes)
+    whole, blocks = step.parameter_specs(state.params)
     replicated_model_state = jax.tree.map(lambda _: P(), state.model_state)
     gradients = jax.shard_map(
         lambda *args: _gradients(step, layout, *args),

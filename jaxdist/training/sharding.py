@@ -136,10 +136,11 @@ class Layout:
         per_leaf = lambda tree, default: (  # noqa: E731
             (default,) * len(flat) if tree is None else tuple(treedef.flatten_up_to(tree))
         )
-        axis, size, tensor_dims = (None, 1, None) if tensor is None else tensor
+        axis, tensor_size, tensor_dims = (None, 1, None) if tensor is None else tensor
         tensor_dims = per_leaf(tensor_dims, None)
         shapes = tuple(
-            _block_shape(tuple(leaf.shape), dim, size) for (_, leaf), dim in zip(flat, tensor_dims)
+            _block_shape(tuple(leaf.shape), dim, tensor_size)
+            for (_, leaf), dim in zip(flat, tensor_dims)
         )
         paths = tuple(jax.tree_util.keystr(path, simple=True, separator=".") for path, _ in flat)
         flags = tuple(bool(b) for b in per_leaf(stacked, False))
@@ -156,8 +157,8 @@ class Layout:
                 size = 0
             units[-1].append(index)
             size += nbytes
-        units_ = tuple(tuple(u) for u in units)
-        return cls(dims, shapes, paths, units_, shards, flags, tensor_dims, axis)
+        units_by_leaf = tuple(tuple(u) for u in units)
+        return cls(dims, shapes, paths, units_by_leaf, shards, flags, tensor_dims, axis)
 
     def specs(self, treedef: Any, axes: Sequence[str] | str | None) -> Any:
         """PartitionSpecs of the parameter tree ``treedef`` laid out this way over ``axes``

@@ -339,15 +339,24 @@ class TrainStep:
             )
         return self.layout
 
+    def parameter_specs(self, params: Any) -> tuple[Any, Any]:
+        """``(whole, blocks)``: PartitionSpecs of the parameters kept whole over the shard
+        axes (split over a tensor axis alone, if any), and of the blocks each device owns
+        (ZeRO-1's gradients and optimizer state, FSDP's parameters too; the same as
+        ``whole`` for a replicated step)."""
+        layout = self.layout_of(params)
+        treedef = jax.tree.structure(params)
+        whole = layout.specs(treedef, None)
+        if self.sharding == "replicated":
+            return whole, whole
+        return whole, layout.specs(treedef, self.shard_axes)
+
     def state_specs(self, state: TrainState) -> TrainState:
         """PartitionSpecs of the state: replicated, but for the sharded state of ZeRO-1
         (optimizer state) and FSDP (parameters and optimizer state), and the parameters a
         tensor axis splits (with their optimizer state)."""
         replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
-        layout = self.layout_of(state.params)
-        treedef = jax.tree.structure(state.params)
-        whole = layout.specs(treedef, None)  # split over the tensor axis alone, if any
-        blocks = whole if self.sharding == "replicated" else layout.specs(treedef, self.shard_axes)
+        whole, blocks = self.parameter_specs(state.params)
         params = blocks if self.sharding == "fsdp" else whole
         opt_state = optax.tree_map_params(
             self.optimizer,
