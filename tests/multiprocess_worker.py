@@ -10,6 +10,12 @@ Usage: ``python tests/multiprocess_worker.py CHECK [CHECK ...]`` with CHECK one 
   BatchNorm) for every case in :data:`TRAIN_CASES`, each process feeding its own slice of the
   global batch; the final parameters and BatchNorm statistics go to
   ``$JAXDIST_TEST_OUT_DIR/train-<case>-p<id>.npz`` for the test to compare with one process;
+* ``dali``: the DALI loader on a 2 x 2 mesh, reading ``$JAXDIST_TEST_DALI_ROOT`` (a folder
+  with one image per class, so a label names its sample): an epoch's batches placed on the
+  mesh, the same samples in the same order as the grain loader, and a resume from the state
+  after the first batch; the labels each process saw go to
+  ``$JAXDIST_TEST_OUT_DIR/dali-p<id>.npz`` for the test to check that the processes cover the
+  epoch exactly once between them;
 * ``hang``: write this process's pid to ``$JAXDIST_TEST_PID_DIR/<id>.pid``, then wait
   forever (the launcher-failure test kills one of these).
 
@@ -22,6 +28,7 @@ import :func:`train_case` and compute the one-process reference with the very sa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -417,6 +424,45 @@ def check_train() -> None:
         print(f"CHECK train {name} OK loss={loss:.6f}")
 
 
+def check_dali() -> None:
+    from jaxdist.data.config import DataConfig, Pipeline
+    from jaxdist.training.batches import shard_batch
+
+    root = os.environ["JAXDIST_TEST_DALI_ROOT"]
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
+    config = DataConfig(source="folder", root=root, image_size=16, dtype="uint8", seed=5)
+    dali = Pipeline(dataclasses.replace(config, loader="dali"))
+    dali.batch_sharding = NamedSharding(mesh, P(("x", "y")))
+    batch_size, count = 8, len(dali.train_source)
+    seen, images = [], []
+    with dali.train_iterator(batch_size, num_epochs=1) as batches:
+        for batch in batches:
+            placed = shard_batch(mesh, ("x", "y"), batch)
+            assert placed["image"].shape == (batch_size, 16, 16, 3), placed["image"].shape
+            seen.append(batch["label"])
+            images.append(batch["image"])
+    with Pipeline(config).train_iterator(batch_size, num_epochs=1) as grain_batches:
+        expected = [b["label"] for b in grain_batches]
+    assert len(seen) == count // batch_size and all(
+        (a == b).all() for a, b in zip(seen, expected, strict=True)
+    ), f"DALI labels {seen} vs grain's {expected}"
+    with dali.train_iterator(batch_size, num_epochs=1) as batches:
+        next(batches)
+        state = batches.get_state()
+    with dali.train_iterator(batch_size, num_epochs=1) as resumed:
+        resumed.set_state(state)
+        rest = list(resumed)
+    assert all(
+        (a["label"] == b).all() and (a["image"] == c).all()
+        for a, b, c in zip(rest, seen[1:], images[1:], strict=True)
+    ), "a resumed DALI iterator differs from the first pass"
+    folder = os.environ.get("JAXDIST_TEST_OUT_DIR")
+    if folder:
+        path = os.path.join(folder, f"dali-p{jax.process_index()}.npz")
+        np.savez(path, labels=np.concatenate(seen))
+    print(f"CHECK dali OK batches={len(seen)} resumed={len(rest)}")
+
+
 def hang() -> None:
     folder = os.environ["JAXDIST_TEST_PID_DIR"]
     # Make every process reach the collective runtime first, so a kill hits a live run.
@@ -436,6 +482,7 @@ CHECKS = {
     "allreduce": check_allreduce,
     "host": check_host,
     "train": check_train,
+    "dali": check_dali,
     "hang": hang,
 }
 

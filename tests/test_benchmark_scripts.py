@@ -209,7 +209,8 @@ def test_checkpoint_save_times_both_writings(tmp_path):
 @pytest.mark.slow
 def test_device_check_runs_its_small_mode_on_cpu(tmp_path):
     """The GPU check's every part on CPU: both steps timed, the chip's predicted step (asked
-    for by name: a CPU has no entry in the chip table), the input pipeline."""
+    for by name: a CPU has no entry in the chip table), both input pipelines (DALI decoding
+    on the CPU) and an epoch end to end."""
     out = tmp_path / "device_check.json"
     text = _run([sys.executable, str(BENCHMARKS / "device_check.py"), "--small", "--batches",
                  "4", "--chip", "h100", "--out", str(out)], timeout=600)  # fmt: skip
@@ -226,7 +227,13 @@ def test_device_check_runs_its_small_mode_on_cpu(tmp_path):
     assert lm["model"] == "transformer_lm" and lm["step_ms"] > 0 and lm["predicted_step_ms"] > 0
     assert lm["flops_per_step"] > 0 and 0 < lm["share_of_peak"] < 1
     assert result["input_pipeline"]["images_per_s"] > 0 and result["dtype"] == "bfloat16"
+    dali = result["input_pipeline"]["dali"]
+    assert dali["decode"] == "cpu" and dali["images_per_s"] > 0 and dali["over_grain"] > 0
+    e2e = result["end_to_end"]
+    assert e2e["loader"] == "dali" and e2e["steps"] == 8 and e2e["per_device_batch"] == 8
+    assert e2e["end_to_end_s"] > 0 and e2e["step_alone_s"] > 0
     assert "jaxdist img/s" in text and "transformer LM 2x64" in text
+    assert "DALI loader (cpu decode)" in text and "an epoch of 8 steps at 8 per device" in text
 
 
 def test_overlap_timeline_says_where_the_step_time_goes():

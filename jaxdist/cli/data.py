@@ -96,8 +96,27 @@ def _add_bench_and_fake(actions: argparse._SubParsersAction) -> None:
     bench.add_argument("--warmup", type=int, default=2, help="untimed batches first (default 2)")
     bench.add_argument("--image-size", type=int, default=224)
     bench.add_argument("--dtype", default="float32", choices=("float32", "uint8"))
-    bench.add_argument("--workers", type=int, default=0, help="grain worker processes")
+    bench.add_argument(
+        "--loader",
+        default="grain",
+        help="loaders to time, comma-separated: grain, dali (default grain)",
+    )
+    bench.add_argument(
+        "--workers",
+        default="0",
+        help="grain worker processes, comma-separated counts to time each (default 0)",
+    )
     bench.add_argument("--threads", type=int, default=2, help="read threads per process/worker")
+    bench.add_argument(
+        "--dali-threads", type=int, default=0, help="DALI threads per pipeline (0: all cores)"
+    )
+    bench.add_argument(
+        "--plan",
+        default=None,
+        metavar="PLAN.json",
+        help="a `jaxdist plan --json` output: say how many of a host's accelerators each "
+        "rate feeds at the step time it predicts",
+    )
     bench.set_defaults(func=bench_pipeline)
 
     fake = actions.add_parser("fake", help="write a small ImageNet-format folder of JPEGs")
@@ -108,6 +127,13 @@ def _add_bench_and_fake(actions: argparse._SubParsersAction) -> None:
     fake.add_argument("--min-size", type=int, default=200)
     fake.add_argument("--max-size", type=int, default=500)
     fake.add_argument("--seed", type=int, default=0)
+    fake.add_argument(
+        "--style",
+        default="smooth",
+        choices=("smooth", "photo"),
+        help="smooth colour fields (small files) or photo-like images that decode as slowly as "
+        "ImageNet's photographs (default smooth)",
+    )
     fake.set_defaults(func=fake_dataset)
 
 
@@ -196,8 +222,9 @@ def _open_splits(
         kind = "arrayrecord" if (Path(path) / METADATA).exists() else "folder"
     where = {"dataset": name, "root": args.root} if kind in ("tfds", "hf") else {"root": path}
     try:
-        config = DataConfig(source=kind, train_split=args.train_split,
-                            eval_split=args.eval_split, **where)  # fmt: skip
+        config = DataConfig(
+            source=kind, train_split=args.train_split, eval_split=args.eval_split, **where
+        )
     except ValueError as err:
         raise DatasetError(str(err)) from err
     pipeline = Pipeline(config, show_progress=True)
@@ -251,32 +278,74 @@ def undecodable_images(source, split: str) -> list[str]:
 
 
 def bench_pipeline(args: argparse.Namespace) -> int:
-    from jaxdist.bench.data import measure
-    from jaxdist.data.config import DataConfig
+    from jaxdist.bench.data import demand_of_plan, measure
+    from jaxdist.data.config import LOADERS, DataConfig
     from jaxdist.data.sources import DatasetError
 
     try:
-        config = DataConfig(
-            source=args.source,
-            root=args.root,
-            dataset=args.dataset,
-            image_size=args.image_size,
-            dtype=args.dtype,
-            worker_count=args.workers,
-            read_threads=args.threads,
-        )
-        rate = measure(config, args.batch, args.steps, args.warmup)
-    except (DatasetError, ValueError) as err:
+        loaders = [name.strip() for name in args.loader.split(",")]
+        unknown = [name for name in loaders if name not in LOADERS]
+        if unknown:
+            raise ValueError(f"--loader takes {', '.join(LOADERS)}, got {', '.join(unknown)}")
+        workers = _counts(args.workers, "--workers")
+        demand = demand_of_plan(args.plan) if args.plan else None
+    except ValueError as err:
         return _fail(err)
     print(
         f"data bench: source={args.source} batch={args.batch} image={args.image_size} "
-        f"dtype={args.dtype} workers={args.workers} threads={args.threads}"
+        f"dtype={args.dtype} threads={args.threads}"
     )
-    print(
-        f"  {rate.images_per_s:,.0f} images/s over {rate.batches} batches ({rate.seconds:.2f} s); "
-        f"first batch after {rate.first_batch_s:.2f} s"
-    )
+    if demand is not None:
+        print(
+            f"  the plan: {demand.per_chip_batch} images per {demand.chip} chip every "
+            f"{demand.step_seconds * 1e3:.1f} ms = {demand.images_per_s_per_chip:,.0f} images/s "
+            f"per chip, {demand.chips_per_host} chips per host"
+        )
+    runs = [
+        ("dali", 0) if name == "dali" else ("grain", w)
+        for name in loaders
+        for w in (workers if name == "grain" else [0])
+    ]
+    for loader, count in runs:
+        try:
+            config = DataConfig(
+                source=args.source,
+                root=args.root,
+                dataset=args.dataset,
+                image_size=args.image_size,
+                dtype=args.dtype,
+                loader=loader,
+                dali_threads=args.dali_threads,
+                worker_count=count,
+                read_threads=args.threads,
+            )
+            rate = measure(config, args.batch, args.steps, args.warmup)
+        except (DatasetError, ValueError) as err:
+            return _fail(err)
+        label = (
+            f"dali (threads {args.dali_threads or 'all'})"
+            if loader == "dali"
+            else (f"grain (workers {count})")
+        )
+        line = (
+            f"  {label:<22} {rate.images_per_s:>9,.0f} images/s over {rate.batches} batches "
+            f"({rate.seconds:.2f} s); first batch after {rate.first_batch_s:.2f} s"
+        )
+        if demand is not None:
+            fed = demand.chips_fed(rate.images_per_s)
+            line += f"; feeds {fed:.1f} of this host's {demand.chips_per_host} accelerators"
+        print(line, flush=True)
     return 0
+
+
+def _counts(text: str, flag: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 0:
+        raise ValueError(f"{flag} takes comma-separated counts >= 0 such as 0,2,4, got {text!r}")
+    return counts
 
 
 def fake_dataset(args: argparse.Namespace) -> int:
@@ -289,9 +358,10 @@ def fake_dataset(args: argparse.Namespace) -> int:
         args.val_per_class,
         (args.min_size, args.max_size),
         args.seed,
+        args.style,
     )
     print(
         f"wrote {root}: {args.classes} classes x ({args.train_per_class} train + "
-        f"{args.val_per_class} val) JPEGs of {args.min_size}-{args.max_size} px"
+        f"{args.val_per_class} val) {args.style} JPEGs of {args.min_size}-{args.max_size} px"
     )
     return 0

@@ -17,6 +17,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxdist.data.arrayrecord import ArrayRecordSource
+from jaxdist.data.dali_loader import (
+    DaliBatchIterator,
+    build_dali_eval_iterator,
+    build_dali_train_iterator,
+)
 from jaxdist.data.hf_source import HuggingFaceSource
 from jaxdist.data.pipeline import (
     BatchIterator,
@@ -39,6 +44,8 @@ __all__ = [
 # Synthetic data's classes when data.num_classes does not say (ImageNet's).
 SYNTHETIC_CLASSES = 1000
 SOURCES = ("folder", "arrayrecord", "tfds", "hf", "synthetic", "digits", "mnist5k")
+ENCODED_SOURCES = ("folder", "arrayrecord", "tfds", "hf")  # image bytes, decoded per sample
+LOADERS = ("grain", "dali")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +63,11 @@ class DataConfig:
       image_size: output side for JPEG sources.
       dtype: ``float32`` (normalised on the host) or ``uint8`` (normalise on the device).
       seed: shuffle and augmentation seed.
+      loader: who decodes: ``grain`` (simplejpeg and OpenCV in grain's threads or worker
+        processes) or ``dali`` (NVIDIA DALI, on the GPU on GPU hosts; the same samples,
+        crops and flips; ``pip install 'jaxdist[dali]'``).
+      dali_threads: DALI threads per pipeline (one pipeline per local device; 0: the host's
+        cores shared among them).
       worker_count: grain worker processes (0 = decode in threads of this process).
       read_threads: threads per process or worker, each preparing one batch.
       prefetch_batches: batches buffered ahead.
@@ -79,6 +91,8 @@ class DataConfig:
     image_size: int = 224
     dtype: str = "float32"
     seed: int = 0
+    loader: str = "grain"
+    dali_threads: int = 0
     worker_count: int = 0
     read_threads: int = 2
     prefetch_batches: int = 2
@@ -104,8 +118,27 @@ class DataConfig:
                 f"{self.source!r} use split strings: data.train_split='train[:80%]' "
                 "data.eval_split='train[80%:]'"
             )
+        self._check_loader()
         parse_split(self.train_split, "data.train_split")
         parse_split(self.eval_split, "data.eval_split")
+
+    def _check_loader(self) -> None:
+        if self.loader not in LOADERS:
+            raise ValueError(f"data.loader must be one of {LOADERS}, got {self.loader!r}")
+        if self.loader != "dali":
+            return
+        if self.source not in ENCODED_SOURCES:
+            raise ValueError(
+                f"data.loader=dali decodes images, but data.source={self.source!r} holds "
+                f"decoded arrays; use it with data.loader=grain, or a source of image files "
+                f"{ENCODED_SOURCES}"
+            )
+        if self.worker_count:
+            raise ValueError(
+                f"data.worker_count={self.worker_count} starts grain decode processes; with "
+                "data.loader=dali DALI decodes in its own threads (data.dali_threads): set "
+                "data.worker_count=0"
+            )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> DataConfig:
@@ -160,6 +193,13 @@ class Pipeline:
     def __init__(self, config: DataConfig, show_progress: bool = False) -> None:
         self.config = config
         self.show_progress = show_progress
+        # Where a batch's images go (the step's data sharding): DALI's GPU outputs are
+        # placed there directly; numpy batches are placed by the step.
+        self.batch_sharding: Any = None
+        if config.loader == "dali":
+            from jaxdist.data.dali_loader import require_dali
+
+            require_dali()
         self._named: dict[str, ImageSource] = {}  # each named split opened once
         self.train_source = open_split(config.train_split, self._open, "data.train_split")
         self._eval_source: ImageSource | None = None
@@ -239,17 +279,21 @@ class Pipeline:
         process_index: int | None = None,
         process_count: int | None = None,
         num_epochs: int | None = None,
-    ) -> BatchIterator:
+    ) -> BatchIterator | DaliBatchIterator:
         """Shuffled, augmented, repeating batches from stream position ``start_sample``."""
+        common = {
+            "seed": self.config.seed,
+            "start_sample": start_sample,
+            "process_index": process_index,
+            "process_count": process_count,
+            "num_epochs": num_epochs,
+        }
+        if self.config.loader == "dali":
+            return build_dali_train_iterator(
+                self.train_source, global_batch_size, **common, **self._dali_options()
+            )
         return build_train_iterator(
-            self.train_source,
-            global_batch_size,
-            seed=self.config.seed,
-            start_sample=start_sample,
-            process_index=process_index,
-            process_count=process_count,
-            num_epochs=num_epochs,
-            **self._options(),
+            self.train_source, global_batch_size, **common, **self._options()
         )
 
     def eval_iterator(
@@ -258,15 +302,28 @@ class Pipeline:
         *,
         process_index: int | None = None,
         process_count: int | None = None,
-    ) -> BatchIterator:
+    ) -> BatchIterator | DaliBatchIterator:
         """One padded pass over the held-out split (weight metrics by ``batch["mask"]``)."""
-        return build_eval_iterator(
-            self.eval_source,
-            global_batch_size,
-            process_index=process_index,
-            process_count=process_count,
-            **self._options(),
-        )
+        common = {"process_index": process_index, "process_count": process_count}
+        if self.config.loader == "dali":
+            return build_dali_eval_iterator(
+                self.eval_source, global_batch_size, **common, **self._dali_options()
+            )
+        return build_eval_iterator(self.eval_source, global_batch_size, **common, **self._options())
+
+    def _dali_options(self) -> dict[str, Any]:
+        import jax
+
+        c = self.config
+        return {
+            "image_size": c.image_size,
+            "dtype": c.dtype,
+            "read_threads": c.read_threads,
+            "prefetch_batches": c.prefetch_batches,
+            "devices": jax.local_devices(),
+            "sharding": self.batch_sharding,
+            "threads": c.dali_threads or None,
+        }
 
 
 def _shared_names(config: DataConfig) -> set[str]:

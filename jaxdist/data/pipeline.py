@@ -26,7 +26,7 @@ the metric can be exact: weight each sample by ``batch["mask"]``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grain.python as grain
@@ -85,6 +85,7 @@ class Plan:
     worker_count: int
     read_threads: int
     prefetch_batches: int
+    batch_fn: Callable[[Sequence[Any]], Any] | None = None  # None: grain stacks the elements
 
 
 class BatchIterator(Iterator[Batch]):
@@ -114,7 +115,9 @@ class BatchIterator(Iterator[Batch]):
         self._stop = None if plan.stream_length is None else start_sample + len(window)
         local = window[plan.process_index :: plan.process_count]
         batches = local.batch(
-            plan.global_batch_size // plan.process_count, drop_remainder=plan.drop_remainder
+            plan.global_batch_size // plan.process_count,
+            drop_remainder=plan.drop_remainder,
+            batch_fn=plan.batch_fn,
         )
         # Elements are whole batches; threads work on different batches at once.
         read = grain.ReadOptions(
@@ -157,6 +160,14 @@ class BatchIterator(Iterator[Batch]):
     @property
     def global_batch_size(self) -> int:
         return self._plan.global_batch_size
+
+    @property
+    def process_count(self) -> int:
+        return self._plan.process_count
+
+    @property
+    def num_records(self) -> int:
+        return self._plan.num_records
 
     # ------------------------------------------------------------------ checkpointing
     def get_state(self) -> dict[str, Any]:
@@ -299,6 +310,16 @@ def build_train_iterator(
     return BatchIterator(plan, start_sample)
 
 
+def shuffled_records(
+    source: ImageSource, seed: int, num_epochs: int | None, shuffle: bool
+) -> grain.MapDataset:
+    """The global sample stream's records: the source shuffled per epoch, epochs repeated."""
+    stream = grain.MapDataset.source(source)
+    if shuffle:
+        stream = stream.shuffle(seed=seeds_of(seed)[0])
+    return stream.repeat(num_epochs)
+
+
 def _train_stream(
     source: ImageSource,
     seed: int,
@@ -309,14 +330,10 @@ def _train_stream(
     augment: bool,
 ) -> grain.MapDataset:
     """The records shuffled, repeated, decoded (augmented) and converted to outputs."""
-    shuffle_seed, augment_seed = seeds_of(seed)
-    stream = grain.MapDataset.source(source)
-    if shuffle:
-        stream = stream.shuffle(seed=shuffle_seed)
-    stream = stream.repeat(num_epochs)
+    stream = shuffled_records(source, seed, num_epochs, shuffle)
     if source.encoded:
         if augment:
-            stream = stream.random_map(DecodeTrain(image_size), seed=augment_seed)
+            stream = stream.random_map(DecodeTrain(image_size), seed=seeds_of(seed)[1])
         else:
             stream = stream.map(DecodeEval(image_size))
     return stream.map(ToOutput(dtype, source.mean, source.std))

@@ -440,6 +440,8 @@ def _data_fields() -> ml_collections.ConfigDict:
             image_size=224,
             dtype="float32",
             seed=0,
+            loader="grain",
+            dali_threads=0,
             worker_count=0,
             read_threads=2,
             prefetch_batches=2,

@@ -57,6 +57,7 @@ SAFE_TO_CHANGE = (
     "checkpoint.async_save",
     "data.worker_count",
     "data.read_threads",
+    "data.dali_threads",
     "data.prefetch_batches",
     "mlperf.org",
     "mlperf.platform",

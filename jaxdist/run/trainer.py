@@ -46,9 +46,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxdist.data import DatasetError
+from jaxdist.data import DatasetError, Pipeline
 from jaxdist.run import pipeline_config, rerun
 from jaxdist.run.agreement import check_same_everywhere, run_facts
 from jaxdist.run.build import TaskFactory, build_run
@@ -132,6 +133,8 @@ class Trainer:
         # The parts under the names the planner, the benchmarks and the tests read.
         self.mesh, self.step_kind, self.task = parts.mesh, parts.step_kind, parts.task
         self.data, self.data_axes = parts.data, parts.data_axes
+        if isinstance(self.data, Pipeline):  # a loader decoding on GPUs places the images
+            self.data.batch_sharding = NamedSharding(self.mesh, P(self.data_axes))
         self.num_replicas, self.schedule = parts.num_replicas, parts.schedule
         self.plans, self.total_steps = parts.plans, parts.total_steps
         self.lr_fn, self.eval_step = parts.lr_fn, parts.eval_step

@@ -70,12 +70,15 @@ def local_rows(batch: Any, mesh: Mesh, data_axes: str | tuple[str, ...]) -> Any:
 def shard_batch(mesh: Mesh, data_axes: str | tuple[str, ...], batch: Any) -> Any:
     """Place a batch on ``mesh``, split along its leading axis over ``data_axes``.
 
-    Each process passes its own part of the global batch (all of it on one process)."""
+    Each process passes its own part of the global batch (all of it on one process); a leaf
+    that is already a global array with this placement is kept as it is."""
     check_batch_sizes(batch)
     sharding = NamedSharding(mesh, P(data_axes))
     local_replicas = len(local_replica_indices(mesh, data_axes))
 
     def place(x):
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x  # placed already (a loader that decodes on the devices)
         x = np.asarray(x)
         if x.ndim == 0 or x.shape[0] % local_replicas:
             raise ValueError(
