@@ -67,9 +67,12 @@ def compile_one(topology_name: str, algorithm: str, unroll_limit: int) -> dict:
         spec = meshes.MeshSpec("scale", "ring", (("data", chips),))
     mesh = meshes.build(spec, devices)
     step = TrainStep(
-        loss_fn, optax.sgd(0.1, 0.9), mesh, allreduce=algorithm,
+        loss_fn,
+        optax.sgd(0.1, 0.9),
+        mesh,
+        allreduce=algorithm,
         allreduce_options={"unroll_limit": unroll_limit},
-    )  # fmt: skip
+    )
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 2048)))["params"])
     batch = {"x": ((64 * chips, 2048), jnp.bfloat16), "y": ((64 * chips,), jnp.int32)}
     started = time.perf_counter()
@@ -103,15 +106,18 @@ def main(argv=None) -> int:
     parser.add_argument("--algorithms", default="native,ring,torus2d")
     parser.add_argument("--unroll-limits", default="16,100000")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per compile")
-    parser.add_argument("--one", nargs=3, metavar=("TOPOLOGY", "ALGORITHM", "UNROLL"),
-                        help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument(
+        "--one", nargs=3, metavar=("TOPOLOGY", "ALGORITHM", "UNROLL"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(compile_one(args.one[0], args.one[1], int(args.one[2]))))
         return 0
     rows = []
-    print("| slice | chips | allreduce | unroll limit | compile (s) | peak memory (MiB) "
-          "| gradient collectives (in loops) | backward overlapped |")  # fmt: skip
+    print(
+        "| slice | chips | allreduce | unroll limit | compile (s) | peak memory (MiB) "
+        "| gradient collectives (in loops) | backward overlapped |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for topology in args.topologies.split(","):
         for algorithm in args.algorithms.split(","):
@@ -120,25 +126,39 @@ def main(argv=None) -> int:
                 try:
                     done = subprocess.run(
                         [sys.executable, __file__, "--one", topology, algorithm, limit],
-                        capture_output=True, text=True, check=False, timeout=args.timeout,
-                    )  # fmt: skip
+                        capture_output=True,
+                        text=True,
+                        check=False,
+                        timeout=args.timeout,
+                    )
                 except subprocess.TimeoutExpired:
-                    rows.append({"topology": topology, "algorithm": algorithm,
-                                 "unroll_limit": int(limit), "timed_out": args.timeout})  # fmt: skip
-                    print(f"| {topology} | | {algorithm} | {limit} | over {args.timeout:.0f} "
-                          "| | | |", flush=True)  # fmt: skip
+                    rows.append(
+                        {
+                            "topology": topology,
+                            "algorithm": algorithm,
+                            "unroll_limit": int(limit),
+                            "timed_out": args.timeout,
+                        }
+                    )
+                    print(
+                        f"| {topology} | | {algorithm} | {limit} | over {args.timeout:.0f} | | | |",
+                        flush=True,
+                    )
                     continue
                 if done.returncode:
                     print(f"{topology} {algorithm} {limit}: failed: {done.stderr[-2000:]}")
                     continue
                 row = json.loads(done.stdout.strip().splitlines()[-1])
                 rows.append(row)
-                print(f"| {topology} | {row['chips']} | {algorithm} | "
-                      f"{'-' if algorithm == 'native' else limit} "
-                      f"| {row['lower_and_compile_seconds']:.1f} | {row['peak_rss_mib']:,.0f} "
-                      f"| {row['gradient_collective_instructions']} "
-                      f"({row['gradient_collectives_in_loops']}) "
-                      f"| {row['overlapped_backward_fraction']:.0%} |", flush=True)  # fmt: skip
+                print(
+                    f"| {topology} | {row['chips']} | {algorithm} | "
+                    f"{'-' if algorithm == 'native' else limit} "
+                    f"| {row['lower_and_compile_seconds']:.1f} | {row['peak_rss_mib']:,.0f} "
+                    f"| {row['gradient_collective_instructions']} "
+                    f"({row['gradient_collectives_in_loops']}) "
+                    f"| {row['overlapped_backward_fraction']:.0%} |",
+                    flush=True,
+                )
     # Configurations compiled here replace their earlier rows; the others' rows stay.
     merged = {_key(r): r for r in json.loads(RESULTS.read_text())} if RESULTS.exists() else {}
     merged.update({_key(r): r for r in rows})

@@ -85,8 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         order = list(SETTINGS) if r % 2 == 0 else list(reversed(SETTINGS))
         for name in order:
-            command = [sys.executable, __file__, "--child", name,
-                       "--devices", str(args.devices), "--saves", str(args.saves)]  # fmt: skip
+            command = [
+                sys.executable,
+                __file__,
+                "--child",
+                name,
+                "--devices",
+                str(args.devices),
+                "--saves",
+                str(args.saves),
+            ]
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 print(f"the {name} process failed:\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -100,14 +108,18 @@ def main(argv: list[str] | None = None) -> int:
         return first, later
 
     base = medians("one writer per array")
-    print(f"ResNet-50 train state replicated over {args.devices} CPU devices, one process, "
-          f"median of {args.rounds} rounds")  # fmt: skip
+    print(
+        f"ResNet-50 train state replicated over {args.devices} CPU devices, one process, "
+        f"median of {args.rounds} rounds"
+    )
     print("| writing | first save (s) | later saves (s) | against one writer per array |")
     print("|---|---|---|---|")
     for name in SETTINGS:
         first, later = medians(name)
-        print(f"| {name} | {first:.2f} | {later:.2f} | "
-              f"{first / base[0]:.2f}x / {later / base[1]:.2f}x |")  # fmt: skip
+        print(
+            f"| {name} | {first:.2f} | {later:.2f} | "
+            f"{first / base[0]:.2f}x / {later / base[1]:.2f}x |"
+        )
     if args.json:
         record = {"devices": args.devices, "rounds": args.rounds, "seconds": runs}
         args.json.write_text(json.dumps(record, indent=2) + "\n")

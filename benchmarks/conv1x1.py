@@ -83,16 +83,21 @@ def main() -> None:
     shapes = resnet50_pointwise_shapes(args.batch)
     rows = []
     print(f"# {jax.devices()[0].device_kind}, batch {args.batch}, float32, ms (median)")
-    print(f"{'input':>14} {'out':>5} {'s':>2} {'n':>2} | {'fwd conv':>9} {'matmul':>7} {'x':>5} | "
-          f"{'fwd+bwd conv':>13} {'matmul':>7} {'x':>5}")  # fmt: skip
+    print(
+        f"{'input':>14} {'out':>5} {'s':>2} {'n':>2} | {'fwd conv':>9} {'matmul':>7} {'x':>5} | "
+        f"{'fwd+bwd conv':>13} {'matmul':>7} {'x':>5}"
+    )
     for (side, cin, cout, stride), count in sorted(
         shapes.items(), key=lambda kv: (-kv[0][0], kv[0][1:])
     ):
         x = jax.random.normal(jax.random.key(1), (args.batch, side, side, cin))
         conv = compiled(nn.Conv(cout, (1, 1), stride, "VALID", use_bias=False), x)
         matmul = compiled(PointwiseConv(cout, stride), x)
-        runners = {f"{way} {kind}": fn for way, fns in (("conv", conv), ("matmul", matmul))
-                   for kind, fn in fns.items()}  # fmt: skip
+        runners = {
+            f"{way} {kind}": fn
+            for way, fns in (("conv", conv), ("matmul", matmul))
+            for kind, fn in fns.items()
+        }
         timing.warm_up(runners, warmup=0)
         seconds = timing.interleaved_rounds(runners, steps=1, rounds=args.rounds)
         ms = {key: statistics.median(times) * 1e3 for key, times in seconds.items()}
@@ -106,8 +111,15 @@ def main() -> None:
         rows.append(row)
         print(f"{f'{side}x{side}x{cin}':>14} {cout:>5} {stride:>2} {count:>2} | {_cells(ms)}")
     # Weighted by use: the time all of ResNet-50's 1x1 convolutions take in one step.
-    total = {key: sum(r["count"] * r[f"{key} ms"] for r in rows) for key in
-             ("conv forward", "matmul forward", "conv forward+backward", "matmul forward+backward")}  # fmt: skip
+    total = {
+        key: sum(r["count"] * r[f"{key} ms"] for r in rows)
+        for key in (
+            "conv forward",
+            "matmul forward",
+            "conv forward+backward",
+            "matmul forward+backward",
+        )
+    }
     print(f"{'all 1x1 convs':>26} | {_cells(total)}")
     if args.json:
         with open(args.json, "w") as f:

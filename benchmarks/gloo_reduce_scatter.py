@@ -73,12 +73,18 @@ def main() -> None:
     if jax.process_index() != 0:
         return
     for row in rows:
-        print(f"{row['moment']:>38s}: {row['collective']:<14s} of {args.mib} MiB "
-              f"{row['seconds'] * 1e3:9.1f} ms", flush=True)  # fmt: skip
+        print(
+            f"{row['moment']:>38s}: {row['collective']:<14s} of {args.mib} MiB "
+            f"{row['seconds'] * 1e3:9.1f} ms",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"devices": p, "processes": jax.process_count(), "mib": args.mib,
-                       "rows": rows}, f, indent=1)  # fmt: skip
+            json.dump(
+                {"devices": p, "processes": jax.process_count(), "mib": args.mib, "rows": rows},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -39,9 +39,13 @@ def main(argv=None) -> int:
     parser.add_argument("--image-size", type=int, default=64, help="resnet50 input size")
     parser.add_argument("--iters", type=int, default=3, help="timed rounds")
     parser.add_argument("--link", default=None, help="LATENCY:BANDWIDTH (default: the cluster's)")
-    parser.add_argument("--flops", type=float, default=None,
-                        help="a device's matrix-product rate for pricing the rebuild (default: "
-                        "measured here, all devices at once; 0: leave the rebuild out)")  # fmt: skip
+    parser.add_argument(
+        "--flops",
+        type=float,
+        default=None,
+        help="a device's matrix-product rate for pricing the rebuild (default: "
+        "measured here, all devices at once; 0: leave the rebuild out)",
+    )
     parser.add_argument("--json", default=None, help="write the results here (process 0)")
     args = parser.parse_args(argv)
 
@@ -66,30 +70,46 @@ def main(argv=None) -> int:
     params, model_state = init()
     batch = _batch(args, example, devices)
     say = print if jax.process_index() == 0 else (lambda *a, **k: None)
-    say(f"# {args.model}, {devices} devices, {args.per_device} examples per device; links "
+    say(
+        f"# {args.model}, {devices} devices, {args.per_device} examples per device; links "
         f"{links.flat.alpha * 1e6:g} us, {links.flat.bandwidth / 1e6:g} MB/s ({links.source}); "
-        f"matrix products {flops / 1e9 if flops else 0:.1f} GFLOP/s per device")  # fmt: skip
+        f"matrix products {flops / 1e9 if flops else 0:.1f} GFLOP/s per device"
+    )
 
     layer_rows = _layer_communication(mesh, layers, args.per_device, links, args.iters, timing)
     say("\n| layer | path | bytes sent per device | measured (s) | predicted (s) |")
     say("|---|---|---|---|---|")
     for row in layer_rows:
-        say(f"| {row['layer']} | {row['path']} | {row['bytes_sent'] / 2**20:.2f} MiB | "
-            f"{row['seconds']:.3f} | {row['predicted']:.3f} |")  # fmt: skip
+        say(
+            f"| {row['layer']} | {row['path']} | {row['bytes_sent'] / 2**20:.2f} MiB | "
+            f"{row['seconds']:.3f} | {row['predicted']:.3f} |"
+        )
 
-    step_rows = _steps(mesh, loss_fn, (params, model_state), batch, layers, links, args.iters,
-                       timing)  # fmt: skip
+    step_rows = _steps(
+        mesh, loss_fn, (params, model_state), batch, layers, links, args.iters, timing
+    )
     say("\n| variant | step (s) | averaging adds (s) | bytes sent per device | predicted (s) |")
     say("|---|---|---|---|---|")
     for row in step_rows:
-        say(f"| {row['variant']} | {row['step']:.3f} | {row['adds']:.3f} | "
-            f"{row['bytes_sent'] / 2**20:.1f} MiB | {row['predicted']:.3f} |")  # fmt: skip
+        say(
+            f"| {row['variant']} | {row['step']:.3f} | {row['adds']:.3f} | "
+            f"{row['bytes_sent'] / 2**20:.1f} MiB | {row['predicted']:.3f} |"
+        )
     if args.json and jax.process_index() == 0:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "devices": devices, "per_device": args.per_device,
-                       "link": {"alpha": links.flat.alpha, "beta": links.flat.beta},
-                       "flops": links.flops,
-                       "layers": layer_rows, "steps": step_rows}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "model": args.model,
+                    "devices": devices,
+                    "per_device": args.per_device,
+                    "link": {"alpha": links.flat.alpha, "beta": links.flat.beta},
+                    "flops": links.flops,
+                    "layers": layer_rows,
+                    "steps": step_rows,
+                },
+                f,
+                indent=1,
+            )
         print(f"wrote {args.json}")
     return 0
 
@@ -182,18 +202,37 @@ def _layer_communication(mesh, layers, rows, links, iters, timing):
         factor_bytes, kernel_bytes = rows * (m + n) * 4, m * n * 4
         gather_seconds = hybrid.predict_factor_gather(factor_bytes, (devices,), links)
         for label, body, count, predicted, sent in (
-            ("ring allreduce", ring, m * n, cost_model.predict("ring", kernel_bytes, (devices,), links.flat),
-             2 * (devices - 1) / devices * kernel_bytes),
-            ("factors: all-gather", gather, rows * (m + n), gather_seconds, (devices - 1) * factor_bytes),
-            ("factors: all-gather + rebuild", rebuild, rows * (m + n),
-             gather_seconds + (2 * devices * rows * m * n / links.flops if links.flops else 0),
-             (devices - 1) * factor_bytes),
-        ):  # fmt: skip
+            (
+                "ring allreduce",
+                ring,
+                m * n,
+                cost_model.predict("ring", kernel_bytes, (devices,), links.flat),
+                2 * (devices - 1) / devices * kernel_bytes,
+            ),
+            (
+                "factors: all-gather",
+                gather,
+                rows * (m + n),
+                gather_seconds,
+                (devices - 1) * factor_bytes,
+            ),
+            (
+                "factors: all-gather + rebuild",
+                rebuild,
+                rows * (m + n),
+                gather_seconds + (2 * devices * rows * m * n / links.flops if links.flops else 0),
+                (devices - 1) * factor_bytes,
+            ),
+        ):
             name = f"{path} {m}x{n}: {label}"
             fn, x = per_device(mesh, body), make_input(mesh, count, jnp.float32, seed=0)
             runners[name] = lambda fn=fn, x=x: fn(x)
-            meta[name] = {"layer": f"{path} {m}x{n}", "path": label, "bytes_sent": sent,
-                          "predicted": predicted}  # fmt: skip
+            meta[name] = {
+                "layer": f"{path} {m}x{n}",
+                "path": label,
+                "bytes_sent": sent,
+                "predicted": predicted,
+            }
     timing.warm_up(runners, warmup=1)
     seconds = timing.interleaved_rounds(runners, steps=1, rounds=iters)
     return [{**meta[name], "seconds": statistics.median(times)} for name, times in seconds.items()]
@@ -235,16 +274,26 @@ def _steps(mesh, loss_fn, variables, batch, layers, links, iters, timing):
         if name == "no averaging":
             continue
         routes = [r for r in steps[name].plan().routes if r.in_total]
-        rows.append({
-            "variant": name,
-            "step": statistics.median(times),
-            "adds": statistics.median(times) - base,
-            "bytes_sent": sum(r.sent_bytes for r in routes),
-            "predicted": sum(r.seconds for r in routes),
-            "plan": steps[name].plan().table(),
-        })  # fmt: skip
-    rows.append({"variant": "no averaging", "step": base, "adds": 0.0, "bytes_sent": 0.0,
-                 "predicted": 0.0, "plan": ""})  # fmt: skip
+        rows.append(
+            {
+                "variant": name,
+                "step": statistics.median(times),
+                "adds": statistics.median(times) - base,
+                "bytes_sent": sum(r.sent_bytes for r in routes),
+                "predicted": sum(r.seconds for r in routes),
+                "plan": steps[name].plan().table(),
+            }
+        )
+    rows.append(
+        {
+            "variant": "no averaging",
+            "step": base,
+            "adds": 0.0,
+            "bytes_sent": 0.0,
+            "predicted": 0.0,
+            "plan": "",
+        }
+    )
     if jax.process_index() == 0:
         print("\n# auto's plan\n" + steps["auto"].plan().table())
     return rows

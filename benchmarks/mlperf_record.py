@@ -107,13 +107,17 @@ def read_system(path: Path) -> dict:
     hosts = _whole_number(fields.get("number_of_nodes"))
     per_host = _whole_number(fields.get("accelerators_per_node"))
     if hosts is None or per_host is None:
-        raise LogError(f"{path}: no number_of_nodes and accelerators_per_node to count chips "
-                       f"(found {fields.get('number_of_nodes')!r} and "
-                       f"{fields.get('accelerators_per_node')!r})")  # fmt: skip
+        raise LogError(
+            f"{path}: no number_of_nodes and accelerators_per_node to count chips "
+            f"(found {fields.get('number_of_nodes')!r} and "
+            f"{fields.get('accelerators_per_node')!r})"
+        )
     model = str(fields.get("accelerator_model_name", ""))
     if per_host == 0 or hosts == 0:
-        raise LogError(f"{path}: no accelerator ({hosts} nodes x {per_host} accelerators, "
-                       f"{model!r}): a CPU-only system")  # fmt: skip
+        raise LogError(
+            f"{path}: no accelerator ({hosts} nodes x {per_host} accelerators, "
+            f"{model!r}): a CPU-only system"
+        )
     return {
         "division": _division(fields),
         "chips": hosts * per_host,
@@ -170,15 +174,17 @@ def walk(root: Path, problems: list[str], seen: set[str] | None = None) -> list[
             problems.append(str(err))
             continue
         seen.add(facts["digest"])
-        rows.append({
-            "round": round_of(log),
-            "submitter": submitter_dir.name,
-            "system": system_dir.name,
-            **system,
-            **facts,
-            "per_chip_batch": facts["global_batch"] / system["chips"],
-            "path": str(log.relative_to(root)),
-        })  # fmt: skip
+        rows.append(
+            {
+                "round": round_of(log),
+                "submitter": submitter_dir.name,
+                "system": system_dir.name,
+                **system,
+                **facts,
+                "per_chip_batch": facts["global_batch"] / system["chips"],
+                "path": str(log.relative_to(root)),
+            }
+        )
     return rows
 
 
@@ -205,19 +211,34 @@ def scored(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["round"], row["submitter"], row["system"]), []).append(row)
-    keys = ("division", "chips", "hosts", "chips_per_host", "accelerator", "generation",
-            "host_network", "global_batch", "per_chip_batch", "bn_span", "optimizer")  # fmt: skip
+    keys = (
+        "division",
+        "chips",
+        "hosts",
+        "chips_per_host",
+        "accelerator",
+        "generation",
+        "host_network",
+        "global_batch",
+        "per_chip_batch",
+        "bn_span",
+        "optimizer",
+    )
     submissions = []
     for (round_, submitter, system), runs in sorted(groups.items()):
         epochs = [r["epochs_to_target"] for r in runs if r["success"]]
-        submissions.append({
-            "round": round_, "submitter": submitter, "system": system,
-            **{key: runs[0][key] for key in keys},
-            "runs": len(runs),
-            "successful_runs": sum(r["success"] for r in runs),
-            "scored_seconds": mlperf_score(runs),
-            "epochs_to_target": sorted(epochs),
-        })  # fmt: skip
+        submissions.append(
+            {
+                "round": round_,
+                "submitter": submitter,
+                "system": system,
+                **{key: runs[0][key] for key in keys},
+                "runs": len(runs),
+                "successful_runs": sum(r["success"] for r in runs),
+                "scored_seconds": mlperf_score(runs),
+                "epochs_to_target": sorted(epochs),
+            }
+        )
     return submissions
 
 
@@ -244,15 +265,23 @@ def write_table(path: Path, rows: list[dict], submissions: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", nargs="+", required=True, type=Path,
-                        help="result repositories (or folders holding them)")  # fmt: skip
+    parser.add_argument(
+        "--root",
+        nargs="+",
+        required=True,
+        type=Path,
+        help="result repositories (or folders holding them)",
+    )
     parser.add_argument("--out", type=Path, required=True, help="JSON to write")
     parser.add_argument("--quiet", action="store_true", help="count the skipped logs only")
     args = parser.parse_args(argv)
     missing = [str(root) for root in args.root if not root.is_dir()]
     if missing:
-        print(f"mlperf_record: expected folders of result repositories, found no folder "
-              f"{', '.join(missing)}", file=sys.stderr)  # fmt: skip
+        print(
+            f"mlperf_record: expected folders of result repositories, found no folder "
+            f"{', '.join(missing)}",
+            file=sys.stderr,
+        )
         return 2
     rows, submissions, problems = read_record(args.root)
     if not args.quiet:
@@ -260,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mlperf_record: skipped {line}", file=sys.stderr)
     write_table(args.out, rows, submissions)
     with_score = sum(s["scored_seconds"] is not None for s in submissions)
-    print(f"{len(rows)} runs of {len(submissions)} submissions ({with_score} scored) -> "
-          f"{args.out} ({len(problems)} logs skipped)")  # fmt: skip
+    print(
+        f"{len(rows)} runs of {len(submissions)} submissions ({with_score} scored) -> "
+        f"{args.out} ({len(problems)} logs skipped)"
+    )
     return 0
 
 

@@ -49,8 +49,14 @@ def walk_text(text: str, compute: float, topology: str):
 
     topo = parse_topology(topology)
     price = transfer_pricer(network_for(topo.chip), math.inf, topo.chip.torus_dims)
-    return walk(text, compute, price, peak_flops=topo.chip.peak_flops,
-                hbm_bandwidth=topo.chip.hbm_bandwidth, num_devices=topo.num_chips)  # fmt: skip
+    return walk(
+        text,
+        compute,
+        price,
+        peak_flops=topo.chip.peak_flops,
+        hbm_bandwidth=topo.chip.hbm_bandwidth,
+        num_devices=topo.num_chips,
+    )
 
 
 def draw(timelines: dict, out: Path, topology: str) -> None:
@@ -68,8 +74,9 @@ def draw(timelines: dict, out: Path, topology: str) -> None:
         ax.set_title(
             f"{name}: {t.gradient_hidden_fraction:.0%} of {t.gradient_seconds * 1e3:.1f} ms of "
             f"gradient communication hidden, step {t.step_seconds * 1e3:.1f} ms",
-            fontsize=10, loc="left",
-        )  # fmt: skip
+            fontsize=10,
+            loc="left",
+        )
     axes[-1].set_xlabel(f"ms into one ResNet-50 step on {topology} (32 images per chip)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -89,8 +96,10 @@ def utilisation(timeline, slices: int) -> list[str]:
     lines = ["| ms | compute busy | compute stalled | network (gradients) |", "|---|---|---|---|"]
     for k in range(slices):
         lo, hi = step * k / slices, step * (k + 1) / slices
-        lines.append(f"| {lo * 1e3:.2f}-{hi * 1e3:.2f} | {share(timeline.busy, lo, hi):.0%} "
-                     f"| {share(stalls, lo, hi):.0%} | {share(grads, lo, hi):.0%} |")  # fmt: skip
+        lines.append(
+            f"| {lo * 1e3:.2f}-{hi * 1e3:.2f} | {share(timeline.busy, lo, hi):.0%} "
+            f"| {share(stalls, lo, hi):.0%} | {share(grads, lo, hi):.0%} |"
+        )
     return lines
 
 
@@ -100,8 +109,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/overlap_timeline.png"))
     parser.add_argument("--save-hlo", type=Path, help="keep the compiled programs here")
     parser.add_argument("--hlo-dir", type=Path, help="draw from programs kept by --save-hlo")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override the recipe for both variants")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override the recipe for both variants",
+    )
     parser.add_argument("--slices", type=int, default=0, help="print where each step's time goes")
     args = parser.parse_args(argv)
     jax.config.update("jax_platforms", "cpu")
@@ -118,9 +132,11 @@ def main(argv=None) -> int:
             (args.save_hlo / f"{i}.compute").write_text(repr(compute))
         timelines[name] = walk_text(text, compute, args.topology)
         t = timelines[name]
-        print(f"{name}: step {t.step_seconds * 1e3:.2f} ms, compute {t.compute_seconds * 1e3:.2f}"
-              f" ms, gradients {t.gradient_seconds * 1e3:.2f} ms, hidden "
-              f"{t.gradient_hidden_seconds * 1e3:.2f} ms ({t.gradient_hidden_fraction:.0%})")  # fmt: skip
+        print(
+            f"{name}: step {t.step_seconds * 1e3:.2f} ms, compute {t.compute_seconds * 1e3:.2f}"
+            f" ms, gradients {t.gradient_seconds * 1e3:.2f} ms, hidden "
+            f"{t.gradient_hidden_seconds * 1e3:.2f} ms ({t.gradient_hidden_fraction:.0%})"
+        )
         if args.slices:
             print("\n".join(utilisation(t, args.slices)))
     draw(timelines, args.out, args.topology)

@@ -70,8 +70,10 @@ def main(argv=None) -> int:
         return cost_model.predict("ring", nbytes, (n,), link) if n > 1 else 0.0
 
     rows = []
-    print(f"# {args.mesh}: {replicas} replica(s) x {S} stages; {M} micro-batches of {b} per "
-          f"replica; links {args.link}")  # fmt: skip
+    print(
+        f"# {args.mesh}: {replicas} replica(s) x {S} stages; {M} micro-batches of {b} per "
+        f"replica; links {args.link}"
+    )
     print("| training | messages/step | bytes sent per device per step | predicted seconds |")
     print("|---|---|---|---|")
     for schedule in args.schedules.split(","):
@@ -85,16 +87,28 @@ def main(argv=None) -> int:
             )
             params.append(variables["params"])
             x = jax.eval_shape(lambda v, x, m=module: m.apply(v, x, train=False), variables, x)
-        step = PipelineStep(pipeline_stages.flax_stages(modules),
-                            lambda y, mb: (jnp.mean((y - mb["y"]) ** 2), {}),
-                            optax.sgd(0.1), mesh, microbatches=M, schedule=schedule,
-                            chunks=chunks, inputs=lambda batch: batch["x"])  # fmt: skip
+        step = PipelineStep(
+            pipeline_stages.flax_stages(modules),
+            lambda y, mb: (jnp.mean((y - mb["y"]) ** 2), {}),
+            optax.sgd(0.1),
+            mesh,
+            microbatches=M,
+            schedule=schedule,
+            chunks=chunks,
+            inputs=lambda batch: batch["x"],
+        )
         state = step.abstract_init(params)
         batch_sharding = jax.sharding.NamedSharding(
             mesh, jax.sharding.PartitionSpec(step.data_axes)
         )
-        batch = {"x": jax.ShapeDtypeStruct((replicas * M * b, INPUT), jnp.float32, sharding=batch_sharding),
-                 "y": jax.ShapeDtypeStruct((replicas * M * b, WIDTHS[-1]), jnp.float32, sharding=batch_sharding)}  # fmt: skip
+        batch = {
+            "x": jax.ShapeDtypeStruct(
+                (replicas * M * b, INPUT), jnp.float32, sharding=batch_sharding
+            ),
+            "y": jax.ShapeDtypeStruct(
+                (replicas * M * b, WIDTHS[-1]), jnp.float32, sharding=batch_sharding
+            ),
+        }
         rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
         step.lower(state, batch, rng)  # traces the step: the activation layout is known after
         sent_by = step.bytes_per_step()
@@ -102,23 +116,49 @@ def main(argv=None) -> int:
         gradient = sent_by["gradient_bytes"]
         sent = messages * message + ring_bytes(gradient, replicas)
         seconds = messages * (link.alpha + message * link.beta) + ring_seconds(gradient, replicas)
-        rows.append({"training": f"pipeline {schedule}", "messages": messages,
-                     "message_bytes": message, "stage_gradient_bytes": gradient,
-                     "bytes_sent": sent, "predicted_seconds": seconds})  # fmt: skip
+        rows.append(
+            {
+                "training": f"pipeline {schedule}",
+                "messages": messages,
+                "message_bytes": message,
+                "stage_gradient_bytes": gradient,
+                "bytes_sent": sent,
+                "predicted_seconds": seconds,
+            }
+        )
         model_bytes = sum(4 * x.size for p in params for x in jax.tree.leaves(p))
-        print(f"| pipeline {schedule} | {messages} of {message / 2**20:.2f} MiB + ring of "
-              f"{gradient / 2**20:.0f} MiB over {replicas} | {sent / 2**20:.0f} MiB | "
-              f"{seconds:.2f} |")  # fmt: skip
+        print(
+            f"| pipeline {schedule} | {messages} of {message / 2**20:.2f} MiB + ring of "
+            f"{gradient / 2**20:.0f} MiB over {replicas} | {sent / 2**20:.0f} MiB | "
+            f"{seconds:.2f} |"
+        )
     data_parallel = ring_bytes(model_bytes, mesh.size)
     seconds = ring_seconds(model_bytes, mesh.size)
-    rows.append({"training": "data parallel", "model_bytes": model_bytes,
-                 "bytes_sent": data_parallel, "predicted_seconds": seconds})  # fmt: skip
+    rows.append(
+        {
+            "training": "data parallel",
+            "model_bytes": model_bytes,
+            "bytes_sent": data_parallel,
+            "predicted_seconds": seconds,
+        }
+    )
     print(
         f"| data parallel, ring over {mesh.size} | {2 * (mesh.size - 1)} | "
         f"{data_parallel / 2**20:.0f} MiB | {seconds:.2f} |"
     )
-    args.json.write_text(json.dumps({"mesh": args.mesh, "link": args.link, "microbatches": M,
-                                   "micro_batch": b, "rows": rows}, indent=1) + "\n")  # fmt: skip
+    args.json.write_text(
+        json.dumps(
+            {
+                "mesh": args.mesh,
+                "link": args.link,
+                "microbatches": M,
+                "micro_batch": b,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return 0
 
 

@@ -94,10 +94,15 @@ def model_stages(model: str, stages: int, micro_batch: int):
 
 
 def measure(
-    topology: str, stages: int, schedules: list[str], micro_batches: list[int],
-    model: str = "mlp", micro_batch: int = MICRO_BATCH, replicas: int = 1,
+    topology: str,
+    stages: int,
+    schedules: list[str],
+    micro_batches: list[int],
+    model: str = "mlp",
+    micro_batch: int = MICRO_BATCH,
+    replicas: int = 1,
     shardings: tuple[str, ...] = ("replicated",),
-) -> list:  # fmt: skip
+) -> list:
     devices = devices_for(topology, stages * replicas)
     import jax
     import jax.numpy as jnp
@@ -122,16 +127,23 @@ def measure(
     rows = []
     for schedule, sharding in ((s, h) for h in shardings for s in schedules):
         for M in micro_batches:
-            step = PipelineStep(pipeline_stages.flax_stages(modules), loss_fn, optax.sgd(0.1, 0.9)
-                                if model == "resnet152" else optax.adam(1e-3), mesh,
-                                microbatches=M, schedule=schedule, inputs=lambda b: b["x"],
-                                allreduce="ring" if replicas > 1 else "native",
-                                sharding=sharding)  # fmt: skip
+            step = PipelineStep(
+                pipeline_stages.flax_stages(modules),
+                loss_fn,
+                optax.sgd(0.1, 0.9) if model == "resnet152" else optax.adam(1e-3),
+                mesh,
+                microbatches=M,
+                schedule=schedule,
+                inputs=lambda b: b["x"],
+                allreduce="ring" if replicas > 1 else "native",
+                sharding=sharding,
+            )
             state = step.abstract_init(params, model_state)
             split = NamedSharding(mesh, PartitionSpec(step.data_axes or None))
-            batch = {name: jax.ShapeDtypeStruct((shape[0] * replicas, *shape[1:]), dtype,
-                                                sharding=split)
-                     for name, (shape, dtype) in batch_shapes(M).items()}  # fmt: skip
+            batch = {
+                name: jax.ShapeDtypeStruct((shape[0] * replicas, *shape[1:]), dtype, sharding=split)
+                for name, (shape, dtype) in batch_shapes(M).items()
+            }
             rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
             memory = step.lower(state, batch, rng).compile().memory_analysis()
             row = {
@@ -146,19 +158,30 @@ def measure(
                 "stash_slots": step.program.input_slots,
                 # Parameter copies a device holds: the newest, plus PipeDream's stashed versions
                 # or 2BW's older one.
-                "weight_versions": 1 + (step.program.weight_slots if schedule == "pipedream"
-                                        else schedule == "pipedream_2bw"),
+                "weight_versions": 1
+                + (
+                    step.program.weight_slots
+                    if schedule == "pipedream"
+                    else schedule == "pipedream_2bw"
+                ),
                 "bubble": step.program.schedule.bubble_fraction,
                 "argument_mib": memory.argument_size_in_bytes / 2**20,
                 "temp_mib": memory.temp_size_in_bytes / 2**20,
-                "peak_mib": (memory.argument_size_in_bytes + memory.temp_size_in_bytes
-                             + memory.output_size_in_bytes - memory.alias_size_in_bytes) / 2**20,
-            }  # fmt: skip
+                "peak_mib": (
+                    memory.argument_size_in_bytes
+                    + memory.temp_size_in_bytes
+                    + memory.output_size_in_bytes
+                    - memory.alias_size_in_bytes
+                )
+                / 2**20,
+            }
             rows.append(row)
-            print(f"| {schedule} | {sharding} | {M} | {row['stash_slots']} | {row['weight_versions']} | "
-                  f"{row['bubble']:.3f} | "
-                  f"{row['argument_mib']:.1f} | {row['temp_mib']:.1f} | {row['peak_mib']:.1f} |",
-                  flush=True)  # fmt: skip
+            print(
+                f"| {schedule} | {sharding} | {M} | {row['stash_slots']} | {row['weight_versions']} | "
+                f"{row['bubble']:.3f} | "
+                f"{row['argument_mib']:.1f} | {row['temp_mib']:.1f} | {row['peak_mib']:.1f} |",
+                flush=True,
+            )
     return rows
 
 
@@ -171,14 +194,17 @@ def plot(rows: list, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for schedule in dict.fromkeys(r["schedule"] for r in rows):
         mine = [r for r in rows if r["schedule"] == schedule]
-        ax.plot([r["microbatches"] for r in mine], [r["temp_mib"] for r in mine], "o-",
-                label=schedule)  # fmt: skip
+        ax.plot(
+            [r["microbatches"] for r in mine], [r["temp_mib"] for r in mine], "o-", label=schedule
+        )
     first = rows[0]
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches per step (M)")
     ax.set_ylabel("temporary memory per device (MiB)")
-    ax.set_title(f"{first['model']}, {first['stages']} stages, {first['micro_batch']} examples "
-                 f"per micro-batch ({first['topology']})")  # fmt: skip
+    ax.set_title(
+        f"{first['model']}, {first['stages']} stages, {first['micro_batch']} examples "
+        f"per micro-batch ({first['topology']})"
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -197,9 +223,12 @@ def main(argv=None) -> int:
         default=1,
         help="data-parallel replicas of the pipeline (devices: stages x replicas)",
     )
-    parser.add_argument("--sharding", default="replicated",
-                        help="how each stage's state is kept over the replicas: replicated, fsdp "
-                             "or both, comma-separated")  # fmt: skip
+    parser.add_argument(
+        "--sharding",
+        default="replicated",
+        help="how each stage's state is kept over the replicas: replicated, fsdp "
+        "or both, comma-separated",
+    )
     parser.add_argument(
         "--model",
         default="mlp",
@@ -210,17 +239,28 @@ def main(argv=None) -> int:
         "--micro-batch", type=int, default=MICRO_BATCH, help="examples per micro-batch"
     )
     parser.add_argument("--plot", type=Path, default=None, help="write the chart here")
-    parser.add_argument("--json", type=Path, default=None,
-                        help="rows to this file (default benchmarks/results/pipeline_memory_<topology>.json)")  # fmt: skip
+    parser.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="rows to this file (default benchmarks/results/pipeline_memory_<topology>.json)",
+    )
     args = parser.parse_args(argv)
     print(
         "| schedule | sharding | M | stash slots | weight versions | bubble | arguments (MiB) | "
         "temporaries (MiB) | peak (MiB) |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    rows = measure(args.topology, args.stages, args.schedules.split(","),
-                   [int(m) for m in args.microbatches.split(",")], args.model,
-                   args.micro_batch, args.replicas, tuple(args.sharding.split(",")))  # fmt: skip
+    rows = measure(
+        args.topology,
+        args.stages,
+        args.schedules.split(","),
+        [int(m) for m in args.microbatches.split(",")],
+        args.model,
+        args.micro_batch,
+        args.replicas,
+        tuple(args.sharding.split(",")),
+    )
     name = f"{args.topology.replace(':', '_')}" + ("" if args.model == "mlp" else f"_{args.model}")
     name += "" if args.replicas == 1 else f"_replicas{args.replicas}"
     out = args.json or RESULTS / f"pipeline_memory_{name}.json"

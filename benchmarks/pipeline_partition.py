@@ -63,12 +63,17 @@ def main(argv=None) -> int:
 
     model = create("resnet50", num_classes=1000, width=args.width)
     example = jnp.zeros((args.micro_batch, args.image, args.image, 3), jnp.float32)
-    print(f"profiling ResNet-50 (width {args.width}, {args.image}x{args.image}, micro-batch "
-          f"{args.micro_batch}) on {jax.devices()[0].device_kind}: the layers, then both cuts' "
-          f"stages, timed in {args.repeats} interleaved rounds ...", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"profiling ResNet-50 (width {args.width}, {args.image}x{args.image}, micro-batch "
+        f"{args.micro_batch}) on {jax.devices()[0].device_kind}: the layers, then both cuts' "
+        f"stages, timed in {args.repeats} interleaved rounds ...",
+        file=sys.stderr,
+        flush=True,
+    )
     optimizer = optax.sgd(0.1, momentum=0.9)
-    profile, calls = layer_calls(model, example, optimizer,
-                                 description={"name": "resnet50", "width": args.width})  # fmt: skip
+    profile, calls = layer_calls(
+        model, example, optimizer, description={"name": "resnet50", "width": args.width}
+    )
     # The cuts come from a first profile; every stage is then timed in the same rounds as the
     # layers, so that prediction and measurement see the machine alike.
     first = with_times(profile, interleaved_seconds(calls, args.repeats))
@@ -76,11 +81,14 @@ def main(argv=None) -> int:
     cuts = []
     for stages in (int(s) for s in args.stages.split(",")):
         cut = partition(first, stages, free, microbatches=stages)
-        cuts += [(stages, "partitioner", cut.boundaries),
-                 (stages, "even", even_cut(len(profile.layers), stages))]  # fmt: skip
+        cuts += [
+            (stages, "partitioner", cut.boundaries),
+            (stages, "even", even_cut(len(profile.layers), stages)),
+        ]
     # Each cut's stages, compiled as the spans a pipeline runs.
-    spans = [layer_calls(model, example, optimizer, description={}, boundaries=b)[1]
-             for _, _, b in cuts]  # fmt: skip
+    spans = [
+        layer_calls(model, example, optimizer, description={}, boundaries=b)[1] for _, _, b in cuts
+    ]
     seconds = interleaved_seconds(calls + [c for span in spans for c in span], args.repeats)
     profile = with_times(profile, seconds[: len(calls)])
     measured = seconds[len(calls) :]
@@ -90,23 +98,39 @@ def main(argv=None) -> int:
         times, measured = measured[: len(span)], measured[len(span) :]
         for s, p in enumerate(predicted):
             took = times[2 * s] + times[2 * s + 1]
-            rows.append({
-                "stages": stages, "cut": name, "boundaries": list(boundaries), "stage": s,
-                "layers": [p.start, p.stop - 1], "predicted_ms": p.time_s * 1e3,
-                "measured_ms": took * 1e3, "error": (p.time_s - took) / took,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "stages": stages,
+                    "cut": name,
+                    "boundaries": list(boundaries),
+                    "stage": s,
+                    "layers": [p.start, p.stop - 1],
+                    "predicted_ms": p.time_s * 1e3,
+                    "measured_ms": took * 1e3,
+                    "error": (p.time_s - took) / took,
+                }
+            )
         mine = [r for r in rows if r["stages"] == stages and r["cut"] == name]
-        print(f"S={stages} {name:<11} {list(boundaries)}: slowest measured "
-              f"{max(r['measured_ms'] for r in mine):.2f} ms, predicted "
-              f"{max(r['predicted_ms'] for r in mine):.2f} ms; worst stage error "
-              f"{max(abs(r['error']) for r in mine):.1%}")  # fmt: skip
+        print(
+            f"S={stages} {name:<11} {list(boundaries)}: slowest measured "
+            f"{max(r['measured_ms'] for r in mine):.2f} ms, predicted "
+            f"{max(r['predicted_ms'] for r in mine):.2f} ms; worst stage error "
+            f"{max(abs(r['error']) for r in mine):.1%}"
+        )
     errors = [abs(r["error"]) for r in rows]
-    print(f"stage predictions: median error {statistics.median(errors):.1%}, worst "
-          f"{max(errors):.1%} over {len(rows)} stages")  # fmt: skip
-    record = {"model": "resnet50", "width": args.width, "image": args.image,
-              "micro_batch": args.micro_batch, "device": jax.devices()[0].device_kind,
-              "profile_ms": [(x.forward_s + x.backward_s) * 1e3 for x in profile.layers],
-              "rows": rows}  # fmt: skip
+    print(
+        f"stage predictions: median error {statistics.median(errors):.1%}, worst "
+        f"{max(errors):.1%} over {len(rows)} stages"
+    )
+    record = {
+        "model": "resnet50",
+        "width": args.width,
+        "image": args.image,
+        "micro_batch": args.micro_batch,
+        "device": jax.devices()[0].device_kind,
+        "profile_ms": [(x.forward_s + x.backward_s) * 1e3 for x in profile.layers],
+        "rows": rows,
+    }
     args.json.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.json}")
     return 0

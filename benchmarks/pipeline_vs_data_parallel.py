@@ -74,8 +74,10 @@ def main(argv=None) -> int:
     replicas, M, b = 2, args.microbatches, args.micro_batch
     batch_size = replicas * M * b
     rng = np.random.default_rng(0)
-    host_batch = {"x": rng.normal(size=(batch_size, INPUT)).astype(np.float32),
-                  "label": rng.integers(0, WIDTHS[-1], size=(batch_size,)).astype(np.int32)}  # fmt: skip
+    host_batch = {
+        "x": rng.normal(size=(batch_size, INPUT)).astype(np.float32),
+        "label": rng.integers(0, WIDTHS[-1], size=(batch_size,)).astype(np.int32),
+    }
 
     def cross_entropy(logits, batch):
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
@@ -103,11 +105,19 @@ def main(argv=None) -> int:
         for schedule in ("gpipe", "1f1b")
         for suffix, allreduce in (("", "ring"), (", no allreduce", NO_ALLREDUCE))
     ]
-    pipelines.append(("1f1b", ", fsdp", "ring", "fsdp"))  # fmt: skip
+    pipelines.append(("1f1b", ", fsdp", "ring", "fsdp"))
     for schedule, suffix, allreduce, sharding in pipelines:
-        step = PipelineStep(pipeline_stages.flax_stages(modules), cross_entropy, sgd,
-                            pipeline_mesh, microbatches=M, schedule=schedule, allreduce=allreduce,
-                            sharding=sharding, inputs=lambda batch: batch["x"])  # fmt: skip
+        step = PipelineStep(
+            pipeline_stages.flax_stages(modules),
+            cross_entropy,
+            sgd,
+            pipeline_mesh,
+            microbatches=M,
+            schedule=schedule,
+            allreduce=allreduce,
+            sharding=sharding,
+            inputs=lambda batch: batch["x"],
+        )
         state = step.init(stage_params)
         batch = step.shard_batch(local_rows(host_batch, pipeline_mesh, step.data_axes))
         runners[f"pipeline {schedule}{suffix}"] = _runner(step, state, batch, jax)
@@ -136,8 +146,10 @@ def main(argv=None) -> int:
             ) + cost_model.predict("ring", gradient, (replicas,), link)
         rows.append(row)
     by_name = {r["variant"]: r for r in rows}
-    print(f"# 8 devices, batch {batch_size}, model {model_bytes / 2**20:.0f} MiB; links "
-          f"{link.alpha * 1e6:g} us, {link.bandwidth / 1e6:g} MB/s")  # fmt: skip
+    print(
+        f"# 8 devices, batch {batch_size}, model {model_bytes / 2**20:.0f} MiB; links "
+        f"{link.alpha * 1e6:g} us, {link.bandwidth / 1e6:g} MB/s"
+    )
     print(
         "| variant | step (s) | allreduce adds (s) | bytes sent per device | predicted communication (s) |"
     )
@@ -151,8 +163,16 @@ def main(argv=None) -> int:
         print(f"| {row['variant']} | {row['step_seconds']:.3f} | {adds} | {sent} | {predicted} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"batch": batch_size, "model_bytes": model_bytes, "rows": rows,
-                       "link": {"alpha": link.alpha, "beta": link.beta}}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "batch": batch_size,
+                    "model_bytes": model_bytes,
+                    "rows": rows,
+                    "link": {"alpha": link.alpha, "beta": link.beta},
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

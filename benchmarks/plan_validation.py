@@ -57,12 +57,15 @@ def model_facts(topology_name: str, per_chip_batch: int):
 
     topology = parse_topology(topology_name)
     config = config_lib.load_recipe(config_lib.resolve_recipe_path("resnet50_imagenet_mlperf_lars"))
-    config = config_lib.apply_overrides(config, [
-        f"batch_size={per_chip_batch * topology.num_chips}",
-        f"max_per_device_batch={per_chip_batch}",
-        "model.bn_group_size=None",
-        "wait_free=True",
-    ])  # fmt: skip
+    config = config_lib.apply_overrides(
+        config,
+        [
+            f"batch_size={per_chip_batch * topology.num_chips}",
+            f"max_per_device_batch={per_chip_batch}",
+            "model.bn_group_size=None",
+            "wait_free=True",
+        ],
+    )
     plan = plan_recipe(config, topology, efficiency=1.0)
     compiled = plan.stages[0].compiled
     facts = ModelFacts(
@@ -78,12 +81,23 @@ def model_facts(topology_name: str, per_chip_batch: int):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--root", type=Path, default=RECORD_ROOT,
-                        help="the MLPerf record to fit on (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--predict", type=Path, metavar="ROOT",
-                        help="predict the scored submissions under ROOT with the stored fit")  # fmt: skip
-    parser.add_argument("--published", action="store_true",
-                        help="calibrate the step-time model on the published runs instead")  # fmt: skip
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=RECORD_ROOT,
+        help="the MLPerf record to fit on (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--predict",
+        type=Path,
+        metavar="ROOT",
+        help="predict the scored submissions under ROOT with the stored fit",
+    )
+    parser.add_argument(
+        "--published",
+        action="store_true",
+        help="calibrate the step-time model on the published runs instead",
+    )
     parser.add_argument("--topology", default="v5e:2x2")
     parser.add_argument("--per-chip-batch", type=int, default=32)
     parser.add_argument(
@@ -103,9 +117,12 @@ def main(argv=None) -> int:
         stored = json.loads(published.CALIBRATION_FILE.read_text())["facts"]
         fields = set(published.ModelFacts.__dataclass_fields__)
         if set(stored) != fields:
-            print(f"--reuse-facts: {published.CALIBRATION_FILE} holds facts "
-                  f"{sorted(stored)}, this version needs {sorted(fields)}: run without "
-                  "--reuse-facts to compile them", file=sys.stderr)  # fmt: skip
+            print(
+                f"--reuse-facts: {published.CALIBRATION_FILE} holds facts "
+                f"{sorted(stored)}, this version needs {sorted(fields)}: run without "
+                "--reuse-facts to compile them",
+                file=sys.stderr,
+            )
             return 2
         facts = published.ModelFacts(**{**stored, "bucket_bytes": tuple(stored["bucket_bytes"])})
     else:
@@ -118,20 +135,31 @@ def main(argv=None) -> int:
     published.write_calibration(calibration_run, facts, efficiency, by_generation)
     rows = [_row(run, published.predict_run(run, facts, efficiency)) for run in runs.values()]
     scores = _scores([runs[name] for name in published.MLPERF_RUNS], facts)
-    RESULTS.write_text(json.dumps({
-        "efficiency": efficiency, "facts": asdict(facts), "runs": rows,
-        "by_generation": by_generation, **scores,
-    }, indent=2) + "\n")  # fmt: skip
+    RESULTS.write_text(
+        json.dumps(
+            {
+                "efficiency": efficiency,
+                "facts": asdict(facts),
+                "runs": rows,
+                "by_generation": by_generation,
+                **scores,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"efficiency {efficiency:.3f} of peak, calibrated on {calibration_run.name}")
     print(TABLE_HEAD)
     for r in rows:
         error = "(calibration)" if r["run"] == calibration_run.name else f"{r['error']:+.0%}"
         batches = " → ".join(f"{b:,}" for b in r["global_batches"])
-        print(f"| {r['run']} | {r['chips']:,} × {r['chip']} | {batches} | {r['epochs']:g} "
-              f"| {r['published_seconds']:,.0f} s | {r['predicted_seconds']:,.0f} s | {error} "
-              f"| {r['published_images_per_second_per_chip']:,.0f} "
-              f"| {r['predicted_images_per_second_per_chip']:,.0f} "
-              f"| {r['exposed_communication_share']:.0%} |")  # fmt: skip
+        print(
+            f"| {r['run']} | {r['chips']:,} × {r['chip']} | {batches} | {r['epochs']:g} "
+            f"| {r['published_seconds']:,.0f} s | {r['predicted_seconds']:,.0f} s | {error} "
+            f"| {r['published_images_per_second_per_chip']:,.0f} "
+            f"| {r['predicted_images_per_second_per_chip']:,.0f} "
+            f"| {r['exposed_communication_share']:.0%} |"
+        )
     print("\nefficiency per generation, fitted on its MLPerf runs (what a plan uses):")
     for chip, fit in by_generation.items():
         print(f"  {chip}: {fit['efficiency']:.3f} (fitted on {len(fit['runs'])} of its runs)")
@@ -157,32 +185,44 @@ def _scores(scored: list, facts) -> dict:
     return {
         "leave_one_out_by_generation": published.leave_one_out_by_generation(facts),
         "leave_one_out": published.leave_one_out(scored, facts),
-        "temporal_split": {"efficiency": temporal_efficiency, "runs": temporal,
-                           "fitted_on": [r.name for r in early]},
-    }  # fmt: skip
+        "temporal_split": {
+            "efficiency": temporal_efficiency,
+            "runs": temporal,
+            "fitted_on": [r.name for r in early],
+        },
+    }
 
 
 def _print_scores(leave_one_out_by_generation, leave_one_out, temporal_split) -> None:
     own_rows, one_rows = leave_one_out_by_generation, leave_one_out
     scored_rows = [r for r in own_rows if r["error"] is not None]
     within = sum(abs(r["error"]) <= 0.2 for r in scored_rows)
-    print(f"\nleave-one-out, each MLPerf run predicted with its generation's efficiency fitted on "
-          f"that generation's other runs: {within} of {len(own_rows)} within ±20% "
-          f"({len(own_rows) - len(scored_rows)} without another run of their "
-          "generation, unscored); beside it, one efficiency for every chip fitted on the other "
-          "ten:")  # fmt: skip
-    print("| run | own generation: efficiency | error | one efficiency: efficiency | error |\n"
-          "|---|---|---|---|---|")  # fmt: skip
+    print(
+        f"\nleave-one-out, each MLPerf run predicted with its generation's efficiency fitted on "
+        f"that generation's other runs: {within} of {len(own_rows)} within ±20% "
+        f"({len(own_rows) - len(scored_rows)} without another run of their "
+        "generation, unscored); beside it, one efficiency for every chip fitted on the other "
+        "ten:"
+    )
+    print(
+        "| run | own generation: efficiency | error | one efficiency: efficiency | error |\n"
+        "|---|---|---|---|---|"
+    )
     for own, one in zip(own_rows, one_rows, strict=True):
-        mine = (f"{own['efficiency']:.3f} | {own['error']:+.0%}" if own["error"] is not None
-                else f"— | unscored: {own['why']}")  # fmt: skip
+        mine = (
+            f"{own['efficiency']:.3f} | {own['error']:+.0%}"
+            if own["error"] is not None
+            else f"— | unscored: {own['why']}"
+        )
         print(f"| {own['run']} | {mine} | {one['efficiency']:.3f} | {one['error']:+.0%} |")
     within = sum(abs(r["error"]) <= 0.2 for r in one_rows)
     print(f"one efficiency for every chip: {within} of {len(one_rows)} within ±20%")
     fitted_on = len(temporal_split["fitted_on"])
     print(f"\ntemporal split: fitted on v0.6-v1.0 ({fitted_on} runs), predicting v2.0-v4.0")
-    print("| run | own generation's earlier runs | one efficiency "
-          f"({temporal_split['efficiency']:.3f}) |\n|---|---|---|")  # fmt: skip
+    print(
+        "| run | own generation's earlier runs | one efficiency "
+        f"({temporal_split['efficiency']:.3f}) |\n|---|---|---|"
+    )
     for r in temporal_split["runs"]:
         own = r["own_generation_error"]
         own = f"{own:+.0%}" if own is not None else "— (no earlier run of its generation)"

@@ -114,8 +114,18 @@ TARGETS = {
 def run(name: str, timeout: float) -> dict:
     """Plan one target in a child process; its plan, wall time and peak memory."""
     recipe, topology, sets = TARGETS[name]
-    command = [sys.executable, __file__, "--child", "plan", recipe, "--topology", topology,
-               "--efficiency", "0.2", "--json"]  # fmt: skip
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        "plan",
+        recipe,
+        "--topology",
+        topology,
+        "--efficiency",
+        "0.2",
+        "--json",
+    ]
     for item in sets:
         command += ["--set", item]
     started = time.perf_counter()
@@ -168,8 +178,10 @@ def _hidden(stage: dict) -> str:
     seconds = stage["step_seconds"]
     if "gradient_hidden_fraction" not in stage:  # a plan made before the time was walked
         return "-"
-    return (f"{stage['gradient_hidden_fraction']:.0%} ({seconds['hidden'] * 1e3:.1f} of "
-            f"{seconds['communication'] * 1e3:.1f} ms)")  # fmt: skip
+    return (
+        f"{stage['gradient_hidden_fraction']:.0%} ({seconds['hidden'] * 1e3:.1f} of "
+        f"{seconds['communication'] * 1e3:.1f} ms)"
+    )
 
 
 def child(argv: list[str]) -> int:

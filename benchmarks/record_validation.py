@@ -26,13 +26,18 @@ SCALES = (("one host", 1), ("2-64 hosts", 64), ("beyond 64 hosts", float("inf"))
 def validate(root: Path, out: Path, early_rounds: Sequence[str]) -> int:
     """Fit on ``root``, keep the fit, print and write the scores."""
     if not root.is_dir():
-        print(f"plan_validation: expected the MLPerf record at {root} (a folder of "
-              "training_results_<round> repositories), found none: pass --root", file=sys.stderr)  # fmt: skip
+        print(
+            f"plan_validation: expected the MLPerf record at {root} (a folder of "
+            "training_results_<round> repositories), found none: pass --root",
+            file=sys.stderr,
+        )
         return 2
     _, submissions, problems = mlperf_record.read_record([root])
     usable = record.fittable(submissions)
-    source = (f"{len(usable)} scored closed-division MLPerf ResNet-50 submissions, "
-              f"rounds {_rounds(usable)}")  # fmt: skip
+    source = (
+        f"{len(usable)} scored closed-division MLPerf ResNet-50 submissions, "
+        f"rounds {_rounds(usable)}"
+    )
     fitted = record.fit(usable, source)
     record.FIT_FILE.write_text(json.dumps(fitted.to_json(), indent=1) + "\n")
     print(
@@ -56,8 +61,12 @@ def validate(root: Path, out: Path, early_rounds: Sequence[str]) -> int:
         f"\ntemporal split: fitted on {', '.join(early_rounds)} ({len(early)} submissions), "
         f"predicting the {len(late)} later ones: {temporal['summary']}"
     )
-    out.write_text(json.dumps({"fit": fitted.to_json(), "leave_one_out": rows,
-                               "temporal_split": temporal}, indent=1) + "\n")  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {"fit": fitted.to_json(), "leave_one_out": rows, "temporal_split": temporal}, indent=1
+        )
+        + "\n"
+    )
     print(f"wrote {out} and {record.FIT_FILE}", file=sys.stderr)
     return 0
 
@@ -66,17 +75,25 @@ def predict(root: Path) -> int:
     """Each scored submission under ``root`` predicted by the kept fit, and the summary line."""
     fitted = record.stored_fit()
     if fitted is None:
-        print(f"plan_validation: no fit at {record.FIT_FILE}: run python "
-              "benchmarks/plan_validation.py first", file=sys.stderr)  # fmt: skip
+        print(
+            f"plan_validation: no fit at {record.FIT_FILE}: run python "
+            "benchmarks/plan_validation.py first",
+            file=sys.stderr,
+        )
         return 2
     if not root.is_dir():
-        print(f"plan_validation: expected a folder of MLPerf result repositories, found no "
-              f"folder {root}", file=sys.stderr)  # fmt: skip
+        print(
+            f"plan_validation: expected a folder of MLPerf result repositories, found no "
+            f"folder {root}",
+            file=sys.stderr,
+        )
         return 2
     _, submissions, _ = mlperf_record.read_record([root])
     print(f"predicted by the fit on {fitted.source}")
-    print("| round | submitter | system | generation | chips | global batch | predicted "
-          "| scored | error |\n|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print(
+        "| round | submitter | system | generation | chips | global batch | predicted "
+        "| scored | error |\n|---|---|---|---|---|---|---|---|---|"
+    )
     rows, unpredicted = [], []
     for s in submissions:
         why = record.why_unusable(s)
@@ -88,9 +105,11 @@ def predict(root: Path) -> int:
         seconds = fitted.predict(s)
         row = _row(s, seconds)
         rows.append(row)
-        print(f"| {s['round']} | {s['submitter']} | {s['system']} | {s['generation']} "
-              f"| {s['chips']:,} | {s['global_batch']:,} | {seconds / 60:.1f} min "
-              f"| {s['scored_seconds'] / 60:.1f} min | {row['error']:+.0%} |")  # fmt: skip
+        print(
+            f"| {s['round']} | {s['submitter']} | {s['system']} | {s['generation']} "
+            f"| {s['chips']:,} | {s['global_batch']:,} | {seconds / 60:.1f} min "
+            f"| {s['scored_seconds'] / 60:.1f} min | {row['error']:+.0%} |"
+        )
     for line in unpredicted:
         print(f"not predicted: {line}")
     print(summary(rows))
@@ -114,14 +133,21 @@ def _row(s: dict, seconds: float) -> dict:
     own = statistics.mean(s["epochs_to_target"]) if s["epochs_to_target"] else reference
     at_own_epochs = seconds * own / reference
     return {
-        "round": s["round"], "submitter": s["submitter"], "system": s["system"],
-        "generation": s["generation"], "chips": s["chips"], "hosts": s["hosts"],
-        "global_batch": s["global_batch"], "scored_seconds": s["scored_seconds"],
-        "predicted_seconds": seconds, "error": seconds / s["scored_seconds"] - 1,
-        "reference_epochs": reference, "own_epochs": own,
+        "round": s["round"],
+        "submitter": s["submitter"],
+        "system": s["system"],
+        "generation": s["generation"],
+        "chips": s["chips"],
+        "hosts": s["hosts"],
+        "global_batch": s["global_batch"],
+        "scored_seconds": s["scored_seconds"],
+        "predicted_seconds": seconds,
+        "error": seconds / s["scored_seconds"] - 1,
+        "reference_epochs": reference,
+        "own_epochs": own,
         "convergence_error": reference / own - 1,
         "throughput_error": at_own_epochs / s["scored_seconds"] - 1,
-    }  # fmt: skip
+    }
 
 
 def summary(rows: list[dict]) -> str:
@@ -157,17 +183,21 @@ def _print_groups(rows: list[dict], fitted: record.RecordFit) -> None:
     # FLOPs of one ResNet-50 training image (the calibration's compiled step), read only to
     # print a generation's rate as a share of its peak.
     flops = json.loads(published.CALIBRATION_FILE.read_text())["facts"]["flops_per_image"]
-    print("\n| generation | submissions | chips | images/s per chip | share of peak "
-          "| overhead per step | within ±20% | median abs(error) |\n"
-          "|---|---|---|---|---|---|---|---|")  # fmt: skip
+    print(
+        "\n| generation | submissions | chips | images/s per chip | share of peak "
+        "| overhead per step | within ±20% | median abs(error) |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
     for name, g in sorted(fitted.generations.items(), key=lambda kv: -kv[1].submissions):
         mine = [r for r in rows if r["generation"] == name]
         chip = CHIPS.get(name)
         share = f"{g.images_per_second * flops / chip.peak_flops:.0%}" if chip else "—"
         within, median = _score(mine)
-        print(f"| {name} | {len(mine)} | {g.chips[0]:,}-{g.chips[1]:,} "
-              f"| {g.images_per_second:,.0f} | {share} | {g.step_overhead * 1e3:.1f} ms "
-              f"| {within} | {median} |")  # fmt: skip
+        print(
+            f"| {name} | {len(mine)} | {g.chips[0]:,}-{g.chips[1]:,} "
+            f"| {g.images_per_second:,.0f} | {share} | {g.step_overhead * 1e3:.1f} ms "
+            f"| {within} | {median} |"
+        )
     print("\n| scale | submissions | within ±20% | median abs(error) |\n|---|---|---|---|")
     low = 0
     for name, high in SCALES:
@@ -189,13 +219,17 @@ def _print_worst(rows: list[dict], count: int = 10) -> None:
         f"\nthe {count} worst, and how much of each error is convergence (own epochs "
         "against the reference) and how much throughput:"
     )
-    print("| submission | generation | chips | global batch | error | convergence "
-          "| throughput |\n|---|---|---|---|---|---|---|")  # fmt: skip
+    print(
+        "| submission | generation | chips | global batch | error | convergence "
+        "| throughput |\n|---|---|---|---|---|---|---|"
+    )
     for r in sorted(rows, key=lambda r: abs(r["error"]), reverse=True)[:count]:
-        print(f"| {r['round']} {r['submitter']} {r['system']} | {r['generation']} "
-              f"| {r['chips']:,} | {r['global_batch']:,} | {r['error']:+.0%} "
-              f"| {r['convergence_error']:+.0%} ({r['own_epochs']:.1f} epochs, reference "
-              f"{r['reference_epochs']:.1f}) | {r['throughput_error']:+.0%} |")  # fmt: skip
+        print(
+            f"| {r['round']} {r['submitter']} {r['system']} | {r['generation']} "
+            f"| {r['chips']:,} | {r['global_batch']:,} | {r['error']:+.0%} "
+            f"| {r['convergence_error']:+.0%} ({r['own_epochs']:.1f} epochs, reference "
+            f"{r['reference_epochs']:.1f}) | {r['throughput_error']:+.0%} |"
+        )
     off = [r for r in rows if abs(r["error"]) > WITHIN]
     convergence = sum(abs(r["throughput_error"]) <= WITHIN for r in off)
     print(
@@ -212,9 +246,11 @@ def _temporal(early: list[dict], late: list[dict]) -> dict:
             continue
         rows.append(_row(s, fitted.predict(s)))
     new = sorted({s["generation"] for s in late} - set(fitted.generations))
-    return {"summary": summary(rows) + (f" (not predicted: {', '.join(new)}, no earlier "
-                                        "submission)" if new else ""),
-            "rows": rows}  # fmt: skip
+    return {
+        "summary": summary(rows)
+        + (f" (not predicted: {', '.join(new)}, no earlier submission)" if new else ""),
+        "rows": rows,
+    }
 
 
 def _rounds(submissions: list[dict]) -> str:

@@ -52,8 +52,9 @@ class SineRegression(Task):
 
     def __init__(self, config, replicas):
         self.name = config.model.name
-        self.data = RecordData(ArrayRecords(_points(4096, 0)), ArrayRecords(_points(512, 1)),
-                               seed=config.seed)  # fmt: skip
+        self.data = RecordData(
+            ArrayRecords(_points(4096, 0)), ArrayRecords(_points(512, 1)), seed=config.seed
+        )
 
     def init_variables(self, rng):
         k1, k2 = jax.random.split(rng)

@@ -361,8 +361,10 @@ def host_mismatch(spec: MeshSpec, grid: np.ndarray) -> str | None:
         return None
     hint = ""
     if len(found) == 1:
-        hint = (f"; for hosts of {found[0]}, use a spec with devices_per_host = {found[0]} (in "
-                f"code: jaxdist.meshes.hierarchical({len(per_process)}, {found[0]}))")  # fmt: skip
+        hint = (
+            f"; for hosts of {found[0]}, use a spec with devices_per_host = {found[0]} (in "
+            f"code: jaxdist.meshes.hierarchical({len(per_process)}, {found[0]}))"
+        )
     head = (
         f"mesh {spec.name!r} expects {spec.devices_per_host} devices per host, but its devices "
         f"come from {len(per_process)} processes with {'/'.join(map(str, found))} each"

@@ -58,10 +58,20 @@ def pytest_configure(config):
 # the files that take longest go first, so that neither worker is left with one of them at
 # the end. Any file not named keeps its place after these.
 LONGEST_FIRST = (
-    "test_aot", "test_faults", "test_pipeline_step", "test_sufficient_factors",
-    "test_pipeline_trainer", "test_collectives", "test_multiprocess", "test_train_step",
-    "test_mlperf_log", "test_recipes", "test_lowered_programs", "test_trainer", "test_rerun",
-)  # fmt: skip
+    "test_aot",
+    "test_faults",
+    "test_pipeline_step",
+    "test_sufficient_factors",
+    "test_pipeline_trainer",
+    "test_collectives",
+    "test_multiprocess",
+    "test_train_step",
+    "test_mlperf_log",
+    "test_recipes",
+    "test_lowered_programs",
+    "test_trainer",
+    "test_rerun",
+)
 
 
 # What share of the machine a test needs, in slots: one per xdist worker. A test marked

@@ -32,8 +32,19 @@ def run() -> dict:
     native = compile_step(line, allreduce="native", bucket_bytes=1 << 19)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["plan", OWN_TASK, "--topology", "h100:2x4", "--efficiency", "0.3",
-                     "--set", "mesh=hierarchical-2x4", "--json"])  # fmt: skip
+        code = main(
+            [
+                "plan",
+                OWN_TASK,
+                "--topology",
+                "h100:2x4",
+                "--efficiency",
+                "0.3",
+                "--set",
+                "mesh=hierarchical-2x4",
+                "--json",
+            ]
+        )
     return {
         "torus2d_h100_2x4": schedule_facts(torus),
         "native_h100_1x4": schedule_facts(native),

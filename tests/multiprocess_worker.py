@@ -70,9 +70,11 @@ def check_mesh() -> None:
     assert meshes.host_mismatch(spec, meshes.device_grid(spec)) is None
     # A spec whose hosts are not the real processes is built, with a warning saying so.
     wrong = meshes.MeshSpec(
-        "wrong", "hierarchical", (("host", 1), ("local", nproc * local)),
+        "wrong",
+        "hierarchical",
+        (("host", 1), ("local", nproc * local)),
         devices_per_host=nproc * local,
-    )  # fmt: skip
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         meshes.build(wrong)
@@ -174,19 +176,30 @@ def _check_halves(mesh, axes, x: jax.Array, expected: np.ndarray, outer: int, in
 
     def body(block):
         v = block.reshape(-1)
-        return {a: collectives.all_gather(collectives.reduce_scatter(v, axes, a), axes, a)[None]
-                for a in names}  # fmt: skip
+        return {
+            a: collectives.all_gather(collectives.reduce_scatter(v, axes, a), axes, a)[None]
+            for a in names
+        }
 
     f = jax.shard_map(body, mesh=mesh, in_specs=P(axes), out_specs=P(axes))
     for name, y in jax.jit(f)(x).items():
         for row in _local_rows(y):
-            np.testing.assert_allclose(row[: expected.size], expected, rtol=1e-5, atol=1e-5,
-                                       err_msg=f"{name} halves on {outer}x{inner}")  # fmt: skip
+            np.testing.assert_allclose(
+                row[: expected.size],
+                expected,
+                rtol=1e-5,
+                atol=1e-5,
+                err_msg=f"{name} halves on {outer}x{inner}",
+            )
         print(f"CHECK halves {name} {outer}x{inner} OK")
     # Over gloo XLA's reduce-scatter is sent as its all-reduce (gloo's own reduce-scatter leaves
     # the process's later collectives on large buffers hundreds of times slower).
-    scatter = jax.shard_map(lambda b: collectives.reduce_scatter(b.reshape(-1), axes, "native"),
-                            mesh=mesh, in_specs=P(axes), out_specs=P(axes))  # fmt: skip
+    scatter = jax.shard_map(
+        lambda b: collectives.reduce_scatter(b.reshape(-1), axes, "native"),
+        mesh=mesh,
+        in_specs=P(axes),
+        out_specs=P(axes),
+    )
     program = jax.jit(scatter).lower(x).as_text()
     assert "all_reduce" in program and "reduce_scatter" not in program, program
     print(f"CHECK native reduce-scatter over gloo is an all-reduce {outer}x{inner} OK")

@@ -107,9 +107,11 @@ def test_a_2d_torus_on_a_3d_slice_is_pointed_to_the_3d_torus():
 
     # 1,024 chips: 32 x 32 takes 2 (32 + 32 - 2) = 124 steps, 8 x 8 x 16 2 (8 + 8 + 16 - 3).
     hint = torus3d_hint(parse_topology("v4:8x8x16"), torus(32, 32), "torus2d")
-    assert hint == ("  a 3-D torus along the slice's dimensions takes 58 dependent steps a "
-                    "bucket where this 32 x 32 torus takes 124: --set mesh=torus-2x2x2 --set "
-                    "allreduce=torus3d")  # fmt: skip
+    assert hint == (
+        "  a 3-D torus along the slice's dimensions takes 58 dependent steps a "
+        "bucket where this 32 x 32 torus takes 124: --set mesh=torus-2x2x2 --set "
+        "allreduce=torus3d"
+    )
     # No shorter (v4:2x2x1: 4 steps either way), another schedule, a 2-D slice, GPUs: none.
     assert torus3d_hint(parse_topology("v4:2x2x1"), torus(2, 2), "torus2d") is None
     assert torus3d_hint(parse_topology("v4:8x8x16"), torus(32, 32), "ring") is None
@@ -263,8 +265,11 @@ ENTRY %main (a: f32[8], w: f32[4,4]) -> f32[8] {
     # The TPU's async collective fusion: a start and a done fusion with compute between.
     grads = by_role["gradients"]
     assert (grads.kind, grads.asynchronous, grads.group_size, grads.backward_between) == (
-        "all-reduce", True, 4, 1,
-    )  # fmt: skip
+        "all-reduce",
+        True,
+        4,
+        1,
+    )
     assert schedule.overlapped_backward_fraction == 1.0
 
 
@@ -307,9 +312,12 @@ def test_cpu_runs_never_load_the_tpu_compiler():
         "print(jax.default_backend(), xla_client.pjrt_plugin_loaded('tpu'))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
         env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
-    )  # fmt: skip
+    )
     assert out.stdout.split() == ["cpu", "False"]
     assert "TPU" not in out.stderr
 
@@ -334,10 +342,25 @@ def test_the_3d_torus_is_laid_over_a_v4_slice_and_paced_beside_backward(capsys):
 
     # The recipe's torus3d layout (a mesh of 8) over a slice of 16 chips: its dimensions,
     # the last outermost; every ring step of every bucket a permute of the compiled step.
-    code = main(["plan", "mnist_small_batch", "--topology", "v4:2x2x4", "--efficiency", "0.3",
-                 "--set", "mesh=torus-2x2x2", "--set", "allreduce=torus3d",
-                 "--set", "wait_free=True", "--set", "eval_batch_size=1024",
-                 "--json"])  # fmt: skip
+    code = main(
+        [
+            "plan",
+            "mnist_small_batch",
+            "--topology",
+            "v4:2x2x4",
+            "--efficiency",
+            "0.3",
+            "--set",
+            "mesh=torus-2x2x2",
+            "--set",
+            "allreduce=torus3d",
+            "--set",
+            "wait_free=True",
+            "--set",
+            "eval_batch_size=1024",
+            "--json",
+        ]
+    )
     assert code == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["mesh"] == {"z": 4, "y": 2, "x": 2}
@@ -347,8 +370,18 @@ def test_the_3d_torus_is_laid_over_a_v4_slice_and_paced_beside_backward(capsys):
     assert {c["kind"] for c in grads} == {"collective-permute"}
     assert 0 < stage["gradient_hidden_fraction"] <= 1
     # A slice of two dimensions has no third to lay it over: one line, the usage exit code.
-    code = main(["plan", "mnist_small_batch", "--topology", "v5e:2x2",
-                 "--set", "mesh=torus-2x2x2", "--set", "allreduce=torus3d"])  # fmt: skip
+    code = main(
+        [
+            "plan",
+            "mnist_small_batch",
+            "--topology",
+            "v5e:2x2",
+            "--set",
+            "mesh=torus-2x2x2",
+            "--set",
+            "allreduce=torus3d",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert "laid over one TPU slice of three dimensions (v4, v5p), not v5e:2x2" in err
@@ -403,8 +436,15 @@ def test_wait_free_steps_run_beside_backward_and_hide_their_time(torus_2x2):
     chip = CHIPS["v5e"]
     measured = {}
     for wait_free in (False, True):
-        step = TrainStep(deep_loss, optax.sgd(0.1, 0.9), torus_2x2, allreduce="ring",
-                         data_axes=("y", "x"), bucket_bytes=1 << 20, wait_free=wait_free)  # fmt: skip
+        step = TrainStep(
+            deep_loss,
+            optax.sgd(0.1, 0.9),
+            torus_2x2,
+            allreduce="ring",
+            data_axes=("y", "x"),
+            bucket_bytes=1 << 20,
+            wait_free=wait_free,
+        )
         report = aot_compile.compile_train_step(step, params, {}, batch_of(16384))
         grads = report.schedule.gradient_collectives
         assert len(grads) == 6 * len(step.buckets) and all(c.asynchronous for c in grads)
@@ -450,9 +490,25 @@ def test_plan_command_prints_memory_overlap_time_to_train_and_the_links_given(ca
 
     # ResNet-10 for the recipe's ResNet-18: the plan's figures, not the model, are checked here
     # (the 3-D torus test below plans the recipe's own model).
-    code = main(["plan", "mnist_small_batch", "--topology", "v5e:2x2", "--efficiency", "0.4",
-                 "--set", "num_epochs=2", "--set", "allreduce=ring", "--fast-link", "1ms:1GB/s",
-                 "--set", "model.name=resnet10", "--json"])  # fmt: skip
+    code = main(
+        [
+            "plan",
+            "mnist_small_batch",
+            "--topology",
+            "v5e:2x2",
+            "--efficiency",
+            "0.4",
+            "--set",
+            "num_epochs=2",
+            "--set",
+            "allreduce=ring",
+            "--fast-link",
+            "1ms:1GB/s",
+            "--set",
+            "model.name=resnet10",
+            "--json",
+        ]
+    )
     assert code == 0
     plan = json.loads(capsys.readouterr().out)
     # The default unroll limit: a ring over 4 chips has 3 steps each way, all unrolled.
@@ -487,9 +543,12 @@ def test_flops_count_every_micro_batch(torus_2x2):
 @needs_libtpu
 def test_accumulated_steps_overlap_the_last_micro_batch_backward(torus_2x2):
     report = compile_step(
-        torus_2x2, allreduce="ring", data_axes=("y", "x"), bucket_bytes=1 << 19,
+        torus_2x2,
+        allreduce="ring",
+        data_axes=("y", "x"),
+        bucket_bytes=1 << 19,
         accumulation_steps=2,
-    )  # fmt: skip
+    )
     grads = report.schedule.gradient_collectives
     assert all(c.asynchronous and not c.in_loop for c in grads)
     assert report.schedule.overlapped_backward_fraction > 0
@@ -501,8 +560,18 @@ def test_plan_refuses_an_unknown_topology_and_a_mesh_of_another_size(capsys):
     assert main(["plan", "mnist_small_batch", "--topology", "v9:2x2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "must be one of" in err
-    code = main(["plan", "mnist_small_batch", "--topology", "v5e:2x2", "--mesh", "torus-4x2",
-                 "--efficiency", "0.4"])  # fmt: skip
+    code = main(
+        [
+            "plan",
+            "mnist_small_batch",
+            "--topology",
+            "v5e:2x2",
+            "--mesh",
+            "torus-4x2",
+            "--efficiency",
+            "0.4",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert err == (
@@ -533,8 +602,20 @@ def test_plan_refuses_bad_links_in_one_line(capsys):
 def test_plan_of_a_recipe_the_compiler_cannot_fit_is_one_line(capsys):
     from jaxdist.cli import main
 
-    code = main(["plan", "mnist_small_batch", "--topology", "v5e:2x2", "--efficiency", "0.4",
-                 "--set", "batch_size=2097152", "--set", "max_per_device_batch=524288"])  # fmt: skip
+    code = main(
+        [
+            "plan",
+            "mnist_small_batch",
+            "--topology",
+            "v5e:2x2",
+            "--efficiency",
+            "0.4",
+            "--set",
+            "batch_size=2097152",
+            "--set",
+            "max_per_device_batch=524288",
+        ]
+    )
     assert code == 2
     out, err = capsys.readouterr()
     assert out == ""
@@ -568,8 +649,19 @@ def test_a_compiled_plan_over_the_published_capacity_ends_with_one_line(capsys):
 def test_plan_over_two_slices_runs_the_outer_axis_over_the_data_centre_network(capsys):
     from jaxdist.cli import main
 
-    code = main(["plan", OWN_TASK, "--topology", "v5e:2x2/2", "--efficiency", "0.4",
-                 "--set", "mesh=torus-2x2", "--json"])  # fmt: skip
+    code = main(
+        [
+            "plan",
+            OWN_TASK,
+            "--topology",
+            "v5e:2x2/2",
+            "--efficiency",
+            "0.4",
+            "--set",
+            "mesh=torus-2x2",
+            "--json",
+        ]
+    )
     assert code == 0
     plan = json.loads(capsys.readouterr().out)
     # The recipe's torus of 4 laid over 8 chips: a slice along the inner axis.
@@ -595,8 +687,23 @@ def test_plan_takes_the_recipes_unroll_limit(capsys, monkeypatch):
         return text(plan, note)
 
     monkeypatch.setattr(report, "plan_text", keep_plan)
-    assert main(["plan", OWN_TASK, "--topology", "v5e:2x2", "--efficiency", "0.4",
-                 "--set", "allreduce=ring", "--set", "unroll_limit=2"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "plan",
+                OWN_TASK,
+                "--topology",
+                "v5e:2x2",
+                "--efficiency",
+                "0.4",
+                "--set",
+                "allreduce=ring",
+                "--set",
+                "unroll_limit=2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     (plan,) = printed
     in_loops = gradients_in_loops(report.plan_json(plan, ""))
@@ -611,8 +718,18 @@ def test_a_sharded_plan_prints_xla_own_fsdp_of_the_step_beside_it(capsys):
     and prints its total beside ours; --no-xla-fsdp skips it."""
     from jaxdist.cli import main
 
-    base = ["plan", OWN_TASK, "--topology", "v5e:2x2", "--efficiency", "0.4",
-            "--set", "sharding=fsdp", "--set", "allreduce=ring"]  # fmt: skip
+    base = [
+        "plan",
+        OWN_TASK,
+        "--topology",
+        "v5e:2x2",
+        "--efficiency",
+        "0.4",
+        "--set",
+        "sharding=fsdp",
+        "--set",
+        "allreduce=ring",
+    ]
     assert main([*base, "--json"]) == 0
     stage = json.loads(capsys.readouterr().out)["stages"][0]
     xla = stage["xla_fsdp"]
@@ -648,10 +765,25 @@ def test_a_scanned_fsdp_plan_counts_every_layer_and_its_loop_as_compute(capsys, 
 
     monkeypatch.setattr(report, "plan_json", keep_plan)
 
-    base = ["plan", "recipes/transformer_lm.py", "--topology", "v5e:2x2", "--efficiency", "0.4",
-            "--no-xla-fsdp", "--set", "sharding=fsdp", "--set", "model.num_layers=3",
-            "--set", "allreduce=native",
-            "--set", "data.max_train_bytes=65536", "--set", "data.max_eval_bytes=8192"]  # fmt: skip
+    base = [
+        "plan",
+        "recipes/transformer_lm.py",
+        "--topology",
+        "v5e:2x2",
+        "--efficiency",
+        "0.4",
+        "--no-xla-fsdp",
+        "--set",
+        "sharding=fsdp",
+        "--set",
+        "model.num_layers=3",
+        "--set",
+        "allreduce=native",
+        "--set",
+        "data.max_train_bytes=65536",
+        "--set",
+        "data.max_eval_bytes=8192",
+    ]
     assert main([*base, "--json"]) == 0
     unrolled = json.loads(capsys.readouterr().out)["stages"][0]
     assert main([*base, "--set", "model.scan_layers=True", "--json"]) == 0
@@ -680,9 +812,16 @@ def test_a_pipeline_step_compiles_for_a_tpu_slice(schedule):
     params, states = jax.eval_shape(
         lambda x: pipeline_stages.init_flax_stages(modules, jax.random.key(0), x), x
     )
-    step = PipelineStep(pipeline_stages.flax_stages(modules), cross_entropy, optax.adam(1e-3),
-                        mesh, microbatches=4, schedule=schedule, allreduce="ring",
-                        inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(
+        pipeline_stages.flax_stages(modules),
+        cross_entropy,
+        optax.adam(1e-3),
+        mesh,
+        microbatches=4,
+        schedule=schedule,
+        allreduce="ring",
+        inputs=lambda b: b["x"],
+    )
     state = step.abstract_init(params, states)
     batch = aot_compile.abstract_batch(
         mesh, step.data_axes, {"x": ((16, 256), jnp.float32), "label": ((16,), jnp.int32)}
@@ -730,8 +869,14 @@ def _normed_step(mesh, group_size):
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
         return loss, (updates, {})
 
-    step = TrainStep(normed_loss, optax.sgd(0.1, 0.9), mesh, allreduce="ring",
-                     bucket_bytes=1 << 19, allreduce_options={"unroll_limit": 32})  # fmt: skip
+    step = TrainStep(
+        normed_loss,
+        optax.sgd(0.1, 0.9),
+        mesh,
+        allreduce="ring",
+        bucket_bytes=1 << 19,
+        allreduce_options={"unroll_limit": 32},
+    )
     return aot_compile.compile_train_step(step, params, model_state, batch_of(16 * mesh.size))
 
 
@@ -771,8 +916,14 @@ def test_rings_on_a_slice_without_wraparound_overlap_backward(shape):
     spec = meshes.MeshSpec("t", "torus2d" if len(shape) == 2 else "ring", tuple(zip(names, shape)))
     mesh = meshes.build(spec, parse_topology("v5e:4x8").devices())
     algorithm = "torus2d" if len(shape) == 2 else "ring"
-    report = compile_step(mesh, batch=16 * mesh.size, allreduce=algorithm, data_axes=names,
-                          bucket_bytes=1 << 19, allreduce_options={"unroll_limit": 32})  # fmt: skip
+    report = compile_step(
+        mesh,
+        batch=16 * mesh.size,
+        allreduce=algorithm,
+        data_axes=names,
+        bucket_bytes=1 << 19,
+        allreduce_options={"unroll_limit": 32},
+    )
     grads = report.schedule.gradient_collectives
     assert grads and all(c.asynchronous for c in grads)
     assert report.schedule.overlapped_backward_fraction > 0
@@ -904,7 +1055,9 @@ def test_a_replicated_step_that_does_not_fit_is_told_what_fsdp_would_hold(torus_
     hint = sharding_hint(trainer_of(), 0, (PARAMS, {}))
     values = sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(PARAMS))
     held = 3 * values * 4 / 2**30  # parameters and Adam's two moments, float32
-    assert hint == (f"its parameters and optimizer state alone take {held:.2f} GiB per chip "
-                    f"replicated, {held / 4:.2f} GiB sharded over 4 chips (--set "
-                    f"sharding=fsdp); or ")  # fmt: skip
+    assert hint == (
+        f"its parameters and optimizer state alone take {held:.2f} GiB per chip "
+        f"replicated, {held / 4:.2f} GiB sharded over 4 chips (--set "
+        f"sharding=fsdp); or "
+    )
     assert sharding_hint(trainer_of(sharding="fsdp"), 0, (PARAMS, {})) == ""

@@ -60,9 +60,11 @@ def test_group_statistics_equal_flax_batchnorm_on_each_group(shape, axes, group_
 
     def device_loss(params, x, weights, batch_stats):
         y, updates = norm.apply(
-            {"params": params, "batch_stats": batch_stats}, x, use_running_average=False,
+            {"params": params, "batch_stats": batch_stats},
+            x,
+            use_running_average=False,
             mutable=["batch_stats"],
-        )  # fmt: skip
+        )
         return jnp.sum(y * weights), (y, updates["batch_stats"])
 
     def body(params, x, weights, batch_stats):
@@ -96,9 +98,10 @@ def test_group_statistics_equal_flax_batchnorm_on_each_group(shape, axes, group_
     def reference_loss(params, x):
         def one_group(x_group, w_group):
             y, updates = nn.BatchNorm(use_running_average=False, momentum=0.9, epsilon=1e-5).apply(
-                {"params": params, "batch_stats": variables["batch_stats"]}, x_group,
+                {"params": params, "batch_stats": variables["batch_stats"]},
+                x_group,
                 mutable=["batch_stats"],
-            )  # fmt: skip
+            )
             return jnp.sum(y * w_group), (y, updates["batch_stats"])
 
         rows = k * ROWS_PER_DEVICE

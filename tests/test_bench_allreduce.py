@@ -33,9 +33,22 @@ def test_parse_size_rejects_garbage():
 def test_bench_cli_checks_every_algorithm_against_psum(tmp_path, capsys):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     argv = [
-        "bench", "allreduce", "--mesh", "torus-4x2", "--sizes", "4K,64K",
-        "--warmup", "1", "--iters", "2", "--json", str(out_json), "--plot", str(out_png), "--quiet",
-    ]  # fmt: skip
+        "bench",
+        "allreduce",
+        "--mesh",
+        "torus-4x2",
+        "--sizes",
+        "4K,64K",
+        "--warmup",
+        "1",
+        "--iters",
+        "2",
+        "--json",
+        str(out_json),
+        "--plot",
+        str(out_png),
+        "--quiet",
+    ]
     assert main(argv) == 0
     table = capsys.readouterr().out
     result = json.loads(out_json.read_text())
@@ -55,9 +68,13 @@ def test_bench_cli_checks_every_algorithm_against_psum(tmp_path, capsys):
     # shift round all devices.
     flat = cost_model.Link(*(result["link"][k] for k in ("alpha_s", "beta_s_per_byte", "ports")))
     axes = cost_model.Network(
-        intra=cost_model.Link(result["intra_link"]["alpha_s"], result["intra_link"]["beta_s_per_byte"]),
-        inter=cost_model.Link(result["inter_link"]["alpha_s"], result["inter_link"]["beta_s_per_byte"]),
-    )  # fmt: skip
+        intra=cost_model.Link(
+            result["intra_link"]["alpha_s"], result["intra_link"]["beta_s_per_byte"]
+        ),
+        inter=cost_model.Link(
+            result["inter_link"]["alpha_s"], result["inter_link"]["beta_s_per_byte"]
+        ),
+    )
     for row in result["rows"]:
         two_level = row["algorithm"] in ("torus2d", "hierarchical")
         expected = cost_model.predict(
@@ -72,23 +89,60 @@ def test_bench_cli_checks_every_algorithm_against_psum(tmp_path, capsys):
 def test_bench_skips_what_cannot_run_and_rejects_bad_names(capsys):
     assert main(["bench", "allreduce", "--mesh", "ring-8", "--algorithms", "rign"]) == 2
     assert "unknown algorithm(s) ['rign']" in capsys.readouterr().err
-    argv = ["bench", "allreduce", "--mesh", "ring-8", "--sizes", "1K", "--iters", "1", "--quiet",
-            "--algorithms", "ring,torus2d"]  # fmt: skip
+    argv = [
+        "bench",
+        "allreduce",
+        "--mesh",
+        "ring-8",
+        "--sizes",
+        "1K",
+        "--iters",
+        "1",
+        "--quiet",
+        "--algorithms",
+        "ring,torus2d",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "# skipped torus2d: needs a 2-axis mesh" in out
     assert math.isfinite(float(out.split("\n")[3].split()[2]))
-    argv = ["bench", "allreduce", "--mesh", "hierarchical-2x4", "--sizes", "1K", "--iters", "1",
-            "--quiet", "--algorithms", "torus2d,hierarchical", "--crossed-exchange", "off"]  # fmt: skip
+    argv = [
+        "bench",
+        "allreduce",
+        "--mesh",
+        "hierarchical-2x4",
+        "--sizes",
+        "1K",
+        "--iters",
+        "1",
+        "--quiet",
+        "--algorithms",
+        "torus2d,hierarchical",
+        "--crossed-exchange",
+        "off",
+    ]
     assert main(argv) == 0
     assert "hierarchical" in capsys.readouterr().out
 
 
 def test_bench_in_place_donates_and_stays_correct(tmp_path):
     out_json = tmp_path / "in_place.json"
-    argv = ["bench", "allreduce", "--mesh", "ring-8", "--sizes", "64K", "--iters", "2",
-            "--algorithms", "native,ring,halving_doubling", "--in-place", "--quiet",
-            "--json", str(out_json)]  # fmt: skip
+    argv = [
+        "bench",
+        "allreduce",
+        "--mesh",
+        "ring-8",
+        "--sizes",
+        "64K",
+        "--iters",
+        "2",
+        "--algorithms",
+        "native,ring,halving_doubling",
+        "--in-place",
+        "--quiet",
+        "--json",
+        str(out_json),
+    ]
     assert main(argv) == 0
     result = json.loads(out_json.read_text())
     assert result["in_place"] is True
@@ -101,9 +155,23 @@ def test_bench_prices_the_bidirectional_ring_with_the_ports_asked_for(tmp_path, 
     predicted = {}
     for ports in (1, 2):
         out_json = tmp_path / f"ports{ports}.json"
-        argv = ["bench", "allreduce", "--mesh", "ring-8", "--sizes", "1M", "--iters", "1",
-                "--algorithms", "ring,bidirectional_ring", "--link-ports", str(ports), "--quiet",
-                "--json", str(out_json)]  # fmt: skip
+        argv = [
+            "bench",
+            "allreduce",
+            "--mesh",
+            "ring-8",
+            "--sizes",
+            "1M",
+            "--iters",
+            "1",
+            "--algorithms",
+            "ring,bidirectional_ring",
+            "--link-ports",
+            str(ports),
+            "--quiet",
+            "--json",
+            str(out_json),
+        ]
         assert main(argv) == 0
         assert f"{ports} port(s) per device" in capsys.readouterr().out
         result = json.loads(out_json.read_text())
@@ -118,8 +186,21 @@ def test_bench_prices_the_bidirectional_ring_with_the_ports_asked_for(tmp_path, 
     assert predicted[1, "bidirectional_ring"] > predicted[1, "ring"]
     # Links along each axis are fitted only for the two-level schedules.
     out_json = tmp_path / "ring_on_torus.json"
-    argv = ["bench", "allreduce", "--mesh", "torus-4x2", "--sizes", "1K", "--iters", "1",
-            "--algorithms", "ring", "--quiet", "--json", str(out_json)]  # fmt: skip
+    argv = [
+        "bench",
+        "allreduce",
+        "--mesh",
+        "torus-4x2",
+        "--sizes",
+        "1K",
+        "--iters",
+        "1",
+        "--algorithms",
+        "ring",
+        "--quiet",
+        "--json",
+        str(out_json),
+    ]
     assert main(argv) == 0
     assert "inter_link" not in json.loads(out_json.read_text())
     capsys.readouterr()
@@ -134,8 +215,22 @@ def test_bench_prices_the_bidirectional_ring_with_the_ports_asked_for(tmp_path, 
 def test_bench_reports_busbw_as_a_share_of_the_link_rate(tmp_path, capsys, monkeypatch):
     def run(*extra):
         out_json = tmp_path / "rate.json"
-        argv = ["bench", "allreduce", "--mesh", "ring-8", "--sizes", "64K", "--iters", "1",
-                "--algorithms", "ring", "--quiet", "--json", str(out_json), *extra]  # fmt: skip
+        argv = [
+            "bench",
+            "allreduce",
+            "--mesh",
+            "ring-8",
+            "--sizes",
+            "64K",
+            "--iters",
+            "1",
+            "--algorithms",
+            "ring",
+            "--quiet",
+            "--json",
+            str(out_json),
+            *extra,
+        ]
         code = main(argv)
         return code, capsys.readouterr(), json.loads(out_json.read_text()) if code == 0 else None
 
@@ -169,22 +264,56 @@ def test_bench_reports_busbw_as_a_share_of_the_link_rate(tmp_path, capsys, monke
 
 
 def test_bench_skips_hierarchical_when_its_outer_schedule_cannot_run(capsys):
-    argv = ["bench", "allreduce", "--mesh", "torus-2x4", "--sizes", "1K", "--iters", "1",
-            "--quiet", "--algorithms", "ring,hierarchical", "--inter-algorithm",
-            "halving_doubling"]  # fmt: skip
+    argv = [
+        "bench",
+        "allreduce",
+        "--mesh",
+        "torus-2x4",
+        "--sizes",
+        "1K",
+        "--iters",
+        "1",
+        "--quiet",
+        "--algorithms",
+        "ring,hierarchical",
+        "--inter-algorithm",
+        "halving_doubling",
+    ]
     assert main(argv) == 0  # an outer axis of 2 is a power of two: it runs
     assert "skipped" not in capsys.readouterr().out
-    mesh = meshes.build(meshes.from_dict({"name": "t", "layout": "hierarchical",
-        "axes": [{"name": "host", "size": 3}, {"name": "local", "size": 2}]}))  # fmt: skip
+    mesh = meshes.build(
+        meshes.from_dict(
+            {
+                "name": "t",
+                "layout": "hierarchical",
+                "axes": [{"name": "host", "size": 3}, {"name": "local", "size": 2}],
+            }
+        )
+    )
     reason = bench.skip_reason("hierarchical", mesh, "halving_doubling")
     assert reason == "halving_doubling across the outer axis needs a power of two, got 3"
 
 
 def test_bench_times_the_mean_against_pmean(tmp_path, capsys):
     out_json = tmp_path / "mean.json"
-    argv = ["bench", "allreduce", "--mesh", "torus-4x2", "--sizes", "64K", "--iters", "2",
-            "--algorithms", "ring,bidirectional_ring,torus2d", "--in-place", "--op", "mean",
-            "--quiet", "--json", str(out_json)]  # fmt: skip
+    argv = [
+        "bench",
+        "allreduce",
+        "--mesh",
+        "torus-4x2",
+        "--sizes",
+        "64K",
+        "--iters",
+        "2",
+        "--algorithms",
+        "ring,bidirectional_ring,torus2d",
+        "--in-place",
+        "--op",
+        "mean",
+        "--quiet",
+        "--json",
+        str(out_json),
+    ]
     assert main(argv) == 0
     assert "# allreduce (mean) on mesh torus-4x2" in capsys.readouterr().out
     result = json.loads(out_json.read_text())

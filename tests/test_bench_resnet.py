@@ -13,8 +13,24 @@ def test_resnet_bench_runs_end_to_end(tmp_path, capsys):
     """``bench resnet`` times jaxdist's step, the same step with 1x1 convolutions as nn.Conv,
     and the flax example's step, and rates the input pipeline."""
     out_json = tmp_path / "resnet.json"
-    argv = ["bench", "resnet", "--batch", "8", "--image-size", "16", "--width", "2",
-            "--steps", "1", "--rounds", "1", "--warmup", "0", "--json", str(out_json)]  # fmt: skip
+    argv = [
+        "bench",
+        "resnet",
+        "--batch",
+        "8",
+        "--image-size",
+        "16",
+        "--width",
+        "2",
+        "--steps",
+        "1",
+        "--rounds",
+        "1",
+        "--warmup",
+        "0",
+        "--json",
+        str(out_json),
+    ]
     assert main(argv) == 0
     table = capsys.readouterr().out
     assert f"{resnet_bench.JAXDIST} / flax example:" in table, table

@@ -19,9 +19,27 @@ from jaxdist.training import train_step as ts
 
 def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
     out_json = tmp_path / "train_step.json"
-    argv = ["bench", "train-step", "--mesh", "torus-4x2", "--algorithms", "ring",
-            "--per-device-batch", "2", "--image-size", "8", "--width", "4", "--steps", "1",
-            "--rounds", "2", "--wait-free", "--json", str(out_json)]  # fmt: skip
+    argv = [
+        "bench",
+        "train-step",
+        "--mesh",
+        "torus-4x2",
+        "--algorithms",
+        "ring",
+        "--per-device-batch",
+        "2",
+        "--image-size",
+        "8",
+        "--width",
+        "4",
+        "--steps",
+        "1",
+        "--rounds",
+        "2",
+        "--wait-free",
+        "--json",
+        str(out_json),
+    ]
     assert main(argv) == 0
     table = capsys.readouterr().out
     rows = json.loads(out_json.read_text())
@@ -65,15 +83,26 @@ def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
 
 def test_variants_in_the_order_asked_and_wait_free_only_for_permute_schedules():
     names = [name for name, _, _ in bench_train._jaxdist_variants(("ring", "native", "auto"), True)]
-    assert names == ["jaxdist ring", "jaxdist ring/none", "jaxdist ring wait-free",
-                     "jaxdist native", "jaxdist native/none", "jaxdist auto", "jaxdist auto/none"]  # fmt: skip
+    assert names == [
+        "jaxdist ring",
+        "jaxdist ring/none",
+        "jaxdist ring wait-free",
+        "jaxdist native",
+        "jaxdist native/none",
+        "jaxdist auto",
+        "jaxdist auto/none",
+    ]
     twins = [allreduce for name, allreduce, _ in bench_train._jaxdist_variants(["ring"], False)]
     assert twins == ["ring", ts.NO_ALLREDUCE]
     times = {name: [0.01] for name in ["baseline", "baseline/none", *names]}
     rows = bench_train._measurements(times, global_batch=16)
     assert [r.variant for r in rows] == [
-        "baseline", "jaxdist ring", "jaxdist ring wait-free", "jaxdist native", "jaxdist auto"
-    ]  # fmt: skip
+        "baseline",
+        "jaxdist ring",
+        "jaxdist ring wait-free",
+        "jaxdist native",
+        "jaxdist auto",
+    ]
 
 
 def _small_run():
@@ -114,9 +143,12 @@ def _jaxdist_run(optimizer, allreduce):
     """Two steps of jaxdist's TrainStep, built as the benchmark builds it."""
     mesh, _, model, num_classes, variables, batch = _small_run()
     step = ts.TrainStep(
-        ts.classifier_loss(model, num_classes=num_classes), optimizer, mesh,
-        allreduce=allreduce, bucket_bytes=ts.bucketing.DEFAULT_BUCKET_BYTES,
-    )  # fmt: skip
+        ts.classifier_loss(model, num_classes=num_classes),
+        optimizer,
+        mesh,
+        allreduce=allreduce,
+        bucket_bytes=ts.bucketing.DEFAULT_BUCKET_BYTES,
+    )
     state = step.init(variables["params"], {"batch_stats": variables["batch_stats"]})
     losses = []
     for _ in range(2):
@@ -192,9 +224,27 @@ def test_communication_is_paired_by_round_and_carries_its_spread():
 
 def test_sharding_bench_compares_every_sharding_and_xlas_fsdp(tmp_path, capsys):
     out_json = tmp_path / "sharding.json"
-    argv = ["bench", "train-step", "--sharding", "--mesh", "ring-4", "--algorithms", "ring",
-            "--per-device-batch", "1", "--layers", "1", "--d-model", "32", "--steps", "1",
-            "--rounds", "1", "--json", str(out_json)]  # fmt: skip
+    argv = [
+        "bench",
+        "train-step",
+        "--sharding",
+        "--mesh",
+        "ring-4",
+        "--algorithms",
+        "ring",
+        "--per-device-batch",
+        "1",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--steps",
+        "1",
+        "--rounds",
+        "1",
+        "--json",
+        str(out_json),
+    ]
     assert main(argv) == 0
     rows = {r["variant"]: r for r in json.loads(out_json.read_text())}
     assert list(rows) == ["replicated", "zero1", "fsdp (ring)", "XLA FSDP (jit + NamedSharding)"]

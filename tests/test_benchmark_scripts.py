@@ -114,8 +114,12 @@ def test_conv1x1_compares_every_layer(tmp_path):
         assert key not in shapes, f"{key} timed twice"
         shapes[key] = row["count"]
         times = {k: v for k, v in row.items() if k.endswith(" ms")}
-        assert sorted(times) == ["conv forward ms", "conv forward+backward ms",
-                                 "matmul forward ms", "matmul forward+backward ms"], row  # fmt: skip
+        assert sorted(times) == [
+            "conv forward ms",
+            "conv forward+backward ms",
+            "matmul forward ms",
+            "matmul forward+backward ms",
+        ], row
         assert all(math.isfinite(v) and v > 0 for v in times.values()), row
     expected = _resnet50_pointwise_shapes()
     assert sum(expected.values()) == 36 and len(expected) == 15
@@ -137,9 +141,26 @@ def test_queue_depth_runs_a_bounded_loop(tmp_path):
 
 def test_pipeline_memory_fsdp_keeps_a_quarter_of_each_stage_state(tmp_path):
     out = tmp_path / "memory.json"
-    _run([sys.executable, str(BENCHMARKS / "pipeline_memory.py"), "--stages", "2",
-          "--replicas", "4", "--sharding", "replicated,fsdp", "--schedules", "1f1b",
-          "--microbatches", "2", "--micro-batch", "64", "--json", str(out)])  # fmt: skip
+    _run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "pipeline_memory.py"),
+            "--stages",
+            "2",
+            "--replicas",
+            "4",
+            "--sharding",
+            "replicated,fsdp",
+            "--schedules",
+            "1f1b",
+            "--microbatches",
+            "2",
+            "--micro-batch",
+            "64",
+            "--json",
+            str(out),
+        ]
+    )
     rows = {r["sharding"]: r for r in json.loads(out.read_text())}
     # A stage: four 1024-wide layers and Adam's two moments, 48 MiB; split 4 ways, 12 MiB.
     # The batch (1 MiB a replica) and the rng stay in the arguments.
@@ -150,8 +171,18 @@ def test_pipeline_memory_fsdp_keeps_a_quarter_of_each_stage_state(tmp_path):
 
 def test_pipeline_memory_gpipe_grows_with_micro_batches_and_1f1b_does_not(tmp_path):
     out = tmp_path / "memory.json"
-    _run([sys.executable, str(BENCHMARKS / "pipeline_memory.py"), "--stages", "2",
-          "--microbatches", "2,4,8", "--json", str(out)])  # fmt: skip
+    _run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "pipeline_memory.py"),
+            "--stages",
+            "2",
+            "--microbatches",
+            "2,4,8",
+            "--json",
+            str(out),
+        ]
+    )
     rows = {(r["schedule"], r["microbatches"]): r for r in json.loads(out.read_text())}
     assert [rows["gpipe", m]["stash_slots"] for m in (2, 4, 8)] == [2, 4, 8]
     assert [rows["1f1b", m]["stash_slots"] for m in (2, 4, 8)] == [2, 2, 2]
@@ -164,8 +195,18 @@ def test_pipeline_memory_gpipe_grows_with_micro_batches_and_1f1b_does_not(tmp_pa
 
 def test_pipeline_bytes_against_data_parallelism(tmp_path):
     out = tmp_path / "bytes.json"
-    text = _run([sys.executable, str(BENCHMARKS / "pipeline_bytes.py"), "--microbatches", "2",
-                 "--schedules", "gpipe,1f1b", "--json", str(out)])  # fmt: skip
+    text = _run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "pipeline_bytes.py"),
+            "--microbatches",
+            "2",
+            "--schedules",
+            "gpipe,1f1b",
+            "--json",
+            str(out),
+        ]
+    )
     rows = {r["training"]: r for r in json.loads(out.read_text())["rows"]}
     assert "| data parallel, ring over 8 |" in text
     assert rows["pipeline gpipe"]["bytes_sent"] < rows["data parallel"]["bytes_sent"] / 2
@@ -175,19 +216,43 @@ def test_pipeline_bytes_against_data_parallelism(tmp_path):
 @pytest.mark.slow
 def test_hybrid_comm_times_every_route_and_variant(tmp_path):
     out = tmp_path / "hybrid.json"
-    argv = [sys.executable, str(BENCHMARKS / "hybrid_comm.py"), "--model", "resnet50",
-            "--per-device", "1", "--image-size", "32", "--iters", "1", "--link", "50us:1gbit",
-            "--json", str(out)]  # fmt: skip
-    proc = subprocess.run(argv, env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
-                          cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    argv = [
+        sys.executable,
+        str(BENCHMARKS / "hybrid_comm.py"),
+        "--model",
+        "resnet50",
+        "--per-device",
+        "1",
+        "--image-size",
+        "32",
+        "--iters",
+        "1",
+        "--link",
+        "50us:1gbit",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(
+        argv,
+        env=clean_env(XLA_FLAGS="--xla_force_host_platform_device_count=2"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out.read_text())
     assert [r["path"] for r in result["layers"]] == [
-        "ring allreduce", "factors: all-gather", "factors: all-gather + rebuild"
-    ]  # fmt: skip
+        "ring allreduce",
+        "factors: all-gather",
+        "factors: all-gather + rebuild",
+    ]
     assert [r["variant"] for r in result["steps"]] == [
-        "ring", "factors for head", "auto", "no averaging"
-    ]  # fmt: skip
+        "ring",
+        "factors for head",
+        "auto",
+        "no averaging",
+    ]
     assert all(r["seconds"] > 0 and r["bytes_sent"] > 0 for r in result["layers"])
     ring, factors = result["steps"][0], result["steps"][1]
     assert factors["bytes_sent"] < ring["bytes_sent"] and result["flops"] > 0
@@ -197,13 +262,27 @@ def test_hybrid_comm_times_every_route_and_variant(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_save_times_both_writings(tmp_path):
     out = tmp_path / "checkpoint_save.json"
-    text = _run([sys.executable, str(BENCHMARKS / "checkpoint_save.py"), "--rounds", "1",
-                 "--saves", "2", "--devices", "2", "--json", str(out)], timeout=600)  # fmt: skip
+    text = _run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "checkpoint_save.py"),
+            "--rounds",
+            "1",
+            "--saves",
+            "2",
+            "--devices",
+            "2",
+            "--json",
+            str(out),
+        ],
+        timeout=600,
+    )
     assert "| replica-parallel |" in text and "| one writer per array |" in text, text
     seconds = json.loads(out.read_text())["seconds"]
     assert {name: [len(run) for run in runs] for name, runs in seconds.items()} == {
-        "replica-parallel": [2], "one writer per array": [2]
-    }  # fmt: skip
+        "replica-parallel": [2],
+        "one writer per array": [2],
+    }
 
 
 @pytest.mark.slow
@@ -212,8 +291,20 @@ def test_device_check_runs_its_small_mode_on_cpu(tmp_path):
     for by name: a CPU has no entry in the chip table), both input pipelines (DALI decoding
     on the CPU) and an epoch end to end."""
     out = tmp_path / "device_check.json"
-    text = _run([sys.executable, str(BENCHMARKS / "device_check.py"), "--small", "--batches",
-                 "4", "--chip", "h100", "--out", str(out)], timeout=600)  # fmt: skip
+    text = _run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "device_check.py"),
+            "--small",
+            "--batches",
+            "4",
+            "--chip",
+            "h100",
+            "--out",
+            str(out),
+        ],
+        timeout=600,
+    )
     result = json.loads(out.read_text())
     (row,) = result["steps"]
     assert row["per_device_batch"] == 4 and row["chip"] == "h100"
@@ -246,8 +337,11 @@ def test_overlap_timeline_says_where_the_step_time_goes():
         sys.path.remove(str(BENCHMARKS))
     from jaxdist.aot.timeline import Timeline
 
-    timeline = Timeline(step_seconds=4e-3, busy=[(0.0, 1e-3), (2e-3, 4e-3)],
-                        transfers=[("gradients", 1e-3, 2e-3), ("batchnorm", 0.0, 4e-3)])  # fmt: skip
+    timeline = Timeline(
+        step_seconds=4e-3,
+        busy=[(0.0, 1e-3), (2e-3, 4e-3)],
+        transfers=[("gradients", 1e-3, 2e-3), ("batchnorm", 0.0, 4e-3)],
+    )
     assert overlap_timeline.utilisation(timeline, 2) == [
         "| ms | compute busy | compute stalled | network (gradients) |",
         "|---|---|---|---|",

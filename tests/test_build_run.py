@@ -44,8 +44,11 @@ def test_the_mnist_recipe_resolves_into_parts_that_carry_its_settings(tmp_path):
 
 
 def test_a_bad_value_is_one_config_error_from_build_run(tmp_path):
-    with pytest.raises(ConfigError, match=r"^the config cannot run here: eval_batch_size=100 "
-                       r"must be a multiple of the 8 data-parallel devices$"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^the config cannot run here: eval_batch_size=100 "
+        r"must be a multiple of the 8 data-parallel devices$",
+    ):
         build_run(tiny_config(eval_batch_size=100), tmp_path, task_factory=ImageClassification)
 
 
@@ -59,15 +62,25 @@ class _FirstState(Hook):
 def test_the_loop_reads_what_was_built_not_the_config(tmp_path):
     # 4 steps of 16 images; a report every 2 steps, a checkpoint every 2, one evaluation (at
     # the end), and a target the run cannot reach.
-    config = tiny_config(max_steps=4, log_every_steps=2, target_accuracy=0.99,
-                         **{"checkpoint.every_steps": 2, "checkpoint.keep": 5})  # fmt: skip
+    config = tiny_config(
+        max_steps=4,
+        log_every_steps=2,
+        target_accuracy=0.99,
+        **{"checkpoint.every_steps": 2, "checkpoint.keep": 5},
+    )
     first = _FirstState()
     trainer = Trainer(config, tmp_path, hooks=[first])
     # Changed after building: a loop that read the config now would report, evaluate and save
     # at every step, stop after one, keep one checkpoint, start from another seed, evaluate in
     # batches that do not split over the 8 devices and call the target reached.
-    for key, value in {"log_every_steps": 1, "eval_every_epochs": 0.01, "max_steps": 1,
-                       "seed": 7, "eval_batch_size": 7, "target_accuracy": 0.0}.items():  # fmt: skip
+    for key, value in {
+        "log_every_steps": 1,
+        "eval_every_epochs": 0.01,
+        "max_steps": 1,
+        "seed": 7,
+        "eval_batch_size": 7,
+        "target_accuracy": 0.0,
+    }.items():
         config[key] = value
     config.checkpoint.every_steps, config.checkpoint.keep = 1, 1
 
@@ -82,8 +95,10 @@ def test_the_loop_reads_what_was_built_not_the_config(tmp_path):
     params, _ = trainer.task.init_variables(jax.random.key(0))
     for got, want in zip(jax.tree.leaves(first.params), jax.tree.leaves(params), strict=True):
         assert np.array_equal(np.asarray(got), np.asarray(want))
-    events = [json.loads(line.removeprefix(":::MLLOG "))
-              for line in (tmp_path / "events.log").read_text().splitlines()]  # fmt: skip
+    events = [
+        json.loads(line.removeprefix(":::MLLOG "))
+        for line in (tmp_path / "events.log").read_text().splitlines()
+    ]
     assert events[-1]["key"] == "run_stop"
     assert events[-1]["metadata"]["status"] == "aborted"
     assert "stayed below target_accuracy 0.99" in events[-1]["metadata"]["reason"]

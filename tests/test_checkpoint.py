@@ -175,8 +175,11 @@ def test_all_unreadable_is_one_line_quietly_and_leaves_them_untouched(tmp_path):
     directory = tmp_path / "checkpoints"
     proc = subprocess.run(
         [sys.executable, str(script), str(directory), str(TESTS)],
-        env=clean_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 0 and len(lines) == 3, (
         f"expected two warnings and the error, each on one line; got {len(lines)} lines:\n"
@@ -238,8 +241,9 @@ def test_changed_bytes_are_found_by_their_digest_and_the_previous_step_restored(
     ckpt.save(2, _state(mesh, 2), {"next_sample": 20}, {"epoch": 0.2}, force=True)
     ckpt.close()
     meta = directory / "2" / "meta" / "metadata"
-    meta.write_text(json.dumps({k: v for k, v in json.loads(meta.read_text()).items()
-                                if k != "digests"}))  # fmt: skip
+    meta.write_text(
+        json.dumps({k: v for k, v in json.loads(meta.read_text()).items() if k != "digests"})
+    )
     _rewrite_arrays(directory / "2", lambda t: {**t, "slices": t["slices"].at[3].set(jnp.nan)})
     with pytest.warns(CheckpointWarning) as caught:
         step, _, _, _ = Checkpointer(directory).restore(abstract_like(_state(mesh, 0)))

@@ -107,8 +107,23 @@ def test_a_missing_dataset_is_one_line_exit_1(recipe, tmp_path, capsys):
 @pytest.fixture
 def images_with_two_bad(tmp_path, capsys):
     root = tmp_path / "images"
-    main(["data", "fake", str(root), "--classes", "2", "--train-per-class", "8",
-          "--val-per-class", "4", "--min-size", "40", "--max-size", "60"])  # fmt: skip
+    main(
+        [
+            "data",
+            "fake",
+            str(root),
+            "--classes",
+            "2",
+            "--train-per-class",
+            "8",
+            "--val-per-class",
+            "4",
+            "--min-size",
+            "40",
+            "--max-size",
+            "60",
+        ]
+    )
     files = sorted((root / "train").rglob("*.JPEG"))
     files[0].write_bytes(b"not an image")
     files[3].write_bytes(b"")
@@ -121,9 +136,22 @@ def test_a_corrupt_image_stops_the_run_in_one_line_and_closes_the_event_log(
 ):
     root, *_ = images_with_two_bad
     workdir = tmp_path / "run"
-    args = ["train", recipe, "--workdir", str(workdir), "--set", "data.source=folder",
-            "--set", f"data.root={root}", "--set", "data.num_classes=2",
-            "--set", "data.image_size=16", "--set", "eval_batch_size=8"]  # fmt: skip
+    args = [
+        "train",
+        recipe,
+        "--workdir",
+        str(workdir),
+        "--set",
+        "data.source=folder",
+        "--set",
+        f"data.root={root}",
+        "--set",
+        "data.num_classes=2",
+        "--set",
+        "data.image_size=16",
+        "--set",
+        "eval_batch_size=8",
+    ]
     line = _one_line(capsys, main(args), 1, "cannot decode image", "--verify")
     assert str(root) in line
     last = json.loads((workdir / "events.log").read_text().splitlines()[-1].split(" ", 1)[1])
@@ -145,8 +173,18 @@ def test_data_inspect_verify_names_every_bad_file(images_with_two_bad, capsys):
 def test_plot_skips_a_truncated_last_line_with_a_warning(tmp_path, capsys):
     workdir = tmp_path / "run"
     workdir.mkdir()
-    records = [{"kind": "train", "step": s, "epoch": s / 10, "loss": 1.0 / s, "lr": 0.1,
-                "batch_size": 8, "images_per_sec": 100.0} for s in (1, 2)]  # fmt: skip
+    records = [
+        {
+            "kind": "train",
+            "step": s,
+            "epoch": s / 10,
+            "loss": 1.0 / s,
+            "lr": 0.1,
+            "batch_size": 8,
+            "images_per_sec": 100.0,
+        }
+        for s in (1, 2)
+    ]
     text = "".join(json.dumps(r) + "\n" for r in records) + '{"kind": "train", "st'
     (workdir / "metrics.jsonl").write_text(text)
     assert main(["plot", str(workdir), "--out", str(tmp_path / "curves.png")]) == 0

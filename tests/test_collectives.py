@@ -91,8 +91,9 @@ def test_one_dimensional_against_psum(p):
     out = per_device_each(mesh, {**fns, "psum": lambda v: jax.lax.psum(v, "x")}, x)
     for algorithm in runnable:
         assert_allreduced(out[algorithm], x, what=algorithm)
-        np.testing.assert_allclose(out[algorithm], out["psum"], rtol=1e-6, atol=1e-5,
-                                   err_msg=algorithm)  # fmt: skip
+        np.testing.assert_allclose(
+            out[algorithm], out["psum"], rtol=1e-6, atol=1e-5, err_msg=algorithm
+        )
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (2, 4), (4, 2), (3, 2), (2, 3)])
@@ -190,8 +191,14 @@ def test_pytree_mixed_dtypes_and_mean():
             assert_allreduced(out[key], tree[key], op="mean", what=f"{algorithm} {key}")
         assert out["half"].dtype == jnp.bfloat16, algorithm
         # bf16 carries 8 mantissa bits: each of the 7 additions may round once (2^-8 relative).
-        assert_allreduced(out["half"], tree["half"].astype(np.float32), op="mean", rtol=2e-2,
-                          atol=2e-2, what=f"{algorithm} half")  # fmt: skip
+        assert_allreduced(
+            out["half"],
+            tree["half"].astype(np.float32),
+            op="mean",
+            rtol=2e-2,
+            atol=2e-2,
+            what=f"{algorithm} half",
+        )
 
 
 def test_bfloat16_transfer_with_float32_accumulation():
@@ -426,8 +433,14 @@ def test_low_precision_transfer_leaves_every_device_the_same_bits(op):
                     row, out[0], err_msg=f"{algorithm} on {shape}: device {device} differs"
                 )
             # As in the bf16 transfer test above: about hops * 2^-9 of each partial sum.
-            assert_allreduced(out, x, op=op, rtol=0, atol=0.2 / (mesh.size if op == "mean" else 1),
-                              what=f"{algorithm} on {shape}")  # fmt: skip
+            assert_allreduced(
+                out,
+                x,
+                op=op,
+                rtol=0,
+                atol=0.2 / (mesh.size if op == "mean" else 1),
+                what=f"{algorithm} on {shape}",
+            )
 
 
 @pytest.mark.parametrize(

@@ -114,6 +114,20 @@ def test_large_images_crops_agree_statistically(large_photos):
     assert np.all(np.abs(contrast - 1) < 0.06), contrast
 
 
+def test_an_arrayrecord_conversion_gives_the_folders_batches(photos, tmp_path):
+    from jaxdist.data.arrayrecord import convert_folder
+
+    convert_folder(photos, tmp_path / "ar", shards=2)
+    batches = []
+    for source, root in (("folder", photos), ("arrayrecord", tmp_path / "ar")):
+        config = DataConfig(source=source, root=str(root), image_size=SIZE, loader="dali")
+        with Pipeline(config).train_iterator(8) as it:
+            batches.append([next(it) for _ in range(2)])
+    for a, b in zip(*batches, strict=True):
+        np.testing.assert_array_equal(a["label"], b["label"])
+        np.testing.assert_array_equal(a["image"], b["image"])
+
+
 # --------------------------------------------------------------------------- position
 
 

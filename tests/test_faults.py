@@ -52,15 +52,29 @@ def recipe(tmp_path_factory):
 
 def train_command(recipe, workdir, *sets, devices=2):
     overrides = [arg for s in sets for arg in ("--set", s)]
-    return [*JAXDIST, "--cpu-devices", str(devices), "train", str(recipe),
-            "--workdir", str(workdir), *overrides]  # fmt: skip
+    return [
+        *JAXDIST,
+        "--cpu-devices",
+        str(devices),
+        "train",
+        str(recipe),
+        "--workdir",
+        str(workdir),
+        *overrides,
+    ]
 
 
 def train(recipe, workdir, *sets, devices=2, env=None, **kwargs):
     """Run `jaxdist train` to its end in its own process."""
-    return subprocess.run(train_command(recipe, workdir, *sets, devices=devices),
-                          env=env or clean_env(), cwd=REPO, capture_output=True, text=True,
-                          timeout=300, **kwargs)  # fmt: skip
+    return subprocess.run(
+        train_command(recipe, workdir, *sets, devices=devices),
+        env=env or clean_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +96,10 @@ def saved_state(workdir, step):
             lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one_device), saved
         )
         tree = checkpointer.restore(path, target)
-    return {jax.tree_util.keystr(path): np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}  # fmt: skip
+    return {
+        jax.tree_util.keystr(path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
 
 
 def assert_same_as_uninterrupted(workdir, uninterrupted, step=LAST_STEP):
@@ -139,8 +155,19 @@ def test_a_checkpoint_of_another_model_names_the_first_mismatched_parameter(
     workdir = tmp_path / "run"
     shutil.copytree(uninterrupted, workdir)
     recorded = (workdir / "config.json").read_text()
-    code = main(["train", str(recipe), "--workdir", str(workdir), "--set", "model.width=8",
-                 "--set", "max_steps=10", "--allow-config-change"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            str(recipe),
+            "--workdir",
+            str(workdir),
+            "--set",
+            "model.width=8",
+            "--set",
+            "max_steps=10",
+            "--allow-config-change",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 1, err
     line = one_line(err, f"the checkpoint at step {LAST_STEP}", "holds another model or recipe")
@@ -151,14 +178,47 @@ def test_a_checkpoint_of_another_model_names_the_first_mismatched_parameter(
     assert (workdir / "config.json").read_text() == recorded, "the refused config was recorded"
 
 
+def test_a_truncated_array_file_falls_back_a_step_in_two_quiet_lines(
+    recipe, uninterrupted, tmp_path
+):
+    """The newest checkpoint's largest array file cut in half: the rerun warns that the step
+    cannot be read and that it was moved aside, and says nothing else on stderr (orbax's
+    abandoned reads raise as they are collected), then trains on to the same end."""
+    workdir = tmp_path / "run"
+    shutil.copytree(uninterrupted, workdir)
+    data = [
+        p
+        for p in (workdir / "checkpoints" / str(LAST_STEP) / "state").rglob("*")
+        if p.is_file() and p.parent.name == "d"
+    ]
+    largest = max(data, key=lambda p: p.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[: largest.stat().st_size // 2])
+    rerun = train(recipe, workdir)
+    assert rerun.returncode == 0, rerun.stderr
+    lines = rerun.stderr.strip().splitlines()
+    assert len(lines) == 2, (
+        f"expected two warning lines, found {len(lines)}:\n{rerun.stderr[:3000]}"
+    )
+    assert f"checkpoint at step {LAST_STEP} in" in lines[0] and "cannot be read" in lines[0]
+    assert f"moved the unreadable step {LAST_STEP}" in lines[1]
+    assert f"resumed from step {LAST_STEP - 2}" in rerun.stdout
+    assert_same_as_uninterrupted(workdir, uninterrupted)
+
+
 @pytest.mark.beside_one
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_step(
     recipe, uninterrupted, tmp_path
 ):
     workdir = tmp_path / "run"
-    proc = subprocess.Popen(train_command(recipe, workdir), env=clean_env(), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        train_command(recipe, workdir),
+        env=clean_env(),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     partial = workdir / "checkpoints" / "4.orbax-checkpoint-tmp"
     try:
         wait_for(partial.exists, proc, 240, "checkpoint write of step 4")
@@ -187,8 +247,14 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_step
     workdir = tmp_path / "run"
     # Compiled programs are read from the tests' cache but never written: they exceed the limit.
     env = clean_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="1e9")
-    proc = subprocess.Popen(train_command(recipe, workdir), env=env, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        train_command(recipe, workdir),
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         saved = workdir / "checkpoints" / "4"
         wait_for(saved.exists, proc, 240, "checkpoint of step 4")
@@ -203,8 +269,12 @@ def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_step
             proc.kill()
     assert time.monotonic() - start < 120
     assert proc.returncode == 1, err
-    one_line(err, "cannot write the checkpoint of step 6", "(File too large (errno 27))",
-             "step 4 is the newest complete one")  # fmt: skip
+    one_line(
+        err,
+        "cannot write the checkpoint of step 6",
+        "(File too large (errno 27))",
+        "step 4 is the newest complete one",
+    )
     assert err.strip().count("\n") == 0, f"more than the one line:\n{err}"
     assert complete_steps(workdir) == [2, 4]
 
@@ -220,8 +290,10 @@ def test_a_write_error_names_the_reason_of_its_os_error_code():
     from jaxdist.run.checkpoint import _os_error
 
     plain = "OUT_OF_RANGE: Error writing local file: File too large [os_error_code='27']"
-    spec = ("OUT_OF_RANGE: Error writing local file: File too large [source locations='a.cc:1'] "
-            "[tensorstore_spec='{\"create\":true}'] [os_error_code='27']")  # fmt: skip
+    spec = (
+        "OUT_OF_RANGE: Error writing local file: File too large [source locations='a.cc:1'] "
+        "[tensorstore_spec='{\"create\":true}'] [os_error_code='27']"
+    )
     assert _os_error(RuntimeError(plain)) == "File too large (errno 27)"
     assert _os_error(RuntimeError(spec)) == "File too large (errno 27)"
     assert _os_error(RuntimeError("no code here")) == "RuntimeError: no code here"
@@ -257,8 +329,16 @@ def test_a_non_finite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(
     recipe, tmp_path, capsys
 ):
     workdir = tmp_path / "run"
-    args = ["train", str(recipe), "--workdir", str(workdir), "--set", "lr.peak=1e12",
-            "--set", "max_steps=40"]  # fmt: skip
+    args = [
+        "train",
+        str(recipe),
+        "--workdir",
+        str(workdir),
+        "--set",
+        "lr.peak=1e12",
+        "--set",
+        "max_steps=40",
+    ]
     code = main(args)
     err = capsys.readouterr().err
     assert code == 1, err
@@ -277,8 +357,18 @@ def test_a_non_finite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(
 
 def test_skipping_non_finite_steps_stops_after_the_limit_in_a_row(recipe, tmp_path, capsys):
     workdir = tmp_path / "run"
-    args = ["train", str(recipe), "--workdir", str(workdir), "--set", "lr.peak=1e12",
-            "--set", "max_steps=40", "--set", "skip_nonfinite_steps=3"]  # fmt: skip
+    args = [
+        "train",
+        str(recipe),
+        "--workdir",
+        str(workdir),
+        "--set",
+        "lr.peak=1e12",
+        "--set",
+        "max_steps=40",
+        "--set",
+        "skip_nonfinite_steps=3",
+    ]
     code = main(args)
     err = capsys.readouterr().err
     assert code == 1, err
@@ -295,8 +385,14 @@ def test_a_second_run_on_the_same_workdir_is_refused_and_the_first_finishes(
     recipe, uninterrupted, tmp_path, capsys
 ):
     workdir = tmp_path / "run"
-    first = subprocess.Popen(train_command(recipe, workdir), env=clean_env(), cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        train_command(recipe, workdir),
+        env=clean_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: logged_steps(workdir) >= 1, first, 240, "first logged step")
         code = main(["train", str(recipe), "--workdir", str(workdir)])
@@ -315,15 +411,35 @@ def test_a_second_run_on_the_same_workdir_is_refused_and_the_first_finishes(
 
 # ------------------------------------------------------------- data on disk goes bad
 
-DATA_SETS = ("data.source=folder", "data.num_classes=2", "data.image_size=16",
-             "eval_batch_size=8", "batch_size=8")  # fmt: skip
+DATA_SETS = (
+    "data.source=folder",
+    "data.num_classes=2",
+    "data.image_size=16",
+    "eval_batch_size=8",
+    "batch_size=8",
+)
 
 
 @pytest.fixture
 def images(tmp_path):
     root = tmp_path / "images"
-    main(["data", "fake", str(root), "--classes", "2", "--train-per-class", "8",
-          "--val-per-class", "4", "--min-size", "20", "--max-size", "24"])  # fmt: skip
+    main(
+        [
+            "data",
+            "fake",
+            str(root),
+            "--classes",
+            "2",
+            "--train-per-class",
+            "8",
+            "--val-per-class",
+            "4",
+            "--min-size",
+            "20",
+            "--max-size",
+            "24",
+        ]
+    )
     return root
 
 
@@ -332,8 +448,18 @@ def test_a_data_file_deleted_mid_run_stops_at_a_checkpoint_naming_it(
 ):
     sets = [f"data.root={images}", *DATA_SETS, "num_epochs=20.0", "max_steps=12"]
     reference = tmp_path / "reference"
-    assert main(["train", str(recipe), "--workdir", str(reference),
-                 *[a for s in sets for a in ("--set", s)]]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                str(recipe),
+                "--workdir",
+                str(reference),
+                *[a for s in sets for a in ("--set", s)],
+            ]
+        )
+        == 0
+    )
     backup = tmp_path / "backup"
     shutil.copytree(images, backup)
     workdir = tmp_path / "run"
@@ -347,8 +473,9 @@ def test_a_data_file_deleted_mid_run_stops_at_a_checkpoint_naming_it(
     deleter = threading.Thread(target=delete_the_images_after_step_3, daemon=True)
     deleter.start()
     capsys.readouterr()
-    code = main(["train", str(recipe), "--workdir", str(workdir),
-                 *[a for s in sets for a in ("--set", s)]])  # fmt: skip
+    code = main(
+        ["train", str(recipe), "--workdir", str(workdir), *[a for s in sets for a in ("--set", s)]]
+    )
     err = capsys.readouterr().err
     assert code == 1, err
     line = one_line(err, f"cannot read {images}/train/", "No such file", "the run stopped at step")
@@ -359,8 +486,18 @@ def test_a_data_file_deleted_mid_run_stops_at_a_checkpoint_naming_it(
     shutil.rmtree(images)
     shutil.copytree(backup, images)
     capsys.readouterr()
-    assert main(["train", str(recipe), "--workdir", str(workdir),
-                 *[a for s in sets for a in ("--set", s)]]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                str(recipe),
+                "--workdir",
+                str(workdir),
+                *[a for s in sets for a in ("--set", s)],
+            ]
+        )
+        == 0
+    )
     assert f"resumed from step {stopped}" in capsys.readouterr().out
     assert_same_as_uninterrupted(workdir, reference, step=12)
 
@@ -371,8 +508,14 @@ def test_a_stuck_input_reader_is_reported_by_the_watchdog(recipe, images, tmp_pa
     network filesystem. The watchdog names the process, the step and the wait."""
     workdir = tmp_path / "run"
     sets = [f"data.root={images}", *DATA_SETS, "num_epochs=200.0", "max_steps=400", "watchdog_s=3"]
-    proc = subprocess.Popen(train_command(recipe, workdir, *sets), env=clean_env(), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        train_command(recipe, workdir, *sets),
+        env=clean_env(),
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: logged_steps(workdir) >= 2, proc, 240, "second logged step")
         for path in (images / "train").rglob("*.JPEG"):
@@ -384,8 +527,12 @@ def test_a_stuck_input_reader_is_reported_by_the_watchdog(recipe, images, tmp_pa
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 124, err
-    one_line(err, "process 0 of 1 has been reading the input batch of step",
-             "(watchdog_s=3)", f"{workdir}/stuck-p0.txt")  # fmt: skip
+    one_line(
+        err,
+        "process 0 of 1 has been reading the input batch of step",
+        "(watchdog_s=3)",
+        f"{workdir}/stuck-p0.txt",
+    )
     assert time.monotonic() - stuck_since < 30
     stacks = (workdir / "stuck-p0.txt").read_text()
     assert "reading the input batch of step" in stacks and "read_bytes" in stacks
@@ -401,11 +548,21 @@ def test_a_missing_peer_or_coordinator_is_one_line_within_the_timeout(recipe, pr
     from jaxdist.runtime import launch
 
     coordinator = f"127.0.0.1:{launch.free_port()}"
-    env = clean_env(JAXDIST_COORDINATOR=coordinator, JAXDIST_NUM_PROCESSES="2",
-                    JAXDIST_PROCESS_ID=str(process_id), JAXDIST_TIMEOUT="3")  # fmt: skip
+    env = clean_env(
+        JAXDIST_COORDINATOR=coordinator,
+        JAXDIST_NUM_PROCESSES="2",
+        JAXDIST_PROCESS_ID=str(process_id),
+        JAXDIST_TIMEOUT="3",
+    )
     start = time.monotonic()
-    proc = subprocess.run([*JAXDIST, "train", str(recipe)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [*JAXDIST, "train", str(recipe)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode == 1, proc.stderr
     assert (
@@ -432,10 +589,26 @@ def test_processes_given_different_configs_stop_before_training(tmp_path):
     recipe.write_text(DISAGREEING_RECIPE)
     workdir = tmp_path / "run"
     done = subprocess.run(
-        [*JAXDIST, "launch", "--processes", "2", "--devices-per-process", "1", "--",
-         *JAXDIST, "train", str(recipe), "--workdir", str(workdir)],
-        env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            *JAXDIST,
+            "launch",
+            "--processes",
+            "2",
+            "--devices-per-process",
+            "1",
+            "--",
+            *JAXDIST,
+            "train",
+            str(recipe),
+            "--workdir",
+            str(workdir),
+        ],
+        env=clean_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stdout[-3000:]
     refusals = [line for line in done.stdout.splitlines() if "differ from process 0" in line]
     assert len(refusals) == 2, done.stdout[-3000:]  # one line from each process
@@ -452,20 +625,44 @@ def four_processes(tmp_path_factory):
     recipe = tmp_path_factory.mktemp("multi") / "multi.py"
     recipe.write_text(MULTI_RECIPE)
     workdir = recipe.parent / "uninterrupted"
-    done = subprocess.run(launch_command(recipe, workdir), env=clean_env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        launch_command(recipe, workdir),
+        env=clean_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:]
     return recipe, workdir
 
 
 def launch_command(recipe, workdir):
-    return [*JAXDIST, "launch", "--processes", "4", "--devices-per-process", "1", "--",
-            *JAXDIST, "train", str(recipe), "--workdir", str(workdir)]  # fmt: skip
+    return [
+        *JAXDIST,
+        "launch",
+        "--processes",
+        "4",
+        "--devices-per-process",
+        "1",
+        "--",
+        *JAXDIST,
+        "train",
+        str(recipe),
+        "--workdir",
+        str(workdir),
+    ]
 
 
 def assert_resumes_like_uninterrupted(recipe, workdir, uninterrupted, last_step=24):
-    rerun = subprocess.run(launch_command(recipe, workdir), env=clean_env(), cwd=REPO,
-                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    rerun = subprocess.run(
+        launch_command(recipe, workdir),
+        env=clean_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert rerun.returncode == 0, rerun.stdout[-3000:]
     assert_same_as_uninterrupted(workdir, uninterrupted, step=last_step)
     return rerun.stdout
@@ -477,9 +674,14 @@ def test_kill_9_of_one_of_4_processes_stops_the_others_within_60s(four_processes
     recipe, uninterrupted = four_processes
     workdir = tmp_path / "run"
     token = f"jaxdist-fault-{os.getpid()}-{time.monotonic_ns()}"
-    proc = subprocess.Popen(launch_command(recipe, workdir), env=clean_env(FAULT_TOKEN=token),
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        launch_command(recipe, workdir),
+        env=clean_env(FAULT_TOKEN=token),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_for(lambda: 4 in complete_steps_or_none(workdir), proc, 300, "checkpoint of step 4")
         victim = next(
@@ -506,8 +708,14 @@ def test_kill_9_of_one_of_4_processes_stops_the_others_within_60s(four_processes
 def test_sigterm_to_4_processes_saves_one_step_everywhere_and_resumes(four_processes, tmp_path):
     recipe, uninterrupted = four_processes
     workdir = tmp_path / "run"
-    proc = subprocess.Popen(launch_command(recipe, workdir), env=clean_env(), cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        launch_command(recipe, workdir),
+        env=clean_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_for(lambda: logged_steps(workdir) >= 3, proc, 300, "third logged step")
         proc.send_signal(signal.SIGTERM)
@@ -516,8 +724,9 @@ def test_sigterm_to_4_processes_saves_one_step_everywhere_and_resumes(four_proce
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 143, output[-3000:]
-    stopped = [int(m) for m in re.findall(r"stopped by SIGTERM at step (\d+); checkpoint saved",
-                                          output)]  # fmt: skip
+    stopped = [
+        int(m) for m in re.findall(r"stopped by SIGTERM at step (\d+); checkpoint saved", output)
+    ]
     assert len(stopped) == 4 and len(set(stopped)) == 1, output[-3000:]
     assert complete_steps(workdir)[-1] == stopped[0] < 24
     output = assert_resumes_like_uninterrupted(recipe, workdir, uninterrupted)

@@ -32,13 +32,21 @@ def compiled():
     """One process compiles every GPU case of this file (the plugin loads once)."""
     folder = _compiler_path()
     if folder is None:
-        pytest.skip(f"the GPU compiler is not installed: run tools/install-gpu-compiler (into "
-                    f"{GPU_COMPILER}), or pip install -e '.[gpu-plan]'")  # fmt: skip
+        pytest.skip(
+            f"the GPU compiler is not installed: run tools/install-gpu-compiler (into "
+            f"{GPU_COMPILER}), or pip install -e '.[gpu-plan]'"
+        )
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (folder, str(REPO)) if p)
     env["JAX_PLATFORMS"] = "cpu"  # the GPU compiler runs where JAX itself runs on the CPU
-    done = subprocess.run([sys.executable, "-m", "tests.gpu_plan_worker"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.gpu_plan_worker"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.splitlines()[-1])
 

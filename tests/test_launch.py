@@ -182,8 +182,12 @@ def test_a_program_that_cannot_be_found_is_one_line_and_exit_127(tmp_path):
     # Through the command line: one line on stderr, no traceback.
     proc = subprocess.run(
         [*JAXDIST, "launch", "--processes", "1", "--", "no-such-program-here"],
-        capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        cwd=REPO,
+        timeout=60,
+    )
     assert proc.returncode == 127, proc.stderr
     assert "cannot run 'no-such-program-here': not found" in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -426,9 +430,13 @@ def test_a_process_of_a_run_prints_only_its_own_lines(process_id):
     kept; orbax's preemption line is dropped everywhere, other absl warnings on processes
     other than 0; errors are never dropped."""
     logging_setup = "import logging; logging.basicConfig()\n"
-    done = subprocess.run([PY, "-c", logging_setup + QUIET_PEER, str(process_id)],
-                          env=clean_env(PYTHONUNBUFFERED="1"), capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [PY, "-c", logging_setup + QUIET_PEER, str(process_id)],
+        env=clean_env(PYTHONUNBUFFERED="1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "python's own line\nthe last line, not flushed\n"
     warnings = ["WARNING:absl:an orbax warning"] if process_id == 0 else []

@@ -155,8 +155,19 @@ def test_mesh_cost_prices_a_planning_preset_without_its_devices(capsys):
 
 
 def test_mesh_cost_uses_the_inner_link_for_the_inner_axis_only(capsys):
-    argv = ["mesh", "cost", "dgx-h100-32x8", "--bytes", "64M", "--algorithms", "ring,hierarchical",
-            "--link", "5us:50GB/s", "--inner-link", "2us:450GB/s"]  # fmt: skip
+    argv = [
+        "mesh",
+        "cost",
+        "dgx-h100-32x8",
+        "--bytes",
+        "64M",
+        "--algorithms",
+        "ring,hierarchical",
+        "--link",
+        "5us:50GB/s",
+        "--inner-link",
+        "2us:450GB/s",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert (
@@ -175,10 +186,25 @@ def test_mesh_cost_uses_the_inner_link_for_the_inner_axis_only(capsys):
 def test_mesh_cost_prices_one_axis_schedules_on_the_axis_they_cross(tmp_path, capsys):
     def cost(axes, *extra):
         path = tmp_path / "m.toml"
-        path.write_text('name = "m"\nlayout = "hierarchical"\naxes = [' + ", ".join(
-            f'{{ name = "{n}", size = {k} }}' for n, k in axes) + "]\n")  # fmt: skip
-        argv = ["mesh", "cost", str(path), "--bytes", "1M", "--algorithms", "ring",
-                "--link", "100us:1gbit", "--inner-link", "1us:100GB/s", *extra]  # fmt: skip
+        path.write_text(
+            'name = "m"\nlayout = "hierarchical"\naxes = ['
+            + ", ".join(f'{{ name = "{n}", size = {k} }}' for n, k in axes)
+            + "]\n"
+        )
+        argv = [
+            "mesh",
+            "cost",
+            str(path),
+            "--bytes",
+            "1M",
+            "--algorithms",
+            "ring",
+            "--link",
+            "100us:1gbit",
+            "--inner-link",
+            "1us:100GB/s",
+            *extra,
+        ]
         code = main(argv)
         return code, capsys.readouterr()
 

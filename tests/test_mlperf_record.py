@@ -28,8 +28,14 @@ sys.path.remove(str(BENCHMARKS))
 
 
 def _script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], env=clean_env(), cwd=REPO,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, *args],
+        env=clean_env(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_real_logs_are_each_a_row_or_one_line_saying_why_not():
@@ -63,12 +69,22 @@ def test_a_description_without_chip_counts_is_one_line(tmp_path):
     described.write_text(json.dumps({"number_of_nodes": "TBD", "accelerators_per_node": "8"}))
     with pytest.raises(mlperf_record.LogError, match="no number_of_nodes and accelerators"):
         mlperf_record.read_system(described)
-    described.write_text(json.dumps({"number of nodes": "16 nodes", "accelerators_per_node": 8,
-                                     "accelerator_model_name": "NVIDIA A100-PCIe-80GB",
-                                     "division": "close"}))  # fmt: skip
+    described.write_text(
+        json.dumps(
+            {
+                "number of nodes": "16 nodes",
+                "accelerators_per_node": 8,
+                "accelerator_model_name": "NVIDIA A100-PCIe-80GB",
+                "division": "close",
+            }
+        )
+    )
     system = mlperf_record.read_system(described)
-    assert (system["chips"], system["generation"], system["division"]) == (128, "a100-pcie",
-                                                                           "closed")  # fmt: skip
+    assert (system["chips"], system["generation"], system["division"]) == (
+        128,
+        "a100-pcie",
+        "closed",
+    )
 
 
 def _result_log(path, batch, run_ms, accuracies, status="success"):
@@ -90,12 +106,20 @@ def _result_log(path, batch, run_ms, accuracies, status="success"):
 def test_the_script_scores_a_synthesized_tree_as_mlperf(tmp_path):
     repo = tmp_path / "training_results_v9.9" / "Acme"
     (repo / "systems").mkdir(parents=True)
-    (repo / "systems" / "box_n2.json").write_text(json.dumps(
-        {"number_of_nodes": 2, "accelerators_per_node": 8, "accelerator_model_name": "X1",
-         "division": "closed"}))  # fmt: skip
+    (repo / "systems" / "box_n2.json").write_text(
+        json.dumps(
+            {
+                "number_of_nodes": 2,
+                "accelerators_per_node": 8,
+                "accelerator_model_name": "X1",
+                "division": "closed",
+            }
+        )
+    )
     runs = repo / "results" / "box_n2" / "resnet"
-    for i, (seconds, accuracies) in enumerate([(600, [0.5, 0.76]), (500, [0.6, 0.761]),
-                                               (700, [0.7, 0.755, 0.77]), (400, [0.76])]):  # fmt: skip
+    for i, (seconds, accuracies) in enumerate(
+        [(600, [0.5, 0.76]), (500, [0.6, 0.761]), (700, [0.7, 0.755, 0.77]), (400, [0.76])]
+    ):
         _result_log(runs / f"result_{i}.txt", 3264, seconds * 1000, accuracies)
     _result_log(runs / "result_4.txt", 3264, 300_000, [0.70, 0.75], status="aborted")
     (runs / "result_5.txt").write_text("not a log\n")
@@ -111,16 +135,21 @@ def test_the_script_scores_a_synthesized_tree_as_mlperf(tmp_path):
     table = json.loads(out.read_text())
     assert len(table["runs"]) == 5
     row = next(r for r in table["runs"] if r["path"].endswith("result_2.txt"))
-    assert (row["round"], row["submitter"], row["system"], row["chips"]) == ("v9.9", "Acme",
-                                                                            "box_n2", 16)  # fmt: skip
+    assert (row["round"], row["submitter"], row["system"], row["chips"]) == (
+        "v9.9",
+        "Acme",
+        "box_n2",
+        16,
+    )
     assert (row["per_chip_batch"], row["bn_span"], row["optimizer"]) == (204, 128, "lars")
     assert row["epochs_to_target"] == 12.0 and row["seconds"] == 700
     (submission,) = table["submissions"]
     # 400 500 600 700 and a failed run: the fastest and the failed one dropped.
     assert submission["scored_seconds"] == 600
     assert submission["epochs_to_target"] == [4.0, 8.0, 8.0, 12.0]
-    missing = _script(str(BENCHMARKS / "mlperf_record.py"), "--root", str(tmp_path / "nowhere"),
-                      "--out", str(out))  # fmt: skip
+    missing = _script(
+        str(BENCHMARKS / "mlperf_record.py"), "--root", str(tmp_path / "nowhere"), "--out", str(out)
+    )
     assert missing.returncode == 2 and "found no folder" in missing.stderr
     assert "Traceback" not in missing.stderr
 
@@ -132,19 +161,31 @@ def _submissions(truth: record.RecordFit) -> list[dict]:
         for chips, per_chip in [(8, 256), (8, 64), (64, 51), (256, 32), (1024, 16), (16, 200)]:
             batch = chips * per_chip
             seconds = truth.seconds(generation, chips, batch, record.reference_epochs(batch))
-            rows.append({"generation": generation, "chips": chips, "global_batch": batch,
-                         "scored_seconds": seconds, "division": "closed"})  # fmt: skip
+            rows.append(
+                {
+                    "generation": generation,
+                    "chips": chips,
+                    "global_batch": batch,
+                    "scored_seconds": seconds,
+                    "division": "closed",
+                }
+            )
     return rows
 
 
 def test_a_fit_recovers_the_figures_that_made_the_times():
     truth = record.RecordFit(
-        {"a": record.Generation(3000.0, 5e-3, 0, (0, 0), (0, 0)),
-         "b": record.Generation(7000.0, 2e-3, 0, (0, 0), (0, 0))}, "")  # fmt: skip
+        {
+            "a": record.Generation(3000.0, 5e-3, 0, (0, 0), (0, 0)),
+            "b": record.Generation(7000.0, 2e-3, 0, (0, 0), (0, 0)),
+        },
+        "",
+    )
     fitted = record.fit(record.fittable(_submissions(truth)))
     for name, g in truth.generations.items():
-        assert fitted.generations[name].images_per_second == pytest.approx(g.images_per_second,
-                                                                           rel=1e-4)  # fmt: skip
+        assert fitted.generations[name].images_per_second == pytest.approx(
+            g.images_per_second, rel=1e-4
+        )
         assert fitted.generations[name].step_overhead == pytest.approx(g.step_overhead, rel=1e-3)
         assert fitted.generations[name].chips == (8, 1024)
     # Leave-one-out on exact data predicts each held-out time.

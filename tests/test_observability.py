@@ -66,10 +66,12 @@ def test_tensorboard_holds_every_logged_scalar_and_the_config(tmp_path):
 def test_tensorboard_on_without_the_writer_names_the_extra(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(tensorboard, "_installed", lambda: False)
     recipe = tmp_path / "tiny.py"
-    recipe.write_text("from tests.test_trainer import tiny_config\n"
-                      "def get_config():\n    return tiny_config()\n")  # fmt: skip
-    code = main(["train", str(recipe), "--workdir", str(tmp_path / "run"),
-                 "--set", "tensorboard=on"])  # fmt: skip
+    recipe.write_text(
+        "from tests.test_trainer import tiny_config\ndef get_config():\n    return tiny_config()\n"
+    )
+    code = main(
+        ["train", str(recipe), "--workdir", str(tmp_path / "run"), "--set", "tensorboard=on"]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "tensorboard='on' needs the TensorBoard writer" in err[0]
@@ -99,9 +101,11 @@ def test_profile_steps_trace_names_exactly_those_steps(tmp_path):
 )
 def test_bad_profile_steps_are_one_line(tmp_path, capsys, steps, expected):
     recipe = tmp_path / "tiny.py"
-    recipe.write_text("from tests.test_trainer import tiny_config\n"
-                      "def get_config():\n    return tiny_config()\n")  # fmt: skip
-    code = main(["train", str(recipe), "--workdir", str(tmp_path / "run"),
-                 "--profile-steps", steps])  # fmt: skip
+    recipe.write_text(
+        "from tests.test_trainer import tiny_config\ndef get_config():\n    return tiny_config()\n"
+    )
+    code = main(
+        ["train", str(recipe), "--workdir", str(tmp_path / "run"), "--profile-steps", steps]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and expected in err[0], err

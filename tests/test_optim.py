@@ -286,8 +286,9 @@ def test_clip_norm_clips_by_the_global_norm_as_optax_does():
     grads = jax.tree.map(lambda p: 10 * jnp.ones_like(p), params)  # a norm the clip bites on
     opt = apply_overrides(base_config(), ["optimizer.name=adamw", "optimizer.clip_norm=0.5"])
     ours = build_optimizer(opt.optimizer, 0.1)
-    want = optax.chain(optax.clip_by_global_norm(0.5),
-                       optim.adamw(0.1, weight_decay=opt.optimizer.weight_decay))  # fmt: skip
+    want = optax.chain(
+        optax.clip_by_global_norm(0.5), optim.adamw(0.1, weight_decay=opt.optimizer.weight_decay)
+    )
     state = optim.set_learning_rate(ours.init(params), 0.3)
     got, _ = ours.update(grads, state, params)
     expected, _ = want.update(grads, optim.set_learning_rate(want.init(params), 0.3), params)

@@ -32,8 +32,9 @@ def micro_batches(batch, replicas, M):
     """Micro-batch m of the step: every replica's m-th slice of its block, together (the
     mean of the replicas' mean-loss gradients is the gradient of the mean over all)."""
     blocks = jax.tree.map(lambda x: x.reshape(replicas, M, -1, *x.shape[1:]), batch)
-    return [jax.tree.map(lambda x, m=m: x[:, m].reshape(-1, *x.shape[3:]), blocks)
-            for m in range(M)]  # fmt: skip
+    return [
+        jax.tree.map(lambda x, m=m: x[:, m].reshape(-1, *x.shape[3:]), blocks) for m in range(M)
+    ]
 
 
 def jitted_update(optimizer):
@@ -124,8 +125,16 @@ def pipeline(schedule, mesh, M, optimizer, **options):
     modules = mlp_stages(stages)
     params, states = pipeline_stages.init_flax_stages(modules, jax.random.key(0), batch["x"][:2])
     fns = pipeline_stages.flax_stages(modules)
-    step = PipelineStep(fns, cross_entropy, optimizer, mesh, microbatches=M, schedule=schedule,
-                        inputs=lambda b: b["x"], **options)  # fmt: skip
+    step = PipelineStep(
+        fns,
+        cross_entropy,
+        optimizer,
+        mesh,
+        microbatches=M,
+        schedule=schedule,
+        inputs=lambda b: b["x"],
+        **options,
+    )
     return step, fns, params, states, batch
 
 
@@ -152,18 +161,31 @@ def test_pipedream_equals_its_simulation(stages, M):
     got, _ = step.unstack(state)
     assert_trees_close(got, want)
     # Stashing, not the newest weights: training on the newest gives other parameters.
-    plain = PipelineStep(fns, cross_entropy, optimizer, stage_mesh(stages), microbatches=M,
-                         schedule="1f1b", inputs=lambda b: b["x"])  # fmt: skip
+    plain = PipelineStep(
+        fns,
+        cross_entropy,
+        optimizer,
+        stage_mesh(stages),
+        microbatches=M,
+        schedule="1f1b",
+        inputs=lambda b: b["x"],
+    )
     other, _ = plain.unstack(run(plain, params, states, batch, steps=2)[0])
-    assert max(float(jnp.abs(a - b).max()) for a, b in
-               zip(jax.tree.leaves(got), jax.tree.leaves(other), strict=True)) > 1e-3  # fmt: skip
+    assert (
+        max(
+            float(jnp.abs(a - b).max())
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(other), strict=True)
+        )
+        > 1e-3
+    )
 
 
 def test_pipedream_with_data_parallelism_averages_each_micro_batch():
     mesh = meshes.build("pipeline-2x4")
     optimizer = optax.adam(1e-2)
-    step, fns, params, states, batch = pipeline("pipedream", mesh, 3, optimizer,
-                                                allreduce="ring", bucket_bytes=64)  # fmt: skip
+    step, fns, params, states, batch = pipeline(
+        "pipedream", mesh, 3, optimizer, allreduce="ring", bucket_bytes=64
+    )
     state, _ = run(step, params, states, batch, steps=2)
     want = simulate_pipedream(fns, params, states, batch, optimizer, 4, 3, replicas=2, steps=2)
     assert_trees_close(step.unstack(state)[0], want, atol=5e-6)
@@ -191,8 +213,11 @@ def test_2bw_equals_its_simulation(preset, M):
 def test_versions_kept_are_bounded_by_the_micro_batches_in_flight():
     for stages, M in ((2, 8), (4, 4), (4, 16), (8, 8)):
         program = compile_schedule(build("pipedream", stages, M))
-        assert program.weight_slots == min(stages, M) == max(build("1f1b", stages, M)
-                                                              .live_activations())  # fmt: skip
+        assert (
+            program.weight_slots
+            == min(stages, M)
+            == max(build("1f1b", stages, M).live_activations())
+        )
 
 
 def test_what_asynchronous_schedules_refuse():
@@ -203,7 +228,14 @@ def test_what_asynchronous_schedules_refuse():
         ({"skip_nonfinite": True}, "cannot skip a non-finite step"),
     ]:
         with pytest.raises(ValueError, match=message) as caught:
-            PipelineStep(fns, cross_entropy, optax.sgd(0.1), mesh, microbatches=2,
-                         schedule="pipedream", **options)  # fmt: skip
+            PipelineStep(
+                fns,
+                cross_entropy,
+                optax.sgd(0.1),
+                mesh,
+                microbatches=2,
+                schedule="pipedream",
+                **options,
+            )
         assert "\n" not in str(caught.value)
     np.testing.assert_equal(build("pipedream_2bw", 3, 6).table, build("1f1b", 3, 6).table)

@@ -33,8 +33,9 @@ def lars():
     """LARS with weight decay and trust ratios masked by shape (kernels only): a layer's norm
     and a mask by ``ndim`` both need each parameter in its own shape."""
     kernels = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
-    return optax.lars(0.1, weight_decay=1e-3, weight_decay_mask=kernels,
-                      trust_ratio_mask=kernels, momentum=0.9)  # fmt: skip
+    return optax.lars(
+        0.1, weight_decay=1e-3, weight_decay_mask=kernels, trust_ratio_mask=kernels, momentum=0.9
+    )
 
 
 def stages_of(virtual: int, batch):
@@ -48,23 +49,42 @@ def stages_of(virtual: int, batch):
 CASES = [
     ("pipeline-2x2x2", "torus2d", None, "1f1b", 1, lars),
     ("4x2", "ring", "native", "interleaved", 2, lambda: optax.adamw(1e-2, weight_decay=0.1)),
-    ("4x2", "native", None, "gpipe", 1,
-     lambda: optax.chain(global_norm.clip_by_global_norm(0.3), lars())),
-]  # fmt: skip
+    (
+        "4x2",
+        "native",
+        None,
+        "gpipe",
+        1,
+        lambda: optax.chain(global_norm.clip_by_global_norm(0.3), lars()),
+    ),
+]
 
 
 @pytest.mark.parametrize("preset, allreduce, gather, schedule, chunks, optimizer", CASES)
-def test_fsdp_inside_stages_equals_one_device(preset, allreduce, gather, schedule, chunks,
-                                              optimizer):  # fmt: skip
+def test_fsdp_inside_stages_equals_one_device(
+    preset, allreduce, gather, schedule, chunks, optimizer
+):
     mesh = meshes.build(preset) if preset.startswith("pipeline") else meshes.pipeline(4, 2)
     stages = mesh.shape["stage"]
     replicas = mesh.size // stages
     batch = data(n=96)
     fns, params, states = stages_of(stages * chunks, batch)
     # Few elements suffice to split: the small layers' kernels are split, biases kept whole.
-    step = PipelineStep(fns, cross_entropy, optimizer(), mesh, microbatches=4, schedule=schedule,
-                        chunks=chunks, allreduce=allreduce, gather=gather, bucket_bytes=4096,
-                        inputs=lambda b: b["x"], sharding="fsdp", min_shard_elements=8)  # fmt: skip
+    step = PipelineStep(
+        fns,
+        cross_entropy,
+        optimizer(),
+        mesh,
+        microbatches=4,
+        schedule=schedule,
+        chunks=chunks,
+        allreduce=allreduce,
+        gather=gather,
+        bucket_bytes=4096,
+        inputs=lambda b: b["x"],
+        sharding="fsdp",
+        min_shard_elements=8,
+    )
     state, metrics = run_pipeline(step, params, states, batch, steps=3)
     layout = step.layouts["params"]
     assert "kept whole" in layout.describe() and not layout.describe().startswith("0 of")
@@ -106,9 +126,16 @@ def test_each_device_keeps_its_share_of_its_stage_and_the_update_gathers_nothing
     params, states = pipeline_stages.init_flax_stages(modules, jax.random.key(0), batch["x"][:1])
     arguments = {}
     for sharding in ("replicated", "fsdp"):
-        step = PipelineStep(pipeline_stages.flax_stages(modules), cross_entropy,
-                            optax.adam(1e-3), meshes.pipeline(4, 2), microbatches=2,
-                            allreduce="ring", sharding=sharding, inputs=lambda b: b["x"])  # fmt: skip
+        step = PipelineStep(
+            pipeline_stages.flax_stages(modules),
+            cross_entropy,
+            optax.adam(1e-3),
+            meshes.pipeline(4, 2),
+            microbatches=2,
+            allreduce="ring",
+            sharding=sharding,
+            inputs=lambda b: b["x"],
+        )
         state = step.init(params, states)
         compiled = step.lower(state, step.shard_batch(batch), jax.random.key(0)).compile()
         arguments[sharding] = compiled.memory_analysis().argument_size_in_bytes
@@ -120,8 +147,11 @@ def test_each_device_keeps_its_share_of_its_stage_and_the_update_gathers_nothing
     assert not re.search(r" (all-gather|reduce-scatter)(-start)?\(", text)
     # The all-reduces carry the loss, the metrics and the parameters kept whole (read from
     # one shard), never a split one.
-    reduced = [line.split("=", 1)[1] for line in text.splitlines()
-               if re.search(r" all-reduce(-start)?\(", line)]  # fmt: skip
+    reduced = [
+        line.split("=", 1)[1]
+        for line in text.splitlines()
+        if re.search(r" all-reduce(-start)?\(", line)
+    ]
     assert reduced
     for line in reduced:
         types = line.split("all-reduce")[0]
@@ -136,10 +166,19 @@ def test_loss_scale_and_skipped_steps_see_every_shard():
     batch = data(n=48)
     fns, params, states = stages_of(2, batch)
     optimizer = optax.sgd(0.1)
-    step = PipelineStep(fns, cross_entropy, optimizer, meshes.pipeline(4, 2), microbatches=2,
-                        allreduce="ring", sharding="fsdp", min_shard_elements=8,
-                        loss_scale=DynamicLossScale.create(2.0**10), skip_nonfinite=True,
-                        inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(
+        fns,
+        cross_entropy,
+        optimizer,
+        meshes.pipeline(4, 2),
+        microbatches=2,
+        allreduce="ring",
+        sharding="fsdp",
+        min_shard_elements=8,
+        loss_scale=DynamicLossScale.create(2.0**10),
+        skip_nonfinite=True,
+        inputs=lambda b: b["x"],
+    )
     skipped = skips_poison_then_trains(step, fns, params, states, batch, optimizer, row=40)
     assert not bool(skipped["grads_finite"]) and float(skipped["loss_scale"]) == 2.0**10
 
@@ -151,13 +190,16 @@ def test_what_fsdp_inside_stages_cannot_honour_is_one_line():
     mesh = meshes.pipeline(4, 2)
     cases = [
         ({"sharding": "zero1"}, mesh, "choose sharding='fsdp'"),
-        ({"sharding": "fsdp", "schedule": "pipedream"}, mesh,
-         "schedule='pipedream' updates .* between micro-batches"),
+        (
+            {"sharding": "fsdp", "schedule": "pipedream"},
+            mesh,
+            "schedule='pipedream' updates .* between micro-batches",
+        ),
         ({"sharding": "fsdp", "schedule": "pipedream_2bw"}, mesh, "choose gpipe, 1f1b or"),
         ({"gather": "native"}, mesh, "sharding='replicated' keeps each stage's parameters whole"),
         ({"sharding": "fsdp"}, stage_mesh(2), "the mesh has none beside 'stage'"),
         ({"sharding": "fsdp", "allreduce": "none"}, mesh, "allreduce='none' names none"),
-    ]  # fmt: skip
+    ]
     for options, on, message in cases:
         with pytest.raises(ValueError, match=message) as caught:
             PipelineStep(fns, cross_entropy, sgd, on, microbatches=2, **options)

@@ -179,8 +179,13 @@ def test_a_compiler_profile_prices_layers_for_a_tpu_chip():
 
     model = tiny_resnet()
     example = jax.ShapeDtypeStruct((8, 8, 8, 3), "float32")
-    profile = compiler_profile(model, example, optax.sgd(0.1), parse_topology("v5e:2x2"),
-                               description={"name": "tiny", "dtype": "float32"})  # fmt: skip
+    profile = compiler_profile(
+        model,
+        example,
+        optax.sgd(0.1),
+        parse_topology("v5e:2x2"),
+        description={"name": "tiny", "dtype": "float32"},
+    )
     assert profile.source == "compiler" and profile.device.startswith("TPU v5e")
     assert len(profile.layers) == 4
     assert all(x.flops > 0 and x.forward_s > 0 and x.backward_s > 0 for x in profile.layers)
@@ -194,8 +199,10 @@ def test_cli_profiles_then_cuts_a_recipe_and_refuses_another_models_profile(tmp_
 
     out = tmp_path / "profile.json"
     tiny = ["--set", "model.width=4"]
-    assert main(["pipeline", "profile", "mnist_pipeline", *tiny, "--out", str(out),
-                 "--repeats", "2"]) == 0  # fmt: skip
+    assert (
+        main(["pipeline", "profile", "mnist_pipeline", *tiny, "--out", str(out), "--repeats", "2"])
+        == 0
+    )
     assert "wrote" in capsys.readouterr().out
     profile = read_profile(out)
     assert len(profile.layers) == 10 and profile.micro_batch == 4

@@ -93,11 +93,26 @@ def test_pipeline_show_prints_the_table_and_draws_it(tmp_path, capsys):
     ]
     assert out[3] == "bubble: 0.3333 of stage-ticks idle (formula (S-1)/(v*M+S-1): 0.3333)"
     # Stage 1 keeps both inputs (F1 arrives before B0 runs); sends on ticks 0, 1 and 2, 4.
-    assert out[5].startswith("the step's program: 2 stashed inputs per device, 4 permutes per "
-                             "step (2 forward, 2 backward")  # fmt: skip
+    assert out[5].startswith(
+        "the step's program: 2 stashed inputs per device, 4 permutes per "
+        "step (2 forward, 2 backward"
+    )
     assert png.stat().st_size > 0
-    assert main(["pipeline", "show", "--stages", "4", "--microbatches", "6",
-                 "--schedule", "interleaved"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "pipeline",
+                "show",
+                "--stages",
+                "4",
+                "--microbatches",
+                "6",
+                "--schedule",
+                "interleaved",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err == (
         "jaxdist pipeline: the interleaved schedule runs micro-batches in groups of the stage "

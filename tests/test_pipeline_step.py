@@ -117,10 +117,16 @@ def stage_mesh(stages: int) -> Mesh:
 # schedule's table for every S and M is checked without compiling in
 # test_pipeline_schedules.py.
 EQUIVALENCE_CASES = [
-    ("gpipe", 2, 6, 1), ("gpipe", 3, 3, 1), ("gpipe", 4, 1, 1),
-    ("1f1b", 2, 2, 1), ("1f1b", 3, 1, 1), ("1f1b", 4, 12, 1),
-    ("interleaved", 2, 2, 2), ("interleaved", 3, 9, 2), ("interleaved", 2, 2, 3),
-]  # fmt: skip
+    ("gpipe", 2, 6, 1),
+    ("gpipe", 3, 3, 1),
+    ("gpipe", 4, 1, 1),
+    ("1f1b", 2, 2, 1),
+    ("1f1b", 3, 1, 1),
+    ("1f1b", 4, 12, 1),
+    ("interleaved", 2, 2, 2),
+    ("interleaved", 3, 9, 2),
+    ("interleaved", 2, 2, 3),
+]
 
 
 @pytest.mark.parametrize("schedule, stages, micro_batches, chunks", EQUIVALENCE_CASES)
@@ -130,9 +136,16 @@ def test_pipeline_equals_accumulation(schedule, stages, micro_batches, chunks):
     params, states = pipeline_stages.init_flax_stages(modules, jax.random.key(0), batch["x"][:2])
     fns = pipeline_stages.flax_stages(modules)
     optimizer = optax.sgd(0.1, momentum=0.9)
-    step = PipelineStep(fns, cross_entropy, optimizer, stage_mesh(stages),
-                        microbatches=micro_batches, schedule=schedule, chunks=chunks,
-                        inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(
+        fns,
+        cross_entropy,
+        optimizer,
+        stage_mesh(stages),
+        microbatches=micro_batches,
+        schedule=schedule,
+        chunks=chunks,
+        inputs=lambda b: b["x"],
+    )
     state, metrics = run_pipeline(step, params, states, batch, steps=3)
     want_params, _, want_loss = reference(fns, params, states, batch, optimizer, micro_batches, 3)
     got_params, _ = step.unstack(state)
@@ -141,8 +154,9 @@ def test_pipeline_equals_accumulation(schedule, stages, micro_batches, chunks):
     assert step.trace_count == 1
 
 
-@pytest.mark.parametrize("schedule, stages, micro_batches, chunks",
-                         [("1f1b", 3, 3, 1), ("interleaved", 2, 2, 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "schedule, stages, micro_batches, chunks", [("1f1b", 3, 3, 1), ("interleaved", 2, 2, 2)]
+)
 def test_global_norm_clipping_takes_the_norm_over_every_stage(
     schedule, stages, micro_batches, chunks
 ):
@@ -158,12 +172,20 @@ def test_global_norm_clipping_takes_the_norm_over_every_stage(
     def optimizer(clip):
         return optax.chain(clip(max_norm), optax.adam(1e-2))
 
-    step = PipelineStep(fns, cross_entropy, optimizer(global_norm.clip_by_global_norm),
-                        stage_mesh(stages), microbatches=micro_batches, schedule=schedule,
-                        chunks=chunks, inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(
+        fns,
+        cross_entropy,
+        optimizer(global_norm.clip_by_global_norm),
+        stage_mesh(stages),
+        microbatches=micro_batches,
+        schedule=schedule,
+        chunks=chunks,
+        inputs=lambda b: b["x"],
+    )
     state, _ = run_pipeline(step, params, states, batch, steps=3)
-    want, _, _ = reference(fns, params, states, batch, optimizer(optax.clip_by_global_norm),
-                           micro_batches, 3)  # fmt: skip
+    want, _, _ = reference(
+        fns, params, states, batch, optimizer(optax.clip_by_global_norm), micro_batches, 3
+    )
     got, _ = step.unstack(state)
     assert_trees_close(got, want)
     unclipped, _, _ = reference(fns, params, states, batch, optax.adam(1e-2), micro_batches, 3)
@@ -175,8 +197,14 @@ def test_pipedream_refuses_a_norm_over_the_whole_model():
     modules = mlp_stages(2)
     clipped = optax.chain(global_norm.clip_by_global_norm(1.0), optax.sgd(0.1))
     with pytest.raises(ValueError, match=r"updates each stage at its own time") as err:
-        PipelineStep(pipeline_stages.flax_stages(modules), cross_entropy, clipped,
-                     stage_mesh(2), microbatches=2, schedule="pipedream")  # fmt: skip
+        PipelineStep(
+            pipeline_stages.flax_stages(modules),
+            cross_entropy,
+            clipped,
+            stage_mesh(2),
+            microbatches=2,
+            schedule="pipedream",
+        )
     assert "\n" not in str(err.value)
 
 
@@ -189,8 +217,9 @@ RESNET_CASES = [
 ]
 
 
-@pytest.mark.parametrize("resnet, schedule, stages, chunks, micro_batches, boundaries",
-                         RESNET_CASES)  # fmt: skip
+@pytest.mark.parametrize(
+    "resnet, schedule, stages, chunks, micro_batches, boundaries", RESNET_CASES
+)
 def test_resnet_stages_with_batchnorm_equal_accumulation(
     resnet, schedule, stages, chunks, micro_batches, boundaries
 ):
@@ -204,12 +233,18 @@ def test_resnet_stages_with_batchnorm_equal_accumulation(
     params, states = pipeline_stages.split_variables(variables, modules, images[:2])
     fns = pipeline_stages.flax_stages(modules)
     optimizer = optax.sgd(0.05, momentum=0.9)
-    step = PipelineStep(fns, cross_entropy, optimizer, stage_mesh(stages),
-                        microbatches=micro_batches, schedule=schedule, chunks=chunks,
-                        inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(
+        fns,
+        cross_entropy,
+        optimizer,
+        stage_mesh(stages),
+        microbatches=micro_batches,
+        schedule=schedule,
+        chunks=chunks,
+        inputs=lambda b: b["x"],
+    )
     state, _ = run_pipeline(step, params, states, batch, steps=2)
-    want_params, want_states, _ = reference(fns, params, states, batch, optimizer,
-                                            micro_batches, 2)  # fmt: skip
+    want_params, want_states, _ = reference(fns, params, states, batch, optimizer, micro_batches, 2)
     got_params, got_states = step.unstack(state)
     assert_trees_close(got_params, want_params, atol=1e-5)
     assert_trees_close(got_states, want_states, atol=1e-5)
@@ -233,8 +268,17 @@ def test_pipeline_with_data_parallelism(preset, allreduce, options):
     params, states = pipeline_stages.init_flax_stages(modules, jax.random.key(0), batch["x"][:2])
     fns = pipeline_stages.flax_stages(modules)
     optimizer = optax.adam(1e-2)
-    step = PipelineStep(fns, cross_entropy, optimizer, mesh, microbatches=3, allreduce=allreduce,
-                        allreduce_options=options, bucket_bytes=64, inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(
+        fns,
+        cross_entropy,
+        optimizer,
+        mesh,
+        microbatches=3,
+        allreduce=allreduce,
+        allreduce_options=options,
+        bucket_bytes=64,
+        inputs=lambda b: b["x"],
+    )
     state, metrics = run_pipeline(step, params, states, batch, steps=2)
     # Every replica's micro-batches are consecutive slices of the batch, all of one size: the
     # mean over replicas of their accumulated gradients is accumulation over all of them.
@@ -251,8 +295,15 @@ def test_loss_scaling_changes_nothing_but_the_scale():
     params, states = pipeline_stages.init_flax_stages(modules, jax.random.key(0), batch["x"][:2])
     fns = pipeline_stages.flax_stages(modules)
     optimizer = optax.sgd(0.1)
-    step = PipelineStep(fns, cross_entropy, optimizer, stage_mesh(2), microbatches=2,
-                        loss_scale=DynamicLossScale.create(2.0**10), inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(
+        fns,
+        cross_entropy,
+        optimizer,
+        stage_mesh(2),
+        microbatches=2,
+        loss_scale=DynamicLossScale.create(2.0**10),
+        inputs=lambda b: b["x"],
+    )
     state, metrics = run_pipeline(step, params, states, batch, steps=2)
     want, _, _ = reference(fns, params, states, batch, optimizer, 2, 2)
     assert_trees_close(step.unstack(state)[0], want)
@@ -267,8 +318,15 @@ def test_skip_nonfinite_leaves_every_stage_as_it_was():
     params, states = pipeline_stages.init_flax_stages(modules, jax.random.key(0), batch["x"][:2])
     fns = pipeline_stages.flax_stages(modules)
     optimizer = optax.sgd(0.1)
-    step = PipelineStep(fns, cross_entropy, optimizer, stage_mesh(2), microbatches=2,
-                        skip_nonfinite=True, inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(
+        fns,
+        cross_entropy,
+        optimizer,
+        stage_mesh(2),
+        microbatches=2,
+        skip_nonfinite=True,
+        inputs=lambda b: b["x"],
+    )
     skips_poison_then_trains(step, fns, params, states, batch, optimizer, row=0)
 
 
@@ -296,8 +354,14 @@ def test_each_device_holds_only_its_stage():
     modules = [pipeline_stages.Chain(g) for g in pipeline_stages.cut(layers, stages=4)]
     batch = {"x": jnp.ones((8, 256)), "label": jnp.zeros((8,), jnp.int32)}
     params, states = pipeline_stages.init_flax_stages(modules, jax.random.key(0), batch["x"][:1])
-    step = PipelineStep(pipeline_stages.flax_stages(modules), cross_entropy, optax.adam(1e-3),
-                        stage_mesh(4), microbatches=2, inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(
+        pipeline_stages.flax_stages(modules),
+        cross_entropy,
+        optax.adam(1e-3),
+        stage_mesh(4),
+        microbatches=2,
+        inputs=lambda b: b["x"],
+    )
     state = step.init(params, states)
     compiled = step.lower(state, step.shard_batch(batch), jax.random.key(0)).compile()
     arguments = compiled.memory_analysis().argument_size_in_bytes
@@ -325,8 +389,14 @@ def test_bad_input_gets_one_line():
     with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b, interleaved"):
         PipelineStep(fns, cross_entropy, sgd, stage_mesh(4), microbatches=2, schedule="zb")
     with pytest.raises(ValueError, match="allreduce 'torus2d' needs two data axes"):
-        PipelineStep(fns, cross_entropy, sgd, meshes.build("pipeline-2x4"), microbatches=2,
-                     allreduce="torus2d")  # fmt: skip
+        PipelineStep(
+            fns,
+            cross_entropy,
+            sgd,
+            meshes.build("pipeline-2x4"),
+            microbatches=2,
+            allreduce="torus2d",
+        )
     with pytest.raises(ValueError, match="3 stage functions for 4 stages"):
         PipelineStep(fns[:3], cross_entropy, sgd, stage_mesh(4), microbatches=2)
     with pytest.raises(ValueError, match="7 layers do not divide into 2 equal stages"):
@@ -337,8 +407,9 @@ def test_bad_input_gets_one_line():
         pipeline_stages.cut(list(range(7)), boundaries=[0, 4, 7])
     batch = data(n=10)
     params, states = pipeline_stages.init_flax_stages(modules, jax.random.key(0), batch["x"][:2])
-    step = PipelineStep(fns, cross_entropy, sgd, stage_mesh(4), microbatches=4,
-                        inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(
+        fns, cross_entropy, sgd, stage_mesh(4), microbatches=4, inputs=lambda b: b["x"]
+    )
     state = step.init(params, states)
     with pytest.raises(ValueError, match=r"batch of 10 .* does not split into microbatches=4"):
         step(state, step.shard_batch(batch), jax.random.key(0))
@@ -356,8 +427,15 @@ def test_cross_replica_batchnorm_over_the_data_axis_equals_data_parallel_trainin
     params, states = pipeline_stages.init_flax_stages(modules, jax.random.key(0), batch["x"][:2])
     fns = pipeline_stages.flax_stages(modules)
     optimizer = optax.sgd(0.1)
-    step = PipelineStep(fns, cross_entropy, optimizer, meshes.build("pipeline-2x4"),
-                        microbatches=2, allreduce="ring", inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(
+        fns,
+        cross_entropy,
+        optimizer,
+        meshes.build("pipeline-2x4"),
+        microbatches=2,
+        allreduce="ring",
+        inputs=lambda b: b["x"],
+    )
     state, metrics = run_pipeline(step, params, states, batch, steps=2)
 
     data_mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
@@ -376,12 +454,20 @@ def test_a_stateless_stage_may_be_a_function_of_params_and_input():
     """``(params, x) -> y`` stages with no model state or randomness: two dense layers as
     plain functions train as the one-device model does."""
     rng = np.random.default_rng(0)
-    params = [{"w": jnp.asarray(rng.standard_normal((6, 8)) * 0.3, jnp.float32)},
-              {"w": jnp.asarray(rng.standard_normal((8, WIDTHS[-1])) * 0.3, jnp.float32)}]  # fmt: skip
+    params = [
+        {"w": jnp.asarray(rng.standard_normal((6, 8)) * 0.3, jnp.float32)},
+        {"w": jnp.asarray(rng.standard_normal((8, WIDTHS[-1])) * 0.3, jnp.float32)},
+    ]
     stages = [lambda p, x: jnp.tanh(x @ p["w"]), lambda p, x: x @ p["w"]]
     batch = data(n=8)
-    step = PipelineStep(stages, cross_entropy, optax.sgd(0.5), stage_mesh(2), microbatches=2,
-                        inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(
+        stages,
+        cross_entropy,
+        optax.sgd(0.5),
+        stage_mesh(2),
+        microbatches=2,
+        inputs=lambda b: b["x"],
+    )
     state = step.init(params, [{}, {}])
     state, _ = step(state, step.shard_batch(batch), jax.random.key(0))
 

@@ -58,11 +58,24 @@ def test_learning_rate_and_lars_reach_every_stage():
     fns = pipeline_stages.flax_stages(modules)
 
     def lars():
-        return optim.make_optimizer("lars", 0.1, momentum=0.9, nesterov=False,
-                                    weight_decay=1e-4, trust_coefficient=0.001, eps=0.0)  # fmt: skip
+        return optim.make_optimizer(
+            "lars",
+            0.1,
+            momentum=0.9,
+            nesterov=False,
+            weight_decay=1e-4,
+            trust_coefficient=0.001,
+            eps=0.0,
+        )
 
-    step = PipelineStep(fns, cross_entropy, lars(), meshes.build("pipeline-2x4"),
-                        microbatches=3, inputs=lambda b: b["x"])  # fmt: skip
+    step = PipelineStep(
+        fns,
+        cross_entropy,
+        lars(),
+        meshes.build("pipeline-2x4"),
+        microbatches=3,
+        inputs=lambda b: b["x"],
+    )
     state = step.set_learning_rate(step.init(params, states), 0.5)
     for _ in range(2):
         state, _ = step(state, step.shard_batch(batch), jax.random.key(3))
@@ -125,18 +138,23 @@ def test_fsdp_inside_stages_trains_as_the_replicated_pipeline(straight, tmp_path
     stage, chunk, offset = step._learning_rate_at
     assert len(offset) == 4 * 2  # every stage's rate, once in each of its two shards
     stored = np.asarray(trainer.state.opt_state)[stage, chunk, offset]
-    np.testing.assert_allclose(stored, float(trainer.lr_fn(trainer.schedule.epoch_at(6))),
-                               rtol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        stored, float(trainer.lr_fn(trainer.schedule.epoch_at(6))), rtol=1e-6
+    )
 
 
 def test_a_pipeline_checkpoint_under_another_sharding_is_refused_saying_so(straight):
     """A pipeline stores each stage laid out for its sharding: resuming the replicated run
     under FSDP says that in one line (not "another model") and leaves the workdir as it was."""
     recorded = (straight.workdir / "config.json").read_text()
-    again = Trainer(tiny_config(**PIPELINE, sharding="fsdp"), straight.workdir,
-                    allow_config_change=True)  # fmt: skip
-    with pytest.raises(CheckpointMismatchError, match=r"hold this pipeline under sharding="
-                       r"'replicated'.*rerun with --set sharding=replicated") as caught:  # fmt: skip
+    again = Trainer(
+        tiny_config(**PIPELINE, sharding="fsdp"), straight.workdir, allow_config_change=True
+    )
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"hold this pipeline under sharding="
+        r"'replicated'.*rerun with --set sharding=replicated",
+    ) as caught:
         again.run()
     assert "\n" not in str(caught.value)
     assert (straight.workdir / "config.json").read_text() == recorded
@@ -148,8 +166,7 @@ def test_micro_batches_that_do_not_divide_the_batch_are_refused_before_training(
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_auto_boundaries_cut_where_the_profile_says_and_resume_exactly(straight, tmp_path,
-                                                                      capsys):  # fmt: skip
+def test_auto_boundaries_cut_where_the_profile_says_and_resume_exactly(straight, tmp_path, capsys):
     """A profile whose only balanced cut is the explicit one: the auto run, crashed and
     resumed, equals the explicit run, records the cut, and the resume restores the state's
     shapes and shardings and reuses the cut without profiling again."""

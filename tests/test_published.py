@@ -147,8 +147,16 @@ def test_a_plans_native_step_is_priced_as_the_compilers_all_reduce():
     from jaxdist.aot.schedule import Schedule
 
     buckets = [16 * MIB, 8 * MIB]
-    compiled = CompiledStep(1.0, None, 1e12, Schedule(), sum(buckets), buckets,
-                            text=_all_reduces(buckets, 256), num_devices=256)  # fmt: skip
+    compiled = CompiledStep(
+        1.0,
+        None,
+        1e12,
+        Schedule(),
+        sum(buckets),
+        buckets,
+        text=_all_reduces(buckets, 256),
+        num_devices=256,
+    )
     v4 = CHIPS["v4"]
     network = network_for(v4)
     step = predict.predict_step(compiled, v4, efficiency=0.5, network=network)
@@ -184,8 +192,9 @@ def test_each_generation_is_fitted_on_its_own_runs_and_a_plan_says_which(tmp_pat
     fits = published.fit_by_generation(FACTS)
     assert set(fits) == {"v3", "v4", "v100", "a100", "h100"}  # MLPerf runs only, no P100
     assert fits["v4"]["runs"] == [name for name in published.MLPERF_RUNS if "TPU v4" in name]
-    assert fits["h100"]["efficiency"] == pytest.approx(published.fit_efficiency(
-        [RUNS[name] for name in fits["h100"]["runs"]], FACTS))  # fmt: skip
+    assert fits["h100"]["efficiency"] == pytest.approx(
+        published.fit_efficiency([RUNS[name] for name in fits["h100"]["runs"]], FACTS)
+    )
 
     monkeypatch.setattr(published, "CALIBRATION_FILE", tmp_path / "calibration.json")
     run = RUNS[published.CALIBRATION_RUN]

@@ -22,8 +22,9 @@ def _checker_epochs(batch):
     return record["RCP Mean"]
 
 
-@pytest.mark.parametrize("batch", [1024, 1632, 3264, 4096, 6000, 8192, 16384, 32768, 49152,
-                                   60000, 67840, 80000])  # fmt: skip
+@pytest.mark.parametrize(
+    "batch", [1024, 1632, 3264, 4096, 6000, 8192, 16384, 32768, 49152, 60000, 67840, 80000]
+)
 def test_epochs_are_the_rcp_checkers(batch):
     found = rcp.epochs_to_converge(batch)
     want = _checker_epochs(batch)
@@ -67,9 +68,12 @@ def test_a_plan_of_the_mlperf_recipe_prices_the_reference_epochs():
 
     config = load_recipe("recipes/resnet50_imagenet_mlperf_lars.py")
     schedule = BatchSchedule(batch_stages(config), dataset_size=1_281_167)
-    trainer = SimpleNamespace(task=SimpleNamespace(name="resnet50"), schedule=schedule,
-                              plans=schedule.device_plans(256, config.max_per_device_batch),
-                              num_replicas=256)  # fmt: skip
+    trainer = SimpleNamespace(
+        task=SimpleNamespace(name="resnet50"),
+        schedule=schedule,
+        plans=schedule.device_plans(256, config.max_per_device_batch),
+        num_replicas=256,
+    )
     step_seconds = [0.1] * len(schedule.stages)
     topology = parse_topology("v4:4x8x8")  # 256 chips; the record holds TPU v4 submissions
     ref = reference_for(config, trainer, step_seconds, topology, flops_per_image=24e9)
@@ -79,9 +83,11 @@ def test_a_plan_of_the_mlperf_recipe_prices_the_reference_epochs():
     assert sum(row["steps"] for row in ref["time_rows"]) == steps
     assert ref["total_seconds"] == pytest.approx(0.1 * steps)
     lines = _reference_lines(ref)
-    assert lines[1].startswith(f"MLPerf reference (MLPerf Training 4.0.0 reference convergence "
-                               f"points) at global batch {config.batch_size:,}: "
-                               f"{found.epochs:.1f} epochs to 75.9% top-1")  # fmt: skip
+    assert lines[1].startswith(
+        f"MLPerf reference (MLPerf Training 4.0.0 reference convergence "
+        f"points) at global batch {config.batch_size:,}: "
+        f"{found.epochs:.1f} epochs to 75.9% top-1"
+    )
     found_in_record = record.record_time("v4", 256, config.batch_size)
     assert ref["record"]["seconds"] == pytest.approx(found_in_record["seconds"])
     fitted = ref["record"]["fitted"]
@@ -100,8 +106,13 @@ def test_a_plan_of_the_mlperf_recipe_prices_the_reference_epochs():
 def test_a_batch_beyond_the_table_has_no_reference_and_says_so():
     from jaxdist.aot.report import _reference_lines
 
-    ref = {"source": "MLPerf Training 4.0.0 reference convergence points", "batch": 69_120,
-           "epochs": None, "how": rcp.epochs_to_converge(69_120).how, "recipe_epochs": 90}  # fmt: skip
+    ref = {
+        "source": "MLPerf Training 4.0.0 reference convergence points",
+        "batch": 69_120,
+        "epochs": None,
+        "how": rcp.epochs_to_converge(69_120).how,
+        "recipe_epochs": 90,
+    }
     assert _reference_lines(ref) == [
         "",
         (

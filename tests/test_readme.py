@@ -53,9 +53,13 @@ def test_readme_commands_run_in_order_as_written(tmp_path):
         # The install line runs where the README's set-up ran it: in the clone.
         where = REPO if command.startswith("pip ") else tmp_path
         proc = subprocess.run(
-            shlex.split(command), cwd=where, env=env, capture_output=True, text=True,
+            shlex.split(command),
+            cwd=where,
+            env=env,
+            capture_output=True,
+            text=True,
             timeout=900,
-        )  # fmt: skip
+        )
         assert proc.returncode == 0, (
             f"README command failed ({proc.returncode}): {command}\n{proc.stdout[-3000:]}"
             f"\n{proc.stderr[-3000:]}"

@@ -114,9 +114,11 @@ def _smoke(name, overrides, workdir):
 # every check included). tests/test_pipeline_trainer.py trains a pipeline recipe.
 @pytest.mark.parametrize(
     "name",
-    [n if n == "mnist_large_batch_ramp" else pytest.param(n, marks=pytest.mark.slow)
-     for n in MNIST],
-)  # fmt: skip
+    [
+        n if n == "mnist_large_batch_ramp" else pytest.param(n, marks=pytest.mark.slow)
+        for n in MNIST
+    ],
+)
 def test_mnist_recipe_smoke(name, tmp_path):
     _smoke(name, ["max_steps=2", "batch_ramp=()", "batch_size=32", "log_every_steps=1"], tmp_path)
 
@@ -153,8 +155,7 @@ def test_imagenet_recipe_on_synthetic_data(name, tmp_path):
 
 @pytest.mark.slow
 def test_gpipe_recipe_on_synthetic_data(tmp_path):
-    overrides = [*TINY_IMAGENET, *SYNTHETIC, "max_per_device_batch=16",
-                 "pipeline.microbatches=2"]  # fmt: skip
+    overrides = [*TINY_IMAGENET, *SYNTHETIC, "max_per_device_batch=16", "pipeline.microbatches=2"]
     _smoke("resnet152_imagenet_gpipe", overrides, tmp_path)
 
 
@@ -181,3 +182,35 @@ def test_plot_writes_a_png(tmp_path):
 def test_plot_missing_metrics(tmp_path, capsys):
     assert main(["plot", str(tmp_path)]) == 2
     assert "metrics.jsonl not found" in capsys.readouterr().err
+
+
+def test_a_switch_drops_the_recipes_settings_it_makes_unread_with_a_note(capsys):
+    """The LM recipe sets optimizer.b2 and eps for AdamW: switching to SGD on the command
+    line drops them (one note each); a b2 the user gives with SGD is still refused."""
+    from jaxdist.run.from_config import build_optimizer
+
+    config = apply_overrides(load_recipe("transformer_lm"), ["optimizer.name=sgd"])
+    assert (config.optimizer.b2, config.optimizer.eps) == (0.999, None)
+    assert config.optimizer.weight_decay == load_recipe("transformer_lm").optimizer.weight_decay
+    build_optimizer(config.optimizer, 0.1)
+    notes = capsys.readouterr().err.strip().splitlines()
+    assert notes == [
+        "note: optimizer.b2=0.98 from the recipe does nothing with optimizer.name='sgd'; "
+        "dropped (back to its default 0.999)",
+        "note: optimizer.eps=1e-08 from the recipe does nothing with optimizer.name='sgd'; "
+        "dropped (back to its default None)",
+    ]
+    given = apply_overrides(
+        load_recipe("transformer_lm"), ["optimizer.name=sgd", "optimizer.b2=0.9"]
+    )
+    with pytest.raises(
+        ValueError, match=r"optimizer.b2=0.9 does nothing with optimizer.name='sgd'"
+    ):
+        build_optimizer(given.optimizer, 0.1)
+    assert "optimizer.b2" not in capsys.readouterr().err  # the user's own b2 is not dropped
+    lr = apply_overrides(load_recipe("resnet50_imagenet_goyal"), ["lr.kind=cosine"])
+    assert tuple(lr.lr.step_epochs) == () and lr.lr.init_lr == 0.1  # every kind reads init_lr
+    assert capsys.readouterr().err.strip() == (
+        "note: lr.step_epochs=(30.0, 60.0, 80.0) from the recipe does nothing with "
+        "lr.kind='cosine'; dropped (back to its default ())"
+    )

@@ -125,8 +125,7 @@ def test_trainer_refuses_a_changed_learning_rate_and_appends_nothing(finished, t
         assert (workdir / name).read_text() == text, f"the refused rerun wrote to {name}"
 
 
-def test_trainer_continues_a_longer_run_and_the_flag_records_in_the_event_log(finished,
-                                                                            tmp_path):  # fmt: skip
+def test_trainer_continues_a_longer_run_and_the_flag_records_in_the_event_log(finished, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(finished, workdir)
     longer = Trainer(tiny_config(max_steps=9), workdir).run()
@@ -136,8 +135,11 @@ def test_trainer_continues_a_longer_run_and_the_flag_records_in_the_event_log(fi
     events = [
         json.loads(x.split(" ", 1)[1]) for x in (workdir / "events.log").read_text().splitlines()
     ]
-    changes = [(e["value"], e["metadata"]["old"], e["metadata"]["new"])
-               for e in events if e["key"] == "config_change"]  # fmt: skip
+    changes = [
+        (e["value"], e["metadata"]["old"], e["metadata"]["new"])
+        for e in events
+        if e["key"] == "config_change"
+    ]
     assert changes == [("max_steps", 7, 9), ("label_smoothing", 0.0, 0.1), ("max_steps", 9, 10)]
 
 

@@ -54,14 +54,21 @@ def slurm(tmp_path_factory):
     """A one-node SLURM cluster of this machine: the environment its commands need."""
     absent = missing(SLURM_PROGRAMS)
     if absent:
-        pytest.skip(f"SLURM not installed ({', '.join(absent)} not found; Debian/Ubuntu: "
-                    "apt-get install slurm-wlm munge)")  # fmt: skip
+        pytest.skip(
+            f"SLURM not installed ({', '.join(absent)} not found; Debian/Ubuntu: "
+            "apt-get install slurm-wlm munge)"
+        )
     if os.geteuid() != 0:
         pytest.skip("tools/slurm/local-slurm starts slurmd, which needs root")
     folder = tmp_path_factory.mktemp("slurm")
     env = {**os.environ, "PATH": SBIN_PATH}
-    started = subprocess.run([str(LOCAL_SLURM), "start", str(folder)], env=env,
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    started = subprocess.run(
+        [str(LOCAL_SLURM), "start", str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert started.returncode == 0, started.stderr
     try:
         yield {"SLURM_CONF": str(folder / "slurm.conf"), "PATH": SBIN_PATH}
@@ -73,8 +80,9 @@ def slurm(tmp_path_factory):
 def mpirun():
     """mpirun's command line up to the program: oversubscribing the cores, as root if so."""
     if missing(("mpirun",)):
-        pytest.skip("Open MPI not installed (mpirun not found; Debian/Ubuntu: apt-get install "
-                    "openmpi-bin)")  # fmt: skip
+        pytest.skip(
+            "Open MPI not installed (mpirun not found; Debian/Ubuntu: apt-get install openmpi-bin)"
+        )
     root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     return ["mpirun", *root, "--oversubscribe"]
 
@@ -93,15 +101,31 @@ def train_args(recipe, workdir, *sets):
 
 def run(argv, env, timeout=TIMEOUT):
     """Run to the end; exit code and the output (stdout and stderr together)."""
-    done = subprocess.run(argv, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout)  # fmt: skip
+    done = subprocess.run(
+        argv,
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
     return done.returncode, done.stdout
 
 
 def launch_run(recipe, workdir, processes=PROCESSES, *sets):
     """The reference: the same training under `jaxdist launch`."""
-    argv = [*JAXDIST, "launch", "--processes", str(processes), "--devices-per-process",
-            str(DEVICES), "--", *JAXDIST, *train_args(recipe, workdir, *sets)]  # fmt: skip
+    argv = [
+        *JAXDIST,
+        "launch",
+        "--processes",
+        str(processes),
+        "--devices-per-process",
+        str(DEVICES),
+        "--",
+        *JAXDIST,
+        *train_args(recipe, workdir, *sets),
+    ]
     code, output = run(argv, clean_env(), timeout=2 * TIMEOUT)
     assert code == 0, output[-3000:]
     return output
@@ -138,8 +162,10 @@ def train_losses(workdir):
 def assert_process_0_speaks(output, source, processes=PROCESSES):
     """One line naming how the peers were found; the summary and results block once."""
     found = [line for line in lines(output) if line.startswith(f"{source}: ")]
-    pattern = (rf"{source}: {processes} processes, coordinator \S+:\d+; "
-               rf"{processes * DEVICES} devices \({DEVICES} per process\)")  # fmt: skip
+    pattern = (
+        rf"{source}: {processes} processes, coordinator \S+:\d+; "
+        rf"{processes * DEVICES} devices \({DEVICES} per process\)"
+    )
     assert len(found) == 1 and re.fullmatch(pattern, found[0]), output[-3000:]
     assert sum(line.startswith("done: step") for line in lines(output)) == 1, output[-3000:]
     assert sum(line.startswith("results in ") for line in lines(output)) == 1, output[-3000:]
@@ -170,8 +196,15 @@ def test_mpirun_finds_the_processes_from_open_mpi_and_trains_like_launch(
     mpirun, recipe, launched, tmp_path
 ):
     workdir = tmp_path / "run"
-    argv = [*mpirun, "-np", str(PROCESSES), *JAXDIST, "--cpu-devices", str(DEVICES),
-            *train_args(recipe, workdir)]  # fmt: skip
+    argv = [
+        *mpirun,
+        "-np",
+        str(PROCESSES),
+        *JAXDIST,
+        "--cpu-devices",
+        str(DEVICES),
+        *train_args(recipe, workdir),
+    ]
     code, output = run(argv, clean_env())
     assert code == 0, output[-3000:]
     assert_process_0_speaks(output, "Open MPI")
@@ -183,8 +216,7 @@ def test_a_mesh_that_does_not_match_the_processes_is_one_line_before_compiling(
 ):
     """srun starts 2 x 2 devices for a recipe whose mesh has 8: one line, from process 0."""
     workdir = tmp_path / "run"
-    code, output = run([*srun(), *train_args(recipe, workdir, "mesh=ring-8")],
-                       clean_env(**slurm))  # fmt: skip
+    code, output = run([*srun(), *train_args(recipe, workdir, "mesh=ring-8")], clean_env(**slurm))
     assert code == 2, output[-3000:]
     said = [line for line in lines(output) if line.startswith("jaxdist")]
     assert said == [
@@ -201,8 +233,13 @@ def test_a_mesh_that_does_not_match_the_processes_is_one_line_before_compiling(
 
 
 def job_state(job, slurm):
-    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=clean_env(**slurm),
-                           capture_output=True, text=True, timeout=30).stdout  # fmt: skip
+    shown = subprocess.run(
+        ["scontrol", "show", "job", "-o", job],
+        env=clean_env(**slurm),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
     return dict(re.findall(r"(\w+)=(\S*)", shown))
 
 
@@ -231,17 +268,34 @@ def test_sbatch_preempted_by_sigterm_is_requeued_and_ends_like_uninterrupted(
     # The script runs `jaxdist`: this Python's, found on PATH.
     env = clean_env(**{**slurm, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{SBIN_PATH}"})
     submitted = subprocess.run(
-        ["sbatch", "--parsable", "--ntasks", str(PROCESSES), "--output", str(log),
-         str(SBATCH_SCRIPT), "--cpu-devices", str(DEVICES), *train_args(recipe, workdir)],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            "sbatch",
+            "--parsable",
+            "--ntasks",
+            str(PROCESSES),
+            "--output",
+            str(log),
+            str(SBATCH_SCRIPT),
+            "--cpu-devices",
+            str(DEVICES),
+            *train_args(recipe, workdir),
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
     try:
         wait_for(lambda: logged_steps(workdir) >= 3, TIMEOUT, "third logged step")
         subprocess.run(["scancel", "--signal=TERM", job], env=env, check=True, timeout=30)
-        wait_for(lambda: job_state(job, slurm).get("JobState") in ("COMPLETED", "FAILED"),
-                 2 * TIMEOUT, "end of the requeued job")  # fmt: skip
+        wait_for(
+            lambda: job_state(job, slurm).get("JobState") in ("COMPLETED", "FAILED"),
+            2 * TIMEOUT,
+            "end of the requeued job",
+        )
     finally:
         subprocess.run(["scancel", job], env=env, timeout=30)
     state, output = job_state(job, slurm), log.read_text()
@@ -277,11 +331,21 @@ def task_pid(token, rank_variable, rank):
 def kill_after_checkpoint(argv, env, workdir, token, rank_variable):
     """Start ``argv``, SIGKILL process 1 once step 4 is saved; (exit code, output, seconds
     from the kill to the end)."""
-    proc = subprocess.Popen(argv, env={**env, "FAULT_TOKEN": token}, cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        env={**env, "FAULT_TOKEN": token},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        wait_for(lambda: 4 in complete_steps(workdir), TIMEOUT, "checkpoint of step 4",
-                 alive=lambda: proc.poll() is None)  # fmt: skip
+        wait_for(
+            lambda: 4 in complete_steps(workdir),
+            TIMEOUT,
+            "checkpoint of step 4",
+            alive=lambda: proc.poll() is None,
+        )
         victim = task_pid(token, rank_variable, 1)
         assert victim is not None, "process 1 not found"
         os.kill(victim, signal.SIGKILL)
@@ -301,10 +365,13 @@ def test_a_task_killed_under_srun_ends_the_step_and_the_next_run_resumes(
     workdir = tmp_path / "run"
     token = f"jaxdist-srun-kill-{os.getpid()}-{time.monotonic_ns()}"
     watchdog_s = 60
-    argv = [*srun(PROCESSES, "--kill-on-bad-exit=1"),
-            *train_args(recipe, workdir, f"watchdog_s={watchdog_s}")]  # fmt: skip
-    code, output, elapsed = kill_after_checkpoint(argv, clean_env(**slurm), workdir, token,
-                                                  "SLURM_PROCID")  # fmt: skip
+    argv = [
+        *srun(PROCESSES, "--kill-on-bad-exit=1"),
+        *train_args(recipe, workdir, f"watchdog_s={watchdog_s}"),
+    ]
+    code, output, elapsed = kill_after_checkpoint(
+        argv, clean_env(**slurm), workdir, token, "SLURM_PROCID"
+    )
     assert code != 0, output[-3000:]
     assert elapsed < watchdog_s, f"the step took {elapsed:.0f} s to end"
     assert processes_with_env(token) == [], "processes survived the step"
@@ -315,8 +382,9 @@ def test_a_task_killed_under_srun_ends_the_step_and_the_next_run_resumes(
     saved = complete_steps(workdir)
     assert saved and saved[-1] >= 4
 
-    code, output = run([*srun(), *train_args(recipe, workdir, f"watchdog_s={watchdog_s}")],
-                       clean_env(**slurm))  # fmt: skip
+    code, output = run(
+        [*srun(), *train_args(recipe, workdir, f"watchdog_s={watchdog_s}")], clean_env(**slurm)
+    )
     assert code == 0, output[-3000:]
     assert f"resumed from step {saved[-1]}" in output
     assert_trains_like(workdir, launched)
@@ -328,8 +396,9 @@ def test_a_process_killed_under_mpirun_ends_the_job_in_one_line(mpirun, recipe, 
     token = f"jaxdist-mpirun-kill-{os.getpid()}-{time.monotonic_ns()}"
     command = [*JAXDIST, "--cpu-devices", str(DEVICES), *train_args(recipe, workdir)]
     argv = [*mpirun, "-np", str(PROCESSES), *command]
-    code, output, elapsed = kill_after_checkpoint(argv, clean_env(), workdir, token,
-                                                  "OMPI_COMM_WORLD_RANK")  # fmt: skip
+    code, output, elapsed = kill_after_checkpoint(
+        argv, clean_env(), workdir, token, "OMPI_COMM_WORLD_RANK"
+    )
     assert code != 0, output[-3000:]
     assert elapsed < 60, f"the job took {elapsed:.0f} s to end"
     assert processes_with_env(token) == [], "processes survived the job"
@@ -374,11 +443,20 @@ def test_recipes_on_4_processes_train_like_launch(
         argv = srun(4)
     else:
         env = clean_env()
-        argv = [*request.getfixturevalue("mpirun"), "-np", "4", *JAXDIST, "--cpu-devices",
-                str(DEVICES)]  # fmt: skip
+        argv = [
+            *request.getfixturevalue("mpirun"),
+            "-np",
+            "4",
+            *JAXDIST,
+            "--cpu-devices",
+            str(DEVICES),
+        ]
     workdir = tmp_path / name
-    code, output = run([*argv, *train_args(REPO / "recipes" / f"{name}.py", workdir,
-                                           *RECIPES[name])], env, timeout=2 * TIMEOUT)  # fmt: skip
+    code, output = run(
+        [*argv, *train_args(REPO / "recipes" / f"{name}.py", workdir, *RECIPES[name])],
+        env,
+        timeout=2 * TIMEOUT,
+    )
     assert code == 0, output[-3000:]
     source = "SLURM" if scheduler == "srun" else "Open MPI"
     assert re.search(rf"^{source}: 4 processes, coordinator \S+; 8 devices", output, re.M)

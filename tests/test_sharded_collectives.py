@@ -46,9 +46,11 @@ def test_halves_equal_xlas_on_every_mesh(mesh_name, chunk):
 
     def gather(name):
         return lambda v: collectives.all_gather(
-            lax.psum_scatter(jnp.pad(v, (0, pad)), axes, tiled=True), axes, name,
+            lax.psum_scatter(jnp.pad(v, (0, pad)), axes, tiled=True),
+            axes,
+            name,
             **options.get(name, {}),
-        )  # fmt: skip
+        )
 
     fns = {f"rs-{n}": scatter(n) for n in algorithms} | {f"ag-{n}": gather(n) for n in algorithms}
     fns["rs-xla"] = lambda v: lax.psum_scatter(jnp.pad(v, (0, pad)), axes, tiled=True)
@@ -58,8 +60,9 @@ def test_halves_equal_xlas_on_every_mesh(mesh_name, chunk):
     np.testing.assert_allclose(out["rs-xla"].reshape(-1), padded, rtol=1e-5, atol=1e-5)
     for name in algorithms:
         # The chunk each device keeps is XLA's, to float32 rounding of a different sum order.
-        np.testing.assert_allclose(out[f"rs-{name}"], out["rs-xla"], rtol=1e-5, atol=1e-5,
-                                   err_msg=name)  # fmt: skip
+        np.testing.assert_allclose(
+            out[f"rs-{name}"], out["rs-xla"], rtol=1e-5, atol=1e-5, err_msg=name
+        )
         # A gather moves values, it adds nothing: the same bits as XLA's.
         np.testing.assert_array_equal(out[f"ag-{name}"], out["ag-xla"], err_msg=name)
 
@@ -85,22 +88,30 @@ def test_mean_and_bfloat16_transfer():
     np.testing.assert_allclose(out["bf16"].reshape(-1), total, rtol=0, atol=0.1)
     for i in range(8):
         row = i // 4  # x-ring of this device's row
-        np.testing.assert_array_equal(out["gather-divided"][i],
-                                      x[4 * row : 4 * row + 4, :8].reshape(-1) / 4)  # fmt: skip
+        np.testing.assert_array_equal(
+            out["gather-divided"][i], x[4 * row : 4 * row + 4, :8].reshape(-1) / 4
+        )
 
 
 def test_schedules_without_halves_are_refused_in_one_line():
     mesh = meshes.ring(4)
-    with pytest.raises(ValueError, match=r"halving_doubling has no reduce-scatter and all-gather "
-                       r"of its own; those that do: native, ring"):  # fmt: skip
-        per_device_each(mesh, {"x": lambda v: collectives.reduce_scatter(v, "x",
-                                                                         "halving_doubling")},
-                        random_rows(4, (8,)))  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"halving_doubling has no reduce-scatter and all-gather "
+        r"of its own; those that do: native, ring",
+    ):
+        per_device_each(
+            mesh,
+            {"x": lambda v: collectives.reduce_scatter(v, "x", "halving_doubling")},
+            random_rows(4, (8,)),
+        )
     with pytest.raises(ValueError, match=r"torus2d needs a tuple of two axis names"):
-        per_device_each(mesh, {"x": lambda v: collectives.all_gather(v, "x", "torus2d")},
-                        random_rows(4, (8,)))  # fmt: skip
-    reason = collectives.sharded_unsupported("hierarchical", (2, 4),
-                                             inter_algorithm="parameter_server")  # fmt: skip
+        per_device_each(
+            mesh, {"x": lambda v: collectives.all_gather(v, "x", "torus2d")}, random_rows(4, (8,))
+        )
+    reason = collectives.sharded_unsupported(
+        "hierarchical", (2, 4), inter_algorithm="parameter_server"
+    )
     assert "hierarchical's halves run ring or bidirectional_ring across hosts" in reason
 
 
@@ -122,8 +133,12 @@ def test_sharded_cost_is_half_the_rings_and_levels_shrink():
 def test_bidirectional_halves_send_both_ways():
     mesh = meshes.ring(4)
     spec = jax.sharding.PartitionSpec("x")
-    body = jax.shard_map(lambda v: collectives.reduce_scatter(v[0], "x", "bidirectional_ring")
-                         [None], mesh=mesh, in_specs=spec, out_specs=spec)  # fmt: skip
+    body = jax.shard_map(
+        lambda v: collectives.reduce_scatter(v[0], "x", "bidirectional_ring")[None],
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+    )
     text = jax.jit(body).lower(np.zeros((4, 64), np.float32)).as_text()
     pairs = set()
     for line in text.splitlines():

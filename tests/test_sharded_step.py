@@ -32,10 +32,14 @@ SHARDED = {"min_shard_elements": 0, "bucket_bytes": 512}
 # decay masked by name and by shape.
 CLIPPED_ADAMW = optax.chain(
     optax.clip_by_global_norm(0.05),
-    optax.adamw(1e-2, weight_decay=0.1,
-                mask=lambda p: jax.tree_util.tree_map_with_path(
-                    lambda path, _: "bias" not in jax.tree_util.keystr(path), p)),
-)  # fmt: skip
+    optax.adamw(
+        1e-2,
+        weight_decay=0.1,
+        mask=lambda p: jax.tree_util.tree_map_with_path(
+            lambda path, _: "bias" not in jax.tree_util.keystr(path), p
+        ),
+    ),
+)
 OPTIMIZERS = {
     "clip_by_global_norm+adamw(mask by name)": CLIPPED_ADAMW,
     "lars": optim.lars(0.5, weight_decay=1e-3),
@@ -50,15 +54,25 @@ def test_every_optimizer_is_exact_when_sharded(sharding, name):
     batches = [data(seed=s) for s in range(STEPS)]
     params, _ = reference_training(optimizer, batches, use_norm=False)
     make_mesh, axes = MESHES["ring-8"]
-    state, _, step = distributed_training(make_mesh(), axes, optimizer, batches, use_norm=False,
-                                          sharding=sharding, allreduce="ring", **SHARDED)  # fmt: skip
+    state, _, step = distributed_training(
+        make_mesh(),
+        axes,
+        optimizer,
+        batches,
+        use_norm=False,
+        sharding=sharding,
+        allreduce="ring",
+        **SHARDED,
+    )
     assert step.layout.units, "nothing was sharded"
     assert_trees_close(state.params, params, atol=3e-6)
     # The clipping bites: an unclipped run lands elsewhere (the test can fail).
     if name.startswith("clip"):
         free, _ = reference_training(optax.adamw(1e-2, weight_decay=0.1), batches, use_norm=False)
-        gap = max(float(np.max(np.abs(a - b))) for a, b in
-                  zip(jax.tree.leaves(free), jax.tree.leaves(params)))  # fmt: skip
+        gap = max(
+            float(np.max(np.abs(a - b)))
+            for a, b in zip(jax.tree.leaves(free), jax.tree.leaves(params))
+        )
         assert gap > 1e-3
 
 
@@ -71,14 +85,21 @@ def test_every_optimizer_is_exact_when_sharded(sharding, name):
         ("torus-2x2x2", "torus3d", {}),
     ],
 )
-def test_fsdp_with_every_schedule_matches_single_device(reference_sgd, mesh_name, algorithm,
-                                                        options):  # fmt: skip
+def test_fsdp_with_every_schedule_matches_single_device(
+    reference_sgd, mesh_name, algorithm, options
+):
     batches, (params, model_state) = reference_sgd
     make_mesh, axes = MESHES[mesh_name]
     state, _, _ = distributed_training(
-        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, sharding="fsdp",
-        allreduce=algorithm, allreduce_options=options, **SHARDED,
-    )  # fmt: skip
+        make_mesh(),
+        axes,
+        optax.sgd(0.1, momentum=0.9),
+        batches,
+        sharding="fsdp",
+        allreduce=algorithm,
+        allreduce_options=options,
+        **SHARDED,
+    )
     assert_trees_close(state.params, params, atol=3e-6)
     assert_trees_close(state.model_state, model_state, atol=2e-6)
 
@@ -95,9 +116,15 @@ def test_parameters_gathered_by_a_schedule_of_their_own_match_single_device(
     batches, (params, model_state) = reference_sgd
     make_mesh, axes = MESHES[mesh_name]
     state, _, step = distributed_training(
-        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, sharding=sharding,
-        allreduce=algorithm, gather=gather, **SHARDED,
-    )  # fmt: skip
+        make_mesh(),
+        axes,
+        optax.sgd(0.1, momentum=0.9),
+        batches,
+        sharding=sharding,
+        allreduce=algorithm,
+        gather=gather,
+        **SHARDED,
+    )
     lowered = step.lower(state, step.shard_batch(batches[0]), jax.random.key(1)).as_text()
     # XLA's all-gather runs the parameters' gathers under "native" only; the permute schedules
     # run both halves otherwise.
@@ -117,9 +144,16 @@ def test_fsdp_gathering_layers_further_ahead_matches_single_device(reference_sgd
     mesh = make_mesh()
     four = next(a for a in axes if mesh.shape[a] == 4)
     state, _, step = distributed_training(
-        mesh, axes, optax.sgd(0.1, momentum=0.9), batches, sharding="fsdp",
-        allreduce="ring", shard_axes=four, prefetch=prefetch, **SHARDED,
-    )  # fmt: skip
+        mesh,
+        axes,
+        optax.sgd(0.1, momentum=0.9),
+        batches,
+        sharding="fsdp",
+        allreduce="ring",
+        shard_axes=four,
+        prefetch=prefetch,
+        **SHARDED,
+    )
     assert step.prefetch == prefetch
     assert step.paced_layers == 3  # each Dense, the BatchNorm with the first
     assert_trees_close(state.params, params, atol=3e-6)
@@ -145,9 +179,14 @@ def test_bfloat16_layers_gather_their_parameters_as_bfloat16_for_the_same_traini
     batches = [data(seed=s) for s in range(STEPS)]
 
     def train():
-        step = ts.TrainStep(ts.classifier_loss(model, num_classes=NUM_CLASSES),
-                            optax.adam(1e-2), meshes.ring(8), sharding="fsdp",
-                            allreduce="ring", **SHARDED)  # fmt: skip
+        step = ts.TrainStep(
+            ts.classifier_loss(model, num_classes=NUM_CLASSES),
+            optax.adam(1e-2),
+            meshes.ring(8),
+            sharding="fsdp",
+            allreduce="ring",
+            **SHARDED,
+        )
         state = step.init(params)
         for batch in batches:
             state, metrics = step(state, step.shard_batch(batch), jax.random.key(1))
@@ -181,9 +220,15 @@ def test_hsdp_shards_inside_groups_and_averages_across(reference_sgd):
     batches, (params, model_state) = reference_sgd
     make_mesh, axes = MESHES["hierarchical-2x4"]
     state, _, step = distributed_training(
-        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, sharding="fsdp",
-        allreduce="ring", shard_axes="local", **SHARDED,
-    )  # fmt: skip
+        make_mesh(),
+        axes,
+        optax.sgd(0.1, momentum=0.9),
+        batches,
+        sharding="fsdp",
+        allreduce="ring",
+        shard_axes="local",
+        **SHARDED,
+    )
     assert_trees_close(state.params, params, atol=3e-6)
     assert_trees_close(state.model_state, model_state, atol=2e-6)
     kernel = state.params["Dense_1"]["kernel"]  # 16 x 12, split 4 ways along its rows
@@ -197,16 +242,29 @@ def test_fsdp_with_accumulation_and_bf16_gradients(keep_gathered):
     params, _ = reference_training(optax.sgd(0.1, momentum=0.9), batches, use_norm=False)
     make_mesh, axes = MESHES["torus-4x2"]
     state, _, _ = distributed_training(
-        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, use_norm=False,
-        sharding="fsdp", allreduce="torus2d", accumulation_steps=4,
-        keep_gathered=keep_gathered, **SHARDED,
-    )  # fmt: skip
+        make_mesh(),
+        axes,
+        optax.sgd(0.1, momentum=0.9),
+        batches,
+        use_norm=False,
+        sharding="fsdp",
+        allreduce="torus2d",
+        accumulation_steps=4,
+        keep_gathered=keep_gathered,
+        **SHARDED,
+    )
     assert_trees_close(state.params, params, atol=3e-6)
     rounded, _, _ = distributed_training(
-        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, use_norm=False,
-        sharding="fsdp", allreduce="torus2d", allreduce_options={"transfer_dtype": jnp.bfloat16},
+        make_mesh(),
+        axes,
+        optax.sgd(0.1, momentum=0.9),
+        batches,
+        use_norm=False,
+        sharding="fsdp",
+        allreduce="torus2d",
+        allreduce_options={"transfer_dtype": jnp.bfloat16},
         **SHARDED,
-    )  # fmt: skip
+    )
     assert_trees_close(rounded.params, params, atol=2e-3)
     # Parameters travel whole: the float32 master copy is not rounded to bf16.
     flat = np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(rounded.params)])
@@ -219,8 +277,15 @@ def test_fsdp_with_accumulation_and_bf16_gradients(keep_gathered):
 def test_fsdp_under_a_float16_loss_scale_skips_overflowing_steps():
     mesh = MESHES["ring-8"][0]()
     params, model_state = init_variables(use_norm=False)
-    step = ts.TrainStep(poisoned_loss(jnp.inf), optax.sgd(0.1), mesh, allreduce="ring", sharding="fsdp",
-                        loss_scale=DynamicLossScale.create(2.0**10), **SHARDED)  # fmt: skip
+    step = ts.TrainStep(
+        poisoned_loss(jnp.inf),
+        optax.sgd(0.1),
+        mesh,
+        allreduce="ring",
+        sharding="fsdp",
+        loss_scale=DynamicLossScale.create(2.0**10),
+        **SHARDED,
+    )
     state = step.init(params, model_state)
     before = jax.device_get(state.params)
     poisoned = {**data(), "poison": np.ones((64,), bool)}
@@ -330,8 +395,9 @@ def test_fsdp_paces_each_layers_gather_and_keeps_tied_weights_in_one_segment():
 
     params = {n: {"kernel": jnp.ones((8, 8)) * 0.1, "bias": jnp.zeros(8)} for n in "abc"}
     leaves = jax.tree.leaves(params)
-    closed = jax.make_jaxpr(lambda *ls: mlp(jax.tree.unflatten(jax.tree.structure(params), ls),
-                                            jnp.ones((2, 8))))(*leaves)  # fmt: skip
+    closed = jax.make_jaxpr(
+        lambda *ls: mlp(jax.tree.unflatten(jax.tree.structure(params), ls), jnp.ones((2, 8)))
+    )(*leaves)
     param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars)}
     segments = fsdp_pacing.segments_of(closed.jaxpr, param_vars)
     # Leaves in tree order: a.bias, a.kernel, b.bias, ...: one segment per layer.
@@ -343,9 +409,9 @@ def test_fsdp_paces_each_layers_gather_and_keeps_tied_weights_in_one_segment():
             x = jnp.tanh(x.astype(jnp.bfloat16) @ kernel + bias)
         return x
 
-    closed = jax.make_jaxpr(lambda *ls: half_mlp(jax.tree.unflatten(jax.tree.structure(params),
-                                                                    ls), jnp.ones((2, 8))))(
-        *leaves)  # fmt: skip
+    closed = jax.make_jaxpr(
+        lambda *ls: half_mlp(jax.tree.unflatten(jax.tree.structure(params), ls), jnp.ones((2, 8)))
+    )(*leaves)
     param_vars = {v: i for i, v in enumerate(closed.jaxpr.invars)}
     segments = fsdp_pacing.segments_of(closed.jaxpr, param_vars)
     assert [sorted(s.leaves) for s in segments] == [[0, 1], [2, 3], [4, 5]]
@@ -359,8 +425,9 @@ def test_fsdp_paces_each_layers_gather_and_keeps_tied_weights_in_one_segment():
     tied_params = {"embed": jnp.ones((8, 8)), "mid": jnp.ones((8, 8))}
     leaves = jax.tree.leaves(tied_params)
     closed = jax.make_jaxpr(lambda e, m: tied({"embed": e, "mid": m}, jnp.ones((2, 8))))(*leaves)
-    segments = fsdp_pacing.segments_of(closed.jaxpr, {v: i for i, v in
-                                                      enumerate(closed.jaxpr.invars)})  # fmt: skip
+    segments = fsdp_pacing.segments_of(
+        closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars)}
+    )
     assert [sorted(s.leaves) for s in segments] == [[0, 1]]
 
 
@@ -394,8 +461,14 @@ def test_a_tied_embedding_trains_exactly_under_fsdp():
     expected, opt_state = params, optimizer.init(params)
     for batch in batches * 2:
         expected, opt_state = one_device(expected, opt_state, batch)
-    step = ts.TrainStep(ts.classifier_loss(model, num_classes=16), optimizer, meshes.ring(8),
-                        sharding="fsdp", allreduce="ring", **SHARDED)  # fmt: skip
+    step = ts.TrainStep(
+        ts.classifier_loss(model, num_classes=16),
+        optimizer,
+        meshes.ring(8),
+        sharding="fsdp",
+        allreduce="ring",
+        **SHARDED,
+    )
     state = step.init(params)
     for batch in batches * 2:
         state, _ = step(state, step.shard_batch(batch), jax.random.key(0))

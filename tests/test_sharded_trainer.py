@@ -10,8 +10,10 @@ from tests.test_trainer import Crash, _crash_at, tiny_config
 
 
 def _max_difference(a, b) -> float:
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))  # fmt: skip
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 # One batch size throughout (no ramp): each run compiles one train step.
@@ -52,8 +54,9 @@ def test_fsdp_resumed_as_zero1_on_half_the_devices_ends_where_replicated_does(
     large = [k for k in kernels if k.size >= 1024]
     assert large and all(k.addressable_shards[0].data.size * 8 == k.size for k in large)
 
-    resumed = Trainer(tiny_config(sharding="zero1", mesh="ring-4", **ONE_BATCH), workdir,
-                      allow_config_change=True)  # fmt: skip
+    resumed = Trainer(
+        tiny_config(sharding="zero1", mesh="ring-4", **ONE_BATCH), workdir, allow_config_change=True
+    )
     assert resumed.run()["step"] == 7
     assert len(resumed.mesh.devices.flat) == 4
     # The same model as the replicated run over the same devices, to float32 rounding.

@@ -57,8 +57,9 @@ def test_a_held_out_share_of_train_is_disjoint_and_complete():
 
 
 def test_overlapping_or_empty_splits_and_val_fraction_elsewhere_are_refused():
-    shared = make_pipeline(DataConfig(source="digits", train_split="train[:90%]",
-                                      eval_split="train[85%:]"))  # fmt: skip
+    shared = make_pipeline(
+        DataConfig(source="digits", train_split="train[:90%]", eval_split="train[85%:]")
+    )
     with pytest.raises(DatasetError, match=r"share 72 records of 'train': held-out"):
         _ = shared.eval_source
     with pytest.raises(DatasetError, match=r"train\[5:3\] selects no records \(train has 1438\)"):
@@ -72,8 +73,9 @@ def test_overlapping_or_empty_splits_and_val_fraction_elsewhere_are_refused():
 def test_a_folder_with_train_and_test_only(tmp_path):
     root = write_image_folder(tmp_path / "set", 3, 4, 2, (20, 30), seed=1)
     (root / "val").rename(root / "test")
-    pipeline = make_pipeline(DataConfig(source="folder", root=str(root), eval_split="test",
-                                        image_size=16))  # fmt: skip
+    pipeline = make_pipeline(
+        DataConfig(source="folder", root=str(root), eval_split="test", image_size=16)
+    )
     assert (pipeline.num_train_examples, pipeline.num_eval_examples) == (12, 6)
     assert pipeline.eval_source.split == "test"
     assert pipeline.eval_source.classes == ImageFolderSource(root, "train").classes
@@ -84,16 +86,27 @@ def test_a_folder_with_train_and_test_only(tmp_path):
 def test_the_class_count_comes_from_the_data(tmp_path, capsys):
     root = write_image_folder(tmp_path / "set", 3, 4, 2, (20, 30), seed=1)
     assert make_pipeline(DataConfig(source="folder", root=str(root))).num_classes == 3
-    with pytest.raises(DatasetError, match=r"^data.num_classes=10, but the folder dataset has 3 "
-                       r"classes \(class_00, class_01, class_02\); the model takes the"):  # fmt: skip
+    with pytest.raises(
+        DatasetError,
+        match=r"^data.num_classes=10, but the folder dataset has 3 "
+        r"classes \(class_00, class_01, class_02\); the model takes the",
+    ):
         make_pipeline(DataConfig(source="folder", root=str(root), num_classes=10))
     assert (
         make_pipeline(DataConfig(source="synthetic", synthetic_train_examples=4)).num_classes
         == 1000
     )
     # What a run prints and records is the dataset's count.
-    sets = ["--set", "data.source=folder", "--set", f"data.root={root}", "--set",
-            "data.image_size=16", "--set", "eval_batch_size=8"]  # fmt: skip
+    sets = [
+        "--set",
+        "data.source=folder",
+        "--set",
+        f"data.root={root}",
+        "--set",
+        "data.image_size=16",
+        "--set",
+        "eval_batch_size=8",
+    ]
     assert main(["train", "mnist_small_batch", *sets, "--print-config"]) == 0
     assert re.search(r"^  num_classes: 3$", capsys.readouterr().out, re.M)
     assert main(["train", "mnist_small_batch", *sets, "--set", "data.num_classes=10"]) == 1
@@ -103,15 +116,21 @@ def test_the_class_count_comes_from_the_data(tmp_path, capsys):
 def test_a_root_one_level_off_says_what_is_there(tmp_path):
     root = write_image_folder(tmp_path / "imagenet", 2, 2, 1, (20, 30), seed=1)
     for given, hint in [
-        (root / "train", rf"; {root}/train looks like one split \(its folders hold images\): "
-                         rf"give its parent {root}$"),
+        (
+            root / "train",
+            rf"; {root}/train looks like one split \(its folders hold images\): "
+            rf"give its parent {root}$",
+        ),
         (tmp_path, rf"; {root} has a train folder: give that as the root$"),
         (tmp_path / "imagenett", rf"; {tmp_path} has \['imagenet'\]$"),
-    ]:  # fmt: skip
+    ]:
         with pytest.raises(DatasetError, match=hint):
             make_pipeline(DataConfig(source="folder", root=str(given)))
-    with pytest.raises(DatasetError, match=rf"no split folder {root}/test; .* {root} has "
-                       r"\['train', 'val'\]$"):  # fmt: skip
+    with pytest.raises(
+        DatasetError,
+        match=rf"no split folder {root}/test; .* {root} has "
+        r"\['train', 'val'\]$",
+    ):
         _ = make_pipeline(
             DataConfig(source="folder", root=str(root), eval_split="test")
         ).eval_source
@@ -135,8 +154,16 @@ def test_data_inspect_reads_the_splits_training_reads(tmp_path, capsys):
     assert main(["data", "inspect", str(root), "--eval-split", "test"]) == 0
     out = capsys.readouterr().out
     assert "  train: 12 images, 3 of 3 classes" in out and "  test: 6 images" in out
-    argv = ["data", "inspect", str(root), "--train-split", "train[:75%]", "--eval-split",
-            "train[75%:]+test", "--verify"]  # fmt: skip
+    argv = [
+        "data",
+        "inspect",
+        str(root),
+        "--train-split",
+        "train[:75%]",
+        "--eval-split",
+        "train[75%:]+test",
+        "--verify",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "train[:75%]: 9 images" in out and "train[75%:]+test: 9 images" in out
@@ -150,8 +177,9 @@ def test_a_folder_stored_by_class_is_sliced_in_a_fixed_shuffle(tmp_path):
     """A folder lists its records class by class: train[:50%] takes about half of every class
     (not the first half of the classes), the same records every time, in stored order."""
     root = write_image_folder(tmp_path / "set", 4, 10, 1, (20, 30), seed=1)
-    config = DataConfig(source="folder", root=str(root), train_split="train[:50%]",
-                        eval_split="train[50%:]")  # fmt: skip
+    config = DataConfig(
+        source="folder", root=str(root), train_split="train[:50%]", eval_split="train[50%:]"
+    )
     first, again = make_pipeline(config), make_pipeline(config)
     names = [first.train_source[i]["name"] for i in range(len(first.train_source))]
     assert names == [again.train_source[i]["name"] for i in range(20)] == sorted(names)

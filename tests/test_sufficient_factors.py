@@ -89,18 +89,24 @@ def test_sfb_equals_the_plain_step(plain, bucket_bytes, sfb_layers):
 def test_sfb_on_a_two_axis_mesh_with_accumulation(plain):
     # Factors of every micro-batch are gathered: 4 micro-batches of 2 rows on each device.
     state, _, step = train(
-        meshes.torus2d(4, 2), allreduce="torus2d", sfb_layers="all", accumulation_steps=4,
-        data_axes=("y", "x"), bucket_bytes=2048,
-    )  # fmt: skip
+        meshes.torus2d(4, 2),
+        allreduce="torus2d",
+        sfb_layers="all",
+        accumulation_steps=4,
+        data_axes=("y", "x"),
+        bucket_bytes=2048,
+    )
     assert_trees_close(state.params, plain.params, atol=2e-6)
     assert "8 rows" in step.plan().table()
 
 
 def test_sfb_with_bf16_transfer_stays_close(plain):
     state, _, _ = train(
-        meshes.ring(8), allreduce="ring", sfb_layers="all",
+        meshes.ring(8),
+        allreduce="ring",
+        sfb_layers="all",
         allreduce_options={"transfer_dtype": jnp.bfloat16},
-    )  # fmt: skip
+    )
     # bf16 factors carry 8 bits; three steps move the weights by ~1e-3 at most.
     assert_trees_close(state.params, plain.params, atol=2e-3)
 
@@ -109,9 +115,11 @@ def test_sfb_with_loss_scaling(plain):
     from jaxdist.training.loss_scale import DynamicLossScale
 
     state, _, _ = train(
-        meshes.ring(8), allreduce="ring", sfb_layers="all",
+        meshes.ring(8),
+        allreduce="ring",
+        sfb_layers="all",
         loss_scale=DynamicLossScale.create(2.0**8),
-    )  # fmt: skip
+    )
     assert_trees_close(state.params, plain.params, atol=2e-6)
 
 
@@ -303,8 +311,9 @@ def test_sfb_on_a_layer_that_is_not_dense():
 def test_a_links_file_from_another_mesh(tmp_path):
     path = bench_json(tmp_path / "links.json", (8,))
     with pytest.raises(ValueError) as excinfo:
-        ts.TrainStep(lambda *a: None, optax.sgd(0.1), meshes.torus2d(4, 2), allreduce="auto",
-                     links=str(path))  # fmt: skip
+        ts.TrainStep(
+            lambda *a: None, optax.sgd(0.1), meshes.torus2d(4, 2), allreduce="auto", links=str(path)
+        )
     message = one_line(excinfo)
     assert "measured on mesh ring-8 with axis sizes (8,)" in message and "(4, 2)" in message
 
@@ -322,8 +331,22 @@ def test_zero1_with_factors_or_auto_is_refused():
 def test_show_plan_command(capsys):
     from jaxdist.cli import main
 
-    argv = ["bench", "train-step", "--mesh", "ring-8", "--show-plan", "auto", "--links",
-            "50us:1gbit", "--per-device-batch", "4", "--width", "4", "--image-size", "8"]  # fmt: skip
+    argv = [
+        "bench",
+        "train-step",
+        "--mesh",
+        "ring-8",
+        "--show-plan",
+        "auto",
+        "--links",
+        "50us:1gbit",
+        "--per-device-batch",
+        "4",
+        "--width",
+        "4",
+        "--image-size",
+        "8",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert re.search(r"^layer head +\d+x10, 4 rows.* (sfb|dense) ", out, re.MULTILINE), out

@@ -163,17 +163,34 @@ def test_an_nnx_module_with_dropout_and_batchnorm_trains_in_a_step():
     evaluated, _ = model.apply(state.params, state.model_state, batch["x"], train=False)
     assert np.all(np.asarray(evaluated) != 0)  # no dropout in eval mode
     with pytest.raises(TypeError, match=r"optax GradientTransformation.*pass tx"):
-        TrainStep(loss_fn, nnx.Optimizer(TinyNet(nnx.Rngs(0)), optax.sgd(0.1), wrt=nnx.Param),
-                  meshes.ring(2, axis_name="data"))  # fmt: skip
+        TrainStep(
+            loss_fn,
+            nnx.Optimizer(TinyNet(nnx.Rngs(0)), optax.sgd(0.1), wrt=nnx.Param),
+            meshes.ring(2, axis_name="data"),
+        )
 
 
 def test_a_recipe_with_its_own_task_trains_with_jaxdist_train(tmp_path):
     """The README's bring-your-own-model recipe, outside the package, through the command."""
     proc = subprocess.run(
-        [*JAXDIST, "--cpu-devices", "2", "train", str(ROOT / "examples" / "own_task.py"),
-         "--workdir", str(tmp_path), "--set", "num_epochs=5.0", "--set", "eval_every_epochs=5.0"],
-        env=clean_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            *JAXDIST,
+            "--cpu-devices",
+            "2",
+            "train",
+            str(ROOT / "examples" / "own_task.py"),
+            "--workdir",
+            str(tmp_path),
+            "--set",
+            "num_epochs=5.0",
+            "--set",
+            "eval_every_epochs=5.0",
+        ],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "done: step 320, epoch 5.00; mse" in proc.stdout
     evals = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
@@ -198,8 +215,9 @@ def test_the_language_model_pipeline_step_equals_one_device_training(corpus_root
     config = lm_config(corpus_root, **{"model.num_layers": 2})
     task = LanguageModel(config, Replicas("data", 1))
     params, model_state = task.init_variables(jax.random.key(0))
-    staged = LanguageModel(lm_config(corpus_root, **{"model.num_layers": 2, "model.remat": remat}),
-                           Replicas("data", 1))  # fmt: skip
+    staged = LanguageModel(
+        lm_config(corpus_root, **{"model.num_layers": 2, "model.remat": remat}), Replicas("data", 1)
+    )
     it = task.data.train_iterator(16)
     batches = [next(it) for _ in range(3)]
     it.close()
@@ -211,9 +229,17 @@ def test_the_language_model_pipeline_step_equals_one_device_training(corpus_root
         expected, _ = single(expected, single.shard_batch(batch), jax.random.key(1))
 
     parts = staged.pipeline_parts(2, None)  # 4 layers: embedding, 2 blocks, head
-    step = PipelineStep(parts.stages, parts.loss, optimizer, build_mesh("", stages=2),
-                        microbatches=2, schedule=schedule, inputs=parts.inputs,
-                        split=parts.split, allreduce="ring")  # fmt: skip
+    step = PipelineStep(
+        parts.stages,
+        parts.loss,
+        optimizer,
+        build_mesh("", stages=2),
+        microbatches=2,
+        schedule=schedule,
+        inputs=parts.inputs,
+        split=parts.split,
+        allreduce="ring",
+    )
     state = step.init(params, model_state)
     for batch in batches:
         state, metrics = step(state, step.shard_batch(batch), jax.random.key(1))
@@ -227,8 +253,9 @@ def test_the_language_model_pipeline_step_equals_one_device_training(corpus_root
 def test_stages_join_by_name_at_every_depth_and_refuse_what_would_be_lost():
     from jaxdist.pipeline.state import join_stages
 
-    params, _ = join_stages([{"blocks": {0: 1}, "embed": 2}, {"blocks": {1: 3}, "head": 4}],
-                            [{}, {}])  # fmt: skip
+    params, _ = join_stages(
+        [{"blocks": {0: 1}, "embed": 2}, {"blocks": {1: 3}, "head": 4}], [{}, {}]
+    )
     assert params == {"blocks": {0: 1, 1: 3}, "embed": 2, "head": 4}
     with pytest.raises(
         ValueError, match=r"stages 0 and 1 both hold parameters named 'layers_0/kernel'"
@@ -279,8 +306,10 @@ def test_remat_recomputes_each_block_and_fsdp_paces_it_as_one_unit(corpus_root):
     equal the replicated model that keeps its activations."""
     config = lm_config(corpus_root, **{"model.num_layers": 2})
     task = LanguageModel(config, Replicas("data", 2))
-    remat = LanguageModel(lm_config(corpus_root, **{"model.num_layers": 2, "model.remat": "full"}),
-                          Replicas("data", 2))  # fmt: skip
+    remat = LanguageModel(
+        lm_config(corpus_root, **{"model.num_layers": 2, "model.remat": "full"}),
+        Replicas("data", 2),
+    )
     params, model_state = task.init_variables(jax.random.key(0))
     it = task.data.train_iterator(8)
     batches = [next(it) for _ in range(2)]

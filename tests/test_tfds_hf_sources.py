@@ -259,16 +259,27 @@ def test_png_grayscale_and_palette_images_come_out_as_rgb(tmp_path):
         {"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])}
     )
     table = datasets.Dataset.from_dict(
-        {"image": [{"bytes": png_bytes(i), "path": f"{n}.png"} for n, i in enumerate(images)],
-         "label": [0, 1, 2]}, features=features)  # fmt: skip
+        {
+            "image": [{"bytes": png_bytes(i), "path": f"{n}.png"} for n, i in enumerate(images)],
+            "label": [0, 1, 2],
+        },
+        features=features,
+    )
     datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "png"))
     source = HuggingFaceSource(str(tmp_path / "png"), "train")
     for index, image in enumerate(images):
         stored = source[index]["jpeg"]
         assert stored == png_bytes(image)
         np.testing.assert_array_equal(decode(stored), np.asarray(image.convert("RGB")))
-    pipeline = make_pipeline(DataConfig(source="hf", dataset=str(tmp_path / "png"), image_size=8,
-                                        train_split="train[:1]", eval_split="train[1:]"))  # fmt: skip
+    pipeline = make_pipeline(
+        DataConfig(
+            source="hf",
+            dataset=str(tmp_path / "png"),
+            image_size=8,
+            train_split="train[:1]",
+            eval_split="train[1:]",
+        )
+    )
     assert next(iter(pipeline.eval_iterator(2)))["image"].shape == (2, 8, 8, 3)
 
 
@@ -291,10 +302,12 @@ def write_tfds_png(data_dir, name="tiny_gray_png", splits=(("train", 8), ("test"
         VERSION = tfds.core.Version("1.0.0")
 
         def _info(self):
-            features = tfds.features.FeaturesDict({
-                "image": tfds.features.Image(shape=(None, None, 1), encoding_format="png"),
-                "label": tfds.features.ClassLabel(names=["zero", "one"]),
-            })  # fmt: skip
+            features = tfds.features.FeaturesDict(
+                {
+                    "image": tfds.features.Image(shape=(None, None, 1), encoding_format="png"),
+                    "label": tfds.features.ClassLabel(names=["zero", "one"]),
+                }
+            )
             return tfds.core.DatasetInfo(builder=self, features=features)
 
         def _split_generators(self, dl_manager):
@@ -337,8 +350,10 @@ def test_a_tfrecord_prepared_dataset_reads_as_its_array_record_twin(folder, tmp_
     common = {"source": "tfds", "dataset": "tiny_imagenet_jpegs", "image_size": SIZE, "seed": 5}
     want = make_pipeline(DataConfig(root=str(tmp_path / "ar"), **common))
     got = make_pipeline(DataConfig(root=str(tmp_path / "tfr"), **common))
-    assert_same(take(want.train_iterator(4, start_sample=4), 3),
-                take(got.train_iterator(4, start_sample=4), 3))  # fmt: skip
+    assert_same(
+        take(want.train_iterator(4, start_sample=4), 3),
+        take(got.train_iterator(4, start_sample=4), 3),
+    )
     # The index is built once, kept beside the files, and read from there after.
     prepared = tmp_path / "tfr" / "tiny_imagenet_jpegs" / "1.0.0"
     assert len(list(prepared.glob(".jaxdist-index-*.npz"))) == 2
@@ -378,17 +393,30 @@ def test_recipes_train_on_png_tfrecord_train_test_and_renamed_columns(folder, tm
         {"img": datasets.Image(), "fine_label": datasets.ClassLabel(names=list(classes))}
     )
     table = datasets.Dataset.from_dict(
-        {"img": [{"bytes": r["jpeg"], "path": Path(r["name"]).name} for r in records],
-         "fine_label": [r["label"] for r in records]}, features=features)  # fmt: skip
+        {
+            "img": [{"bytes": r["jpeg"], "path": Path(r["name"]).name} for r in records],
+            "fine_label": [r["label"] for r in records],
+        },
+        features=features,
+    )
     datasets.DatasetDict({"train": table, "test": table}).save_to_disk(str(tmp_path / "hf"))
     runs = {
         "tfds": {"data.source": "tfds", "data.dataset": name, "data.root": str(tmp_path / "tfds")},
         "hf": {"data.source": "hf", "data.dataset": str(tmp_path / "hf")},
     }
     for kind, data in runs.items():
-        config = tiny_config(**data, **{"data.eval_split": "test", "data.image_size": 16,
-                                        "batch_ramp": (), "batch_size": 8, "eval_batch_size": 8, "num_epochs": 4.0,
-                                        "max_steps": 2})  # fmt: skip
+        config = tiny_config(
+            **data,
+            **{
+                "data.eval_split": "test",
+                "data.image_size": 16,
+                "batch_ramp": (),
+                "batch_size": 8,
+                "eval_batch_size": 8,
+                "num_epochs": 4.0,
+                "max_steps": 2,
+            },
+        )
         summary = Trainer(config, tmp_path / f"run-{kind}").run()
         assert summary["step"] == 2 and 0 <= summary["top1"] <= 1, kind
 
@@ -449,8 +477,9 @@ def test_an_empty_split_names_itself_and_how_to_pick_another(tmp_path):
         {"image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])}
     )
     images = [np.full((8, 8, 3), i, np.uint8) for i in range(10)]
-    table = datasets.Dataset.from_dict({"image": images, "label": [i % 2 for i in range(10)]},
-                                       features=features)  # fmt: skip
+    table = datasets.Dataset.from_dict(
+        {"image": images, "label": [i % 2 for i in range(10)]}, features=features
+    )
     empty = datasets.Dataset.from_dict({"image": [], "label": []}, features=features)
     datasets.DatasetDict({"train": table, "validation": empty}).save_to_disk(str(root))
     with pytest.raises(DatasetError) as err:
@@ -459,8 +488,15 @@ def test_an_empty_split_names_itself_and_how_to_pick_another(tmp_path):
     assert message.startswith(f"hf dataset {root}: split 'validation' is empty (0 records); ")
     assert "--set data.eval_split='train[90%:]'" in message and "\n" not in message
     assert len(HuggingFaceSource(str(root), "train")) == 10
-    pipeline = make_pipeline(DataConfig(source="hf", dataset=str(root), image_size=8,
-                                        train_split="train[:90%]", eval_split="train[90%:]"))  # fmt: skip
+    pipeline = make_pipeline(
+        DataConfig(
+            source="hf",
+            dataset=str(root),
+            image_size=8,
+            train_split="train[:90%]",
+            eval_split="train[90%:]",
+        )
+    )
     assert (pipeline.num_train_examples, pipeline.num_eval_examples) == (9, 1)
 
 
@@ -479,14 +515,20 @@ def test_columns_by_other_common_names_are_found_or_given(folder, tmp_path):
     data.image_key / data.label_key; a name that is not there is one line naming what is."""
     classes, records = folder_records(folder, "train")
     features = datasets.Features(
-        {"img": datasets.Image(), "coarse": datasets.ClassLabel(names=["x", "y"]),
-         "fine_label": datasets.ClassLabel(names=list(classes))}
-    )  # fmt: skip
+        {
+            "img": datasets.Image(),
+            "coarse": datasets.ClassLabel(names=["x", "y"]),
+            "fine_label": datasets.ClassLabel(names=list(classes)),
+        }
+    )
     table = datasets.Dataset.from_dict(
-        {"img": [{"bytes": r["jpeg"], "path": Path(r["name"]).name} for r in records],
-         "coarse": [0] * len(records), "fine_label": [r["label"] for r in records]},
+        {
+            "img": [{"bytes": r["jpeg"], "path": Path(r["name"]).name} for r in records],
+            "coarse": [0] * len(records),
+            "fine_label": [r["label"] for r in records],
+        },
         features=features,
-    )  # fmt: skip
+    )
     root = tmp_path / "cifar100_like"
     datasets.DatasetDict({"train": table}).save_to_disk(str(root))
     found = HuggingFaceSource(str(root), "train")
@@ -512,16 +554,27 @@ def test_columns_by_other_common_names_are_found_or_given(folder, tmp_path):
 def test_a_tfds_root_one_level_off_or_a_missing_version_says_what_is_there(tfds_dir, tmp_path):
     name = "tiny_imagenet_jpegs"
     for dataset, data_dir, hint in [
-        (f"{name}:2.0.0", tfds_dir, rf"{tfds_dir}/{name} holds version\(s\) 1.0.0: name one, "
-                                    rf"e.g. dataset='{name}:1.0.0'"),
-        (name, tfds_dir / name, rf"{tfds_dir}/{name} is a dataset's own folder: give its "
-                                rf"parent {tfds_dir} as the root"),
-    ]:  # fmt: skip
+        (
+            f"{name}:2.0.0",
+            tfds_dir,
+            rf"{tfds_dir}/{name} holds version\(s\) 1.0.0: name one, "
+            rf"e.g. dataset='{name}:1.0.0'",
+        ),
+        (
+            name,
+            tfds_dir / name,
+            rf"{tfds_dir}/{name} is a dataset's own folder: give its "
+            rf"parent {tfds_dir} as the root",
+        ),
+    ]:
         with pytest.raises(DatasetError, match=hint) as err:
             TfdsSource(dataset, "train", data_dir=str(data_dir))
         assert "\n" not in str(err.value)
     (tmp_path / "above").mkdir()
     (tmp_path / "above" / "tfds").symlink_to(tfds_dir)
-    with pytest.raises(DatasetError, match=rf"{tmp_path}/above/tfds/{name} is there: give "
-                       rf"{tmp_path}/above/tfds as the root"):  # fmt: skip
+    with pytest.raises(
+        DatasetError,
+        match=rf"{tmp_path}/above/tfds/{name} is there: give "
+        rf"{tmp_path}/above/tfds as the root",
+    ):
         TfdsSource(name, "train", data_dir=str(tmp_path / "above"))

@@ -24,14 +24,18 @@ def _program(body: list[str]) -> str:
 
 
 def _dot(name: str) -> str:
-    return (f'%{name} = f32[64,64]{{1,0}} dot(%p0, %p0), lhs_contracting_dims={{1}}, '
-            f'rhs_contracting_dims={{0}}, metadata={{op_name="jit(step)/transpose(jvp(f))/dot_general"}}')  # fmt: skip
+    return (
+        f"%{name} = f32[64,64]{{1,0}} dot(%p0, %p0), lhs_contracting_dims={{1}}, "
+        f'rhs_contracting_dims={{0}}, metadata={{op_name="jit(step)/transpose(jvp(f))/dot_general"}}'
+    )
 
 
 def _start(k: int, operand: str) -> str:
-    return (f"%cp-start.{k} = (f32[1024]{{0}}, f32[1024]{{0}}, u32[], u32[]) "
-            f"collective-permute-start(%{operand}), source_target_pairs={{{{0,1}},{{1,0}}}}, "
-            f'metadata={{op_name="jit(step)/gradient_sync/ppermute"}}')  # fmt: skip
+    return (
+        f"%cp-start.{k} = (f32[1024]{{0}}, f32[1024]{{0}}, u32[], u32[]) "
+        f"collective-permute-start(%{operand}), source_target_pairs={{{{0,1}},{{1,0}}}}, "
+        f'metadata={{op_name="jit(step)/gradient_sync/ppermute"}}'
+    )
 
 
 def _done(k: int) -> str:

@@ -140,9 +140,13 @@ def test_every_allreduce_matches_single_device_training(reference, algorithm, bu
         mesh_name = "torus-2x2x2"
     make_mesh, axes = MESHES[mesh_name]
     state, metrics, step = distributed_training(
-        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches,
-        allreduce=algorithm, bucket_bytes=bucket_bytes,
-    )  # fmt: skip
+        make_mesh(),
+        axes,
+        optax.sgd(0.1, momentum=0.9),
+        batches,
+        allreduce=algorithm,
+        bucket_bytes=bucket_bytes,
+    )
     assert_trees_close(state.params, params, atol=2e-6)
     assert_trees_close(state.model_state, model_state, atol=2e-6)
     assert int(state.step) == STEPS and np.isfinite(float(metrics["loss"]))
@@ -152,10 +156,15 @@ def test_every_allreduce_matches_single_device_training(reference, algorithm, bu
 
 @pytest.mark.parametrize(
     ("algorithm", "mesh_name", "accumulation_steps"),
-    [("ring", "ring-8", 1), ("bidirectional_ring", "ring-8", 1), ("torus2d", "torus-4x2", 1),
-     ("hierarchical", "hierarchical-2x4", 1), ("torus2d", "torus-4x2", 2),
-     ("torus3d", "torus-2x2x2", 1)],
-)  # fmt: skip
+    [
+        ("ring", "ring-8", 1),
+        ("bidirectional_ring", "ring-8", 1),
+        ("torus2d", "torus-4x2", 1),
+        ("hierarchical", "hierarchical-2x4", 1),
+        ("torus2d", "torus-4x2", 2),
+        ("torus3d", "torus-2x2x2", 1),
+    ],
+)
 def test_wait_free_steps_are_the_serial_steps_bit_for_bit(
     reference, algorithm, mesh_name, accumulation_steps
 ):
@@ -167,9 +176,15 @@ def test_wait_free_steps_are_the_serial_steps_bit_for_bit(
     trained = {}
     for wait_free in (False, True):
         state, metrics, step = distributed_training(
-            make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, allreduce=algorithm,
-            bucket_bytes=512, wait_free=wait_free, accumulation_steps=accumulation_steps,
-        )  # fmt: skip
+            make_mesh(),
+            axes,
+            optax.sgd(0.1, momentum=0.9),
+            batches,
+            allreduce=algorithm,
+            bucket_bytes=512,
+            wait_free=wait_free,
+            accumulation_steps=accumulation_steps,
+        )
         trained[wait_free] = (state, metrics)
     assert len(step.buckets) >= 2
     (paced, paced_metrics), (serial, serial_metrics) = trained[True], trained[False]
@@ -212,9 +227,15 @@ def test_gradient_accumulation_matches_the_full_batch(algorithm):
     params, _ = reference_training(optax.sgd(0.1, momentum=0.9), batches, use_norm=False)
     make_mesh, axes = MESHES["torus-4x2"]
     state, _, _ = distributed_training(
-        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, use_norm=False,
-        allreduce=algorithm, accumulation_steps=4, bucket_bytes=512,
-    )  # fmt: skip
+        make_mesh(),
+        axes,
+        optax.sgd(0.1, momentum=0.9),
+        batches,
+        use_norm=False,
+        allreduce=algorithm,
+        accumulation_steps=4,
+        bucket_bytes=512,
+    )
     assert_trees_close(state.params, params, atol=2e-6)
 
 
@@ -240,9 +261,16 @@ def test_sharded_steps_match_single_device_training(sharding, mesh_name, optimiz
     make_mesh, axes = MESHES[mesh_name]
     algorithm = "torus2d" if mesh_name.startswith("torus") else "ring"
     state, _, step = distributed_training(
-        make_mesh(), axes, optimizer, batches, use_norm=use_norm, sharding=sharding,
-        allreduce=algorithm, min_shard_elements=0, bucket_bytes=512,
-    )  # fmt: skip
+        make_mesh(),
+        axes,
+        optimizer,
+        batches,
+        use_norm=use_norm,
+        sharding=sharding,
+        allreduce=algorithm,
+        min_shard_elements=0,
+        bucket_bytes=512,
+    )
     assert_trees_close(state.params, params, atol=3e-6)
     assert_trees_close(state.model_state, model_state, atol=2e-6)
     # Split where a dimension divides by 8, whole where none does; in units of <= 512 bytes.
@@ -339,8 +367,14 @@ def test_skip_nonfinite_leaves_the_state_and_reports_the_step(zero1):
     reported as skipped; the next good batch trains as if it had never come."""
     mesh = MESHES["ring-8"][0]()
     params, model_state = init_variables(use_norm=False)
-    step = ts.TrainStep(poisoned_loss(jnp.nan), optax.sgd(0.3, momentum=0.9), mesh, allreduce="ring",
-                        zero1=zero1, skip_nonfinite=True)  # fmt: skip
+    step = ts.TrainStep(
+        poisoned_loss(jnp.nan),
+        optax.sgd(0.3, momentum=0.9),
+        mesh,
+        allreduce="ring",
+        zero1=zero1,
+        skip_nonfinite=True,
+    )
     batch = data()
 
     def run(state, poison):
@@ -363,9 +397,13 @@ def test_bf16_transfer_stays_close_to_float32(reference):
     batches, (params, _) = reference
     make_mesh, axes = MESHES["torus-4x2"]
     state, _, _ = distributed_training(
-        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, allreduce="torus2d",
+        make_mesh(),
+        axes,
+        optax.sgd(0.1, momentum=0.9),
+        batches,
+        allreduce="torus2d",
         allreduce_options={"transfer_dtype": jnp.bfloat16},
-    )  # fmt: skip
+    )
     # bf16 messages round gradients to 8 bits; three steps move weights by ~1e-3 at most.
     assert_trees_close(state.params, params, atol=2e-3)
 
@@ -374,9 +412,13 @@ def test_zero1_with_bf16_transfer_keeps_float32_parameters(reference):
     batches, (params, _) = reference
     make_mesh, axes = MESHES["ring-8"]
     state, _, _ = distributed_training(
-        make_mesh(), axes, optax.sgd(0.1, momentum=0.9), batches, zero1=True,
+        make_mesh(),
+        axes,
+        optax.sgd(0.1, momentum=0.9),
+        batches,
+        zero1=True,
         allreduce_options={"transfer_dtype": jnp.bfloat16},
-    )  # fmt: skip
+    )
     assert_trees_close(state.params, params, atol=2e-3)
     # Gradients travel in bf16, parameters do not: the master copy keeps its float32 bits.
     flat = np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(state.params)])
@@ -506,9 +548,12 @@ def test_bfloat16_compute_with_float32_master_weights_trains():
     mesh = meshes.ring(8)
     params = HalfNet().init(jax.random.key(0), np.zeros((2, 10), np.float32))["params"]
     step = ts.TrainStep(
-        ts.classifier_loss(HalfNet(), num_classes=NUM_CLASSES), optax.sgd(0.3, 0.9), mesh,
-        allreduce="ring", allreduce_options={"transfer_dtype": jnp.bfloat16},
-    )  # fmt: skip
+        ts.classifier_loss(HalfNet(), num_classes=NUM_CLASSES),
+        optax.sgd(0.3, 0.9),
+        mesh,
+        allreduce="ring",
+        allreduce_options={"transfer_dtype": jnp.bfloat16},
+    )
     state = step.init(params)
     batch = step.shard_batch(data())
     losses = []
@@ -525,6 +570,10 @@ def test_zero1_passes_the_exchange_piece_option_to_its_building_blocks(reference
     make_mesh, axes = MESHES["ring-8"]
     with pytest.raises(ValueError, match="exchange_piece_bytes must be a positive"):
         distributed_training(
-            make_mesh(), axes, optax.sgd(0.1), batches[:1], zero1=True,
+            make_mesh(),
+            axes,
+            optax.sgd(0.1),
+            batches[:1],
+            zero1=True,
             allreduce_options={"exchange_piece_bytes": -1},
-        )  # fmt: skip
+        )

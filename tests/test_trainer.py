@@ -329,17 +329,36 @@ def test_a_users_hook_sees_every_moment_and_may_stop_the_run(tmp_path):
     assert summary["stopped_by"] == "told to" and summary["preempted"] and summary["step"] == 3
     step = ["around_step in", "around_step out"]
     assert recorder.moments == [
-        "enter", "resumed 0", "run_started",
-        "step_starting 1", "step_calling compiled=False", *step, "step_done 1",
-        "step_starting 2", "step_calling compiled=True", *step,
-        "recorded train", "reported 2 (2 steps)", "saving 2", "step_done 2",
+        "enter",
+        "resumed 0",
+        "run_started",
+        "step_starting 1",
+        "step_calling compiled=False",
+        *step,
+        "step_done 1",
+        "step_starting 2",
+        "step_calling compiled=True",
+        *step,
+        "recorded train",
+        "reported 2 (2 steps)",
+        "saving 2",
+        "step_done 2",
         # 3 x 16 samples pass 0.03 epochs of 1,438: an evaluation
-        "step_starting 3", "step_calling compiled=True", *step,
-        "evaluating", "evaluated top1=True", "recorded eval", "step_done 3",
-        "saving 3", "run_ended 3 failure=None", "exit",
-    ]  # fmt: skip
-    events = [json.loads(line.removeprefix(":::MLLOG "))
-              for line in (tmp_path / "events.log").read_text().splitlines()]  # fmt: skip
+        "step_starting 3",
+        "step_calling compiled=True",
+        *step,
+        "evaluating",
+        "evaluated top1=True",
+        "recorded eval",
+        "step_done 3",
+        "saving 3",
+        "run_ended 3 failure=None",
+        "exit",
+    ]
+    events = [
+        json.loads(line.removeprefix(":::MLLOG "))
+        for line in (tmp_path / "events.log").read_text().splitlines()
+    ]
     assert events[-1]["key"] == "run_stop"
     assert events[-1]["metadata"]["reason"] == "preempted (told to)"
     assert Trainer(config, tmp_path).run()["step"] == 3 + 4  # resumed at step 3, on to 7

@@ -154,8 +154,10 @@ def _cost_analysis(compiled, lowered, text: str | None = None, *, platform: str 
     flops = matrix_flops(lowered.as_text(dialect="hlo"))
     if flops:
         return {"flops": flops}
-    raise RuntimeError("neither the compiler nor a count of the compiled program's "
-                       "matrix products gave this step's FLOPs")  # fmt: skip
+    raise RuntimeError(
+        "neither the compiler nor a count of the compiled program's "
+        "matrix products gave this step's FLOPs"
+    )
 
 
 def _analysis(program) -> dict | None:

@@ -63,7 +63,12 @@ def compiler_profile(
 
     example = jax.ShapeDtypeStruct(example.shape, example.dtype, sharding=sharding)
     return profile_layers(
-        model, example, optimizer, timer, description=description,
-        device=f"{chip.name} ({topology.name}, compiler roofline)", source="compiler",
+        model,
+        example,
+        optimizer,
+        timer,
+        description=description,
+        device=f"{chip.name} ({topology.name}, compiler roofline)",
+        source="compiler",
         progress=progress,
-    )  # fmt: skip
+    )

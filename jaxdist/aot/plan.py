@@ -134,9 +134,11 @@ def mesh_spec_for(config_mesh: str, topology: Topology) -> tuple[meshes.MeshSpec
     else:
         axes = ((names[0], chips // inner), (names[1], inner))
     spec = meshes.MeshSpec(
-        f"{layout}-on-{topology.name}", layout, axes,
+        f"{layout}-on-{topology.name}",
+        layout,
+        axes,
         devices_per_host=inner if layout == "hierarchical" else None,
-    )  # fmt: skip
+    )
     if base is None:
         return spec, "one data axis over every chip (the recipe names no mesh)"
     return spec, (
@@ -262,8 +264,16 @@ def plan_recipe(
         if fit is not None:
             per_chip = model_flops_per_chip(model_flops, device_plan, model_shared_by(trainer))
             utilization = (fit.value, per_chip)
-        stage = _plan_stage(trainer, index, device_plan, variables, topology, network,
-                            efficiency=efficiency, utilization=utilization)  # fmt: skip
+        stage = _plan_stage(
+            trainer,
+            index,
+            device_plan,
+            variables,
+            topology,
+            network,
+            efficiency=efficiency,
+            utilization=utilization,
+        )
         step = trainer.train_step_for(index)
         if xla_fsdp and step.sharding != "replicated":
             if on_xla_fsdp is not None:
@@ -271,10 +281,21 @@ def plan_recipe(
             batch = _batch_shapes(trainer, device_plan.global_batch_size)
             stage.xla_fsdp = compile_xla_fsdp(step, *variables, batch)
         stages.append(stage)
-    plan = Plan(topology, spec, mesh_note, data_note, config.allreduce, network, stages,
-                config.num_epochs, wait_free=config.wait_free, gather=config.gather,
-                link_sources=link_sources, trainer=trainer,
-                variable_shapes=(params, model_state))  # fmt: skip
+    plan = Plan(
+        topology,
+        spec,
+        mesh_note,
+        data_note,
+        config.allreduce,
+        network,
+        stages,
+        config.num_epochs,
+        wait_free=config.wait_free,
+        gather=config.gather,
+        link_sources=link_sources,
+        trainer=trainer,
+        variable_shapes=(params, model_state),
+    )
     plan.model_flops_per_example = model_flops
     plan.efficiency_note = fit.describe() if fit is not None else ""
     step_seconds = [s.step_time.total for s in stages]
@@ -286,9 +307,12 @@ def plan_recipe(
 
 
 def reference_for(
-    config: ml_collections.ConfigDict, trainer, step_seconds: list, topology: Topology,
+    config: ml_collections.ConfigDict,
+    trainer,
+    step_seconds: list,
+    topology: Topology,
     flops_per_image: float,
-) -> dict | None:  # fmt: skip
+) -> dict | None:
     """For a ResNet-50 recipe (MLPerf's benchmark), the reference convergence point at its
     global batch (:mod:`jaxdist.aot.rcp`): the epochs MLPerf expects, how they were found,
     the time to train at them, the hyperparameters the recipe sets otherwise than the
@@ -301,8 +325,9 @@ def reference_for(
     found = rcp.epochs_to_converge(config.batch_size)
     final = trainer.plans[-1]
     bn_span = final.per_device_batch * (config.model.get("bn_group_size") or trainer.num_replicas)
-    rows = [] if found.epochs is None else time_to_train(trainer.schedule, found.epochs,
-                                                         step_seconds)  # fmt: skip
+    rows = (
+        [] if found.epochs is None else time_to_train(trainer.schedule, found.epochs, step_seconds)
+    )
     differences = rcp.hyperparameter_differences(config, found.nearest, bn_span)
     return {
         "source": f"{rcp.RULESET} reference convergence points",
@@ -323,15 +348,23 @@ def _record_for(global_batch: int, topology: Topology, flops_per_image: float) -
     answer = record.record_time(topology.generation, topology.num_chips, global_batch)
     fitted = answer.get("fitted")
     if fitted is not None:
-        answer["share_of_peak"] = (fitted["images_per_second"] * flops_per_image
-                                   / topology.chip.peak_flops)  # fmt: skip
+        answer["share_of_peak"] = (
+            fitted["images_per_second"] * flops_per_image / topology.chip.peak_flops
+        )
     return answer
 
 
 def _plan_stage(
-    trainer, index: int, device_plan: DevicePlan, variables: tuple, topology: Topology,
-    network, *, efficiency: float, utilization: tuple[float, float] | None = None,
-) -> StagePlan:  # fmt: skip
+    trainer,
+    index: int,
+    device_plan: DevicePlan,
+    variables: tuple,
+    topology: Topology,
+    network,
+    *,
+    efficiency: float,
+    utilization: tuple[float, float] | None = None,
+) -> StagePlan:
     """Batch stage ``index`` compiled for ``topology`` and its step time predicted, its compute
     at ``efficiency`` of peak, or where ``utilization`` is ``(model FLOPs utilization, model
     FLOPs per chip per step)``, at the share of peak that has those FLOPs run at that
@@ -349,9 +382,12 @@ def _plan_stage(
         share, model_flops = utilization
         efficiency = min(1.0, share * compiled.flops / model_flops)
     step_time = predict_step(
-        compiled, topology.chip, efficiency=efficiency, network=network,
+        compiled,
+        topology.chip,
+        efficiency=efficiency,
+        network=network,
         fast_group=topology.chips_per_group if topology.network_groups > 1 else None,
-    )  # fmt: skip
+    )
     return StagePlan(index, device_plan, compiled, step_time)
 
 
@@ -403,9 +439,11 @@ def sharding_hint(trainer, stage: int, variable_shapes: tuple | None = None) -> 
     state = step.abstract_init(*variable_shapes)
     held = per_chip_bytes((state.params, state.opt_state))
     chips = step.mesh.devices.size
-    return (f"its parameters and optimizer state alone take {held / GIB:.2f} GiB per chip "
-            f"replicated, {held / chips / GIB:.2f} GiB sharded over {chips} chips "
-            f"(--set sharding=fsdp); or ")  # fmt: skip
+    return (
+        f"its parameters and optimizer state alone take {held / GIB:.2f} GiB per chip "
+        f"replicated, {held / chips / GIB:.2f} GiB sharded over {chips} chips "
+        f"(--set sharding=fsdp); or "
+    )
 
 
 def _variable_shapes(trainer, config) -> tuple[Any, Any]:

@@ -94,8 +94,13 @@ class StepTime:
         """Time the step waits for communication."""
         if self.timeline is not None:
             return self.timeline.exposed_seconds
-        return (self.communication - self.hidden + self.other
-                + self.parameter_communication - self.parameter_hidden)  # fmt: skip
+        return (
+            self.communication
+            - self.hidden
+            + self.other
+            + self.parameter_communication
+            - self.parameter_hidden
+        )
 
     @property
     def total(self) -> float:
@@ -243,8 +248,14 @@ def predict_step(
         scatter_roles=compiled.scatter_roles,
         ports=network.intra.ports,
     )
-    return StepTime(compute, timeline.gradient_seconds, timeline.gradient_hidden_seconds,
-                    efficiency, dict(timeline.other_seconds), timeline)  # fmt: skip
+    return StepTime(
+        compute,
+        timeline.gradient_seconds,
+        timeline.gradient_hidden_seconds,
+        efficiency,
+        dict(timeline.other_seconds),
+        timeline,
+    )
 
 
 def time_to_train(
@@ -258,12 +269,14 @@ def time_to_train(
     for i, (first, stage) in enumerate(schedule.stage_boundaries()):
         steps = max(0, min(starts[i + 1], end) - min(first, end))
         seconds = steps * step_seconds[i]
-        rows.append({
-            "stage": i,
-            "global_batch": stage.global_batch_size,
-            "steps": steps,
-            "step_seconds": step_seconds[i],
-            "images_per_second": stage.global_batch_size / step_seconds[i],
-            "seconds": seconds,
-        })  # fmt: skip
+        rows.append(
+            {
+                "stage": i,
+                "global_batch": stage.global_batch_size,
+                "steps": steps,
+                "step_seconds": step_seconds[i],
+                "images_per_second": stage.global_batch_size / step_seconds[i],
+                "seconds": seconds,
+            }
+        )
     return rows

@@ -103,59 +103,162 @@ def _mlperf(version: str, path: str) -> str:
 
 PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
-        "Goyal et al. 2017", "p100", 256, ((90, 8192),), 3600, 8, "hierarchical",
-        50 / 8 * _GBIT, "fp32", "https://arxiv.org/abs/1706.02677",
+        "Goyal et al. 2017",
+        "p100",
+        256,
+        ((90, 8192),),
+        3600,
+        8,
+        "hierarchical",
+        50 / 8 * _GBIT,
+        "fp32",
+        "https://arxiv.org/abs/1706.02677",
     ),
     PublishedRun(
-        "Mikami et al. 2018 (v1)", "v100", 2176, ((5, 34816), (90, 69632)), 224, 4,
-        "torus2d", 50 * _GBIT, "16-bit", "https://arxiv.org/abs/1811.05233v1",
+        "Mikami et al. 2018 (v1)",
+        "v100",
+        2176,
+        ((5, 34816), (90, 69632)),
+        224,
+        4,
+        "torus2d",
+        50 * _GBIT,
+        "16-bit",
+        "https://arxiv.org/abs/1811.05233v1",
     ),
     PublishedRun(
-        "MLPerf v0.6 Google TPU v3", "v3", 1024, ((72, 32768),), 76.9, 32, "xla", None,
-        "16-bit", _mlperf("0.6", "Google/results/tpu-v3-2048/resnet"),
+        "MLPerf v0.6 Google TPU v3",
+        "v3",
+        1024,
+        ((72, 32768),),
+        76.9,
+        32,
+        "xla",
+        None,
+        "16-bit",
+        _mlperf("0.6", "Google/results/tpu-v3-2048/resnet"),
     ),
     PublishedRun(
-        "MLPerf v0.6 NVIDIA DGX-2H", "v100", 1536, ((90, 59904),), 79.9, 16, "nccl",
-        1000 / 16 * _GBIT, "16-bit", _mlperf("0.6", "NVIDIA/results/dgx2h_n96_ngc19.05_mxnet/resnet"),
+        "MLPerf v0.6 NVIDIA DGX-2H",
+        "v100",
+        1536,
+        ((90, 59904),),
+        79.9,
+        16,
+        "nccl",
+        1000 / 16 * _GBIT,
+        "16-bit",
+        _mlperf("0.6", "NVIDIA/results/dgx2h_n96_ngc19.05_mxnet/resnet"),
     ),
     PublishedRun(
-        "MLPerf v0.7 Google TPU v3 (JAX)", "v3", 4096, ((92, 65536),), 28.3, 32, "xla",
-        None, "16-bit", _mlperf("0.7", "Google/results/tpu-v3-8192-JAX/resnet"),
+        "MLPerf v0.7 Google TPU v3 (JAX)",
+        "v3",
+        4096,
+        ((92, 65536),),
+        28.3,
+        32,
+        "xla",
+        None,
+        "16-bit",
+        _mlperf("0.7", "Google/results/tpu-v3-8192-JAX/resnet"),
     ),
     PublishedRun(
-        "MLPerf v0.7 Google TPU v4", "v4", 256, ((44, 8192),), 109.2, 16, "xla", None,
-        "16-bit", _mlperf("0.7", "Google/results/tpu-v4-512-TF/resnet"),
+        "MLPerf v0.7 Google TPU v4",
+        "v4",
+        256,
+        ((44, 8192),),
+        109.2,
+        16,
+        "xla",
+        None,
+        "16-bit",
+        _mlperf("0.7", "Google/results/tpu-v4-512-TF/resnet"),
     ),
     PublishedRun(
-        "MLPerf v0.7 NVIDIA DGX A100", "a100", 768, ((59, 34560),), 63.5, 8, "nccl",
-        200 * _GBIT, "16-bit", _mlperf("0.7", "NVIDIA/results/dgxa100_n96_ngc20.06_mxnet/resnet"),
+        "MLPerf v0.7 NVIDIA DGX A100",
+        "a100",
+        768,
+        ((59, 34560),),
+        63.5,
+        8,
+        "nccl",
+        200 * _GBIT,
+        "16-bit",
+        _mlperf("0.7", "NVIDIA/results/dgxa100_n96_ngc20.06_mxnet/resnet"),
     ),
     PublishedRun(
-        "MLPerf v1.0 Google TPU v4", "v4", 3456, ((78, 55296),), 13.7, 24, "xla", None,
-        "16-bit", _mlperf("1.0", "Google/results/tpu-v4-6912-TF/resnet"),
+        "MLPerf v1.0 Google TPU v4",
+        "v4",
+        3456,
+        ((78, 55296),),
+        13.7,
+        24,
+        "xla",
+        None,
+        "16-bit",
+        _mlperf("1.0", "Google/results/tpu-v4-6912-TF/resnet"),
     ),
     PublishedRun(
-        "MLPerf v2.0 Google TPU v4", "v4", 4096, ((60, 32768),), 11.4, 16, "xla", None,
-        "16-bit", _mlperf("2.0", "Google/results/cloud-tpu-v4-8192-TF/resnet"),
+        "MLPerf v2.0 Google TPU v4",
+        "v4",
+        4096,
+        ((60, 32768),),
+        11.4,
+        16,
+        "xla",
+        None,
+        "16-bit",
+        _mlperf("2.0", "Google/results/cloud-tpu-v4-8192-TF/resnet"),
     ),
     PublishedRun(
-        "MLPerf v2.0 NVIDIA DGX A100", "a100", 4216, ((86, 67456),), 19.1, 8, "nccl",
-        200 * _GBIT, "16-bit", _mlperf("2.0", "NVIDIA/results/dgxa100_n527_ngc22.04_mxnet/resnet"),
+        "MLPerf v2.0 NVIDIA DGX A100",
+        "a100",
+        4216,
+        ((86, 67456),),
+        19.1,
+        8,
+        "nccl",
+        200 * _GBIT,
+        "16-bit",
+        _mlperf("2.0", "NVIDIA/results/dgxa100_n527_ngc22.04_mxnet/resnet"),
     ),
     PublishedRun(
-        "MLPerf v3.0 NVIDIA DGX H100", "h100", 64, ((35, 3200),), 159.8, 8, "nccl",
-        400 * _GBIT, "16-bit", _mlperf("3.0", "NVIDIA/results/dgxh100_n8_ngc23.04_mxnet/resnet"),
+        "MLPerf v3.0 NVIDIA DGX H100",
+        "h100",
+        64,
+        ((35, 3200),),
+        159.8,
+        8,
+        "nccl",
+        400 * _GBIT,
+        "16-bit",
+        _mlperf("3.0", "NVIDIA/results/dgxh100_n8_ngc23.04_mxnet/resnet"),
     ),
     PublishedRun(
-        "MLPerf v3.0 CoreWeave HGX H100", "h100", 3584, ((77, 57344),), 11.0, 8,
-        "nccl", 400 * _GBIT, "16-bit",
+        "MLPerf v3.0 CoreWeave HGX H100",
+        "h100",
+        3584,
+        ((77, 57344),),
+        11.0,
+        8,
+        "nccl",
+        400 * _GBIT,
+        "16-bit",
         _mlperf("3.0", "NVIDIA_CoreWeave/results/coreweave_hgxh100_n448_ngc23.04_mxnet/resnet"),
     ),
     PublishedRun(
-        "MLPerf v4.0 NVIDIA DGX H100", "h100", 2528, ((68, 40448),), 13.7, 8, "nccl",
-        400 * _GBIT, "16-bit", _mlperf("4.0", "NVIDIA/results/eos_n316_ngc24.04_mxnet/resnet"),
+        "MLPerf v4.0 NVIDIA DGX H100",
+        "h100",
+        2528,
+        ((68, 40448),),
+        13.7,
+        8,
+        "nccl",
+        400 * _GBIT,
+        "16-bit",
+        _mlperf("4.0", "NVIDIA/results/eos_n316_ngc24.04_mxnet/resnet"),
     ),
-)  # fmt: skip
+)
 # A TPU run at a moderate per-chip batch (32 images), verified from its result logs.
 CALIBRATION_RUN = "MLPerf v0.7 Google TPU v4"
 # The runs scored leave-one-out: every MLPerf closed result above (the papers are shown
@@ -179,8 +282,15 @@ def predict_run(run: PublishedRun, facts: ModelFacts, efficiency: float) -> dict
         compute = facts.flops_per_image * batch / run.chips / (peak * efficiency)
         step = step_time(compute, per_bucket, facts.gradient_hidden_fraction, efficiency)
         stage_steps = math.ceil((until - start) * IMAGENET_TRAIN_IMAGES / batch)
-        stages.append({"batch": batch, "steps": stage_steps, "step_seconds": step.total,
-                       "compute_seconds": compute, "exposed_seconds": step.exposed})  # fmt: skip
+        stages.append(
+            {
+                "batch": batch,
+                "steps": stage_steps,
+                "step_seconds": step.total,
+                "compute_seconds": compute,
+                "exposed_seconds": step.exposed,
+            }
+        )
         seconds += stage_steps * step.total
         steps += stage_steps
         start = until
@@ -206,9 +316,13 @@ def gradient_bucket_seconds(run: PublishedRun, facts: ModelFacts) -> list[float]
     # A library's all-reduce is priced as a plan prices a native step's.
     algorithm = "native" if run.allreduce in LIBRARY_ALLREDUCES else run.allreduce
     return communication_seconds(
-        buckets, algorithm, [run.chips // run.inner, run.inner], network,
-        per_host=run.inner, torus_dims=chip.torus_dims,
-    )  # fmt: skip
+        buckets,
+        algorithm,
+        [run.chips // run.inner, run.inner],
+        network,
+        per_host=run.inner,
+        torus_dims=chip.torus_dims,
+    )
 
 
 def calibrate(run: PublishedRun, facts: ModelFacts) -> float:
@@ -256,8 +370,12 @@ def _held_out(run: PublishedRun, others: Sequence[PublishedRun], facts: ModelFac
     """``run`` predicted with the efficiency fitted on ``others``."""
     efficiency = fit_efficiency(others, facts)
     seconds = predict_run(run, facts, efficiency)["seconds"]
-    return {"run": run.name, "efficiency": efficiency, "predicted_seconds": seconds,
-            "error": seconds / run.seconds - 1}  # fmt: skip
+    return {
+        "run": run.name,
+        "efficiency": efficiency,
+        "predicted_seconds": seconds,
+        "error": seconds / run.seconds - 1,
+    }
 
 
 def fit_by_generation(facts: ModelFacts) -> dict[str, dict]:
@@ -282,8 +400,14 @@ def leave_one_out_by_generation(facts: ModelFacts) -> list[dict]:
     for run in runs:
         others = [o for o in runs if o.chip == run.chip and o is not run]
         if not others:
-            rows.append({"run": run.name, "efficiency": None, "error": None,
-                         "why": f"no other MLPerf run of {run.chip}"})  # fmt: skip
+            rows.append(
+                {
+                    "run": run.name,
+                    "efficiency": None,
+                    "error": None,
+                    "why": f"no other MLPerf run of {run.chip}",
+                }
+            )
             continue
         rows.append({**_held_out(run, others, facts), "fitted_on": [o.name for o in others]})
     return rows
@@ -297,8 +421,12 @@ def write_calibration(
     run: PublishedRun, facts: ModelFacts, efficiency: float, by_generation: dict[str, dict]
 ) -> None:
     """Keep the calibrated efficiencies where :func:`calibrated_efficiency` reads them."""
-    record = {"efficiency": efficiency, "run": run.name, "by_generation": by_generation,
-              "facts": asdict(facts)}  # fmt: skip
+    record = {
+        "efficiency": efficiency,
+        "run": run.name,
+        "by_generation": by_generation,
+        "facts": asdict(facts),
+    }
     CALIBRATION_FILE.write_text(json.dumps(record, indent=2) + "\n")
 
 

@@ -26,7 +26,7 @@ __all__ = [
     "epochs_to_converge",
     "hyperparameter_differences",
     "reference_points",
-]  # fmt: skip
+]
 
 RULESET = "MLPerf Training 4.0.0"
 TARGET = "75.9% top-1"
@@ -78,8 +78,9 @@ def pruned_points() -> list[ReferencePoint]:
     i = 1
     while i < len(points) - 1:
         low, high = points[i - 1], points[i + 1]
-        line = np.interp(points[i].batch, [low.batch, high.batch],
-                         [low.mean_epochs, high.mean_epochs])  # fmt: skip
+        line = np.interp(
+            points[i].batch, [low.batch, high.batch], [low.mean_epochs, high.mean_epochs]
+        )
         if points[i].mean_epochs > line:
             del points[i]
             i -= 1
@@ -101,13 +102,16 @@ def epochs_to_converge(batch: int) -> RcpEpochs:
         how = f"below the table: its smallest pruned batch, {points[0].batch:,}"
         return RcpEpochs(batch, points[0].mean_epochs, how, nearest)
     if batch > points[-1].batch:
-        return RcpEpochs(batch, None, f"beyond the table's largest batch, {points[-1].batch:,}",
-                         nearest)  # fmt: skip
+        return RcpEpochs(
+            batch, None, f"beyond the table's largest batch, {points[-1].batch:,}", nearest
+        )
     low = max((p for p in points if p.batch < batch), key=lambda p: p.batch)
     high = min((p for p in points if p.batch > batch), key=lambda p: p.batch)
     epochs = float(np.interp(batch, [low.batch, high.batch], [low.mean_epochs, high.mean_epochs]))
-    how = (f"interpolated between {low.batch:,} ({low.mean_epochs:.1f}) and "
-           f"{high.batch:,} ({high.mean_epochs:.1f})")  # fmt: skip
+    how = (
+        f"interpolated between {low.batch:,} ({low.mean_epochs:.1f}) and "
+        f"{high.batch:,} ({high.mean_epochs:.1f})"
+    )
     return RcpEpochs(batch, epochs, how, nearest)
 
 
@@ -115,16 +119,21 @@ def hyperparameter_differences(config: Any, point: ReferencePoint, bn_span: int 
     """``(field, recipe's value, reference's value)`` for each hyperparameter of ``point``
     that the recipe sets otherwise (``bn_span``: images per BatchNorm group, if known)."""
     h, opt, lr = point.hyperparameters, config.optimizer, config.lr
-    pairs = [("optimizer.name", opt.name, h.get("optimizer")),
-             ("lr.peak", lr.peak, h.get("opt_base_learning_rate")),
-             ("lr.warmup_epochs", lr.warmup_epochs, h.get("opt_learning_rate_warmup_epochs")),
-             ("optimizer.momentum", opt.get("momentum"), h.get("opt_momentum")),
-             ("optimizer.weight_decay", opt.get("weight_decay"), h.get("opt_weight_decay")),
-             ("lr.end_lr", lr.get("end_lr"), h.get("opt_end_learning_rate")),
-             ("lr.power", lr.get("power"), h.get("opt_learning_rate_decay_poly_power")),
-             ("BatchNorm span (images)", bn_span, h.get("model_bn_span"))]  # fmt: skip
-    return [(name, mine, ref) for name, mine, ref in pairs
-            if ref is not None and mine is not None and not _same(mine, ref)]  # fmt: skip
+    pairs = [
+        ("optimizer.name", opt.name, h.get("optimizer")),
+        ("lr.peak", lr.peak, h.get("opt_base_learning_rate")),
+        ("lr.warmup_epochs", lr.warmup_epochs, h.get("opt_learning_rate_warmup_epochs")),
+        ("optimizer.momentum", opt.get("momentum"), h.get("opt_momentum")),
+        ("optimizer.weight_decay", opt.get("weight_decay"), h.get("opt_weight_decay")),
+        ("lr.end_lr", lr.get("end_lr"), h.get("opt_end_learning_rate")),
+        ("lr.power", lr.get("power"), h.get("opt_learning_rate_decay_poly_power")),
+        ("BatchNorm span (images)", bn_span, h.get("model_bn_span")),
+    ]
+    return [
+        (name, mine, ref)
+        for name, mine, ref in pairs
+        if ref is not None and mine is not None and not _same(mine, ref)
+    ]
 
 
 def _same(a: Any, b: Any) -> bool:

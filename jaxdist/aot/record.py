@@ -125,27 +125,32 @@ class RecordFit:
 
     def seconds(self, generation: str, chips: int, global_batch: int, epochs: float) -> float:
         fitted = self.generations[generation]
-        return float(_seconds(epochs, chips, global_batch, fitted.images_per_second,
-                              fitted.step_overhead))  # fmt: skip
+        return float(
+            _seconds(epochs, chips, global_batch, fitted.images_per_second, fitted.step_overhead)
+        )
 
     def predict(self, submission: dict) -> float:
         """A submission's time (a row of ``benchmarks/mlperf_record.py``'s table) at MLPerf's
         reference epochs at its batch."""
         batch = submission["global_batch"]
-        return self.seconds(submission["generation"], submission["chips"], batch,
-                            reference_epochs(batch))  # fmt: skip
+        return self.seconds(
+            submission["generation"], submission["chips"], batch, reference_epochs(batch)
+        )
 
     def to_json(self) -> dict:
-        return {"source": self.source,
-                "generations": {name: asdict(g) for name, g in self.generations.items()}}  # fmt: skip
+        return {
+            "source": self.source,
+            "generations": {name: asdict(g) for name, g in self.generations.items()},
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> RecordFit:
         generations = {
-            name: Generation(**{**g, "chips": tuple(g["chips"]),
-                                "per_chip_batch": tuple(g["per_chip_batch"])})
+            name: Generation(
+                **{**g, "chips": tuple(g["chips"]), "per_chip_batch": tuple(g["per_chip_batch"])}
+            )
             for name, g in data["generations"].items()
-        }  # fmt: skip
+        }
         return cls(generations, data["source"])
 
 
@@ -166,8 +171,10 @@ def why_unusable(submission: dict) -> str:
     if submission["division"] != "closed":
         return f"{submission['division']} division (its own model or epochs)"
     if submission["scored_seconds"] is None:
-        return (f"no score ({submission['runs']} runs, {submission['successful_runs']} "
-                "reached the target; MLPerf keeps the middle three of five)")  # fmt: skip
+        return (
+            f"no score ({submission['runs']} runs, {submission['successful_runs']} "
+            "reached the target; MLPerf keeps the middle three of five)"
+        )
     if reference_epochs(submission["global_batch"]) is None:
         return f"global batch {submission['global_batch']:,} beyond the reference points"
     return ""
@@ -211,9 +218,11 @@ def fit(submissions: Sequence[dict], source: str = "") -> RecordFit:
             step_overhead=float(math.exp(p[g + i])),
             submissions=len(mine),
             chips=(min(s["chips"] for s in mine), max(s["chips"] for s in mine)),
-            per_chip_batch=(min(s["global_batch"] / s["chips"] for s in mine),
-                            max(s["global_batch"] / s["chips"] for s in mine)),
-        )  # fmt: skip
+            per_chip_batch=(
+                min(s["global_batch"] / s["chips"] for s in mine),
+                max(s["global_batch"] / s["chips"] for s in mine),
+            ),
+        )
     return RecordFit(generations, source)
 
 
@@ -239,22 +248,28 @@ def record_time(generation: str, chips: int, global_batch: int) -> dict:
     answer["source"] = record.source
     fitted = record.generations.get(generation)
     if fitted is None:
-        answer["outside"].append(f"no scored MLPerf submission of {generation} "
-                                 f"(fitted: {', '.join(sorted(record.generations))})")  # fmt: skip
+        answer["outside"].append(
+            f"no scored MLPerf submission of {generation} "
+            f"(fitted: {', '.join(sorted(record.generations))})"
+        )
         return answer
     answer["fitted"] = asdict(fitted)
     if epochs is None:
-        answer["outside"].append(f"global batch {global_batch:,} is beyond MLPerf's reference "
-                                 "points")  # fmt: skip
+        answer["outside"].append(
+            f"global batch {global_batch:,} is beyond MLPerf's reference points"
+        )
         return answer
     low, high = fitted.chips
     if not low <= chips <= high:
-        answer["outside"].append(f"{chips:,} chips: the {generation} submissions run "
-                                 f"{low:,} to {high:,}")  # fmt: skip
+        answer["outside"].append(
+            f"{chips:,} chips: the {generation} submissions run {low:,} to {high:,}"
+        )
     per_chip = global_batch / chips
     if not fitted.per_chip_batch[0] <= per_chip <= fitted.per_chip_batch[1]:
-        answer["outside"].append(f"{per_chip:g} images per chip: the {generation} submissions "
-                                 f"run {fitted.per_chip_batch[0]:g} to "
-                                 f"{fitted.per_chip_batch[1]:g}")  # fmt: skip
+        answer["outside"].append(
+            f"{per_chip:g} images per chip: the {generation} submissions "
+            f"run {fitted.per_chip_batch[0]:g} to "
+            f"{fitted.per_chip_batch[1]:g}"
+        )
     answer["seconds"] = record.seconds(generation, chips, global_batch, epochs)
     return answer

@@ -58,9 +58,11 @@ def torus3d_hint(topology: Topology, spec: meshes.MeshSpec, algorithm: str) -> s
     cubic = 2 * (sum(topology.shape) - 3)
     if cubic >= planar:
         return None
-    return (f"  a 3-D torus along the slice's dimensions takes {cubic} dependent steps a bucket "
-            f"where this {' x '.join(map(str, spec.shape))} torus takes {planar}: --set "
-            "mesh=torus-2x2x2 --set allreduce=torus3d")  # fmt: skip
+    return (
+        f"  a 3-D torus along the slice's dimensions takes {cubic} dependent steps a bucket "
+        f"where this {' x '.join(map(str, spec.shape))} torus takes {planar}: --set "
+        "mesh=torus-2x2x2 --set allreduce=torus3d"
+    )
 
 
 def model_flops_utilization(plan: Plan, stage: StagePlan) -> float | None:
@@ -110,8 +112,10 @@ def _sharding_lines(plan: Plan, t: Any) -> list[str]:
     lines = [f"  sharding: {sharding}: {step.layout.describe()}"]
     if step.paced_layers is not None:
         ahead = "one layer" if step.prefetch == 1 else f"{step.prefetch} layers"
-        lines.append(f"  fsdp's gathers: the loss cut into {step.paced_layers} layers, each "
-                     f"gathered {ahead} ahead of its use, in forward and again in backward")  # fmt: skip
+        lines.append(
+            f"  fsdp's gathers: the loss cut into {step.paced_layers} layers, each "
+            f"gathered {ahead} ahead of its use, in forward and again in backward"
+        )
     if t.parameter_communication:
         share = t.parameter_hidden / t.parameter_communication
         lines.append(
@@ -319,10 +323,12 @@ def _reference_lines(ref: dict | None) -> list[str]:
     ]
     lines += _record_lines(ref.get("record"))
     if ref["differences"]:
-        shown = "; ".join(f"{name} {mine} (reference {theirs})"
-                          for name, mine, theirs in ref["differences"])  # fmt: skip
-        lines.append(f"  set otherwise than the reference runs at {ref['compared_with_batch']:,}: "
-                     f"{shown}")  # fmt: skip
+        shown = "; ".join(
+            f"{name} {mine} (reference {theirs})" for name, mine, theirs in ref["differences"]
+        )
+        lines.append(
+            f"  set otherwise than the reference runs at {ref['compared_with_batch']:,}: {shown}"
+        )
     return lines
 
 
@@ -356,28 +362,39 @@ def plan_json(plan: Plan, efficiency_note: str) -> dict:
     stages = []
     for stage in plan.stages:
         mem, t = stage.compiled.memory, stage.step_time
-        stages.append({
-            "stage": stage.index,
-            "global_batch": stage.device_plan.global_batch_size,
-            "per_chip_batch": stage.device_plan.per_device_batch,
-            "accumulation_steps": stage.device_plan.accumulation_steps,
-            "compile_seconds": stage.compiled.compile_seconds,
-            "memory_bytes": {**mem.__dict__, "total": mem.total,
-                             "capacity": plan.topology.chip.hbm_bytes},
-            "fits": mem.total <= plan.topology.chip.hbm_bytes,
-            "model_flops_utilization": model_flops_utilization(plan, stage),
-            "xla_fsdp": _xla_fsdp_json(stage.xla_fsdp),
-            "flops_per_chip": stage.compiled.flops,
-            "collectives": stage.compiled.schedule.by_kind(),
-            "overlapped_backward_fraction": stage.compiled.schedule.overlapped_backward_fraction,
-            "gradient_bytes": stage.compiled.gradient_bytes,
-            "unexplained_collectives": stage.compiled.schedule.unexplained_sources(),
-            "gradient_hidden_fraction": t.hidden_fraction,
-            "step_seconds": {"compute": t.compute, "communication": t.communication,
-                             "hidden": t.hidden, "exposed": t.exposed, "other": t.other,
-                             "other_by_role": t.other_by_role, "total": t.total,
-                             "tensor_hidden": t.tensor_hidden},
-        })  # fmt: skip
+        stages.append(
+            {
+                "stage": stage.index,
+                "global_batch": stage.device_plan.global_batch_size,
+                "per_chip_batch": stage.device_plan.per_device_batch,
+                "accumulation_steps": stage.device_plan.accumulation_steps,
+                "compile_seconds": stage.compiled.compile_seconds,
+                "memory_bytes": {
+                    **mem.__dict__,
+                    "total": mem.total,
+                    "capacity": plan.topology.chip.hbm_bytes,
+                },
+                "fits": mem.total <= plan.topology.chip.hbm_bytes,
+                "model_flops_utilization": model_flops_utilization(plan, stage),
+                "xla_fsdp": _xla_fsdp_json(stage.xla_fsdp),
+                "flops_per_chip": stage.compiled.flops,
+                "collectives": stage.compiled.schedule.by_kind(),
+                "overlapped_backward_fraction": stage.compiled.schedule.overlapped_backward_fraction,
+                "gradient_bytes": stage.compiled.gradient_bytes,
+                "unexplained_collectives": stage.compiled.schedule.unexplained_sources(),
+                "gradient_hidden_fraction": t.hidden_fraction,
+                "step_seconds": {
+                    "compute": t.compute,
+                    "communication": t.communication,
+                    "hidden": t.hidden,
+                    "exposed": t.exposed,
+                    "other": t.other,
+                    "other_by_role": t.other_by_role,
+                    "total": t.total,
+                    "tensor_hidden": t.tensor_hidden,
+                },
+            }
+        )
     return {
         "topology": plan.topology.name,
         "chips": plan.topology.num_chips,

@@ -38,8 +38,23 @@ __all__ = [
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 _MATMULS = ("convolution", "dot")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
-          "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+}
 # A compiled program names its instructions "%name", the program as traced "name".
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = (.+?) ([a-z][a-z0-9\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+(?:fn)?)?)\[([\d,]*)\]")
@@ -85,9 +100,17 @@ class Schedule:
         for c in self.collectives:
             row = rows.setdefault(
                 (c.role, c.kind),
-                {"role": c.role, "kind": c.kind, "count": 0, "bytes": 0, "async": 0,
-                 "in_loop": 0, "with_backward_inside": 0, "most_backward_inside": 0},
-            )  # fmt: skip
+                {
+                    "role": c.role,
+                    "kind": c.kind,
+                    "count": 0,
+                    "bytes": 0,
+                    "async": 0,
+                    "in_loop": 0,
+                    "with_backward_inside": 0,
+                    "most_backward_inside": 0,
+                },
+            )
             row["count"] += c.turns
             row["bytes"] += c.nbytes * c.turns
             row["async"] += c.asynchronous * c.turns
@@ -227,8 +250,17 @@ def read_schedule(
         return inner_matmuls[name]
 
     schedule = Schedule()
-    _walk(computations, entry, schedule, matmuls_in, turns=1, in_loop=False, top=True,
-          num_devices=num_devices, scatter_roles=scatter_roles or {})  # fmt: skip
+    _walk(
+        computations,
+        entry,
+        schedule,
+        matmuls_in,
+        turns=1,
+        in_loop=False,
+        top=True,
+        num_devices=num_devices,
+        scatter_roles=scatter_roles or {},
+    )
     return schedule
 
 
@@ -257,8 +289,9 @@ def rewritten_scatter_roles(traced_text: str, num_devices: int) -> dict[int, str
     return roles
 
 
-def collective_role(kind: str, nbytes: int, role: str,
-                    scatter_roles: Mapping[int, str] | None) -> str:  # fmt: skip
+def collective_role(
+    kind: str, nbytes: int, role: str, scatter_roles: Mapping[int, str] | None
+) -> str:
     """``role``, or for an all-reduce of no role that is a rewritten reduce-scatter (see
     :func:`rewritten_scatter_roles`), that reduce-scatter's."""
     if kind == "all-reduce" and role == "other" and scatter_roles:
@@ -266,8 +299,9 @@ def collective_role(kind: str, nbytes: int, role: str,
     return role
 
 
-def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_devices,
-          scatter_roles) -> None:  # fmt: skip
+def _walk(
+    computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_devices, scatter_roles
+) -> None:
     """Read one computation in order: its collectives (those inside a loop's body counted
     once per turn) and the matrix products between each start and done."""
     open_starts: dict[str, Collective] = {}
@@ -287,29 +321,60 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_
             body, trips = loop_of(inst, computations)
             if body:
                 first = len(schedule.collectives)
-                _walk(computations, body, schedule, matmuls_in,
-                      turns=turns * trips, in_loop=True, top=False,
-                      num_devices=num_devices, scatter_roles=scatter_roles)  # fmt: skip
+                _walk(
+                    computations,
+                    body,
+                    schedule,
+                    matmuls_in,
+                    turns=turns * trips,
+                    in_loop=True,
+                    top=False,
+                    num_devices=num_devices,
+                    scatter_roles=scatter_roles,
+                )
                 for collective in schedule.collectives[first:]:
                     collective.loop_computes = collective.loop_computes or total > 0
             continue
         if inst.opcode in ("conditional", "call"):
             for called in inst.called:
-                _walk(computations, called, schedule, matmuls_in,
-                      turns=turns, in_loop=in_loop, top=False,
-                      num_devices=num_devices, scatter_roles=scatter_roles)  # fmt: skip
+                _walk(
+                    computations,
+                    called,
+                    schedule,
+                    matmuls_in,
+                    turns=turns,
+                    in_loop=in_loop,
+                    top=False,
+                    num_devices=num_devices,
+                    scatter_roles=scatter_roles,
+                )
             continue
         if ASYNC_FUSION.match(inst.name) and inst.opcode == "fusion":
-            _read_async_fusion(inst, computations, open_starts, schedule, turns=turns,
-                               in_loop=in_loop, num_devices=num_devices,
-                               scatter_roles=scatter_roles)  # fmt: skip
+            _read_async_fusion(
+                inst,
+                computations,
+                open_starts,
+                schedule,
+                turns=turns,
+                in_loop=in_loop,
+                num_devices=num_devices,
+                scatter_roles=scatter_roles,
+            )
             continue
         if inst.opcode == "call-start":
             # A collective handed to another engine: the TPU's SparseCore runs an offloaded
             # all-reduce while the TensorCore computes (async_execution_thread="sparsecore").
-            _open_inner_collective(inst, inst.name, computations, open_starts, schedule,
-                                   turns=turns, in_loop=in_loop, num_devices=num_devices,
-                                   scatter_roles=scatter_roles)  # fmt: skip
+            _open_inner_collective(
+                inst,
+                inst.name,
+                computations,
+                open_starts,
+                schedule,
+                turns=turns,
+                in_loop=in_loop,
+                num_devices=num_devices,
+                scatter_roles=scatter_roles,
+            )
             continue
         if inst.opcode.endswith("-done"):  # a collective's or a call's; other dones close none
             _close(open_starts, inst.first_operand or "", inst)
@@ -318,8 +383,15 @@ def _walk(computations, name, schedule, matmuls_in, *, turns, in_loop, top, num_
         if kind not in COLLECTIVES:
             continue
         op_name = inst.op_name or used_as.get(inst.name, "")
-        collective = _collective(inst, op_name, inst.opcode.endswith("-start"), num_devices,
-                                 scatter_roles, turns=turns, in_loop=in_loop)  # fmt: skip
+        collective = _collective(
+            inst,
+            op_name,
+            inst.opcode.endswith("-start"),
+            num_devices,
+            scatter_roles,
+            turns=turns,
+            in_loop=in_loop,
+        )
         schedule.collectives.append(collective)
         if collective.asynchronous:
             open_starts[inst.name] = collective
@@ -338,12 +410,21 @@ def _collective(inst, op_name, asynchronous, num_devices, scatter_roles, *, turn
     named = role_of(op_name)
     role = collective_role(kind, nbytes, named, scatter_roles)
     source = REWRITTEN_SCATTER if role != named else _source(op_name)
-    return Collective(kind, nbytes, asynchronous, role, group_size_of(inst, num_devices), source,
-                      turns=turns, in_loop=in_loop)  # fmt: skip
+    return Collective(
+        kind,
+        nbytes,
+        asynchronous,
+        role,
+        group_size_of(inst, num_devices),
+        source,
+        turns=turns,
+        in_loop=in_loop,
+    )
 
 
-def _read_async_fusion(inst, computations, open_starts, schedule, *, turns, in_loop, num_devices,
-                       scatter_roles):  # fmt: skip
+def _read_async_fusion(
+    inst, computations, open_starts, schedule, *, turns, in_loop, num_devices, scatter_roles
+):
     """Open (a start) or close (a done) the asynchronous collective of a TPU async
     collective fusion."""
     phase, suffix = ASYNC_FUSION.match(inst.name).groups()
@@ -351,9 +432,17 @@ def _read_async_fusion(inst, computations, open_starts, schedule, *, turns, in_l
     if phase == "done":
         _close(open_starts, key, inst)
         return
-    _open_inner_collective(inst, key, computations, open_starts, schedule, turns=turns,
-                           in_loop=in_loop, num_devices=num_devices,
-                           scatter_roles=scatter_roles)  # fmt: skip
+    _open_inner_collective(
+        inst,
+        key,
+        computations,
+        open_starts,
+        schedule,
+        turns=turns,
+        in_loop=in_loop,
+        num_devices=num_devices,
+        scatter_roles=scatter_roles,
+    )
 
 
 def _close(open_starts: dict[str, Collective], key: str, done: Instruction) -> None:
@@ -363,19 +452,25 @@ def _close(open_starts: dict[str, Collective], key: str, done: Instruction) -> N
         started.nbytes = nbytes_of(done.type_text)
 
 
-def _open_inner_collective(inst, key, computations, open_starts, schedule, *, turns, in_loop,
-                           num_devices, scatter_roles):  # fmt: skip
+def _open_inner_collective(
+    inst, key, computations, open_starts, schedule, *, turns, in_loop, num_devices, scatter_roles
+):
     """Record the collective inside the computations ``inst`` calls as asynchronous and in
     flight until the done that closes ``key``; an instruction calling none is not one."""
     inner = next(
-        (i for name in inst.called for i in computations.get(name, [])
-         if i.opcode.removesuffix("-start") in COLLECTIVES),
+        (
+            i
+            for name in inst.called
+            for i in computations.get(name, [])
+            if i.opcode.removesuffix("-start") in COLLECTIVES
+        ),
         None,
-    )  # fmt: skip
+    )
     if inner is None:
         return
-    collective = _collective(inner, inner.op_name, True, num_devices, scatter_roles,
-                             turns=turns, in_loop=in_loop)  # fmt: skip
+    collective = _collective(
+        inner, inner.op_name, True, num_devices, scatter_roles, turns=turns, in_loop=in_loop
+    )
     schedule.collectives.append(collective)
     open_starts[key] = collective
 
@@ -439,8 +534,12 @@ def loop_of(
 
 def trip_count(condition: list[Instruction]) -> int:
     """Turns of a counted loop (``fori_loop``): the bound its condition compares with."""
-    bounds = [int(m) for inst in condition if inst.opcode == "constant"
-              for m in re.findall(r"^\s*(-?\d+)\)", inst.rest)]  # fmt: skip
+    bounds = [
+        int(m)
+        for inst in condition
+        if inst.opcode == "constant"
+        for m in re.findall(r"^\s*(-?\d+)\)", inst.rest)
+    ]
     return max([b for b in bounds if b > 0], default=1)
 
 

@@ -52,10 +52,23 @@ __all__ = ["Timeline", "matrix_flops", "walk"]
 
 # Ops that move no data or only rename it: no time on the compute stream.
 _FREE = {
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
-    "opt-barrier", "partition-id", "replica-id", "copy-start", "copy-done", "iota",
-    "add-dependency", "domain", "slice-start", "slice-done",
-}  # fmt: skip
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "after-all",
+    "opt-barrier",
+    "partition-id",
+    "replica-id",
+    "copy-start",
+    "copy-done",
+    "iota",
+    "add-dependency",
+    "domain",
+    "slice-start",
+    "slice-done",
+}
 _DIMS = re.compile(r"\[([\d,]*)\]")
 
 
@@ -125,8 +138,9 @@ class _Weights:
     def __init__(self, computations: dict[str, list[Instruction]], peak: float, hbm: float):
         self.computations = computations
         self.peak, self.hbm = peak, hbm
-        self._types = {name: {i.name: i.type_text for i in insts}
-                       for name, insts in computations.items()}  # fmt: skip
+        self._types = {
+            name: {i.name: i.type_text for i in insts} for name, insts in computations.items()
+        }
         self._flops: dict[tuple[str, bool], float] = {}
         self._totals: dict[str, float] = {}
 
@@ -169,8 +183,9 @@ class _Weights:
             uses = users.get(param.name, [])
             if uses and all(u.opcode in ("slice", "dynamic-slice") for u in uses):
                 read += sum(nbytes_of(u.type_text) for u in uses)
-            elif uses and all(u.opcode == "dynamic-update-slice" and _operands(u)[0] == param.name
-                              for u in uses):  # fmt: skip
+            elif uses and all(
+                u.opcode == "dynamic-update-slice" and _operands(u)[0] == param.name for u in uses
+            ):
                 continue  # updated in place: the update is read as an operand of its own
             else:
                 read += nbytes_of(param.type_text)
@@ -378,8 +393,15 @@ class _Walk:
     def _start_inner(self, inst: Instruction, key: str) -> None:
         """An asynchronous collective made of a called computation (a TPU async collective
         fusion, a SparseCore call): the collective inside it is in flight until ``key``'s done."""
-        inner = next((i for name in inst.called for i in self.computations.get(name, [])
-                      if i.opcode.removesuffix("-start") in COLLECTIVES), None)  # fmt: skip
+        inner = next(
+            (
+                i
+                for name in inst.called
+                for i in self.computations.get(name, [])
+                if i.opcode.removesuffix("-start") in COLLECTIVES
+            ),
+            None,
+        )
         if inner is not None:
             self.in_flight[key] = self._transfer(inner, inner.opcode.removesuffix("-start"))
 
@@ -407,8 +429,12 @@ class _Walk:
         end = max([self.now, *(t.end for t in self.transfers)])
         starts = [a for a, _ in self.busy]
         done_before = list(itertools.accumulate((b - a for a, b in self.busy), initial=0.0))
-        result = Timeline(step_seconds=end, compute_seconds=done_before[-1], busy=self.busy,
-                          transfers=[(t.role, t.begin, t.end) for t in self.transfers])  # fmt: skip
+        result = Timeline(
+            step_seconds=end,
+            compute_seconds=done_before[-1],
+            busy=self.busy,
+            transfers=[(t.role, t.begin, t.end) for t in self.transfers],
+        )
 
         def busy_until(moment: float) -> float:
             """Compute seconds finished by ``moment``."""

@@ -215,10 +215,12 @@ def run(
     link, axis_links = _fit_links(settings, sizes, runnable, ports)
     measured = _measure(settings, sizes, runnable)
     rows = [
-        _row(settings, nbytes, algorithm, measured, priced_on(algorithm, link, axis_links),
-             link_rate)
-        for (nbytes, algorithm) in measured if algorithm in algorithms
-    ]  # fmt: skip
+        _row(
+            settings, nbytes, algorithm, measured, priced_on(algorithm, link, axis_links), link_rate
+        )
+        for (nbytes, algorithm) in measured
+        if algorithm in algorithms
+    ]
     return Result(
         mesh=mesh_name,
         axis_sizes=tuple(mesh.devices.shape),

@@ -89,8 +89,9 @@ class FlaxExampleResNet50(nn.Module):
             dtype=self.dtype,
             axis_name="batch",
         )
-        x = nn.Conv(self.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False,
-                    dtype=self.dtype)(x)  # fmt: skip
+        x = nn.Conv(
+            self.width, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], use_bias=False, dtype=self.dtype
+        )(x)
         x = nn.relu(norm(name="bn_init")(x))
         x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
         for i, block_size in enumerate((3, 4, 6, 3)):
@@ -129,13 +130,16 @@ FLAX_EXAMPLE = "flax example (jit+pmean)"
 
 
 def _jaxdist_runner(
-    mesh: Mesh, images: np.ndarray, labels: np.ndarray, width: int, pointwise_matmul: bool,
+    mesh: Mesh,
+    images: np.ndarray,
+    labels: np.ndarray,
+    width: int,
+    pointwise_matmul: bool,
     dtype: Any = jnp.float32,
-) -> Callable[[], Any]:  # fmt: skip
+) -> Callable[[], Any]:
     """The trainer's TrainStep, model and optimizer, as one step on a fixed batch."""
     norm = functools.partial(CrossReplicaBatchNorm, axis_name="data")
-    model = models.resnet50(width=width, norm=norm, pointwise_matmul=pointwise_matmul,
-                            dtype=dtype)  # fmt: skip
+    model = models.resnet50(width=width, norm=norm, pointwise_matmul=pointwise_matmul, dtype=dtype)
     dummy = jnp.zeros((1, *images.shape[1:]), jnp.float32)
     variables = model.init(jax.random.key(0), dummy, train=False)
     step = TrainStep(
@@ -208,8 +212,8 @@ def measure(
     data_mesh = Mesh(devices, ("data",))
     runners = {JAXDIST: _jaxdist_runner(data_mesh, images, labels, width, True, dtype)}
     if conv_1x1_variant:
-        runners[JAXDIST_CONV_1X1] = _jaxdist_runner(data_mesh, images, labels, width, False,
-                                                    dtype)  # fmt: skip
-    runners[FLAX_EXAMPLE] = _flax_example_runner(Mesh(devices, ("batch",)), images, labels,
-                                                 width, dtype)  # fmt: skip
+        runners[JAXDIST_CONV_1X1] = _jaxdist_runner(data_mesh, images, labels, width, False, dtype)
+    runners[FLAX_EXAMPLE] = _flax_example_runner(
+        Mesh(devices, ("batch",)), images, labels, width, dtype
+    )
     return _time_interleaved(runners, batch_size, steps, warmup, rounds)

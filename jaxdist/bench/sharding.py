@@ -48,16 +48,22 @@ class Measurement:
 
 
 def _model(num_layers: int, d_model: int, seq_len: int) -> NnxModel:
-    module = Transformer(vocab_size=VOCAB, max_len=seq_len, num_layers=num_layers,
-                         d_model=d_model, num_heads=max(1, d_model // 32),
-                         rngs=nnx.Rngs(0))  # fmt: skip
+    module = Transformer(
+        vocab_size=VOCAB,
+        max_len=seq_len,
+        num_layers=num_layers,
+        d_model=d_model,
+        num_heads=max(1, d_model // 32),
+        rngs=nnx.Rngs(0),
+    )
     return NnxModel(module)
 
 
 def _loss_fn(model: NnxModel) -> Callable:
     def loss_fn(params, model_state, batch, rng):
-        logits, model_state = model.apply(params, model_state, inputs_of(batch["tokens"]), rng=rng,
-                                          train=True)  # fmt: skip
+        logits, model_state = model.apply(
+            params, model_state, inputs_of(batch["tokens"]), rng=rng, train=True
+        )
         loss = next_byte_nll(logits, batch["tokens"]).mean()
         return loss, (model_state, {})
 
@@ -66,8 +72,12 @@ def _loss_fn(model: NnxModel) -> Callable:
 
 def _peak(compiled) -> int:
     m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-               - m.alias_size_in_bytes)  # fmt: skip
+    return int(
+        m.argument_size_in_bytes
+        + m.temp_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+    )
 
 
 def _state_bytes(state) -> int:
@@ -90,21 +100,35 @@ def _xla_fsdp(step: ts.TrainStep, state, batch, rng):
         (loss, model_state), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
         updates, opt_state = step.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        new = state.replace(step=state.step + 1, params=params, model_state=model_state,
-                            opt_state=opt_state)  # fmt: skip
+        new = state.replace(
+            step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
+        )
         return new, {"loss": loss}
 
-    compiled = jax.jit(
-        train,
-        in_shardings=(shardings, batch_sharding, NamedSharding(step.mesh, P())),
-        out_shardings=(shardings, NamedSharding(step.mesh, P())),
-    ).lower(state, batch, rng).compile()  # fmt: skip
+    compiled = (
+        jax.jit(
+            train,
+            in_shardings=(shardings, batch_sharding, NamedSharding(step.mesh, P())),
+            out_shardings=(shardings, NamedSharding(step.mesh, P())),
+        )
+        .lower(state, batch, rng)
+        .compile()
+    )
     return compiled
 
 
-def run(mesh: Mesh, algorithm: str, *, num_layers: int = 2, d_model: int = 256,
-        seq_len: int = 128, per_device_batch: int = 4, steps: int = 3, rounds: int = 5,
-        progress: Callable[[str], None] = lambda _: None) -> list[Measurement]:  # fmt: skip
+def run(
+    mesh: Mesh,
+    algorithm: str,
+    *,
+    num_layers: int = 2,
+    d_model: int = 256,
+    seq_len: int = 128,
+    per_device_batch: int = 4,
+    steps: int = 3,
+    rounds: int = 5,
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[Measurement]:
     """Time one LM step per variant on ``mesh`` (every axis splitting the batch); see the
     module docstring."""
     model = _model(num_layers, d_model, seq_len)
@@ -134,18 +158,24 @@ def run(mesh: Mesh, algorithm: str, *, num_layers: int = 2, d_model: int = 256,
     runners[XLA_FSDP] = _runner(compiled[XLA_FSDP], holders[XLA_FSDP], batch, rng)
     progress(f"compiled {XLA_FSDP}")
     timing.warm_up(runners, warmup=1)
-    seconds = {k: statistics.median(v) for k, v in
-               timing.interleaved_rounds(runners, steps, rounds).items()}  # fmt: skip
+    seconds = {
+        k: statistics.median(v)
+        for k, v in timing.interleaved_rounds(runners, steps, rounds).items()
+    }
     results = []
     for name in runners:
         loss = float(jax.device_get(runners[name]()["loss"]))
-        results.append(Measurement(
-            variant=name, step_seconds=seconds[name],
-            vs_xla_fsdp=seconds[name] / seconds[XLA_FSDP],
-            vs_replicated=seconds[name] / seconds["replicated"],
-            state_bytes=_state_bytes(holders[name][0]), peak_bytes=_peak(compiled[name]),
-            final_loss=loss,
-        ))  # fmt: skip
+        results.append(
+            Measurement(
+                variant=name,
+                step_seconds=seconds[name],
+                vs_xla_fsdp=seconds[name] / seconds[XLA_FSDP],
+                vs_replicated=seconds[name] / seconds["replicated"],
+                state_bytes=_state_bytes(holders[name][0]),
+                peak_bytes=_peak(compiled[name]),
+                final_loss=loss,
+            )
+        )
     return results
 
 
@@ -160,13 +190,17 @@ def _runner(step: Callable, holder: list, batch, rng) -> Callable:
 
 
 def format_table(results: list[Measurement], mesh: Mesh, describe: str) -> str:
-    lines = [f"# {describe}, {mesh.devices.size} devices",
-             f"{'variant':<34} {'step ms':>9} {'vs XLA FSDP':>12} {'vs replicated':>14} "
-             f"{'state MiB/dev':>14} {'peak MiB/dev':>13} {'loss':>8}"]  # fmt: skip
+    lines = [
+        f"# {describe}, {mesh.devices.size} devices",
+        f"{'variant':<34} {'step ms':>9} {'vs XLA FSDP':>12} {'vs replicated':>14} "
+        f"{'state MiB/dev':>14} {'peak MiB/dev':>13} {'loss':>8}",
+    ]
     for r in results:
-        lines.append(f"{r.variant:<34} {r.step_seconds * 1e3:>9.2f} {r.vs_xla_fsdp:>12.2f} "
-                     f"{r.vs_replicated:>14.2f} {r.state_bytes / 2**20:>14.2f} "
-                     f"{r.peak_bytes / 2**20:>13.2f} {r.final_loss:>8.4f}")  # fmt: skip
+        lines.append(
+            f"{r.variant:<34} {r.step_seconds * 1e3:>9.2f} {r.vs_xla_fsdp:>12.2f} "
+            f"{r.vs_replicated:>14.2f} {r.state_bytes / 2**20:>14.2f} "
+            f"{r.peak_bytes / 2**20:>13.2f} {r.final_loss:>8.4f}"
+        )
     return "\n".join(lines)
 
 

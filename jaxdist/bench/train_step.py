@@ -233,8 +233,10 @@ def _jaxdist_variants(algorithms: Sequence[str], wait_free: bool) -> list[tuple[
     backward, for the permute schedules only (``native`` and ``auto`` have no steps to pace)."""
     variants = []
     for algorithm in algorithms:
-        variants += [(f"jaxdist {algorithm}", algorithm, False),
-                     (f"jaxdist {algorithm}/none", ts.NO_ALLREDUCE, False)]  # fmt: skip
+        variants += [
+            (f"jaxdist {algorithm}", algorithm, False),
+            (f"jaxdist {algorithm}/none", ts.NO_ALLREDUCE, False),
+        ]
         if wait_free and algorithm not in ("native", hybrid.AUTO):
             variants.append((f"jaxdist {algorithm} wait-free", algorithm, True))
     return variants
@@ -330,9 +332,12 @@ def compiled_step_hlo(
     images = np.zeros((per_device_batch * mesh.size, image_size, image_size, 3), np.float32)
     variables = jax.device_get(models.init_variables(init_model, jax.random.key(0), images[:2]))
     step = ts.TrainStep(
-        ts.classifier_loss(model, num_classes=10), optax.sgd(0.1), mesh,
-        allreduce=algorithm, bucket_bytes=bucket_bytes,
-    )  # fmt: skip
+        ts.classifier_loss(model, num_classes=10),
+        optax.sgd(0.1),
+        mesh,
+        allreduce=algorithm,
+        bucket_bytes=bucket_bytes,
+    )
     state = step.init(variables["params"], {"batch_stats": variables["batch_stats"]})
     batch = step.shard_batch({"image": images, "label": np.zeros(len(images), np.int32)})
     lowered = step.lower(state, batch, jax.random.key(0))
@@ -364,9 +369,14 @@ def gradient_plan(
     )
     variables = jax.eval_shape(lambda x: init_model.init(jax.random.key(0), x, train=False), images)
     step = ts.TrainStep(
-        ts.classifier_loss(model, num_classes=num_classes), optax.sgd(0.1), mesh,
-        allreduce=algorithm, bucket_bytes=bucket_bytes, links=links, sfb_layers=sfb_layers,
-    )  # fmt: skip
+        ts.classifier_loss(model, num_classes=num_classes),
+        optax.sgd(0.1),
+        mesh,
+        allreduce=algorithm,
+        bucket_bytes=bucket_bytes,
+        links=links,
+        sfb_layers=sfb_layers,
+    )
     state = step.abstract_init(variables["params"], {"batch_stats": variables["batch_stats"]})
     labels = jax.ShapeDtypeStruct((images.shape[0],), np.int32)
     return step.plan(state, {"image": images, "label": labels})

@@ -165,8 +165,10 @@ def run_subcommand(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             raise
-        print(f"\njaxdist {args.command}: stopped by Ctrl-C; what was saved before it is kept",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"\njaxdist {args.command}: stopped by Ctrl-C; what was saved before it is kept",
+            file=sys.stderr,
+        )
         return 130
     except Exception as err:
         code = getattr(err, "exit_code", None)

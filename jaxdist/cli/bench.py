@@ -301,16 +301,23 @@ def _run_sharding(args: argparse.Namespace, algorithm: str, mesh, leader: bool) 
 
     try:
         results = bench_sharding.run(
-            mesh, algorithm, num_layers=args.layers, d_model=args.d_model,
-            per_device_batch=args.per_device_batch, steps=args.steps, rounds=args.rounds,
+            mesh,
+            algorithm,
+            num_layers=args.layers,
+            d_model=args.d_model,
+            per_device_batch=args.per_device_batch,
+            steps=args.steps,
+            rounds=args.rounds,
             progress=_leader_printer(True),
-        )  # fmt: skip
+        )
     except ValueError as err:
         print(f"jaxdist bench: {err}", file=sys.stderr)
         return 2
     if leader:
-        describe = (f"transformer LM, {args.layers} blocks of width {args.d_model}, "
-                    f"{args.per_device_batch} sequences of 128 bytes per device, AdamW")  # fmt: skip
+        describe = (
+            f"transformer LM, {args.layers} blocks of width {args.d_model}, "
+            f"{args.per_device_batch} sequences of 128 bytes per device, AdamW"
+        )
         print(bench_sharding.format_table(results, mesh, describe))
         if args.json:
             with open(args.json, "w") as f:
@@ -339,25 +346,35 @@ def run_train_step(args: argparse.Namespace) -> int:
 
         try:
             plan = bench_train.gradient_plan(
-                mesh, args.show_plan, links=args.links,
+                mesh,
+                args.show_plan,
+                links=args.links,
                 sfb_layers=sfb_layers_setting(args.sfb_layers),
-                bucket_bytes=int(args.bucket_mb * 2**20), width=args.width,
-                per_device_batch=args.per_device_batch, image_size=args.image_size,
-            )  # fmt: skip
+                bucket_bytes=int(args.bucket_mb * 2**20),
+                width=args.width,
+                per_device_batch=args.per_device_batch,
+                image_size=args.image_size,
+            )
         except (ValueError, FileNotFoundError) as err:
             print(f"jaxdist bench: {err}", file=sys.stderr)
             return 2
         if leader:
-            print(f"# ResNet-18 (width {args.width}), {args.per_device_batch} images of "
-                  f"{args.image_size}x{args.image_size} per device, {mesh.size} devices, "
-                  f"allreduce {args.show_plan}")  # fmt: skip
+            print(
+                f"# ResNet-18 (width {args.width}), {args.per_device_batch} images of "
+                f"{args.image_size}x{args.image_size} per device, {mesh.size} devices, "
+                f"allreduce {args.show_plan}"
+            )
             print(plan.table())
         return 0
     if args.show_schedule:
         text, num_buckets = bench_train.compiled_step_hlo(
-            mesh, args.show_schedule, bucket_bytes=int(args.bucket_mb * 2**20), width=args.width,
-            per_device_batch=args.per_device_batch, image_size=args.image_size,
-        )  # fmt: skip
+            mesh,
+            args.show_schedule,
+            bucket_bytes=int(args.bucket_mb * 2**20),
+            width=args.width,
+            per_device_batch=args.per_device_batch,
+            image_size=args.image_size,
+        )
         if leader:
             print(f"# {args.show_schedule} step, {num_buckets} gradient bucket(s)")
             for key, value in bench_train.schedule_summary(text).items():

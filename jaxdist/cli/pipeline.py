@@ -29,9 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.add_argument("--stages", type=int, required=True, help="pipeline stages (devices)")
     show.add_argument("--microbatches", type=int, required=True, help="micro-batches per step")
     show.add_argument(
-        "--schedule", default="1f1b",
+        "--schedule",
+        default="1f1b",
         help="gpipe, 1f1b, interleaved, pipedream or pipedream_2bw",
-    )  # fmt: skip
+    )
     show.add_argument(
         "--chunks",
         type=int,
@@ -62,18 +63,24 @@ def show_schedule(args: argparse.Namespace) -> int:
         schedule.name, schedule.stages, schedule.microbatches, schedule.chunks
     )
     chunks = f", {schedule.chunks} chunks per device" if schedule.name == "interleaved" else ""
-    print(f"{schedule.name}: {schedule.stages} stages, {schedule.microbatches} micro-batches"
-          f"{chunks}; {schedule.ticks} ticks")  # fmt: skip
+    print(
+        f"{schedule.name}: {schedule.stages} stages, {schedule.microbatches} micro-batches"
+        f"{chunks}; {schedule.ticks} ticks"
+    )
     print(schedule.text())
-    print(f"bubble: {schedule.bubble_fraction:.4f} of stage-ticks idle "
-          f"(formula (S-1)/(v*M+S-1): {formula:.4f})")  # fmt: skip
+    print(
+        f"bubble: {schedule.bubble_fraction:.4f} of stage-ticks idle "
+        f"(formula (S-1)/(v*M+S-1): {formula:.4f})"
+    )
     live = ", ".join(map(str, schedule.live_activations()))
     print(f"most live activations per stage (micro-batch chunks): {live}")
     program = compile_schedule(schedule)
-    print(f"the step's program: {program.input_slots} stashed inputs per device, "
-          f"{program.messages_per_step} permutes per step "
-          f"({int(program.sends_forward.sum())} forward, {int(program.sends_backward.sum())} "
-          f"backward; one activation-sized message from every device in each)")  # fmt: skip
+    print(
+        f"the step's program: {program.input_slots} stashed inputs per device, "
+        f"{program.messages_per_step} permutes per step "
+        f"({int(program.sends_forward.sum())} forward, {int(program.sends_backward.sum())} "
+        f"backward; one activation-sized message from every device in each)"
+    )
     if schedule.name in schedules.ASYNCHRONOUS:
         print(asynchronous_versions(schedule.name, schedule.stages))
     if args.plot:
@@ -86,14 +93,20 @@ def asynchronous_versions(name: str, stages: int) -> str:
     """What an asynchronous schedule keeps per stage: weight versions, and how many updates
     old its gradients are when applied (docs/pipeline.md)."""
     if name == "pipedream":
-        rows = [f"  stage {s}: {stages - s} weight version(s), gradients {stages - s - 1} "
-                "update(s) old" for s in range(stages)]  # fmt: skip
-        head = ("pipedream: 1F1B's table, each stage updating after every backward on the "
-                "weights stashed at its forward")  # fmt: skip
+        rows = [
+            f"  stage {s}: {stages - s} weight version(s), gradients {stages - s - 1} update(s) old"
+            for s in range(stages)
+        ]
+        head = (
+            "pipedream: 1F1B's table, each stage updating after every backward on the "
+            "weights stashed at its forward"
+        )
     else:
         rows = [f"  stage {s}: 2 weight versions, gradients 1 step old" for s in range(stages)]
-        head = ("pipedream_2bw: 1F1B's table, every micro-batch on the weights one step older, "
-                "one update per step")  # fmt: skip
+        head = (
+            "pipedream_2bw: 1F1B's table, every micro-batch on the weights one step older, "
+            "one update per step"
+        )
     return "\n".join([head, *rows])
 
 
@@ -112,8 +125,9 @@ def plot_timeline(schedule, path: str) -> None:
             shade = 0.45 + 0.55 * (1 - op.chunk / max(1, schedule.chunks))
             color = (0.2, 0.45, 0.85, shade) if op.kind == "F" else (0.95, 0.55, 0.15, shade)
             ax.add_patch(plt.Rectangle((tick, stage), 1, 0.9, color=color))
-            ax.text(tick + 0.5, stage + 0.45, str(op.microbatch), ha="center", va="center",
-                    fontsize=7)  # fmt: skip
+            ax.text(
+                tick + 0.5, stage + 0.45, str(op.microbatch), ha="center", va="center", fontsize=7
+            )
     ax.set_xlim(0, schedule.ticks)
     ax.set_ylim(schedule.stages, 0)
     ax.set_yticks([s + 0.45 for s in range(schedule.stages)])

@@ -41,18 +41,27 @@ def register(actions: argparse._SubParsersAction) -> None:
     cut.add_argument("--link", metavar="LAT:BW", help="link between stages, e.g. 5us:45GB/s")
     cut.add_argument("--memory-limit", type=float, metavar="GIB", help="bytes per device")
     cut.add_argument("--microbatches", type=int, help="default: the recipe's")
-    cut.add_argument("--schedule", help="gpipe, 1f1b, pipedream or pipedream_2bw (default: the "
-                     "recipe's)")  # fmt: skip
+    cut.add_argument(
+        "--schedule", help="gpipe, 1f1b, pipedream or pipedream_2bw (default: the recipe's)"
+    )
     cut.set_defaults(func=partition_recipe, joins_process_group=False)
 
 
 def _common(p: argparse.ArgumentParser, add_set_argument) -> None:
     p.add_argument("recipe", help="recipe file or name, e.g. recipes/resnet152_imagenet_gpipe.py")
     add_set_argument(p, "model.width=16")
-    p.add_argument("--micro-batch", type=int, metavar="N",
-                   help="images per micro-batch (default: the recipe's)")  # fmt: skip
-    p.add_argument("--topology", metavar="T", help="price layers for this chip's compiler "
-                   "(a slice name such as v5e:2x2 or h100:1x8; one chip of it) instead of timing them here")  # fmt: skip
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        metavar="N",
+        help="images per micro-batch (default: the recipe's)",
+    )
+    p.add_argument(
+        "--topology",
+        metavar="T",
+        help="price layers for this chip's compiler "
+        "(a slice name such as v5e:2x2 or h100:1x8; one chip of it) instead of timing them here",
+    )
 
 
 class PartitionArgumentError(ValueError):
@@ -105,11 +114,22 @@ def _profile(args: argparse.Namespace, subject, progress) -> Any:
         from jaxdist.aot.layer_profile import compiler_profile
         from jaxdist.aot.topology import parse_topology
 
-        return compiler_profile(model, example, optimizer, parse_topology(args.topology),
-                                description=description, progress=progress)  # fmt: skip
-    return measure_profile(model, jnp.zeros(example.shape, example.dtype), optimizer,
-                           description=description, repeats=getattr(args, "repeats", 11),
-                           progress=progress)  # fmt: skip
+        return compiler_profile(
+            model,
+            example,
+            optimizer,
+            parse_topology(args.topology),
+            description=description,
+            progress=progress,
+        )
+    return measure_profile(
+        model,
+        jnp.zeros(example.shape, example.dtype),
+        optimizer,
+        description=description,
+        repeats=getattr(args, "repeats", 11),
+        progress=progress,
+    )
 
 
 def _progress(line: str) -> None:
@@ -121,9 +141,11 @@ def profile_recipe(args: argparse.Namespace) -> int:
     profile = _profile(args, subject, _progress)
     profile.write(args.out)
     total = sum(x.forward_s + x.backward_s for x in profile.layers)
-    print(f"wrote {args.out}: {len(profile.layers)} layers, micro-batch {profile.micro_batch}, "
-          f"{total * 1e3:.2f} ms forward and backward in all ({profile.source}, "
-          f"{profile.device})")  # fmt: skip
+    print(
+        f"wrote {args.out}: {len(profile.layers)} layers, micro-batch {profile.micro_batch}, "
+        f"{total * 1e3:.2f} ms forward and backward in all ({profile.source}, "
+        f"{profile.device})"
+    )
     return 0
 
 
@@ -154,37 +176,55 @@ def partition_recipe(args: argparse.Namespace) -> int:
         )
     microbatches = args.microbatches or max(config.pipeline.microbatches, 1)
     limit = args.memory_limit * 2**30 if args.memory_limit else None
-    cut = partition(profile, args.stages, link, schedule=schedule, microbatches=microbatches,
-                    memory_limit_bytes=limit)  # fmt: skip
+    cut = partition(
+        profile,
+        args.stages,
+        link,
+        schedule=schedule,
+        microbatches=microbatches,
+        memory_limit_bytes=limit,
+    )
     priced = (
         f"link {link.alpha * 1e6:g} us + {link.beta * 1e9:g} ns/B"
         if args.link
         else "sends not priced (no --link)"
     )
-    print(f"{len(profile.layers)} layers of {description['name']} (micro-batch "
-          f"{profile.micro_batch}, {profile.source} on {profile.device}) into {args.stages} "
-          f"stages, {schedule} with {microbatches} micro-batches; {priced}")  # fmt: skip
-    print(f"boundaries: {list(cut.boundaries)}   (recipe: --set pipeline.boundaries="
-          f"\"{tuple(cut.boundaries)}\")")  # fmt: skip
+    print(
+        f"{len(profile.layers)} layers of {description['name']} (micro-batch "
+        f"{profile.micro_batch}, {profile.source} on {profile.device}) into {args.stages} "
+        f"stages, {schedule} with {microbatches} micro-batches; {priced}"
+    )
+    print(
+        f"boundaries: {list(cut.boundaries)}   (recipe: --set pipeline.boundaries="
+        f'"{tuple(cut.boundaries)}")'
+    )
     _print_stages(cut.stages)
-    print(f"slowest stage {cut.slowest_s * 1e3:.3f} ms per micro-batch; step "
-          f"{cut.step_seconds() * 1e3:.2f} ms, bubble {cut.bubble():.3f}")  # fmt: skip
+    print(
+        f"slowest stage {cut.slowest_s * 1e3:.3f} ms per micro-batch; step "
+        f"{cut.step_seconds() * 1e3:.2f} ms, bubble {cut.bubble():.3f}"
+    )
     if args.stages <= len(profile.layers) and len(profile.layers) % args.stages == 0:
         even = tuple(range(0, len(profile.layers), len(profile.layers) // args.stages))
         live = schedules.build(schedule, args.stages, microbatches).live_activations()
         slowest = max(c.time_s for c in stage_costs(profile, even, link, live))
-        print(f"even cut {list(even)}: slowest stage {slowest * 1e3:.3f} ms "
-              f"({slowest / cut.slowest_s:.2f}x the partitioner's)")  # fmt: skip
+        print(
+            f"even cut {list(even)}: slowest stage {slowest * 1e3:.3f} ms "
+            f"({slowest / cut.slowest_s:.2f}x the partitioner's)"
+        )
     return 0
 
 
 def _print_stages(stages) -> None:
-    print(f"{'stage':>5} {'layers':>9} {'forward ms':>11} {'backward ms':>12} {'send ms':>9} "
-          f"{'total ms':>9} {'memory':>11}")  # fmt: skip
+    print(
+        f"{'stage':>5} {'layers':>9} {'forward ms':>11} {'backward ms':>12} {'send ms':>9} "
+        f"{'total ms':>9} {'memory':>11}"
+    )
     for s, c in enumerate(stages):
-        print(f"{s:>5} {f'{c.start}-{c.stop - 1}':>9} {c.forward_s * 1e3:>11.3f} "
-              f"{c.backward_s * 1e3:>12.3f} {c.send_s * 1e3:>9.3f} {c.time_s * 1e3:>9.3f} "
-              f"{_size(c.memory_bytes):>11}")  # fmt: skip
+        print(
+            f"{s:>5} {f'{c.start}-{c.stop - 1}':>9} {c.forward_s * 1e3:>11.3f} "
+            f"{c.backward_s * 1e3:>12.3f} {c.send_s * 1e3:>9.3f} {c.time_s * 1e3:>9.3f} "
+            f"{_size(c.memory_bytes):>11}"
+        )
 
 
 def _size(nbytes: float) -> str:

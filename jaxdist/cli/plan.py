@@ -35,8 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "v5e:16x16, v5p:12x12x24, v4:4x4x4; /N for N slices joined by the data-centre "
         "network; or GPU hosts, e.g. h100:4x8 (4 hosts of 8; needs JAX's CUDA plugin)",
     )
-    p.add_argument("--mesh", default=None, help="mesh preset or TOML path (default: the "
-                   "recipe's when its size matches the slice, else its layout over the slice)")  # fmt: skip
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="mesh preset or TOML path (default: the "
+        "recipe's when its size matches the slice, else its layout over the slice)",
+    )
     add_set_argument(p, "max_per_device_batch=128")
     p.add_argument(
         "--efficiency",
@@ -100,8 +104,12 @@ def run_plan(args: argparse.Namespace) -> int:
 
     def progress(index, device_plan):
         if not args.json:
-            print(f"compiling stage {index} (global batch {device_plan.global_batch_size:,}) "
-                  f"for {topology.name} ...", file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"compiling stage {index} (global batch {device_plan.global_batch_size:,}) "
+                f"for {topology.name} ...",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def progress_xla_fsdp(index):
         if not args.json:
@@ -111,11 +119,19 @@ def run_plan(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-    plan = plan_recipe(config, topology, efficiency=efficiency, mesh=args.mesh,
-                       task=config_lib.recipe_task(path),
-                       fast_link=args.fast_link, host_link=args.host_link, on_stage=progress,
-                       xla_fsdp=args.xla_fsdp, on_xla_fsdp=progress_xla_fsdp,
-                       transformer_efficiency=args.efficiency is None)  # fmt: skip
+    plan = plan_recipe(
+        config,
+        topology,
+        efficiency=efficiency,
+        mesh=args.mesh,
+        task=config_lib.recipe_task(path),
+        fast_link=args.fast_link,
+        host_link=args.host_link,
+        on_stage=progress,
+        xla_fsdp=args.xla_fsdp,
+        on_xla_fsdp=progress_xla_fsdp,
+        transformer_efficiency=args.efficiency is None,
+    )
     fitting = largest_fitting_batch_of(plan, progress) if args.max_batch else None
     if args.json:
         data = plan_json(plan, note)

@@ -76,9 +76,14 @@ def run_train(args: argparse.Namespace) -> int:
 
     workdir = Path(args.workdir or Path("runs") / path.stem)
     try:
-        trainer = Trainer(config, workdir, allow_config_change=args.allow_config_change,
-                          task=config_lib.recipe_task(path), recipe=path,
-                          profile_steps=steps)  # fmt: skip
+        trainer = Trainer(
+            config,
+            workdir,
+            allow_config_change=args.allow_config_change,
+            task=config_lib.recipe_task(path),
+            recipe=path,
+            profile_steps=steps,
+        )
     except MeshDoesNotFitError:
         # The same for every process (it compares the mesh with the run's devices): said
         # once, by process 0.
@@ -92,23 +97,30 @@ def run_train(args: argparse.Namespace) -> int:
     speaks = jax.process_index() == 0
     if speaks:
         group = getattr(args, "process_group", None) or distributed.ProcessGroup("none")
-        print(f"{distributed.describe(group)}; {jax.device_count()} devices "
-              f"({jax.local_device_count()} per process)", flush=True)  # fmt: skip
+        print(
+            f"{distributed.describe(group)}; {jax.device_count()} devices "
+            f"({jax.local_device_count()} per process)",
+            flush=True,
+        )
     summary = trainer.run()
     if summary["preempted"]:
         by = summary.get("stopped_by") or "SIGTERM"
         shown = "Ctrl-C" if by == "SIGINT" else by
         # Every process: each says that it saved and why it exits (143 or 130).
-        print(f"jaxdist train: stopped by {shown} at step {summary['step']}; checkpoint saved; "
-              "rerun the same command to resume")  # fmt: skip
+        print(
+            f"jaxdist train: stopped by {shown} at step {summary['step']}; checkpoint saved; "
+            "rerun the same command to resume"
+        )
         return INTERRUPTED_EXIT_CODE if by == "SIGINT" else PREEMPTED_EXIT_CODE
     if not speaks:
         return 0
     skip = ("step", "epoch", "preempted", "stopped_by", "already_finished")
     evals = ", ".join(f"{k} {v:.4f}" for k, v in summary.items() if k not in skip)
     done = "already finished" if summary.get("already_finished") else "done"
-    print(f"{done}: step {summary['step']}, epoch {summary['epoch']:.2f}"
-          + (f"; {evals}" if evals else ""))  # fmt: skip
+    print(
+        f"{done}: step {summary['step']}, epoch {summary['epoch']:.2f}"
+        + (f"; {evals}" if evals else "")
+    )
     print(where_results_are(workdir, steps))
     return 0
 
@@ -124,6 +136,8 @@ def where_results_are(workdir: Path, profiled: tuple[int, int] | None = None) ->
         "  checkpoints/    the newest checkpoints; rerunning this command resumes from them",
     ]
     if profiled is not None:
-        lines.append(f"  profile/        a trace of steps {profiled[0]} to {profiled[1]}: "
-                     f"tensorboard --logdir {workdir}/profile, or ui.perfetto.dev")  # fmt: skip
+        lines.append(
+            f"  profile/        a trace of steps {profiled[0]} to {profiled[1]}: "
+            f"tensorboard --logdir {workdir}/profile, or ui.perfetto.dev"
+        )
     return "\n".join([*lines, f"curves: jaxdist plot {workdir}"])

@@ -82,8 +82,9 @@ _KEEP_DEFAULTS = ("TPU v4",)
 _SPARSECORE_OFFLOAD = ("TPU v5",)
 
 
-def compiler_options_for(devices: Sequence[jax.Device], allreduce: str,
-                         wait_free: bool = False) -> dict | None:  # fmt: skip
+def compiler_options_for(
+    devices: Sequence[jax.Device], allreduce: str, wait_free: bool = False
+) -> dict | None:
     """The compiler options a step over ``devices`` whose gradients travel by ``allreduce``
     (paced beside backward if ``wait_free``) is compiled with (None: the compiler's
     defaults)."""

@@ -150,8 +150,10 @@ def parse_rate(text: str) -> float:
     quantity = _quantity(text)
     rate = _bytes_per_second(*quantity) if quantity else None
     if rate is None:
-        raise ValueError(f"a rate is a number and a unit, e.g. 1gbit or 12.5GB/s (in "
-                         f"{_RATE_UNITS}), got {text!r}")  # fmt: skip
+        raise ValueError(
+            f"a rate is a number and a unit, e.g. 1gbit or 12.5GB/s (in "
+            f"{_RATE_UNITS}), got {text!r}"
+        )
     if not (math.isfinite(rate) and rate > 0):
         raise ValueError(f"a rate must be finite and positive, got {text!r}")
     return rate
@@ -174,8 +176,9 @@ def parse_link(text: str, ports: int = 1) -> Link:
     if bytes_per_second is None:
         raise ValueError(f"{_LINK_FORMAT}; got {text!r}")
     if not (math.isfinite(seconds) and math.isfinite(bytes_per_second) and bytes_per_second > 0):
-        raise ValueError(f"a link needs a finite latency and a finite, positive bandwidth, "
-                         f"got {text!r}")  # fmt: skip
+        raise ValueError(
+            f"a link needs a finite latency and a finite, positive bandwidth, got {text!r}"
+        )
     return Link(seconds, 1 / bytes_per_second, ports)
 
 

@@ -104,8 +104,10 @@ def resolve_links(spec, axis_sizes: Sequence[int]) -> Links:
     if spec is None:
         return _links_from_environment()
     if not isinstance(spec, (str, os.PathLike)):
-        raise TypeError(f"links: expected a Link, a Network, 'LATENCY:BANDWIDTH' or a path, "
-                        f"got {type(spec).__name__}")  # fmt: skip
+        raise TypeError(
+            f"links: expected a Link, a Network, 'LATENCY:BANDWIDTH' or a path, "
+            f"got {type(spec).__name__}"
+        )
     text = os.fspath(spec)
     if Path(text).is_file():
         return _links_from_file(Path(text), sizes)
@@ -117,8 +119,9 @@ def resolve_links(spec, axis_sizes: Sequence[int]) -> Links:
 def _links_from_environment() -> Links:
     link = emulated_link.link_from_environment()
     if link is None:
-        raise ValueError(f"allreduce='auto' needs link figures to price the schedules: "
-                         f"{_HOW_TO_GET_LINKS}")  # fmt: skip
+        raise ValueError(
+            f"allreduce='auto' needs link figures to price the schedules: {_HOW_TO_GET_LINKS}"
+        )
     return Links(link, None, "the emulated cluster's link")
 
 
@@ -128,8 +131,10 @@ def _links_from_file(path: Path, sizes: tuple[int, ...]) -> Links:
         measured = tuple(int(s) for s in record["axis_sizes"])
         flat = _link_of(record["link"])
     except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"links file {path} is not the JSON of `jaxdist bench allreduce "
-                         f"--json` ({type(err).__name__}: {err})") from None  # fmt: skip
+        raise ValueError(
+            f"links file {path} is not the JSON of `jaxdist bench allreduce "
+            f"--json` ({type(err).__name__}: {err})"
+        ) from None
     if measured != sizes:
         raise ValueError(
             f"links file {path} was measured on mesh {record.get('mesh', '?')} with axis sizes "
@@ -165,8 +170,9 @@ def rank_schedules(
     ``nbytes``, cheapest first (ties keep the family's order)."""
     runnable = runnable_schedules(axis_sizes)
     if not runnable:
-        raise ValueError(f"no schedule of the family can run over data axes of sizes "
-                         f"{tuple(axis_sizes)}")  # fmt: skip
+        raise ValueError(
+            f"no schedule of the family can run over data axes of sizes {tuple(axis_sizes)}"
+        )
     ranked = []
     for name in runnable:
         network = links.for_schedule(name)
@@ -248,10 +254,20 @@ def route_dense_layer(
     gather_sent = sum(t.volume for t in factor_gather_terms(axis_sizes)) * factor_bytes
     schedule, dense_seconds, dense_sent = rank_schedules(kernel_bytes, axis_sizes, links)[0]
     if gather <= dense_seconds or not allow_dense:
-        return Route(name, detail, factor_bytes, FACTORS, gather, gather_sent,
-                     schedule, dense_seconds)  # fmt: skip
-    return Route(name, detail, kernel_bytes, DENSE, dense_seconds,
-                 dense_sent, FACTORS, gather, in_total=False)  # fmt: skip
+        return Route(
+            name, detail, factor_bytes, FACTORS, gather, gather_sent, schedule, dense_seconds
+        )
+    return Route(
+        name,
+        detail,
+        kernel_bytes,
+        DENSE,
+        dense_seconds,
+        dense_sent,
+        FACTORS,
+        gather,
+        in_total=False,
+    )
 
 
 def format_routes(routes: Sequence[Route], links: Links | None = None) -> str:
@@ -269,14 +285,17 @@ def format_routes(routes: Sequence[Route], links: Links | None = None) -> str:
     rows = [header]
     for r in routes:
         runner = "-" if r.runner_up is None else f"{r.runner_up} {ms(r.runner_up_seconds)}"
-        rows.append((r.name, r.detail, mib(r.nbytes), r.choice, ms(r.seconds),
-                     mib(r.sent_bytes), runner))  # fmt: skip
+        rows.append(
+            (r.name, r.detail, mib(r.nbytes), r.choice, ms(r.seconds), mib(r.sent_bytes), runner)
+        )
     widths = [max(len(row[k]) for row in rows) for k in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     counted = [r for r in routes if r.in_total]
     priced = [r.seconds for r in counted if r.seconds is not None]
     if len(priced) == len(counted) and counted:
         sent = sum(r.sent_bytes for r in counted)
-        lines.append(f"total: {ms(sum(priced))} predicted, {mib(sent)} sent per device"
-                     + (f" (links: {links.source})" if links is not None else ""))  # fmt: skip
+        lines.append(
+            f"total: {ms(sum(priced))} predicted, {mib(sent)} sent per device"
+            + (f" (links: {links.source})" if links is not None else "")
+        )
     return "\n".join(lines)

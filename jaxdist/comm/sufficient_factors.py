@@ -34,8 +34,10 @@ def mean_gradient_from_factors(
     formed in float32. ``ring_options``: ``exchange_piece_bytes``, ``unroll_limit``."""
     rows, m = inputs.shape
     if output_grads.shape[0] != rows:
-        raise ValueError(f"factors need the same rows: inputs {inputs.shape}, output "
-                         f"gradients {output_grads.shape}")  # fmt: skip
+        raise ValueError(
+            f"factors need the same rows: inputs {inputs.shape}, output "
+            f"gradients {output_grads.shape}"
+        )
     packed = jnp.concatenate([inputs.astype(jnp.float32), output_grads.astype(jnp.float32)], axis=1)
     devices = collectives.axis_size(axis_name)
     gathered = collectives.all_gather(

@@ -36,9 +36,10 @@ def _files(root: Path, pattern: str) -> list[Path]:
     if not root.is_dir():
         raise DatasetError(f"corpus root {root} is not a folder")
     files = sorted(
-        p for p in root.rglob(pattern)
+        p
+        for p in root.rglob(pattern)
         if p.is_file() and "site-packages" not in p.relative_to(root).parts
-    )  # fmt: skip
+    )
     if not files:
         raise DatasetError(f"no files matching {pattern!r} under {root}")
     return files
@@ -95,8 +96,10 @@ class ByteCorpus:
         data = np.frombuffer(b"".join(chunks), np.uint8)
         data = data[:limit] if limit else data
         if len(data) < self.seq_len + 1:
-            raise DatasetError(f"{self.root}: the {split} files hold {len(data)} bytes, fewer "
-                               f"than one window of {self.seq_len + 1}")  # fmt: skip
+            raise DatasetError(
+                f"{self.root}: the {split} files hold {len(data)} bytes, fewer "
+                f"than one window of {self.seq_len + 1}"
+            )
         return data
 
     def windows(self, data: np.ndarray) -> np.ndarray:

@@ -166,12 +166,22 @@ def _open_named(config: DataConfig, split: str, show_progress: bool = False) -> 
     if config.source == "arrayrecord":
         return ArrayRecordSource(config.root, split)
     if config.source == "tfds":
-        return TfdsSource(config.dataset, split, data_dir=config.root or None,
-                          image_key=config.image_key, label_key=config.label_key)  # fmt: skip
+        return TfdsSource(
+            config.dataset,
+            split,
+            data_dir=config.root or None,
+            image_key=config.image_key,
+            label_key=config.label_key,
+        )
     if config.source == "hf":
-        return HuggingFaceSource(config.dataset, split, cache_dir=config.root or None,
-                                 image_key=config.image_key, label_key=config.label_key,
-                                 show_progress=show_progress)  # fmt: skip
+        return HuggingFaceSource(
+            config.dataset,
+            split,
+            cache_dir=config.root or None,
+            image_key=config.image_key,
+            label_key=config.label_key,
+            show_progress=show_progress,
+        )
     if config.source == "synthetic":
         if split not in ("train", "val"):
             raise DatasetError(f"synthetic data has the splits 'train' and 'val', not {split!r}")

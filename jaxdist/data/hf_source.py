@@ -205,6 +205,8 @@ def _empty_split(where: str, name: str, split: str) -> DatasetError:
     if split == "train":
         fix = "train on another split with data.train_split"
     else:
-        fix = ("evaluate on another split with data.eval_split, or hold out part of train: "
-               "--set data.train_split='train[:90%]' --set data.eval_split='train[90%:]'")  # fmt: skip
+        fix = (
+            "evaluate on another split with data.eval_split, or hold out part of train: "
+            "--set data.train_split='train[:90%]' --set data.eval_split='train[90%:]'"
+        )
     return DatasetError(f"{where}: split {name!r} is empty (0 records); {fix}")

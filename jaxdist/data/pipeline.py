@@ -371,8 +371,9 @@ def build_eval_iterator(
     if source.encoded:
         stream = stream.map(DecodeEval(image_size))
     stream = stream.map(ToOutput(dtype, source.mean, source.std, with_mask=True))
-    stream = padded_to_batches(stream, global_batch_size,
-                               Padding(image_shape(source, image_size), dtype))  # fmt: skip
+    stream = padded_to_batches(
+        stream, global_batch_size, Padding(image_shape(source, image_size), dtype)
+    )
     plan = Plan(
         stream=stream,
         stream_length=len(stream),

@@ -98,8 +98,9 @@ class RecordData:
         self.train, self.eval = train, eval
         self.seed = seed
         self._process = (process_index, process_count)
-        self._options = dict(worker_count=0, read_threads=read_threads,
-                             prefetch_batches=prefetch_batches)  # fmt: skip
+        self._options = dict(
+            worker_count=0, read_threads=read_threads, prefetch_batches=prefetch_batches
+        )
 
     @property
     def num_train_examples(self) -> int:
@@ -109,13 +110,27 @@ class RecordData:
     def num_eval_examples(self) -> int:
         return len(self.eval)
 
-    def _plan(self, stream: grain.MapDataset, global_batch_size: int, length: int | None,
-              num_records: int, seed: int) -> Plan:  # fmt: skip
+    def _plan(
+        self,
+        stream: grain.MapDataset,
+        global_batch_size: int,
+        length: int | None,
+        num_records: int,
+        seed: int,
+    ) -> Plan:
         index, count = process_of(*self._process)
         check_batch(self.train, global_batch_size, count)
-        return Plan(stream=stream, stream_length=length, num_records=num_records, seed=seed,
-                    global_batch_size=global_batch_size, process_index=index,
-                    process_count=count, drop_remainder=True, **self._options)  # fmt: skip
+        return Plan(
+            stream=stream,
+            stream_length=length,
+            num_records=num_records,
+            seed=seed,
+            global_batch_size=global_batch_size,
+            process_index=index,
+            process_count=count,
+            drop_remainder=True,
+            **self._options,
+        )
 
     def train_iterator(self, global_batch_size: int, start_sample: int = 0) -> BatchIterator:
         """Training batches for this process, from global sample ``start_sample`` on,

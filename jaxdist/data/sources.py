@@ -324,12 +324,15 @@ def image_and_label(
     ones given (``data.image_key``, ``data.label_key``), else the first of the common names
     the dataset has; a name that is not there is refused in one line naming what is."""
     chosen = []
-    for given, common, kind, field in ((image_key, IMAGE_KEYS, "image", "data.image_key"),
-                                       (label_key, LABEL_KEYS, "label", "data.label_key")):  # fmt: skip
+    for given, common, kind, field in (
+        (image_key, IMAGE_KEYS, "image", "data.image_key"),
+        (label_key, LABEL_KEYS, "label", "data.label_key"),
+    ):
         if given:
             if given not in names:
-                raise DatasetError(f"{where} has no {given!r} {noun} ({field}); it has "
-                                   f"{sorted(names)}")  # fmt: skip
+                raise DatasetError(
+                    f"{where} has no {given!r} {noun} ({field}); it has {sorted(names)}"
+                )
             chosen.append(given)
             continue
         found = [name for name in common if name in names]

@@ -65,8 +65,9 @@ class TfdsSource:
         builder = _prepared_builder(tfds, name, data_dir)
         self.data_dir = str(builder.data_dir)
         features = builder.info.features
-        image, label = image_and_label(list(features), f"tfds dataset {name}", "feature",
-                                       image_key, label_key)  # fmt: skip
+        image, label = image_and_label(
+            list(features), f"tfds dataset {name}", "feature", image_key, label_key
+        )
         self._image_key, self._label_key = image, label
         names = getattr(features[label], "names", None)
         if not names:
@@ -153,8 +154,10 @@ def _found(name: str, data_dir: str | None) -> str:
         return ""
     versions = _versions(root / base)
     if versions:
-        return (f"; {root / base} holds version(s) {', '.join(versions)}: name one, e.g. "
-                f"dataset='{base}:{versions[-1]}'")  # fmt: skip
+        return (
+            f"; {root / base} holds version(s) {', '.join(versions)}: name one, e.g. "
+            f"dataset='{base}:{versions[-1]}'"
+        )
     if root.name == base or _versions(root):
         return f"; {root} is a dataset's own folder: give its parent {root.parent} as the root"
     for sub in sorted(p for p in root.iterdir() if p.is_dir()):
@@ -202,8 +205,9 @@ class _TfRecordExamples:
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         try:
-            return self._features.deserialize_example_np(self._records[index],
-                                                         decoders=self._decoders)  # fmt: skip
+            return self._features.deserialize_example_np(
+                self._records[index], decoders=self._decoders
+            )
         except Exception as err:  # protobuf's DecodeError and what a damaged record makes
             raise DatasetError(
                 f"{self._where}[{index}]: the record cannot be parsed ({first_line(err)}); "

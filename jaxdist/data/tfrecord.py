@@ -87,9 +87,13 @@ class TfRecords:
     ``expected`` (records per file, e.g. TFDS's shard lengths) is checked against the files.
     """
 
-    def __init__(self, paths: Sequence[str | os.PathLike], *,
-                 expected: Sequence[int] | None = None,
-                 progress: Callable[[int, int, float], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike],
+        *,
+        expected: Sequence[int] | None = None,
+        progress: Callable[[int, int, float], None] | None = None,
+    ) -> None:
         self.paths = [str(p) for p in paths]
         if not self.paths:
             raise DatasetError("no TFRecord files to read")

@@ -214,8 +214,9 @@ class Block(nnx.Module):
     and ``nnx.Linear``, named ``embed``, ``heads``, ``kv_heads``, ``head_dim`` and ``mlp``.
     """
 
-    def __init__(self, d_model: int, shape: BlockShape, dropout: float, dtype,
-                 rngs: nnx.Rngs) -> None:  # fmt: skip
+    def __init__(
+        self, d_model: int, shape: BlockShape, dropout: float, dtype, rngs: nnx.Rngs
+    ) -> None:
         norm = NORMS[shape.norm]
         hidden = shape.hidden(d_model)
         self.norm1 = norm(d_model, dtype=dtype, rngs=rngs)
@@ -368,8 +369,10 @@ class TransformerSpan(nnx.Module):
 
     def __init__(self, model: Transformer, start: int, stop: int) -> None:
         if not 0 <= start < stop <= model.num_layers:
-            raise ValueError(f"a span of layers [{start}, {stop}) of a transformer with "
-                             f"{model.num_layers} layers")  # fmt: skip
+            raise ValueError(
+                f"a span of layers [{start}, {stop}) of a transformer with "
+                f"{model.num_layers} layers"
+            )
         self.start, self.stop, self.total = start, stop, model.num_layers
         self.remat, self.scan_layers = model.remat, False
         if start == 0:
@@ -395,8 +398,9 @@ def _block_fn(remat: str):
     return nnx.remat(_call, policy=REMAT_POLICIES[remat])
 
 
-def _run(layers: Transformer | TransformerSpan, x: jax.Array, start: int, stop: int,
-         total: int) -> jax.Array:  # fmt: skip
+def _run(
+    layers: Transformer | TransformerSpan, x: jax.Array, start: int, stop: int, total: int
+) -> jax.Array:
     """Layers ``[start, stop)`` of ``total``, from what ``layers`` holds of them."""
     if start == 0:
         tokens = x

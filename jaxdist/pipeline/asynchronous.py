@@ -106,7 +106,9 @@ class PerBackward:
 
         backward = at["branch"] > self.virtual
         params, opt_state = lax.cond(
-            backward, apply, lambda operands: (operands[0], operands[2]),
+            backward,
+            apply,
+            lambda operands: (operands[0], operands[2]),
             (carry["params"], grads, carry["opt_state"]),
-        )  # fmt: skip
+        )
         return {**carry, "params": params, "opt_state": opt_state}

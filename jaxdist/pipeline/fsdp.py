@@ -61,8 +61,9 @@ class ShardedFlatLayout:
     :attr:`whole`, the ``FlatLayout`` of the same trees, which the stages compute on.
     """
 
-    def __init__(self, trees: Sequence[Any], shards: int,
-                 min_elements: int = DEFAULT_MIN_SHARD_ELEMENTS):  # fmt: skip
+    def __init__(
+        self, trees: Sequence[Any], shards: int, min_elements: int = DEFAULT_MIN_SHARD_ELEMENTS
+    ):
         self.shards = shards
         self.min_elements = min_elements
         self._layouts: list[Layout] = []
@@ -127,8 +128,10 @@ class ShardedFlatLayout:
         whole = sum(
             math.prod(s) for lay in self._layouts for s, d in zip(lay.shapes, lay.dims) if d is None
         )
-        return (f"{split} of {total} parameter arrays split {self.shards} ways; "
-                f"{total - split} kept whole in every shard ({whole:,} values)")  # fmt: skip
+        return (
+            f"{split} of {total} parameter arrays split {self.shards} ways; "
+            f"{total - split} kept whole in every shard ({whole:,} values)"
+        )
 
 
 def rows_to_whole(step: Any, rows: jax.Array, stage: jax.Array) -> jax.Array:
@@ -161,8 +164,9 @@ def _column_buckets(width: int, itemsize: int, shards: int, bucket_bytes: int | 
     return [(start, min(start + per_bucket, width)) for start in range(0, width, per_bucket)]
 
 
-def gather_rows(rows: jax.Array, axes: Any, algorithm: str, options: Mapping[str, Any],
-                bucket_bytes: int | None) -> jax.Array:  # fmt: skip
+def gather_rows(
+    rows: jax.Array, axes: Any, algorithm: str, options: Mapping[str, Any], bucket_bytes: int | None
+) -> jax.Array:
     """Inside shard_map: this device's ``(chunks, row_size)`` rows, all-gathered over ``axes``
     into ``(chunks, shards * row_size)`` flat vectors of rows, in buckets of columns."""
     shards = collectives.axis_size(axes)
@@ -177,8 +181,13 @@ def gather_rows(rows: jax.Array, axes: Any, algorithm: str, options: Mapping[str
     return jnp.stack(out)
 
 
-def scatter_rows(flats: jax.Array, axes: Any, algorithm: str, options: Mapping[str, Any],
-                 bucket_bytes: int | None) -> jax.Array:  # fmt: skip
+def scatter_rows(
+    flats: jax.Array,
+    axes: Any,
+    algorithm: str,
+    options: Mapping[str, Any],
+    bucket_bytes: int | None,
+) -> jax.Array:
     """Inside shard_map: ``(chunks, shards * row_size)`` gradients averaged over ``axes``, each
     device keeping its ``(chunks, row_size)`` rows; the last chunk's buckets go first, as
     backward finishes them."""
@@ -206,8 +215,13 @@ def build_fsdp_step(step: Any, state: PipelineState) -> Any:
     gradients last), then the update inside one over the stage axis alone, the data axes left
     to XLA's SPMD partitioner."""
     stage, rows = P(step.stage_axis), step.state_spec("params")
-    specs = PipelineState(step=P(), params=rows, model_state=stage, opt_state=rows,
-                          loss_scale=jax.tree.map(lambda _: P(), state.loss_scale))  # fmt: skip
+    specs = PipelineState(
+        step=P(),
+        params=rows,
+        model_state=stage,
+        opt_state=rows,
+        loss_scale=jax.tree.map(lambda _: P(), state.loss_scale),
+    )
     gradients = jax.shard_map(
         step._body,
         mesh=step.mesh,
@@ -242,10 +256,12 @@ def build_fsdp_step(step: Any, state: PipelineState) -> Any:
         if step.skip_nonfinite:  # also a finite step whose update leaves inf parameters
             ok = grads_finite & params_finite & jnp.isfinite(loss)
             finite = ok if finite is None else finite & ok
-        new_state = state.replace(step=state.step + 1, params=params, model_state=model_state,
-                                  opt_state=opt_state)  # fmt: skip
-        return finish_scaled_step(state, new_state, finite, {**metrics, "loss": loss},
-                                  report_skipped=step.skip_nonfinite)  # fmt: skip
+        new_state = state.replace(
+            step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
+        )
+        return finish_scaled_step(
+            state, new_state, finite, {**metrics, "loss": loss}, report_skipped=step.skip_nonfinite
+        )
 
     options = compiler_options_for(step.mesh.devices.flat, step.allreduce)
     return jax.jit(train_step, donate_argnums=(0,) if step.donate else (), compiler_options=options)

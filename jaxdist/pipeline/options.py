@@ -39,54 +39,74 @@ def refuse_unsupported(
     """One line for each data-parallel option a pipeline cannot honour, rather than ignoring
     it: its gradients are one flat vector per stage, averaged by one schedule."""
     if allreduce == "auto":
-        raise ValueError("allreduce='auto' chooses routes per gradient bucket and dense layer "
-                         "of a whole model; a pipeline averages one flat vector per stage: "
-                         f"name a schedule from {collectives.ALGORITHMS}")  # fmt: skip
+        raise ValueError(
+            "allreduce='auto' chooses routes per gradient bucket and dense layer "
+            "of a whole model; a pipeline averages one flat vector per stage: "
+            f"name a schedule from {collectives.ALGORITHMS}"
+        )
     if allreduce != NO_ALLREDUCE and allreduce not in collectives.ALGORITHMS:
         raise ValueError(
             f"unknown allreduce {allreduce!r}; expected one of {collectives.ALGORITHMS}"
         )
     if sfb_layers:
-        raise ValueError(f"sfb_layers={sfb_layers!r}: a pipeline stage's gradients are one "
-                         "flat vector, not dense layers' factors; leave sfb_layers empty")  # fmt: skip
+        raise ValueError(
+            f"sfb_layers={sfb_layers!r}: a pipeline stage's gradients are one "
+            "flat vector, not dense layers' factors; leave sfb_layers empty"
+        )
     if links is not None:
-        raise ValueError(f"links={links!r} price a data-parallel gradient plan, which a "
-                         "pipeline does not make; leave links empty")  # fmt: skip
+        raise ValueError(
+            f"links={links!r} price a data-parallel gradient plan, which a "
+            "pipeline does not make; leave links empty"
+        )
     if accumulation_steps != 1:
         raise ValueError(
             f"accumulation_steps={accumulation_steps}: a pipeline's micro-batches take the "
             "place of gradient accumulation; use more micro-batches instead"
         )
     if sharding == "zero1":
-        raise ValueError("sharding='zero1' keeps parameters whole and shards the optimizer "
-                         "state; a pipeline shards a stage's parameters and optimizer state "
-                         "together: choose sharding='fsdp' (or 'replicated')")  # fmt: skip
+        raise ValueError(
+            "sharding='zero1' keeps parameters whole and shards the optimizer "
+            "state; a pipeline shards a stage's parameters and optimizer state "
+            "together: choose sharding='fsdp' (or 'replicated')"
+        )
     if sharding not in ("replicated", "fsdp"):
         raise ValueError(
             f"sharding must be one of replicated, fsdp in a pipeline; got {sharding!r}"
         )
     if sharding == "fsdp" and schedule in schedules.ASYNCHRONOUS:
-        raise ValueError(f"sharding='fsdp' gathers each stage's parameters once a step and "
-                         f"updates them after it; schedule={schedule!r} updates (or keeps "
-                         "versions of) them between micro-batches: choose gpipe, 1f1b or "
-                         "interleaved, or sharding='replicated'")  # fmt: skip
+        raise ValueError(
+            f"sharding='fsdp' gathers each stage's parameters once a step and "
+            f"updates them after it; schedule={schedule!r} updates (or keeps "
+            "versions of) them between micro-batches: choose gpipe, 1f1b or "
+            "interleaved, or sharding='replicated'"
+        )
 
 
-def check_stage_sharding(mesh: Mesh, reduce_axes: Any, stage_axis: str, sharding: str,
-                         allreduce: str, gather: str | None,
-                         options: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def check_stage_sharding(
+    mesh: Mesh,
+    reduce_axes: Any,
+    stage_axis: str,
+    sharding: str,
+    allreduce: str,
+    gather: str | None,
+    options: dict[str, Any],
+) -> dict[str, Any]:
     """Refuse, in one line, FSDP inside stages that cannot run (no data axes to split over, an
     allreduce with no halves, ``gather`` without FSDP); the options of its gathers."""
     if gather is not None and sharding != "fsdp":
-        raise ValueError(f"gather={gather!r} is the schedule of FSDP's parameter all-gathers; "
-                         f"sharding={sharding!r} keeps each stage's parameters whole: "
-                         "choose sharding='fsdp' or leave gather out")  # fmt: skip
+        raise ValueError(
+            f"gather={gather!r} is the schedule of FSDP's parameter all-gathers; "
+            f"sharding={sharding!r} keeps each stage's parameters whole: "
+            "choose sharding='fsdp' or leave gather out"
+        )
     if sharding != "fsdp":
         return {}
     if reduce_axes is None:
-        raise ValueError(f"sharding='fsdp' splits each stage's state over the data axes; the "
-                         f"mesh has none beside {stage_axis!r}: use a mesh with data axes "
-                         "(e.g. the preset pipeline-2x4)")  # fmt: skip
+        raise ValueError(
+            f"sharding='fsdp' splits each stage's state over the data axes; the "
+            f"mesh has none beside {stage_axis!r}: use a mesh with data axes "
+            "(e.g. the preset pipeline-2x4)"
+        )
     check_sharded(mesh, reduce_axes, reduce_axes, sharding, allreduce, options, None)
     if gather is not None:
         check_gather(mesh, reduce_axes, reduce_axes, sharding, gather, options)

@@ -150,8 +150,9 @@ def update(
     return jnp.stack(new_params), jnp.stack(new_opt)
 
 
-def per_chunk(step: Any, stage: jax.Array, branch: Callable[[int], Callable],
-              *arrays: jax.Array) -> list:  # fmt: skip
+def per_chunk(
+    step: Any, stage: jax.Array, branch: Callable[[int], Callable], *arrays: jax.Array
+) -> list:
     """For each of this device's chunks, ``branch(v)(*(a[chunk] for a in arrays))`` with
     ``v`` the virtual stage this device runs in that chunk (``stage`` is its place on the
     stage axis, known only inside the program: a ``lax.switch`` picks the branch)."""
@@ -199,9 +200,16 @@ def run_schedule(
     ops = branches(step, params, micro, rng, scale, weights)
     tables = {
         name: jnp.asarray(getattr(step.program, name))
-        for name in ("branch", "microbatch", "input_slot", "grad_slot",
-                     "receive_input", "receive_grad", "weight_slot")
-    }  # fmt: skip
+        for name in (
+            "branch",
+            "microbatch",
+            "input_slot",
+            "grad_slot",
+            "receive_input",
+            "receive_grad",
+            "weight_slot",
+        )
+    }
     forward_perm = [(i, i + 1) for i in range(S - 1)] + ([(S - 1, 0)] if step.chunks > 1 else [])
     backward_perm = [(i + 1, i) for i in range(S - 1)] + ([(0, S - 1)] if step.chunks > 1 else [])
 
@@ -222,8 +230,15 @@ def run_schedule(
         at = {name: table[t, stage] for name, table in tables.items()}
         if updates is not None:
             carry = updates.before_tick(carry, at)
-        carry = lax.switch(at["branch"], ops, carry, at["microbatch"], at["input_slot"],
-                           at["grad_slot"], at["weight_slot"])  # fmt: skip
+        carry = lax.switch(
+            at["branch"],
+            ops,
+            carry,
+            at["microbatch"],
+            at["input_slot"],
+            at["grad_slot"],
+            at["weight_slot"],
+        )
         if updates is not None:
             carry = updates.after_tick(carry, at, t)
         if S > 1:
@@ -272,7 +287,10 @@ def mean_over_data_axes(step: Any, grads: jax.Array) -> jax.Array:
     pieces = {}
     for start in starts:
         (pieces[start],) = collectives.allreduce(
-            [flat[start : start + per_bucket]], step.reduce_axes, step.allreduce, op="mean",
+            [flat[start : start + per_bucket]],
+            step.reduce_axes,
+            step.allreduce,
+            op="mean",
             **step.allreduce_options,
-        )  # fmt: skip
+        )
     return jnp.concatenate([pieces[s] for s in sorted(pieces)]).reshape(grads.shape)

@@ -217,8 +217,10 @@ def profile_layers(
         )
         if progress is not None:
             c = layers[-1]
-            progress(f"layer {index:>3} {c.name[:40]:<40} forward {c.forward_s * 1e3:9.3f} ms  "
-                     f"backward {c.backward_s * 1e3:9.3f} ms")  # fmt: skip
+            progress(
+                f"layer {index:>3} {c.name[:40]:<40} forward {c.forward_s * 1e3:9.3f} ms  "
+                f"backward {c.backward_s * 1e3:9.3f} ms"
+            )
         x = y
     return Profile(description, int(example.shape[0]), device, source, tuple(layers))
 
@@ -244,9 +246,15 @@ def layer_calls(
         return 0.0, 0.0, 0.0, forward(*args)
 
     profile = profile_layers(
-        model, jax.device_put(example, device), optimizer, collect, description=description,
-        device=device.device_kind, source="measured", boundaries=boundaries,
-    )  # fmt: skip
+        model,
+        jax.device_put(example, device),
+        optimizer,
+        collect,
+        description=description,
+        device=device.device_kind,
+        source="measured",
+        boundaries=boundaries,
+    )
     return profile, calls
 
 
@@ -275,6 +283,8 @@ def measure_profile(
     profile = with_times(profile, interleaved_seconds(calls, repeats))
     if progress is not None:
         for index, c in enumerate(profile.layers):
-            progress(f"layer {index:>3} {c.name[:40]:<40} forward {c.forward_s * 1e3:9.3f} ms  "
-                     f"backward {c.backward_s * 1e3:9.3f} ms")  # fmt: skip
+            progress(
+                f"layer {index:>3} {c.name[:40]:<40} forward {c.forward_s * 1e3:9.3f} ms  "
+                f"backward {c.backward_s * 1e3:9.3f} ms"
+            )
     return profile

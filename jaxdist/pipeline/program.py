@@ -131,9 +131,18 @@ def compile_schedule(schedule: Schedule) -> Program:
             if op.kind == "B" and v > 0:
                 receive_grad[tick, (stage - 1) % S] = grad_slot_of[(m, v - 1)]
     return Program(
-        schedule, branch, microbatch, input_slot, grad_slot, receive_input, receive_grad,
-        weight_slot, input_slots, grad_slots, weight_slots,
-    )  # fmt: skip
+        schedule,
+        branch,
+        microbatch,
+        input_slot,
+        grad_slot,
+        receive_input,
+        receive_grad,
+        weight_slot,
+        input_slots,
+        grad_slots,
+        weight_slots,
+    )
 
 
 def _allocate(

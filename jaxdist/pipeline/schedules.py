@@ -114,13 +114,18 @@ def orders(name: str, stages: int, microbatches: int, chunks: int = 1) -> list[l
     if name == "gpipe":
         return [[Op("F", m) for m in range(M)] + [Op("B", m) for m in range(M)] for _ in range(S)]
     if name == "1f1b" or name in ASYNCHRONOUS:
-        return [_one_forward_one_backward(S - s - 1, [Op("F", m) for m in range(M)],
-                                          [Op("B", m) for m in range(M)]) for s in range(S)]  # fmt: skip
+        return [
+            _one_forward_one_backward(
+                S - s - 1, [Op("F", m) for m in range(M)], [Op("B", m) for m in range(M)]
+            )
+            for s in range(S)
+        ]
     # Interleaved: micro-batches in groups of S run through chunk 0, then chunk 1, ...;
     # backwards visit the chunks in reverse. Warm-up covers the deeper pipeline.
     forwards = [Op("F", g + i, c) for g in range(0, M, S) for c in range(chunks) for i in range(S)]
-    backwards = [Op("B", g + i, c) for g in range(0, M, S)
-                 for c in reversed(range(chunks)) for i in range(S)]  # fmt: skip
+    backwards = [
+        Op("B", g + i, c) for g in range(0, M, S) for c in reversed(range(chunks)) for i in range(S)
+    ]
     return [
         _one_forward_one_backward(
             min(2 * (S - s - 1) + (chunks - 1) * S, M * chunks), forwards, backwards

@@ -158,7 +158,7 @@ def spans(
         raise ValueError(
             f"boundaries must start at 0, rise strictly and stay below the {n} layers, so that "
             f"every stage gets at least one layer; got {bounds}"
-        )  # fmt: skip
+        )
     return list(zip(bounds, [*bounds[1:], n]))
 
 
@@ -216,9 +216,12 @@ def flax_stages(modules: Sequence[nn.Module]) -> list[StageFn]:
     def stage(module: nn.Module) -> StageFn:
         def apply(params, model_state, x, rng):
             y, new_state = module.apply(
-                {"params": params, **model_state}, x, train=True,
-                mutable=list(model_state), rngs={"dropout": rng},
-            )  # fmt: skip
+                {"params": params, **model_state},
+                x,
+                train=True,
+                mutable=list(model_state),
+                rngs={"dropout": rng},
+            )
             return y, dict(new_state)
 
         return apply

@@ -184,9 +184,14 @@ class PipelineStep:
         self.min_shard_elements = min_shard_elements
         # The gathers' options under FSDP (never the gradients' transfer_dtype).
         self.gather_options = check_stage_sharding(
-            mesh, self.reduce_axes, stage_axis, sharding, allreduce, gather,
+            mesh,
+            self.reduce_axes,
+            stage_axis,
+            sharding,
+            allreduce,
+            gather,
             dict(allreduce_options or {}),
-        )  # fmt: skip
+        )
         self.schedule = schedule
         self.stages = [full_stage(fn) for fn in stages]
         self.loss_fn = loss_fn
@@ -268,23 +273,29 @@ class PipelineStep:
             previous_params=stacked("params") if self._two_versions else None,
         )
 
-    def init_sharded(self, init_variables: Callable[[jax.Array], tuple[Any, Any]],
-                     rng: jax.Array) -> PipelineState:  # fmt: skip
+    def init_sharded(
+        self, init_variables: Callable[[jax.Array], tuple[Any, Any]], rng: jax.Array
+    ) -> PipelineState:
         """The initial state made straight into its shards (FSDP): ``init_variables(rng) ->
         (params, model_state)`` of the whole model, the cut into stages, the optimizer's init
         and the flat layouts all run under ``jax.jit`` with the state's shardings as output,
         so the host never holds the whole state. Needs ``split``."""
         if self.split is None:
-            raise ValueError("init_sharded starts from the whole model's variables and needs "
-                             "split= to cut them into stages; without it call init() with one "
-                             "tree per virtual stage")  # fmt: skip
+            raise ValueError(
+                "init_sharded starts from the whole model's variables and needs "
+                "split= to cut them into stages; without it call init() with one "
+                "tree per virtual stage"
+            )
         abstract = self.abstract_init(*jax.eval_shape(init_variables, rng))
         shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract)
 
         def fresh(key):
             params, model_state = self._per_stage(*init_variables(key))
-            trees = {"params": params, "model_state": model_state,
-                     "opt_state": [self.optimizer.init(p) for p in params]}  # fmt: skip
+            trees = {
+                "params": params,
+                "model_state": model_state,
+                "opt_state": [self.optimizer.init(p) for p in params],
+            }
             stacked = {
                 name: pipeline_state.stack_traced(
                     self.layouts[name], trees[name], self.num_stages, self.chunks
@@ -410,9 +421,11 @@ class PipelineStep:
     ) -> tuple[PipelineState, dict]:
         check_batch_sizes(batch)
         if self.inputs is _image_of and "image" not in batch:
-            raise ValueError(f"PipelineStep takes the first stage's input from batch['image'] "
-                             f"unless given inputs=; this batch has {sorted(batch)}: pass "
-                             "inputs=lambda batch: batch[...]")  # fmt: skip
+            raise ValueError(
+                f"PipelineStep takes the first stage's input from batch['image'] "
+                f"unless given inputs=; this batch has {sorted(batch)}: pass "
+                "inputs=lambda batch: batch[...]"
+            )
         check_micro_batches(batch, self.microbatches, self.num_replicas)
         if self._compiled is None:
             self._compiled = self._build(state)
@@ -434,9 +447,14 @@ class PipelineStep:
         if self.sharding == "fsdp":
             return build_fsdp_step(self, state)
         stage = P(self.stage_axis)
-        specs = PipelineState(step=P(), params=stage, model_state=stage, opt_state=stage,
-                              loss_scale=jax.tree.map(lambda _: P(), state.loss_scale),
-                              previous_params=stage if self._two_versions else None)  # fmt: skip
+        specs = PipelineState(
+            step=P(),
+            params=stage,
+            model_state=stage,
+            opt_state=stage,
+            loss_scale=jax.tree.map(lambda _: P(), state.loss_scale),
+            previous_params=stage if self._two_versions else None,
+        )
         batch_spec = P(self.data_axes) if self.data_axes else P()
         sharded = jax.shard_map(
             self._body,
@@ -463,14 +481,16 @@ class PipelineStep:
         used = state.previous_params[0] if self._two_versions else params
         if self.sharding == "fsdp":  # every stage's parameters, gathered once for the step
             with jax.named_scope(PARAMETER_SCOPE):
-                used = gather_rows(params, self.reduce_axes, self.gather, self.gather_options,
-                                   self.bucket_bytes)  # fmt: skip
+                used = gather_rows(
+                    params, self.reduce_axes, self.gather, self.gather_options, self.bucket_bytes
+                )
             used = rows_to_whole(self, used, stage)
         per_backward = None
         if self.schedule == "pipedream":
             per_backward = asynchronous.PerBackward(self, params, opt_state, stage)
-        carry = run_schedule(self, state, used, micro, rng, scale, metric_shapes, stage,
-                             per_backward)  # fmt: skip
+        carry = run_schedule(
+            self, state, used, micro, rng, scale, metric_shapes, stage, per_backward
+        )
         if self.sharding == "fsdp":
             grads, model_state, loss, metrics = self._averaged(state, carry)
             finite = jnp.ones((), bool)  # read only under a loss scale or skip_nonfinite
@@ -496,8 +516,13 @@ class PipelineStep:
             with jax.named_scope(GRADIENT_SCOPE):
                 if self.sharding == "fsdp":
                     rows = whole_to_rows(self, grads, lax.axis_index(self.stage_axis))
-                    grads = scatter_rows(rows, self.reduce_axes, self.allreduce,
-                                         self.allreduce_options, self.bucket_bytes)  # fmt: skip
+                    grads = scatter_rows(
+                        rows,
+                        self.reduce_axes,
+                        self.allreduce,
+                        self.allreduce_options,
+                        self.bucket_bytes,
+                    )
                 else:
                     grads = mean_over_data_axes(self, grads)
         if state.loss_scale is not None:
@@ -526,5 +551,6 @@ class PipelineStep:
             opt_state=opt_state[None],
             previous_params=state.params if self._two_versions else None,
         )
-        return finish_scaled_step(state, new_state, finite, {**metrics, "loss": loss},
-                                  report_skipped=self.skip_nonfinite)  # fmt: skip
+        return finish_scaled_step(
+            state, new_state, finite, {**metrics, "loss": loss}, report_skipped=self.skip_nonfinite
+        )

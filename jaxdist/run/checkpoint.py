@@ -346,8 +346,11 @@ def newest_config_record(directory: Path) -> dict | None:
     """The config record saved in the meta of the newest complete checkpoint under
     ``directory``, read without restoring anything; ``None`` when there is none (or it
     predates config records, or cannot be read: the restore then decides)."""
-    steps = sorted((int(p.name) for p in Path(directory).glob("*") if p.name.isdigit()),
-                   reverse=True) if Path(directory).is_dir() else []  # fmt: skip
+    steps = (
+        sorted((int(p.name) for p in Path(directory).glob("*") if p.name.isdigit()), reverse=True)
+        if Path(directory).is_dir()
+        else []
+    )
     for step in steps:
         try:
             meta = json.loads((Path(directory) / str(step) / "meta" / "metadata").read_text())

@@ -70,8 +70,7 @@ def array_digests(state: Any) -> dict[str, int]:
     spread = {i: leaf for i, leaf in enumerate(leaves) if one_copy[i] is None}
     digests = {**checkpoint_digests(local), **checkpoint_digests(spread)}
     values = jax.device_get([digests[i] for i in range(len(leaves))])
-    return {dotted_name(path): int(value)
-            for path, value in zip(paths, values, strict=True)}  # fmt: skip
+    return {dotted_name(path): int(value) for path, value in zip(paths, values, strict=True)}
 
 
 def _replicated_copy(leaf: Any) -> jax.Array | None:

@@ -62,13 +62,21 @@ class _FailedWriteLogs(logging.Filter):
         return not (self.directory in text or self.WAIT_FAILED in text)
 
 
+# Checkpoint directories whose failed reads and writes the checkpointer has reported itself.
+_REPORTED: set[str] = set()
+
+
 def _closed_loop_callbacks_dropped(previous):
     """An unraisable-exception hook that drops TensorStore's callbacks into orbax's closed
-    event loop and passes everything else to ``previous``."""
+    event loop and the failures of orbax's abandoned array reads under a reported directory
+    (``Exception ignored in: <coroutine object _read_array_index_and_device_put>``, each with
+    the whole TensorStore spec), and passes everything else to ``previous``."""
 
     def hook(unraisable) -> None:
         error = unraisable.exc_value
         if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        if error is not None and any(directory in str(error) for directory in _REPORTED):
             return
         previous(unraisable)
 
@@ -80,6 +88,7 @@ def failures_reported(directory: Path) -> None:
     """From now on, for good: orbax's logs of failed writes under ``directory``, TensorStore's
     callbacks into closed loops and unretrieved futures of reads and writes there stay
     unprinted (they keep coming after the failure was raised, up to the process's exit)."""
+    _REPORTED.add(str(directory))
     _unretrieved_futures_dropped(directory)
     absl_log = logging.getLogger("absl")
     if not any(
@@ -93,5 +102,6 @@ def failures_reported(directory: Path) -> None:
 def unawaited_coroutine_warnings_hidden() -> None:
     """A failed read or an aborted save leaves orbax's coroutines never awaited; Python warns
     about each when it is collected, possibly at exit, after the one line said what failed."""
-    warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
-                            category=RuntimeWarning)  # fmt: skip
+    warnings.filterwarnings(
+        "ignore", message="coroutine .* was never awaited", category=RuntimeWarning
+    )

@@ -113,6 +113,7 @@ import ast
 import contextlib
 import difflib
 import importlib.util
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -278,6 +279,51 @@ def _a(noun: str) -> str:
     return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
+# Optimizer hyperparameters each optimizer takes from config.optimizer.
+OPTIMIZER_FIELDS = {
+    "sgd": ("momentum", "nesterov", "weight_decay"),
+    "adamw": ("b1", "b2", "eps", "weight_decay"),
+    "lars": ("momentum", "nesterov", "weight_decay", "trust_coefficient", "eps"),
+}
+# Schedule fields each lr.kind reads beyond kind, peak, warmup_epochs and init_lr.
+LR_KIND_FIELDS = {
+    "cosine": ("end_lr",),
+    "poly": ("end_lr", "power"),
+    "constant": (),
+    "step": ("step_epochs", "step_factor"),
+}
+# A field that chooses what reads the rest of its section: (the fields each choice reads,
+# the fields every choice reads).
+SWITCHES = {
+    "optimizer.name": (OPTIMIZER_FIELDS, ("name", "clip_norm")),
+    "lr.kind": (LR_KIND_FIELDS, ("kind", "peak", "warmup_epochs", "init_lr")),
+}
+
+
+def drop_unread_after_switch(config: ml_collections.ConfigDict, given: set[str]) -> list[str]:
+    """Where ``given`` (the keys set on the command line) switches ``optimizer.name`` or
+    ``lr.kind``, the recipe's own settings that the new choice does not read go back to their
+    defaults; returns a note for each. A setting in ``given`` is kept, to be refused by the
+    builder if the choice does not read it."""
+    notes = []
+    defaults = base_config()
+    for switch, (reads, always) in SWITCHES.items():
+        section_name, _ = switch.split(".")
+        section, chosen = config[section_name], config[switch]
+        if switch not in given or chosen not in reads:
+            continue
+        for field, value in section.items():
+            default = defaults[section_name][field]
+            unread = field not in (*always, *reads[chosen])
+            if unread and f"{section_name}.{field}" not in given and value != default:
+                section[field] = default
+                notes.append(
+                    f"note: {section_name}.{field}={value!r} from the recipe does nothing with "
+                    f"{switch}={chosen!r}; dropped (back to its default {default!r})"
+                )
+    return notes
+
+
 def apply_overrides(
     config: ml_collections.ConfigDict, overrides: Iterable[str]
 ) -> ml_collections.ConfigDict:
@@ -285,9 +331,12 @@ def apply_overrides(
 
     ``key`` is a dotted path to an existing field; ``value`` is parsed as a Python literal
     (strings need no quotes, booleans may be written true/false) and must have the field's
-    type. Derived fields that are ``FieldReference`` expressions follow their inputs.
+    type. Derived fields that are ``FieldReference`` expressions follow their inputs. A switch
+    (``optimizer.name``, ``lr.kind``) drops the recipe's settings the new choice does not read,
+    with a note on stderr for each (:func:`drop_unread_after_switch`).
     """
     keys = flat_keys(config)
+    given = set()
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()
@@ -297,6 +346,7 @@ def apply_overrides(
             near = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
             hint = f"; did you mean {' or '.join(near)}?" if near else ""
             raise ConfigError(f"unknown config key {key!r}{hint} (known keys: {', '.join(keys)})")
+        given.add(key)
         *parents, leaf = key.split(".")
         node = config
         for name in parents:
@@ -317,11 +367,16 @@ def apply_overrides(
             node[leaf] = value
         except TypeError as err:
             # An unset field (None) of a declared type, such as optimizer.eps, names that type.
-            expected = (f"{_a(node.get_type(leaf).__name__)} or None" if current is None
-                        else f"{_a(type(current).__name__)} like {current!r}")  # fmt: skip
+            expected = (
+                f"{_a(node.get_type(leaf).__name__)} or None"
+                if current is None
+                else f"{_a(type(current).__name__)} like {current!r}"
+            )
             raise ConfigError(
                 f"--set {key}: expected {expected}, got {value!r} ({type(value).__name__})"
             ) from err
+    for note in drop_unread_after_switch(config, given):
+        print(note, file=sys.stderr)
     return config
 
 

@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh
 
 from jaxdist import meshes
-from jaxdist.run.config import base_config
+from jaxdist.run.config import LR_KIND_FIELDS, OPTIMIZER_FIELDS, SWITCHES, base_config
 from jaxdist.tasks import Task
 from jaxdist.training import global_norm, optim
 
@@ -29,13 +29,6 @@ __all__ = [
     "optimizer_arguments",
     "step_options",
 ]
-
-# Optimizer hyperparameters each optimizer takes from config.optimizer.
-OPTIMIZER_FIELDS = {
-    "sgd": ("momentum", "nesterov", "weight_decay"),
-    "adamw": ("b1", "b2", "eps", "weight_decay"),
-    "lars": ("momentum", "nesterov", "weight_decay", "trust_coefficient", "eps"),
-}
 
 
 def build_mesh(name: str, stages: int = 0) -> Mesh:
@@ -58,18 +51,11 @@ def build_mesh(name: str, stages: int = 0) -> Mesh:
     if not stages:
         return meshes.ring(count, axis_name="data")
     if count % stages:
-        raise ValueError(f"pipeline.stages={stages} does not divide the {count} devices; give "
-                         "a stage count that does, or a mesh (--set mesh=...)")  # fmt: skip
+        raise ValueError(
+            f"pipeline.stages={stages} does not divide the {count} devices; give "
+            "a stage count that does, or a mesh (--set mesh=...)"
+        )
     return meshes.pipeline(count // stages, stages)
-
-
-# Schedule fields each lr.kind reads beyond kind, peak, warmup_epochs and init_lr.
-LR_KIND_FIELDS = {
-    "cosine": ("end_lr",),
-    "poly": ("end_lr", "power"),
-    "constant": (),
-    "step": ("step_epochs", "step_factor"),
-}
 
 
 def refuse_unused(
@@ -82,15 +68,17 @@ def refuse_unused(
         default = defaults[field]
         same = tuple(value) == tuple(default) if isinstance(default, tuple) else value == default
         if field not in used and not same:
-            raise ValueError(f"{section}.{field}={value!r} does nothing with {chosen}; leave "
-                             f"it at its default ({default!r}) or choose what reads it")  # fmt: skip
+            raise ValueError(
+                f"{section}.{field}={value!r} does nothing with {chosen}; leave "
+                f"it at its default ({default!r}) or choose what reads it"
+            )
 
 
 def build_lr_schedule(config: ml_collections.ConfigDict):
     """``epoch -> learning rate`` from ``config.lr``, ending at ``config.num_epochs``."""
     lr = config.lr
     if lr.kind in LR_KIND_FIELDS:  # an unknown kind is optim.lr_schedule's to name
-        used = ("kind", "peak", "warmup_epochs", "init_lr", *LR_KIND_FIELDS[lr.kind])
+        used = (*SWITCHES["lr.kind"][1], *LR_KIND_FIELDS[lr.kind])
         refuse_unused("lr", lr, used, f"lr.kind={lr.kind!r}")
     return optim.lr_schedule(
         lr.kind,
@@ -114,8 +102,12 @@ def build_optimizer(
         raise ValueError(
             f"optimizer.name must be one of {sorted(OPTIMIZER_FIELDS)}, got {opt.name!r}"
         )
-    refuse_unused("optimizer", opt, ("name", "clip_norm", *OPTIMIZER_FIELDS[opt.name]),
-                  f"optimizer.name={opt.name!r}")  # fmt: skip
+    refuse_unused(
+        "optimizer",
+        opt,
+        (*SWITCHES["optimizer.name"][1], *OPTIMIZER_FIELDS[opt.name]),
+        f"optimizer.name={opt.name!r}",
+    )
     if opt.clip_norm < 0:
         raise ValueError(f"optimizer.clip_norm must be >= 0 (0: no clipping), got {opt.clip_norm}")
     optimizer = optim.make_optimizer(opt.name, initial_lr, **optimizer_arguments(opt))
@@ -139,8 +131,10 @@ def sfb_layers_setting(text: str) -> str | tuple[str, ...] | None:
     ``""`` -> None (none; every dense layer a candidate for ``auto``), ``"none"`` -> ``()``,
     ``"all"``, or a tuple of comma-separated module paths."""
     if not isinstance(text, str):
-        raise ValueError(f"sfb_layers must be a string ('', 'all', 'none' or comma-separated "
-                         f"module paths), got {text!r}")  # fmt: skip
+        raise ValueError(
+            f"sfb_layers must be a string ('', 'all', 'none' or comma-separated "
+            f"module paths), got {text!r}"
+        )
     text = text.strip()
     if text in ("", "all"):
         return text or None
@@ -167,9 +161,11 @@ class StepParts:
 def step_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The recipe's fields every step takes: how gradients are averaged and priced."""
     if config.allreduce == "native" and config.unroll_limit != base_config().unroll_limit:
-        raise ValueError(f"unroll_limit={config.unroll_limit} shapes the ppermute schedules, "
-                         "and allreduce='native' is XLA's own all-reduce: choose a schedule "
-                         "(ring, torus2d, ...) or leave unroll_limit out")  # fmt: skip
+        raise ValueError(
+            f"unroll_limit={config.unroll_limit} shapes the ppermute schedules, "
+            "and allreduce='native' is XLA's own all-reduce: choose a schedule "
+            "(ring, torus2d, ...) or leave unroll_limit out"
+        )
     return {
         "allreduce": config.allreduce,
         "allreduce_options": {"unroll_limit": config.unroll_limit},

@@ -58,8 +58,10 @@ class Hook:
                 continue
             near = difflib.get_close_matches(name, MOMENTS, n=1, cutoff=0.8)
             if near:
-                raise TypeError(f"{cls.__name__}.{name} is not a moment the loop calls; "
-                                f"did you mean {near[0]}? (jaxdist.run.hooks)")  # fmt: skip
+                raise TypeError(
+                    f"{cls.__name__}.{name} is not a moment the loop calls; "
+                    f"did you mean {near[0]}? (jaxdist.run.hooks)"
+                )
 
     @classmethod
     def check_settings(

@@ -286,8 +286,10 @@ def _optimizer_keys(cfg: Any, decay_steps: int) -> list[tuple[str, Any]]:
     opt, lr = cfg.optimizer, cfg.lr
     if opt.name == "lars":
         prefix = "lars_opt"
-        named = [(keys.LARS_EPSILON, float(optimizer_arguments(opt)["eps"])),
-                 (keys.LARS_OPT_LEARNING_RATE_WARMUP_EPOCHS, float(lr.warmup_epochs))]  # fmt: skip
+        named = [
+            (keys.LARS_EPSILON, float(optimizer_arguments(opt)["eps"])),
+            (keys.LARS_OPT_LEARNING_RATE_WARMUP_EPOCHS, float(lr.warmup_epochs)),
+        ]
     else:
         prefix = f"{opt.name}_opt"
         named = [(keys.OPT_LR_WARMUP_EPOCHS, float(lr.warmup_epochs))]

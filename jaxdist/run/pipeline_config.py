@@ -113,24 +113,36 @@ class Pipeline:
         p = self.config.pipeline
         options = dict(parts.options)
         if options.pop("wait_free", False):
-            raise ValueError("wait_free=True paces a data-parallel step's gradient buckets; a "
-                             "pipeline step's gradients already travel while the pipeline "
-                             "drains: set wait_free=False")  # fmt: skip
+            raise ValueError(
+                "wait_free=True paces a data-parallel step's gradient buckets; a "
+                "pipeline step's gradients already travel while the pipeline "
+                "drains: set wait_free=False"
+            )
         if "prefetch" in options:
-            raise ValueError(f"prefetch={options['prefetch']!r} paces a sharded step's parameter "
-                             "all-gathers layer by layer; a pipeline stage gathers its "
-                             "parameters once a step: leave prefetch out")  # fmt: skip
+            raise ValueError(
+                f"prefetch={options['prefetch']!r} paces a sharded step's parameter "
+                "all-gathers layer by layer; a pipeline stage gathers its "
+                "parameters once a step: leave prefetch out"
+            )
         boundaries = None
         if p.boundaries == "auto":
             boundaries = self._auto_boundaries(parts)
             options["links"] = None  # they priced the sends between stages, not a gradient plan
         cut = stage_parts(self.config, parts.task, boundaries)
         return PipelineStep(
-            cut.stages, cut.loss, parts.optimizer, self.mesh,
-            microbatches=p.microbatches, schedule=p.schedule, chunks=p.chunks,
-            stage_axis=STAGE_AXIS, inputs=cut.inputs, split=cut.split,
-            accumulation_steps=accumulation_steps, **options,
-        )  # fmt: skip
+            cut.stages,
+            cut.loss,
+            parts.optimizer,
+            self.mesh,
+            microbatches=p.microbatches,
+            schedule=p.schedule,
+            chunks=p.chunks,
+            stage_axis=STAGE_AXIS,
+            inputs=cut.inputs,
+            split=cut.split,
+            accumulation_steps=accumulation_steps,
+            **options,
+        )
 
     def _auto_boundaries(self, parts: StepParts) -> tuple[int, ...]:
         """The recorded cut of this workdir's run, or the partitioner's, from the recipe's
@@ -160,8 +172,10 @@ def profile_for(config: ml_collections.ConfigDict, parts: StepParts, micro: int)
     this machine at ``micro`` images per micro-batch."""
     task = parts.task
     if not hasattr(task, "model") or not hasattr(task, "example"):
-        raise ValueError(f"pipeline.boundaries='auto' profiles a flax model's layers, and the "
-                         f"{task.name} task has none to profile: give pipeline.boundaries")  # fmt: skip
+        raise ValueError(
+            f"pipeline.boundaries='auto' profiles a flax model's layers, and the "
+            f"{task.name} task has none to profile: give pipeline.boundaries"
+        )
     example = jax.ShapeDtypeStruct((micro, *task.example.shape[1:]), task.example.dtype)
     description = task.describe()
     if config.pipeline.profile:
@@ -169,9 +183,11 @@ def profile_for(config: ml_collections.ConfigDict, parts: StepParts, micro: int)
         profile.check_matches(description, micro, layer_sizes(task.model, example))
         return profile
     return measure_profile(
-        local_statistics(task.model), jnp.zeros(example.shape, example.dtype),
-        parts.optimizer, description=description,
-    )  # fmt: skip
+        local_statistics(task.model),
+        jnp.zeros(example.shape, example.dtype),
+        parts.optimizer,
+        description=description,
+    )
 
 
 def local_statistics(model: Any) -> Any:
@@ -191,8 +207,10 @@ def auto_partition(config: ml_collections.ConfigDict, parts: StepParts, micro: i
     p = config.pipeline
     cut = partition(profile, p.stages, link, schedule=p.schedule, microbatches=p.microbatches)
     if jax.process_index() == 0:
-        print(f"pipeline: boundaries auto -> {list(cut.boundaries)} from a profile "
-              f"{profile.source} on {profile.device} ({source}); slowest stage "
-              f"{cut.slowest_s * 1e3:.2f} ms per micro-batch, bubble {cut.bubble():.3f}",
-              flush=True)  # fmt: skip
+        print(
+            f"pipeline: boundaries auto -> {list(cut.boundaries)} from a profile "
+            f"{profile.source} on {profile.device} ({source}); slowest stage "
+            f"{cut.slowest_s * 1e3:.2f} ms per micro-batch, bubble {cut.bubble():.3f}",
+            flush=True,
+        )
     return cut

@@ -52,8 +52,11 @@ class PreemptionGuard(Hook):
         if signum == signal.SIGINT:
             # The next Ctrl-C is Python's own: it stops at once, older checkpoints kept.
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            print("\nCtrl-C: finishing this step and saving a checkpoint, then stopping "
-                  "(Ctrl-C again to stop at once)", flush=True)  # fmt: skip
+            print(
+                "\nCtrl-C: finishing this step and saving a checkpoint, then stopping "
+                "(Ctrl-C again to stop at once)",
+                flush=True,
+            )
         else:
             log.warning("SIGTERM received: saving a checkpoint after this step, then stopping")
         self._signalled = True

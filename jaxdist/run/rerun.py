@@ -245,8 +245,11 @@ def check_rerun(
         accepted = differences(_as_recorded_now(recorded, new), new)
         refused = [d for d in accepted if not _is_safe(d)]
         if refused and not allow_change:
-            holder = (f"the checkpoints in {workdir} were trained with" if trained_with is not None
-                      else f"{workdir} holds a run started with")  # fmt: skip
+            holder = (
+                f"the checkpoints in {workdir} were trained with"
+                if trained_with is not None
+                else f"{workdir} holds a run started with"
+            )
             raise ConfigChangedError(
                 f"{holder} another config ({_describe(refused)}); "
                 "resuming would mix the two: use a new --workdir, or pass "
@@ -284,8 +287,16 @@ class RerunCheck(Hook):
     ``progress`` prints one line.
     """
 
-    def __init__(self, workdir: str | Path, config: ml_collections.ConfigDict, *,
-                 allow_change: bool, devices: Any, progress: Any, write: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        workdir: str | Path,
+        config: ml_collections.ConfigDict,
+        *,
+        allow_change: bool,
+        devices: Any,
+        progress: Any,
+        write: bool,
+    ) -> None:
         self.workdir = Path(workdir)
         self.config = config
         self.allow_change = allow_change
@@ -295,9 +306,14 @@ class RerunCheck(Hook):
         self.changes: list[Difference] = []
 
     def _check(self, write: bool, trained_with: dict | None) -> list[Difference]:
-        return check_rerun(self.workdir, self.config, allow_change=self.allow_change,
-                           write=write, devices=self.devices(),
-                           trained_with=trained_with)  # fmt: skip
+        return check_rerun(
+            self.workdir,
+            self.config,
+            allow_change=self.allow_change,
+            write=write,
+            devices=self.devices(),
+            trained_with=trained_with,
+        )
 
     def __enter__(self) -> RerunCheck:
         trained_with = newest_config_record(self.workdir / "checkpoints")

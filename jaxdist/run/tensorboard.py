@@ -65,8 +65,9 @@ class SummaryWriter:
             return
         from tensorboardX.summary import hparams
 
-        values = {k: v if isinstance(v, int | float | str | bool) else repr(v)
-                  for k, v in config.items()}  # fmt: skip
+        values = {
+            k: v if isinstance(v, int | float | str | bool) else repr(v) for k, v in config.items()
+        }
         for summary in hparams(values, {metric: 0.0}):
             self._writer.file_writer.add_summary(summary)
 
@@ -86,8 +87,9 @@ class TensorBoard(Hook):
     ) -> None:
         check_mode(config.tensorboard)
 
-    def __init__(self, workdir: Path, mode: str, *, enabled: bool, config: dict[str, Any],
-                 headline: str) -> None:  # fmt: skip
+    def __init__(
+        self, workdir: Path, mode: str, *, enabled: bool, config: dict[str, Any], headline: str
+    ) -> None:
         check_mode(mode)
         self.directory = Path(workdir) / "tensorboard"
         self.mode = mode if enabled else "off"

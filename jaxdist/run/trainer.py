@@ -197,8 +197,9 @@ class Trainer:
         """
         check_same_everywhere(run_facts(self.config, self.mesh, self.recipe))
         if self.workdir.exists() and not self.workdir.is_dir():
-            raise WorkdirError(f"the workdir {self.workdir} is a file, not a folder: give "
-                               "another --workdir")  # fmt: skip
+            raise WorkdirError(
+                f"the workdir {self.workdir} is a file, not a folder: give another --workdir"
+            )
         try:
             return self._run(on_step)
         except OSError as err:  # a save's own failures are CheckpointWriteError already
@@ -218,10 +219,15 @@ class Trainer:
             # The workdir's lock before anything else: opening the checkpoints moves an
             # incomplete one aside, which would be the save of a run still writing there.
             lock = held.enter_context(WorkdirLock(self.workdir))
-            ckpt = Checkpointer(self.workdir / "checkpoints", every_steps=saves.every_steps,
-                                keep=saves.keep, async_save=saves.async_save)  # fmt: skip
-            own = standard_hooks(self.parts, log, ckpt, lock,
-                                 allow_config_change=self.allow_config_change)  # fmt: skip
+            ckpt = Checkpointer(
+                self.workdir / "checkpoints",
+                every_steps=saves.every_steps,
+                keep=saves.keep,
+                async_save=saves.async_save,
+            )
+            own = standard_hooks(
+                self.parts, log, ckpt, lock, allow_config_change=self.allow_config_change
+            )
             hooks = Hooks(own + self.user_hooks + on_steps)
             try:
                 for hook in hooks.hooks:  # the rerun check comes first after the lock
@@ -255,8 +261,13 @@ class Trainer:
                     loop.iterator.close()
                 log.close()
         self.state = loop.state
-        return {"step": loop.step, "epoch": loop.epoch, "preempted": bool(loop.stopped_by),
-                "stopped_by": loop.stopped_by, **loop.last_eval}  # fmt: skip
+        return {
+            "step": loop.step,
+            "epoch": loop.epoch,
+            "preempted": bool(loop.stopped_by),
+            "stopped_by": loop.stopped_by,
+            **loop.last_eval,
+        }
 
     def _resume(self, ckpt: Checkpointer, log: RunLog, hooks: Hooks) -> Loop:
         """The loop's state: from the newest checkpoint, or fresh from the seed."""
@@ -268,16 +279,22 @@ class Trainer:
                 raise self._pipeline_mismatch(err, ckpt) from None
         else:
             state = self.initial_state()
-        loop = Loop(state=state, step=step, total_steps=self.total_steps,
-                    base_rng=jax.random.PRNGKey(self.parts.settings.seed), data_state=data_state,
-                    epoch=self.schedule.epoch_at(step))  # fmt: skip
+        loop = Loop(
+            state=state,
+            step=step,
+            total_steps=self.total_steps,
+            base_rng=jax.random.PRNGKey(self.parts.settings.seed),
+            data_state=data_state,
+            epoch=self.schedule.epoch_at(step),
+        )
         hooks.resumed(loop, meta)
         if 0 < step < self.total_steps:
             log.progress(f"resumed from step {step} (epoch {meta['epoch']:.3f})", final=True)
         return loop
 
-    def _pipeline_mismatch(self, err: CheckpointMismatchError,
-                           ckpt: Checkpointer) -> CheckpointMismatchError:  # fmt: skip
+    def _pipeline_mismatch(
+        self, err: CheckpointMismatchError, ckpt: Checkpointer
+    ) -> CheckpointMismatchError:
         """``err``, said as what it is when a pipeline recipe resumes under another sharding:
         the same model, laid out another way."""
         recorded = newest_config_record(ckpt.directory) or {}
@@ -299,8 +316,13 @@ class Trainer:
             final=True,
         )
         self.state = loop.state
-        return {"step": loop.step, "epoch": loop.epoch, "preempted": False,
-                "already_finished": True, **last_eval(self.workdir)}  # fmt: skip
+        return {
+            "step": loop.step,
+            "epoch": loop.epoch,
+            "preempted": False,
+            "already_finished": True,
+            **last_eval(self.workdir),
+        }
 
     def _train_one_step(self, loop: Loop, log: RunLog, ckpt: Checkpointer, hooks: Hooks) -> None:
         """One step: a new stage's iterator and step if the step starts one, the epoch's LR,
@@ -341,8 +363,9 @@ class Trainer:
         the plan, as ``TrainStep.plan().table()`` prints it (a pipeline step refuses both)."""
         if not self.parts.shows_plans:
             return
-        log.progress(f"gradient plan, {train_step.accumulation_steps} micro-batch(es) per step:",
-                     final=True)  # fmt: skip
+        log.progress(
+            f"gradient plan, {train_step.accumulation_steps} micro-batch(es) per step:", final=True
+        )
         for line in train_step.plan().table().splitlines():
             log.progress(line, final=True)
 
@@ -354,9 +377,15 @@ class Trainer:
         now = time.perf_counter()
         window = now - loop.window_start
         rate = loop.window_samples / window
-        record = {"kind": "train", "step": loop.step, "epoch": loop.epoch, "lr": loop.lr,
-                  "batch_size": loop.batch_size, f"{self.task.unit}_per_sec": rate,
-                  **means}  # fmt: skip
+        record = {
+            "kind": "train",
+            "step": loop.step,
+            "epoch": loop.epoch,
+            "lr": loop.lr,
+            "batch_size": loop.batch_size,
+            f"{self.task.unit}_per_sec": rate,
+            **means,
+        }
         log.metrics(record)
         eta = (self.total_steps - loop.step) * window / loop.window_steps
         log.progress(
@@ -394,15 +423,24 @@ class Trainer:
         shown = ", ".join(f"{k} {v:.4f}" for k, v in loop.last_eval.items())
         log.progress(f"eval at epoch {loop.epoch:.2f}: {shown}", final=True)
 
-    def _save(self, loop: Loop, ckpt: Checkpointer, hooks: Hooks, force: bool = False,
-              data_state: dict | None = None) -> None:  # fmt: skip
+    def _save(
+        self,
+        loop: Loop,
+        ckpt: Checkpointer,
+        hooks: Hooks,
+        force: bool = False,
+        data_state: dict | None = None,
+    ) -> None:
         """A checkpoint now (the hooks may refuse one, e.g. of non-finite parameters);
         ``data_state`` replaces the iterator's own state."""
         ckpt.check()
         hooks.saving(loop)
-        meta = {"epoch": loop.epoch, "stage": loop.stage,
-                "config": rerun.config_record(self.config, self.resolved_devices()),
-                "samples_seen": loop.iterator.next_sample}  # fmt: skip
+        meta = {
+            "epoch": loop.epoch,
+            "stage": loop.stage,
+            "config": rerun.config_record(self.config, self.resolved_devices()),
+            "samples_seen": loop.iterator.next_sample,
+        }
         if data_state is None:
             data_state = loop.iterator.get_state()
         ckpt.save(loop.step, loop.state, data_state, meta, force=force)

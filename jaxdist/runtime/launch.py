@@ -231,8 +231,10 @@ def _start(
         except OSError as err:
             not_found = isinstance(err, FileNotFoundError)
             with lock:
-                log.write(f"jaxdist: cannot run {worker.argv[0]!r}: "
-                          f"{'not found' if not_found else err.strerror}\n")  # fmt: skip
+                log.write(
+                    f"jaxdist: cannot run {worker.argv[0]!r}: "
+                    f"{'not found' if not_found else err.strerror}\n"
+                )
             return 127 if not_found else 126
         procs.append(proc)
         pump = threading.Thread(target=_pump, args=(i, proc.stdout, out, lock), daemon=True)

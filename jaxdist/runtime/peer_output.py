@@ -48,9 +48,13 @@ def _drop_native_stdout() -> None:
     real = os.dup(1)
     old = sys.stdout
     binary = os.fdopen(real, "wb", buffering=0 if old.write_through else -1)
-    sys.stdout = io.TextIOWrapper(binary, encoding=old.encoding, errors=old.errors,
-                                  line_buffering=old.line_buffering,
-                                  write_through=old.write_through)  # fmt: skip
+    sys.stdout = io.TextIOWrapper(
+        binary,
+        encoding=old.encoding,
+        errors=old.errors,
+        line_buffering=old.line_buffering,
+        write_through=old.write_through,
+    )
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.close(null)

@@ -91,14 +91,16 @@ class ImageClassification(Task):
         # The run's config (printed, recorded in config.json) holds the dataset's real count.
         config.data.num_classes = self.num_classes
         self.label_smoothing = config.label_smoothing
-        self.model = build_model(config.model, self.num_classes, replicas.axis_names,
-                                 replicas.count)  # fmt: skip
+        self.model = build_model(
+            config.model, self.num_classes, replicas.axis_names, replicas.count
+        )
         self.applied = self.model
         if config.data.dtype == "uint8":
             self.applied = NormalizeOnDevice(self.model, self.data.mean, self.data.std)
         self.example = jnp.zeros((1, *self.data.image_shape), jnp.float32)
-        self._loss = classifier_loss(self.applied, num_classes=self.num_classes,
-                                     label_smoothing=self.label_smoothing)  # fmt: skip
+        self._loss = classifier_loss(
+            self.applied, num_classes=self.num_classes, label_smoothing=self.label_smoothing
+        )
         self._eval = classifier_eval(self.applied)
 
     def init_variables(self, rng: jax.Array) -> tuple[Any, dict]:
@@ -154,5 +156,10 @@ class ImageClassification(Task):
 def model_description(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """What a pipeline profile records of the recipe's model."""
     m = config.model
-    return {"name": m.name, "width": m.width, "stem": m.stem, "dtype": m.dtype,
-            "image_size": config.data.image_size}  # fmt: skip
+    return {
+        "name": m.name,
+        "width": m.width,
+        "stem": m.stem,
+        "dtype": m.dtype,
+        "image_size": config.data.image_size,
+    }

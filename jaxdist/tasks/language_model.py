@@ -139,8 +139,9 @@ class _SpanStage:
 
     def __call__(self, params, model_state, x, rng):
         own = -self.first_block
-        y, model_state = self.model.apply(self._blocks_shifted(params, own),
-                                          self._blocks_shifted(model_state, own), x, rng=rng)  # fmt: skip
+        y, model_state = self.model.apply(
+            self._blocks_shifted(params, own), self._blocks_shifted(model_state, own), x, rng=rng
+        )
         return y, self._blocks_shifted(model_state, self.first_block)
 
 
@@ -213,19 +214,33 @@ class LanguageModel(Task):
         )
         shape.check(m.d_model)
         self.shape = TransformerShape(
-            m.num_layers, m.d_model, shape.num_heads, shape.kv_heads,
-            shape.width_per_head(m.d_model), shape.hidden(m.d_model),
-            3 if shape.mlp == "swiglu" else 2, m.vocab_size, d.seq_len,
-        )  # fmt: skip
+            m.num_layers,
+            m.d_model,
+            shape.num_heads,
+            shape.kv_heads,
+            shape.width_per_head(m.d_model),
+            shape.hidden(m.d_model),
+            3 if shape.mlp == "swiglu" else 2,
+            m.vocab_size,
+            d.seq_len,
+        )
         self.name = m.name
         self.seq_len = d.seq_len
         train, held_out, self.baseline_bits_per_byte, self.token_dtype = _windows(d, m.vocab_size)
         self.data = RecordData(train, held_out, seed=d.seed)
         self._make = lambda key: Transformer(
-            vocab_size=m.vocab_size, max_len=d.seq_len, num_layers=m.num_layers,
-            d_model=m.d_model, num_heads=m.num_heads, shape=shape, dropout=m.dropout,
-            dtype=DTYPES[m.dtype], remat=m.remat, scan_layers=m.scan_layers, rngs=nnx.Rngs(key),
-        )  # fmt: skip
+            vocab_size=m.vocab_size,
+            max_len=d.seq_len,
+            num_layers=m.num_layers,
+            d_model=m.d_model,
+            num_heads=m.num_heads,
+            shape=shape,
+            dropout=m.dropout,
+            dtype=DTYPES[m.dtype],
+            remat=m.remat,
+            scan_layers=m.scan_layers,
+            rngs=nnx.Rngs(key),
+        )
         self._abstract = nnx.eval_shape(lambda: self._make(jax.random.key(0)))  # structure only
         self.model = NnxModel(self._abstract)
 
@@ -284,8 +299,9 @@ class LanguageModel(Task):
                 "pipeline stages cut the transformer between blocks, which "
                 "model.scan_layers=True stacks into one; set model.scan_layers=False"
             )
-        cuts = pipeline_stages.spans(whole.num_layers, None if boundaries else virtual_stages,
-                                     boundaries)  # fmt: skip
+        cuts = pipeline_stages.spans(
+            whole.num_layers, None if boundaries else virtual_stages, boundaries
+        )
         stages = [_SpanStage(whole, start, stop) for start, stop in cuts]
 
         def loss(logits, micro_batch):

@@ -149,18 +149,25 @@ def select_dense_layers(seen: _Seen, requested: str | Sequence[str] | None) -> l
         path = name.strip("/")
         kind = seen.modules.get(path)
         if kind is None:
-            raise ValueError(f"sfb_layers: the model has no module {name!r}; its dense layers "
-                             f"are: {dense_names}")  # fmt: skip
+            raise ValueError(
+                f"sfb_layers: the model has no module {name!r}; its dense layers are: {dense_names}"
+            )
         if path not in seen.calls:
-            raise ValueError(f"sfb_layers: {name!r} is a {kind}, not a dense layer: sufficient "
-                             f"factors need an nn.Dense (x @ kernel); dense layers: {dense_names}")  # fmt: skip
+            raise ValueError(
+                f"sfb_layers: {name!r} is a {kind}, not a dense layer: sufficient "
+                f"factors need an nn.Dense (x @ kernel); dense layers: {dense_names}"
+            )
         if path not in seen.dense:
-            raise ValueError(f"sfb_layers: the dense layer {name!r} has no 2-D kernel at "
-                             f"params[{'/'.join((*path.split('/'), 'kernel'))}]; the loss must "
-                             f"pass its params as the model's 'params' collection")  # fmt: skip
+            raise ValueError(
+                f"sfb_layers: the dense layer {name!r} has no 2-D kernel at "
+                f"params[{'/'.join((*path.split('/'), 'kernel'))}]; the loss must "
+                f"pass its params as the model's 'params' collection"
+            )
         if seen.calls[path] != 1:
-            raise ValueError(f"sfb_layers: {name!r} runs {seen.calls[path]} times per step; "
-                             f"sufficient factors need a layer that runs once")  # fmt: skip
+            raise ValueError(
+                f"sfb_layers: {name!r} runs {seen.calls[path]} times per step; "
+                f"sufficient factors need a layer that runs once"
+            )
         chosen.append(seen.dense[path])
     return chosen
 
@@ -216,8 +223,9 @@ class FactorTap:
         ``rows x out_features``."""
         missing = sorted(set(self.layers) - set(inputs))
         if missing:
-            raise ValueError(f"sufficient factors: dense layers {missing} did not run in this "
-                             f"trace of the loss")  # fmt: skip
+            raise ValueError(
+                f"sufficient factors: dense layers {missing} did not run in this trace of the loss"
+            )
         return {
             path: (
                 inputs[path].reshape(-1, layer.in_features),

@@ -78,8 +78,7 @@ class _Segment:
 
 # Primitives that only cast or lay out one value anew (``jnp.expand_dims`` traces to
 # ``broadcast_in_dim``).
-_RELAYOUTS = {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
-              "copy"}  # fmt: skip
+_RELAYOUTS = {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze", "copy"}
 
 
 def segments_of(
@@ -103,9 +102,11 @@ def segments_of(
                 first.setdefault(v, i)
         for p in sources:
             last[p] = i
-        if eqn.primitive.name in _RELAYOUTS and len(sources) == 1 and all(
-            not is_var(v) or v in origin for v in eqn.invars
-        ):  # fmt: skip
+        if (
+            eqn.primitive.name in _RELAYOUTS
+            and len(sources) == 1
+            and all(not is_var(v) or v in origin for v in eqn.invars)
+        ):
             origin.update(dict.fromkeys(eqn.outvars, next(iter(sources))))
         else:
             for p in sources:
@@ -118,8 +119,11 @@ def segments_of(
     starts, matmul_since, last_matmul = [0], False, -1
     for i, eqn in enumerate(eqns):
         matmul = has_matmul(eqn)
-        opened = [origin[v] for v in eqn.invars
-                  if is_var(v) and v in origin and first_use.get(origin[v]) == i]  # fmt: skip
+        opened = [
+            origin[v]
+            for v in eqn.invars
+            if is_var(v) and v in origin and first_use.get(origin[v]) == i
+        ]
         if opened and matmul and matmul_since:
             start = max(min(first[p] for p in opened), last_matmul + 1)
             if start > starts[-1]:
@@ -159,18 +163,27 @@ def segments_of(
 
 def _evaluate(segment: _Segment, inputs: Sequence[Any], params: Sequence[Any]) -> list[Any]:
     """The segment's outputs from its inputs and its whole parameters."""
-    names = jex.DebugInfo("fsdp segment", "jaxdist.training.fsdp_pacing",
-                          tuple(map(str, [*segment.inputs, *segment.params])),
-                          tuple(map(str, segment.outputs)))  # fmt: skip
+    names = jex.DebugInfo(
+        "fsdp segment",
+        "jaxdist.training.fsdp_pacing",
+        tuple(map(str, [*segment.inputs, *segment.params])),
+        tuple(map(str, segment.outputs)),
+    )
     effects = frozenset().union(*(eqn.effects for eqn in segment.eqns))
-    jaxpr = jex.Jaxpr([], [*segment.inputs, *segment.params], segment.outputs, segment.eqns,
-                      effects, names)  # fmt: skip
+    jaxpr = jex.Jaxpr(
+        [], [*segment.inputs, *segment.params], segment.outputs, segment.eqns, effects, names
+    )
     return jax.core.eval_jaxpr(jaxpr, [], *inputs, *params)
 
 
-def paced_loss(loss_fn: Callable, layout: Any, gather: Callable, scatter: Callable,
-               prefetch: int = 1, on_segments: Callable[[int], None] | None = None,
-               ) -> Callable:  # fmt: skip
+def paced_loss(
+    loss_fn: Callable,
+    layout: Any,
+    gather: Callable,
+    scatter: Callable,
+    prefetch: int = 1,
+    on_segments: Callable[[int], None] | None = None,
+) -> Callable:
     """``loss_fn`` on a device's parameter blocks with every gather and reduce-scatter placed
     as the module docstring says. ``gather(blocks, dims, again) -> whole`` and
     ``scatter(whole, dims) -> blocks`` are the unit collectives
@@ -217,8 +230,9 @@ def paced_loss(loss_fn: Callable, layout: Any, gather: Callable, scatter: Callab
     return sharded_loss
 
 
-def _segment_step(segment: _Segment, layout: Any, gather: Callable, scatter: Callable,
-                  prefetch: int):  # fmt: skip
+def _segment_step(
+    segment: _Segment, layout: Any, gather: Callable, scatter: Callable, prefetch: int
+):
     """``(inputs, blocks, handover) -> (outputs, handover)``: one segment as a custom_vjp."""
     dims = [layout.dims[i] for i in segment.leaves]
     travel = gather_dtypes(segment.params, segment.eqns)

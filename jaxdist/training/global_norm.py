@@ -73,15 +73,18 @@ def with_sums(fn: Callable[[], Any], totals: Sequence[jax.Array]) -> Any:
     def answer(part: jax.Array) -> jax.Array:
         total = next(answers, None)
         if total is None:
-            raise ValueError("the update summed more quantities over the model than when "
-                             f"its parts were recorded ({len(totals)})")  # fmt: skip
+            raise ValueError(
+                "the update summed more quantities over the model than when "
+                f"its parts were recorded ({len(totals)})"
+            )
         return jnp.asarray(total, part.dtype)
 
     with _summing_with(answer):
         result = fn()
     if next(answers, None) is not None:
-        raise ValueError(f"the update summed fewer quantities over the model than the "
-                         f"{len(totals)} recorded")  # fmt: skip
+        raise ValueError(
+            f"the update summed fewer quantities over the model than the {len(totals)} recorded"
+        )
     return result
 
 

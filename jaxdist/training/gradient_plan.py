@@ -79,9 +79,14 @@ class GradientPlan:
                 mean = mean_gradient_from_factors(inputs, output_grads, axes, **ring_options)
                 leaves[index] = mean.astype(leaves[index].dtype)
             reduced = bucketing.bucketed_allreduce(
-                jax.tree.unflatten(treedef, leaves), axes, self.buckets, self.algorithms,
-                op="mean", passthrough=tuple(self.factored), **options,
-            )  # fmt: skip
+                jax.tree.unflatten(treedef, leaves),
+                axes,
+                self.buckets,
+                self.algorithms,
+                op="mean",
+                passthrough=tuple(self.factored),
+                **options,
+            )
         return reduced
 
     def reduce_while_computing(
@@ -98,8 +103,10 @@ class GradientPlan:
         given, is what is averaged of each gradient (with accumulation: the sum over
         micro-batches, divided). Call inside shard_map."""
         if self.factored:
-            raise ValueError("wait-free backprop reduces buckets only; its step sends no "
-                             "layer as sufficient factors")  # fmt: skip
+            raise ValueError(
+                "wait-free backprop reduces buckets only; its step sends no "
+                "layer as sufficient factors"
+            )
 
         def reduce_bucket(b: int, leaves: list) -> list:
             if before_reduce is not None:
@@ -146,10 +153,17 @@ def make_gradient_plan(
         for _, leaf in leaves
     ]
     layer_routes = [
-        _route_layer(layer, wire_bytes[index_of[layer.kernel_path]], accumulation_steps,
-                     transfer_itemsize, axis_sizes, links, auto)
+        _route_layer(
+            layer,
+            wire_bytes[index_of[layer.kernel_path]],
+            accumulation_steps,
+            transfer_itemsize,
+            axis_sizes,
+            links,
+            auto,
+        )
         for layer in layers
-    ]  # fmt: skip
+    ]
     factored = {
         index_of[layer.kernel_path]: layer
         for layer, route in zip(layers, layer_routes)
@@ -165,10 +179,16 @@ def make_gradient_plan(
     buckets = _plan_in_order(own_bytes, [k for k in order if k not in factored], bucket_bytes)
     layer_routes = _name_buckets(layers, layer_routes, buckets, index_of)
     bucket_routes = [
-        _route_bucket(f"bucket {number}", f"{len(bucket)} arrays",
-                      sum(wire_bytes[k] for k in bucket), allreduce, axis_sizes, links)
+        _route_bucket(
+            f"bucket {number}",
+            f"{len(bucket)} arrays",
+            sum(wire_bytes[k] for k in bucket),
+            allreduce,
+            axis_sizes,
+            links,
+        )
         for number, bucket in enumerate(buckets)
-    ]  # fmt: skip
+    ]
     algorithms = [route.choice for route in bucket_routes]
     return GradientPlan(buckets, algorithms, factored, layer_routes + bucket_routes, links)
 
@@ -233,8 +253,16 @@ def _route_layer(
     if links is None:
         return hybrid.Route(name, detail, factor_bytes, hybrid.FACTORS)
     rebuild = hybrid.rebuild_seconds(rows, layer.in_features, layer.out_features, axis_sizes, links)
-    return hybrid.route_dense_layer(name, detail, kernel_bytes, factor_bytes, axis_sizes, links,
-                                    allow_dense=auto, rebuild=rebuild)  # fmt: skip
+    return hybrid.route_dense_layer(
+        name,
+        detail,
+        kernel_bytes,
+        factor_bytes,
+        axis_sizes,
+        links,
+        allow_dense=auto,
+        rebuild=rebuild,
+    )
 
 
 def _route_bucket(

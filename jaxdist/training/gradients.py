@@ -19,8 +19,9 @@ from jaxdist.training.dense_factors import FactorTap
 __all__: list[str] = []  # building blocks of the package's own modules
 
 
-def scaled_objective(loss_fn: Callable, model_state: Any, batch: Any, rng: jax.Array,
-                     scale: jax.Array | None) -> Callable:  # fmt: skip
+def scaled_objective(
+    loss_fn: Callable, model_state: Any, batch: Any, rng: jax.Array, scale: jax.Array | None
+) -> Callable:
     """``objective(params) -> (loss x scale, (loss, new model state, metrics))``: what a step
     differentiates on one device's batch (the loss itself without a ``scale``)."""
 
@@ -33,9 +34,16 @@ def scaled_objective(loss_fn: Callable, model_state: Any, batch: Any, rng: jax.A
 
 
 def reduced_while_computing(
-    loss_fn: Callable, plan: Any, state: Any, batch: Any, rng: jax.Array,
-    scale: jax.Array | None, accumulation_steps: int, axes: Any, options: dict,
-) -> tuple[Any, Any, jax.Array, dict]:  # fmt: skip
+    loss_fn: Callable,
+    plan: Any,
+    state: Any,
+    batch: Any,
+    rng: jax.Array,
+    scale: jax.Array | None,
+    accumulation_steps: int,
+    axes: Any,
+    options: dict,
+) -> tuple[Any, Any, jax.Array, dict]:
     """``(mean gradients over axes, new model state, loss, metrics)`` of a wait-free step: the
     gradient ``plan``'s buckets reduced beside the backward pass of the (last) micro-batch
     (:meth:`~jaxdist.training.gradient_plan.GradientPlan.reduce_while_computing`); with
@@ -140,9 +148,14 @@ def _accumulated(grad_of: Callable, micro_batches: Any, model_state: Any, rng, k
 
 
 def accumulated_head(
-    loss_fn: Callable, params: Any, model_state: Any, batch: Any, rng: jax.Array,
-    scale: jax.Array | None, k: int,
-) -> tuple[tuple[Any, Any, jax.Array, dict], Any, jax.Array]:  # fmt: skip
+    loss_fn: Callable,
+    params: Any,
+    model_state: Any,
+    batch: Any,
+    rng: jax.Array,
+    scale: jax.Array | None,
+    k: int,
+) -> tuple[tuple[Any, Any, jax.Array, dict], Any, jax.Array]:
     """The first ``k - 1`` of ``k`` micro-batches of ``batch``, run as :func:`local_gradients`
     runs them: ``((gradient sums, model state after them, loss sum, metrics sums), the last
     micro-batch, its rng)``. A step that differentiates the last one itself (the wait-free

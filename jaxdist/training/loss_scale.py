@@ -68,9 +68,16 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def ended_step(state: Any, params: Any, model_state: Any, opt_state: Any,
-               finite: jax.Array | None, loss: jax.Array, metrics: dict,
-               skip_nonfinite: bool) -> tuple[Any, dict]:  # fmt: skip
+def ended_step(
+    state: Any,
+    params: Any,
+    model_state: Any,
+    opt_state: Any,
+    finite: jax.Array | None,
+    loss: jax.Array,
+    metrics: dict,
+    skip_nonfinite: bool,
+) -> tuple[Any, dict]:
     """A data-parallel step's ``(new_state, metrics)`` from its updated parts and its verdict
     on the gradients (:func:`finish_scaled_step`); with ``skip_nonfinite`` a step whose loss or
     updated parameters are not finite is skipped too."""
@@ -79,8 +86,9 @@ def ended_step(state: Any, params: Any, model_state: Any, opt_state: Any,
     )
     if skip_nonfinite:  # nor may a finite step's update leave inf parameters
         finite = finite & jnp.isfinite(loss) & all_finite(params)
-    return finish_scaled_step(state, new_state, finite, {**metrics, "loss": loss},
-                              report_skipped=skip_nonfinite)  # fmt: skip
+    return finish_scaled_step(
+        state, new_state, finite, {**metrics, "loss": loss}, report_skipped=skip_nonfinite
+    )
 
 
 def finish_scaled_step(

@@ -147,8 +147,9 @@ def lr_schedule(
     float or a (traced) float array, so the train step can evaluate it under ``jit``.
     """
     step_epochs = tuple(step_epochs)
-    _check_schedule(kind, peak_lr, warmup_epochs, total_epochs, end_lr, power, init_lr,
-                    step_epochs, step_factor)  # fmt: skip
+    _check_schedule(
+        kind, peak_lr, warmup_epochs, total_epochs, end_lr, power, init_lr, step_epochs, step_factor
+    )
     # optax schedules do arithmetic on their count without casting it to an int, so the
     # "steps" below are epochs and the boundaries may be fractional.
     warmup = optax.linear_schedule(init_lr, peak_lr, transition_steps=warmup_epochs)
@@ -332,8 +333,9 @@ def sgd_momentum(
 def _masked_adamw(
     learning_rate: float, b1: float, b2: float, eps: float, weight_decay: float
 ) -> optax.GradientTransformation:
-    return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                       mask=decay_mask)  # fmt: skip
+    return optax.adamw(
+        learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decay_mask
+    )
 
 
 def adamw(
@@ -348,8 +350,10 @@ def adamw(
     docstring)."""
     _check_initial_learning_rate(learning_rate)
     if eps <= 0:
-        raise ValueError(f"adamw needs eps > 0 (it divides by sqrt(v) + eps), got {eps}; "
-                         f"leave it unset for the usual {DEFAULT_EPS['adamw']}")  # fmt: skip
+        raise ValueError(
+            f"adamw needs eps > 0 (it divides by sqrt(v) + eps), got {eps}; "
+            f"leave it unset for the usual {DEFAULT_EPS['adamw']}"
+        )
     return optax.inject_hyperparams(_masked_adamw)(
         learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay
     )

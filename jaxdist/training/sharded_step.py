@@ -62,8 +62,9 @@ def build_sharded_step(step: Any, state: Any) -> Callable:
         out_specs=whole,
         check_vma=False,
     )
-    block_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), blocks,
-                                   is_leaf=lambda x: isinstance(x, P))  # fmt: skip
+    block_shardings = jax.tree.map(
+        lambda s: NamedSharding(mesh, s), blocks, is_leaf=lambda x: isinstance(x, P)
+    )
 
     def train_step(state, batch, rng):
         scale = None if state.loss_scale is None else state.loss_scale.scale
@@ -75,14 +76,16 @@ def build_sharded_step(step: Any, state: Any) -> Callable:
         checked = state.loss_scale is not None or step.skip_nonfinite
         finite = all_finite(grads) if checked else None
         # ZeRO-1's whole parameters, seen in blocks: each device slices its own, no traffic.
-        params = state.params if fsdp else lax.with_sharding_constraint(state.params,
-                                                                        block_shardings)  # fmt: skip
+        params = (
+            state.params if fsdp else lax.with_sharding_constraint(state.params, block_shardings)
+        )
         updates, opt_state = step.optimizer.update(grads, state.opt_state, params)
         params = optax.apply_updates(params, updates)
         if not fsdp:
             params = gather_back(params)
-        return ended_step(state, params, model_state, opt_state, finite, loss, metrics,
-                          step.skip_nonfinite)  # fmt: skip
+        return ended_step(
+            state, params, model_state, opt_state, finite, loss, metrics, step.skip_nonfinite
+        )
 
     state_shardings = step.state_shardings(state)
     return jax.jit(
@@ -93,8 +96,15 @@ def build_sharded_step(step: Any, state: Any) -> Callable:
     )
 
 
-def _gradients(step: Any, layout: sharding_lib.Layout, params: Any, model_state: Any,
-               batch: Any, rng: jax.Array, scale: jax.Array | None):  # fmt: skip
+def _gradients(
+    step: Any,
+    layout: sharding_lib.Layout,
+    params: Any,
+    model_state: Any,
+    batch: Any,
+    rng: jax.Array,
+    scale: jax.Array | None,
+):
     """Inside shard_map: ``(gradient blocks, model state, loss, metrics)``, every gradient the
     mean over the data axes, each sharded one kept only in the blocks this device owns."""
     step.trace_count += 1
@@ -103,10 +113,18 @@ def _gradients(step: Any, layout: sharding_lib.Layout, params: Any, model_state:
     gradient_options = step.allreduce_options
     loss_fn = step.loss_fn
     if step.sharding == "fsdp":
-        loss_fn = sharding_lib.gathered_loss(loss_fn, layout, shard_axes, step.gather,
-                                             step.allreduce, step.gather_options,
-                                             gradient_options, step.keep_gathered,
-                                             step.prefetch, step.record_paced_layers)  # fmt: skip
+        loss_fn = sharding_lib.gathered_loss(
+            loss_fn,
+            layout,
+            shard_axes,
+            step.gather,
+            step.allreduce,
+            step.gather_options,
+            gradient_options,
+            step.keep_gathered,
+            step.prefetch,
+            step.record_paced_layers,
+        )
     tensor = step.tensor
     with tensor.splitting() if tensor else contextlib.nullcontext():
         grads, model_state, loss, metrics, _ = local_gradients(
@@ -117,8 +135,9 @@ def _gradients(step: Any, layout: sharding_lib.Layout, params: Any, model_state:
     with jax.named_scope(METRICS_SCOPE):
         loss, metrics = lax.pmean((loss, metrics), axes)
     if step.sharding == "zero1":
-        grads = sharding_lib.scatter_gradients(grads, layout, shard_axes, step.allreduce,
-                                               gradient_options)  # fmt: skip
+        grads = sharding_lib.scatter_gradients(
+            grads, layout, shard_axes, step.allreduce, gradient_options
+        )
     return _averaged(step, layout, grads), model_state, loss, metrics
 
 
@@ -136,14 +155,16 @@ def _averaged(step: Any, layout: sharding_lib.Layout, grads: Any) -> Any:
         if whole:
             algorithm = _replica_algorithm(step.allreduce) if hsdp else step.allreduce
             options = {} if hsdp else step.allreduce_options
-            summed = collectives.allreduce([leaves[i] for i in whole], step.data_axes,
-                                           algorithm, **options)  # fmt: skip
+            summed = collectives.allreduce(
+                [leaves[i] for i in whole], step.data_axes, algorithm, **options
+            )
             for i, g in zip(whole, summed):
                 leaves[i] = g
         if hsdp and split:
             group_axes = across[0] if len(across) == 1 else across
-            summed = collectives.allreduce([leaves[i] for i in split], group_axes,
-                                           _replica_algorithm(step.allreduce))  # fmt: skip
+            summed = collectives.allreduce(
+                [leaves[i] for i in split], group_axes, _replica_algorithm(step.allreduce)
+            )
             for i, g in zip(split, summed):
                 leaves[i] = g
     return jax.tree.unflatten(treedef, [g / step.num_replicas for g in leaves])

@@ -189,8 +189,10 @@ class Layout:
         """One line: how many parameters are split, and which stay whole."""
         whole = self.replicated()
         count = sum(math.prod(self.shapes[i]) for i, d in enumerate(self.dims) if d is None)
-        line = (f"{len(self.dims) - len(whole)} of {len(self.dims)} parameter arrays split "
-                f"{self.shards} ways")  # fmt: skip
+        line = (
+            f"{len(self.dims) - len(whole)} of {len(self.dims)} parameter arrays split "
+            f"{self.shards} ways"
+        )
         if whole:
             shown = ", ".join(whole[:4]) + (", ..." if len(whole) > 4 else "")
             line += f"; {len(whole)} kept whole ({count:,} values: {shown})"
@@ -205,8 +207,14 @@ def _front(block: jax.Array, dim: int) -> jax.Array:
     return jnp.moveaxis(block, dim, 0).reshape(-1)
 
 
-def gather_unit(blocks: Sequence[jax.Array], dims: Sequence[int], axes: Any, algorithm: str,
-                options: Mapping[str, Any], reversed_: bool = False) -> list[jax.Array]:  # fmt: skip
+def gather_unit(
+    blocks: Sequence[jax.Array],
+    dims: Sequence[int],
+    axes: Any,
+    algorithm: str,
+    options: Mapping[str, Any],
+    reversed_: bool = False,
+) -> list[jax.Array]:
     """Every device's blocks of one unit's parameters, gathered into whole parameters.
 
     ``reversed_``: each device sends its buffer back to front and the rows are turned round
@@ -229,8 +237,13 @@ def gather_unit(blocks: Sequence[jax.Array], dims: Sequence[int], axes: Any, alg
     return whole
 
 
-def scatter_unit(whole: Sequence[jax.Array], dims: Sequence[int], axes: Any, algorithm: str,
-                 options: Mapping[str, Any]) -> list[jax.Array]:  # fmt: skip
+def scatter_unit(
+    whole: Sequence[jax.Array],
+    dims: Sequence[int],
+    axes: Any,
+    algorithm: str,
+    options: Mapping[str, Any],
+) -> list[jax.Array]:
     """One unit's whole gradients summed over ``axes``, each device keeping its blocks."""
     shards = collectives.axis_size(axes)
     rows = [jnp.moveaxis(g, d, 0).reshape(shards, -1) for g, d in zip(whole, dims)]
@@ -244,8 +257,14 @@ def scatter_unit(whole: Sequence[jax.Array], dims: Sequence[int], axes: Any, alg
     return blocks
 
 
-def gatherer(dims: Sequence[int], axes: Any, gather: str, scatter: str,
-             options: Mapping[str, Any], gradient_options: Mapping[str, Any]) -> Any:  # fmt: skip
+def gatherer(
+    dims: Sequence[int],
+    axes: Any,
+    gather: str,
+    scatter: str,
+    options: Mapping[str, Any],
+    gradient_options: Mapping[str, Any],
+) -> Any:
     """``gather(blocks) -> whole parameters`` for one unit (by the ``gather`` schedule), whose
     gradient is the reduce-scatter (summing, by the ``scatter`` schedule) of the whole
     parameters' gradients: FSDP's forward and backward collectives as one differentiable
@@ -269,10 +288,18 @@ def gatherer(dims: Sequence[int], axes: Any, gather: str, scatter: str,
     return gather_blocks
 
 
-def gathered_loss(loss_fn: Any, layout: Layout, axes: Any, gather: str, scatter: str,
-                  options: Mapping[str, Any], gradient_options: Mapping[str, Any],
-                  keep_gathered: bool, prefetch: int = 1,
-                  on_segments: Callable[[int], None] | None = None) -> Any:  # fmt: skip
+def gathered_loss(
+    loss_fn: Any,
+    layout: Layout,
+    axes: Any,
+    gather: str,
+    scatter: str,
+    options: Mapping[str, Any],
+    gradient_options: Mapping[str, Any],
+    keep_gathered: bool,
+    prefetch: int = 1,
+    on_segments: Callable[[int], None] | None = None,
+) -> Any:
     """``loss_fn`` on a device's parameter blocks, gathered by the ``gather`` schedule and
     their gradients reduce-scattered by the ``scatter`` schedule. By default each layer's
     parameters are gathered just before it runs, one layer ahead, and again in backward
@@ -282,12 +309,15 @@ def gathered_loss(loss_fn: Any, layout: Layout, axes: Any, gather: str, scatter:
     (more memory, half the parameter traffic)."""
     if not keep_gathered:
         return paced_loss(
-            loss_fn, layout,
-            lambda blocks, dims, again: gather_unit(blocks, dims, axes, gather, options,
-                                                    reversed_=again),
+            loss_fn,
+            layout,
+            lambda blocks, dims, again: gather_unit(
+                blocks, dims, axes, gather, options, reversed_=again
+            ),
             lambda whole, dims: scatter_unit(whole, dims, axes, scatter, gradient_options),
-            prefetch, on_segments,
-        )  # fmt: skip
+            prefetch,
+            on_segments,
+        )
 
     def gather_leaves(leaves, dims):  # scoped inside: forward's gather, backward's scatter
         return gatherer(dims, axes, gather, scatter, options, gradient_options)(leaves)
@@ -311,15 +341,17 @@ def _unit_by_unit(tree: Any, layout: Layout, collective: Any, scope: str | None 
     return jax.tree.unflatten(treedef, out)
 
 
-def scatter_gradients(grads: Any, layout: Layout, axes: Any, algorithm: str,
-                      options: Mapping[str, Any]) -> Any:  # fmt: skip
+def scatter_gradients(
+    grads: Any, layout: Layout, axes: Any, algorithm: str, options: Mapping[str, Any]
+) -> Any:
     """Whole gradients (ZeRO-1) summed over ``axes`` into the blocks each device owns."""
     scatter = lambda ls, dims: scatter_unit(ls, dims, axes, algorithm, options)  # noqa: E731
     return _unit_by_unit(grads, layout, scatter, GRADIENT_SCOPE)
 
 
-def gather_parameters(blocks: Any, layout: Layout, axes: Any, algorithm: str,
-                      options: Mapping[str, Any]) -> Any:  # fmt: skip
+def gather_parameters(
+    blocks: Any, layout: Layout, axes: Any, algorithm: str, options: Mapping[str, Any]
+) -> Any:
     """Every sharded leaf of ``blocks`` gathered whole (ZeRO-1's parameters after the
     update)."""
     gather = lambda ls, dims: gather_unit(ls, dims, axes, algorithm, options)  # noqa: E731

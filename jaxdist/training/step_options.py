@@ -37,8 +37,9 @@ def check_optimizer(optimizer: Any) -> None:
     hint = ""
     if hasattr(optimizer, "tx"):
         hint = " (for an nnx.Optimizer(model, tx), pass tx: the step keeps the optimizer state)"
-    raise TypeError(f"optimizer must be an optax GradientTransformation with init and update, "
-                    f"got {kind}{hint}")  # fmt: skip
+    raise TypeError(
+        f"optimizer must be an optax GradientTransformation with init and update, got {kind}{hint}"
+    )
 
 
 def donation_default(mesh: Mesh) -> bool:
@@ -59,8 +60,9 @@ def check_allreduce(
     line, before anything is traced."""
     chosen = collectives.get(allreduce)
     if chosen.levels > 1 and not (isinstance(axes, tuple) and len(axes) == chosen.levels):
-        raise ValueError(f"allreduce {chosen.name!r} needs {chosen.axes_needed('data axes')}, "
-                         f"got {axes!r}")  # fmt: skip
+        raise ValueError(
+            f"allreduce {chosen.name!r} needs {chosen.axes_needed('data axes')}, got {axes!r}"
+        )
     sizes = [mesh.shape[a] for a in np.atleast_1d(axes)]
     if chosen.levels == 1:
         sizes = [int(np.prod(sizes))]
@@ -71,15 +73,24 @@ def check_allreduce(
         raise ValueError(f"allreduce {chosen.name!r} cannot run over {axes!r}: {reason}")
 
 
-def check_sharded(mesh: Mesh, data_axes: Any, shard_axes: Any, sharding: str, allreduce: str,
-                  options: Mapping[str, Any], sfb_layers: Any) -> None:  # fmt: skip
+def check_sharded(
+    mesh: Mesh,
+    data_axes: Any,
+    shard_axes: Any,
+    sharding: str,
+    allreduce: str,
+    options: Mapping[str, Any],
+    sfb_layers: Any,
+) -> None:
     """Refuse, in one line, a sharded step (ZeRO-1, FSDP) that cannot run: its collectives are
     one schedule's reduce-scatter and all-gather over ``shard_axes``, a subset of the data
     axes."""
     what = f"sharding={sharding!r} reduce-scatters gradients and all-gathers parameters"
     if allreduce in ("auto", "none"):
-        raise ValueError(f"{what} with one schedule's halves; allreduce={allreduce!r} names none "
-                         f"(choose one of {', '.join(collectives.SHARDED_ALGORITHMS)})")  # fmt: skip
+        raise ValueError(
+            f"{what} with one schedule's halves; allreduce={allreduce!r} names none "
+            f"(choose one of {', '.join(collectives.SHARDED_ALGORITHMS)})"
+        )
     if sfb_layers:
         raise ValueError(f"{what}; it sends no sufficient factors (sfb_layers)")
     shard, data = tuple(np.atleast_1d(shard_axes)), tuple(np.atleast_1d(data_axes))
@@ -135,17 +146,26 @@ def check_tensor(
         )
 
 
-def check_gather(mesh: Mesh, data_axes: Any, shard_axes: Any, sharding: str, gather: str,
-                 options: Mapping[str, Any]) -> None:  # fmt: skip
+def check_gather(
+    mesh: Mesh,
+    data_axes: Any,
+    shard_axes: Any,
+    sharding: str,
+    gather: str,
+    options: Mapping[str, Any],
+) -> None:
     """Refuse, in one line, a parameter all-gather schedule (``gather``) that a step cannot
     run: one with halves, over ``shard_axes``, of a sharded step."""
     if sharding == "replicated":
-        raise ValueError(f"gather={gather!r} is the schedule of a sharded step's parameter "
-                         "all-gathers; sharding='replicated' gathers none (choose "
-                         "sharding='zero1' or 'fsdp')")  # fmt: skip
+        raise ValueError(
+            f"gather={gather!r} is the schedule of a sharded step's parameter "
+            "all-gathers; sharding='replicated' gathers none (choose "
+            "sharding='zero1' or 'fsdp')"
+        )
     if gather not in collectives.SHARDED_ALGORITHMS:
-        raise ValueError(f"gather must be one of {', '.join(collectives.SHARDED_ALGORITHMS)}; "
-                         f"got {gather!r}")  # fmt: skip
+        raise ValueError(
+            f"gather must be one of {', '.join(collectives.SHARDED_ALGORITHMS)}; got {gather!r}"
+        )
     try:
         check_sharded(mesh, data_axes, shard_axes, sharding, gather, options, None)
     except ValueError as err:  # its lines name the schedule as the allreduce's
@@ -167,9 +187,11 @@ def check_prefetch(prefetch: Any, sharding: str, keep_gathered: bool) -> int:
         raise ValueError(f"prefetch must be a whole number of layers >= 1; got {prefetch!r}")
     if prefetch != 1 and (sharding != "fsdp" or keep_gathered):
         how = "keeps every unit gathered" if keep_gathered else f"sharding={sharding!r} gathers"
-        raise ValueError(f"prefetch={prefetch} is how many layers ahead FSDP gathers parameters; "
-                         f"a step that {how} none layer by layer (choose sharding='fsdp' "
-                         "without keep_gathered, or leave prefetch=1)")  # fmt: skip
+        raise ValueError(
+            f"prefetch={prefetch} is how many layers ahead FSDP gathers parameters; "
+            f"a step that {how} none layer by layer (choose sharding='fsdp' "
+            "without keep_gathered, or leave prefetch=1)"
+        )
     return prefetch
 
 
@@ -184,13 +206,17 @@ def check_wait_free(wait_free: bool, allreduce: str, sharding: str, sfb_layers: 
     if not wait_free:
         return
     if allreduce in ("native", "none"):
-        raise ValueError(f"wait_free=True paces the message steps of a permute schedule; "
-                         f"allreduce={allreduce!r} has none (choose ring, torus2d, ...)")  # fmt: skip
+        raise ValueError(
+            f"wait_free=True paces the message steps of a permute schedule; "
+            f"allreduce={allreduce!r} has none (choose ring, torus2d, ...)"
+        )
     problem = f"sharding={sharding!r}" if sharding != "replicated" else None
     problem = problem or ("sfb_layers" if sfb_layers else None)
     if problem:
-        raise ValueError(f"wait_free=True paces buckets of whole gradients beside backward; "
-                         f"it does not combine with {problem}")  # fmt: skip
+        raise ValueError(
+            f"wait_free=True paces buckets of whole gradients beside backward; "
+            f"it does not combine with {problem}"
+        )
 
 
 def _probe_update(optimizer: Any, params: Any, grads: Any) -> Any:
@@ -224,16 +250,20 @@ def check_shardable(optimizer: Any, *, updates_together: bool = True) -> bool:
         params, grads = _probe_trees()
         whole, sums = global_norm.partial_sums(lambda: _probe_update(optimizer, params, grads))
         if any(isinstance(s, jax.core.Tracer) for s in sums):  # it never left a lax.cond
-            raise ValueError("the optimizer takes a norm over the model inside a conditional "
-                             "transformation (optax.apply_if_finite, MultiSteps, ...), where a "
-                             "pipeline cannot add it over its stages: put the clip outside it, "
-                             "or use the step's skip_nonfinite")  # fmt: skip
+            raise ValueError(
+                "the optimizer takes a norm over the model inside a conditional "
+                "transformation (optax.apply_if_finite, MultiSteps, ...), where a "
+                "pipeline cannot add it over its stages: put the clip outside it, "
+                "or use the step's skip_nonfinite"
+            )
         expected = [ravel_pytree(update)[0] for update in whole]
         if sums and not updates_together:
-            raise ValueError("this optimizer takes a norm over the whole model, and this "
-                             "schedule updates each stage at its own time, so no step has "
-                             "every stage's gradient at once: clip per layer, or use a "
-                             "synchronous schedule (gpipe, 1f1b, interleaved) or pipedream_2bw")  # fmt: skip
+            raise ValueError(
+                "this optimizer takes a norm over the whole model, and this "
+                "schedule updates each stage at its own time, so no step has "
+                "every stage's gradient at once: clip per layer, or use a "
+                "synchronous schedule (gpipe, 1f1b, interleaved) or pipedream_2bw"
+            )
         alone = {
             k: global_norm.with_sums(
                 lambda k=k: _probe_update(optimizer, {k: params[k]}, {k: grads[k]}), sums
@@ -245,11 +275,13 @@ def check_shardable(optimizer: Any, *, updates_together: bool = True) -> bool:
         # Relative to the update's size: a weight decay dropped by a mask is small beside it.
         got, want = np.asarray(got), np.asarray(want)
         if not np.allclose(got, want, rtol=0, atol=1e-6 * np.max(np.abs(want))):
-            raise ValueError("this optimizer's update changes when it sees the parameters in "
-                             "parts, and a pipeline updates each stage's layers on their own, "
-                             "so the update of a layer must not depend on the others (per-layer "
-                             "rules such as LARS work; for a global gradient norm use "
-                             "jaxdist.training.global_norm.clip_by_global_norm, or "
-                             "optimizer.clip_norm in a recipe, which the pipeline takes over "
-                             "every stage)")  # fmt: skip
+            raise ValueError(
+                "this optimizer's update changes when it sees the parameters in "
+                "parts, and a pipeline updates each stage's layers on their own, "
+                "so the update of a layer must not depend on the others (per-layer "
+                "rules such as LARS work; for a global gradient norm use "
+                "jaxdist.training.global_norm.clip_by_global_norm, or "
+                "optimizer.clip_norm in a recipe, which the pipeline takes over "
+                "every stage)"
+            )
     return bool(sums)

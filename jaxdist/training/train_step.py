@@ -210,8 +210,10 @@ class TrainStep:
         max_in_flight: dispatch.Limit = "auto",
     ):
         if allreduce not in (NO_ALLREDUCE, hybrid.AUTO, *collectives.ALGORITHMS):
-            raise ValueError(f"unknown allreduce {allreduce!r}; expected one of "
-                             f"{(*collectives.ALGORITHMS, hybrid.AUTO)}")  # fmt: skip
+            raise ValueError(
+                f"unknown allreduce {allreduce!r}; expected one of "
+                f"{(*collectives.ALGORITHMS, hybrid.AUTO)}"
+            )
         if zero1 and sharding not in (None, "zero1"):
             raise ValueError(f"zero1=True is sharding='zero1'; got sharding={sharding!r} too")
         sharding = sharding_lib.check_sharding(sharding or ("zero1" if zero1 else "replicated"))
@@ -235,12 +237,20 @@ class TrainStep:
         self.sharding = sharding
         self.shard_axes = self.data_axes if shard_axes is None else data_axes_of(mesh, shard_axes)
         if sharding != "replicated":
-            check_sharded(mesh, self.data_axes, self.shard_axes, sharding, allreduce,
-                          self.allreduce_options, sfb_layers)  # fmt: skip
+            check_sharded(
+                mesh,
+                self.data_axes,
+                self.shard_axes,
+                sharding,
+                allreduce,
+                self.allreduce_options,
+                sfb_layers,
+            )
         self.gather = allreduce if gather is None else gather
         if gather is not None:
-            check_gather(mesh, self.data_axes, self.shard_axes, sharding, gather,
-                         self.gather_options)  # fmt: skip
+            check_gather(
+                mesh, self.data_axes, self.shard_axes, sharding, gather, self.gather_options
+            )
         self.keep_gathered = keep_gathered
         self.prefetch = check_prefetch(prefetch, sharding, keep_gathered)
         self.min_shard_elements = min_shard_elements
@@ -298,15 +308,15 @@ class TrainStep:
             self.state_specs(state),
         )
 
-    def init_sharded(self, init_variables: Callable[[jax.Array], tuple[Any, Any]],
-                     rng: jax.Array) -> TrainState:  # fmt: skip
+    def init_sharded(
+        self, init_variables: Callable[[jax.Array], tuple[Any, Any]], rng: jax.Array
+    ) -> TrainState:
         """The initial state made straight into its shards: ``init_variables(rng) -> (params,
         model_state)`` and the optimizer's init run under ``jax.jit`` with the state's layout
         as output, so no device (nor the host) ever holds the whole sharded state."""
         params, model_state = jax.eval_shape(init_variables, rng)
         shardings = self.state_shardings(jax.eval_shape(self._fresh_state, params, model_state))
-        made = jax.jit(lambda key: self._fresh_state(*init_variables(key)),
-                       out_shardings=shardings)  # fmt: skip
+        made = jax.jit(lambda key: self._fresh_state(*init_variables(key)), out_shardings=shardings)
         return made(rng)
 
     def _fresh_state(self, params: Any, model_state: Any) -> TrainState:
@@ -376,8 +386,11 @@ class TrainStep:
 
     def state_shardings(self, state: TrainState) -> TrainState:
         """The state's :class:`NamedSharding` s (:meth:`state_specs` on this mesh)."""
-        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.state_specs(state),
-                            is_leaf=lambda x: isinstance(x, P))  # fmt: skip
+        return jax.tree.map(
+            lambda spec: NamedSharding(self.mesh, spec),
+            self.state_specs(state),
+            is_leaf=lambda x: isinstance(x, P),
+        )
 
     def shard_batch(self, batch: Any) -> Any:
         """Place a batch on this step's mesh; see :func:`shard_batch`."""
@@ -480,8 +493,9 @@ class TrainStep:
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
 
-        return ended_step(state, params, model_state, opt_state, finite, loss, metrics,
-                          self.skip_nonfinite)  # fmt: skip
+        return ended_step(
+            state, params, model_state, opt_state, finite, loss, metrics, self.skip_nonfinite
+        )
 
     @property
     def gather_options(self) -> dict[str, Any]:
@@ -504,19 +518,26 @@ class TrainStep:
         if self.gradient_plan is not None:
             return self.gradient_plan
         if state is None or batch is None:
-            raise ValueError("the plan is made at the first step; before it, pass the state "
-                             "and a batch: step.plan(state, batch)")  # fmt: skip
+            raise ValueError(
+                "the plan is made at the first step; before it, pass the state "
+                "and a batch: step.plan(state, batch)"
+            )
         if self.sharding != "replicated":
-            raise ValueError(f"sharding={self.sharding!r} has no gradient plan: its gradients "
-                             f"are reduce-scattered unit by unit")  # fmt: skip
+            raise ValueError(
+                f"sharding={self.sharding!r} has no gradient plan: its gradients "
+                f"are reduce-scattered unit by unit"
+            )
         if self.tensor is not None:
             raise ValueError(
                 "a tensor-parallel step has no gradient plan: its gradients are "
                 "averaged by one schedule, leaf by leaf"
             )
         local = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct((x.shape[0] // self.num_replicas, *x.shape[1:]),
-                                           x.dtype), batch)  # fmt: skip
+            lambda x: jax.ShapeDtypeStruct(
+                (x.shape[0] // self.num_replicas, *x.shape[1:]), x.dtype
+            ),
+            batch,
+        )
         return self._plan_for(state, local, jax.random.key(0))
 
     def _plan_for(self, state: TrainState, batch: Any, rng: jax.Array) -> GradientPlan:

@@ -67,8 +67,11 @@ def wait_free_gradients(
     num_leaves = len(leaves)
 
     def gradient(*flat):
-        return jax.grad(lambda *ls: objective(treedef.unflatten(ls)), argnums=tuple(range(num_leaves)),
-                        has_aux=True)(*flat)  # fmt: skip
+        return jax.grad(
+            lambda *ls: objective(treedef.unflatten(ls)),
+            argnums=tuple(range(num_leaves)),
+            has_aux=True,
+        )(*flat)
 
     closed, out_shapes = jax.make_jaxpr(gradient, return_shape=True)(*leaves)
     run = _SegmentedRun(closed, leaves, num_params=num_leaves)
@@ -251,8 +254,12 @@ class _SegmentedRun:
         inputs = list(dict.fromkeys(v for v in reads if v not in defined))
         live = [v for v in defined if self._last_use.get(v, -1) >= stop]
         effects = frozenset().union(*(eqn.effects for eqn in eqns))
-        names = jex.DebugInfo("wait-free backward segment", "jaxdist.training.wait_free",
-                              tuple(map(str, inputs)), tuple(map(str, live)))  # fmt: skip
+        names = jex.DebugInfo(
+            "wait-free backward segment",
+            "jaxdist.training.wait_free",
+            tuple(map(str, inputs)),
+            tuple(map(str, live)),
+        )
         segment = jex.Jaxpr([], inputs, live, eqns, effects, names)
         values = jax.core.eval_jaxpr(segment, [], *(self.env[v] for v in inputs))
         self.position = stop

@@ -122,8 +122,9 @@ def _bidirectional_scatter(wire: Wire, unroll_limit: int) -> OneAxis:
         if p <= 2 or chunk % 2:  # one neighbour either way, or no halves: the plain ring
             return ring(buffer, axis)
         halves = buffer.reshape(p, 2, chunk // 2)
-        lanes = jnp.concatenate([halves[:, 0].reshape(-1),
-                                 halves[_second_half_order(p), 1].reshape(-1)])  # fmt: skip
+        lanes = jnp.concatenate(
+            [halves[:, 0].reshape(-1), halves[_second_half_order(p), 1].reshape(-1)]
+        )
         first, second = ring_reduce_scatter(
             lanes, axis, (1, -1), wire, unroll_limit, stride=chunk // 2
         )
@@ -142,9 +143,14 @@ def _bidirectional_gather(wire: Wire, unroll_limit: int) -> OneAxis:
             return ring(shard, axis)
         half = shard.size // 2
         lanes = ring_all_gather(
-            [shard[:half], shard[half:]], axis, (1, -1), wire, unroll_limit,
-            size=2 * p * half, stride=half,
-        )  # fmt: skip
+            [shard[:half], shard[half:]],
+            axis,
+            (1, -1),
+            wire,
+            unroll_limit,
+            size=2 * p * half,
+            stride=half,
+        )
         lanes = lanes.reshape(2, p, half)
         # Chunk c's second half sits in window w with -w = c (mod p): the same map, inverted.
         second = lanes[1][_second_half_order(p)]
@@ -179,8 +185,9 @@ def _gather_levels(shard: jax.Array, axes: tuple[str, ...], gather_one: list[One
     return gathered.reshape(x, outer, -1).transpose(1, 0, 2).reshape(-1)
 
 
-def _level_schedules(algorithm: str, axis_name: AxisName, options: dict, wire: Wire,
-                     unroll_limit: int, scatter: bool) -> tuple[tuple, list[OneAxis]]:  # fmt: skip
+def _level_schedules(
+    algorithm: str, axis_name: AxisName, options: dict, wire: Wire, unroll_limit: int, scatter: bool
+) -> tuple[tuple, list[OneAxis]]:
     """The axes the halves run over level by level, and the one-axis schedule of each."""
     ring = (_ring_scatter if scatter else _ring_gather)(wire, unroll_limit)
     both_ways = (_bidirectional_scatter if scatter else _bidirectional_gather)(wire, unroll_limit)
@@ -200,13 +207,17 @@ def _level_schedules(algorithm: str, axis_name: AxisName, options: dict, wire: W
 def sharded_unsupported(algorithm: str, axis_sizes: tuple[int, ...], **options: Any) -> str | None:
     """Why ``algorithm`` has no reduce-scatter and all-gather over ``axis_sizes``, or None."""
     if algorithm not in SHARDED_ALGORITHMS:
-        return (f"{algorithm} has no reduce-scatter and all-gather of its own; those that do: "
-                f"{', '.join(SHARDED_ALGORITHMS)}")  # fmt: skip
+        return (
+            f"{algorithm} has no reduce-scatter and all-gather of its own; those that do: "
+            f"{', '.join(SHARDED_ALGORITHMS)}"
+        )
     chosen = get(algorithm)
     own = chosen.resolve({k: v for k, v in options.items() if k in chosen.options})
     if algorithm == "hierarchical" and own["inter_algorithm"] not in _ACROSS_HOSTS:
-        return (f"hierarchical's halves run {' or '.join(_ACROSS_HOSTS)} across hosts, got "
-                f"inter_algorithm={own['inter_algorithm']!r}")  # fmt: skip
+        return (
+            f"hierarchical's halves run {' or '.join(_ACROSS_HOSTS)} across hosts, got "
+            f"inter_algorithm={own['inter_algorithm']!r}"
+        )
     return chosen.unsupported(axis_sizes, **own)
 
 
@@ -293,8 +304,16 @@ def all_gather(
     if algorithm == "ring":
         if p == 1:
             return divided(flat, divisor)
-        return gather_windows(flat, axis_name, p * flat.size, wire, unroll_limit,
-                              stride=flat.size, into=into, divisor=divisor)  # fmt: skip
+        return gather_windows(
+            flat,
+            axis_name,
+            p * flat.size,
+            wire,
+            unroll_limit,
+            stride=flat.size,
+            into=into,
+            divisor=divisor,
+        )
     axes, schedules = _level_schedules(algorithm, axis_name, own, wire, unroll_limit, False)
     return divided(_gather_levels(flat, axes, schedules), divisor)
 
@@ -322,8 +341,16 @@ def sharded_terms(algorithm: str, axis_sizes: tuple[int, ...], **options: Any) -
     terms, reached = [], 1.0
     for size, link_class in reversed(list(zip(sizes, classes))):
         if size > 1:
-            lanes = 2 if (algorithm == "hierarchical" and link_class == "inter" and size > 2
-                          and options.get("inter_algorithm") == "bidirectional_ring") else 1  # fmt: skip
+            lanes = (
+                2
+                if (
+                    algorithm == "hierarchical"
+                    and link_class == "inter"
+                    and size > 2
+                    and options.get("inter_algorithm") == "bidirectional_ring"
+                )
+                else 1
+            )
             terms.append(Term(link_class, size - 1, (size - 1) / size * reached, lanes))
         reached /= size
     return terms
