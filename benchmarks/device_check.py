@@ -180,7 +180,7 @@ def lm_step(small: bool, chip: str | None, steps: int, rounds: int) -> dict:
         trainer = Trainer(config, workdir, task=get_task, mesh=mesh)
         step = trainer.train_step_for(0)
         state = trainer.initial_state()
-        spec = trainer.task.batch_spec(size["batch"])["tokens"]
+        spec = trainer.parts.task.batch_spec(size["batch"])["tokens"]
         tokens = np.random.default_rng(0).integers(0, 256, spec.shape, np.uint8)
         batch = step.shard_batch({"tokens": tokens})
         rng = jax.random.key(0)
@@ -193,7 +193,7 @@ def lm_step(small: bool, chip: str | None, steps: int, rounds: int) -> dict:
                 state, metrics = step(state, batch, rng)
             jax.block_until_ready(metrics)
             times.append((time.perf_counter() - start) / steps)
-        variables = jax.eval_shape(trainer.task.init_variables, jax.random.key(config.seed))
+        variables = jax.eval_shape(trainer.parts.task.init_variables, jax.random.key(config.seed))
         shapes = {"tokens": (spec.shape, spec.dtype)}
         compiled = compile_train_step(step, *variables, shapes)
     measured = float(np.median(times))

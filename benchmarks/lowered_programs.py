@@ -227,9 +227,9 @@ def write_steps(folder: Path) -> int:
         with tempfile.TemporaryDirectory() as workdir:
             trainer = trainer_class(config, workdir)
             state = trainer.initial_state()
-            for stage, plan in enumerate(trainer.plans):
+            for stage, plan in enumerate(trainer.parts.plans):
                 step = trainer.train_step_for(stage)
-                spec = trainer.task.batch_spec(plan.global_batch_size)
+                spec = trainer.parts.task.batch_spec(plan.global_batch_size)
                 batch = {k: np.zeros(v.shape, v.dtype) for k, v in spec.items()}
                 lowered = step.lower(state, step.shard_batch(batch), jax.random.PRNGKey(0))
                 (folder / f"step_{name}_stage{stage}.mlir").write_text(lowered.as_text())

@@ -92,7 +92,7 @@ def test_the_loop_reads_what_was_built_not_the_config(tmp_path):
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert saved == [2, 4]
     assert np.array_equal(np.asarray(first.base_rng), np.asarray(jax.random.PRNGKey(0)))
-    params, _ = trainer.task.init_variables(jax.random.key(0))
+    params, _ = trainer.parts.task.init_variables(jax.random.key(0))
     for got, want in zip(jax.tree.leaves(first.params), jax.tree.leaves(params), strict=True):
         assert np.array_equal(np.asarray(got), np.asarray(want))
     events = [

@@ -45,7 +45,7 @@ def test_pipeline_recipe_trains_and_sets_the_learning_rate_in_every_stage(straig
     step = straight.train_step_for(0)
     stage, chunk, offset = step._learning_rate_at
     stored = np.asarray(straight.state.opt_state)[stage, chunk, offset]
-    want = float(straight.lr_fn(straight.schedule.epoch_at(6)))
+    want = float(straight.parts.lr_fn(straight.parts.schedule.epoch_at(6)))
     np.testing.assert_allclose(stored, want, rtol=1e-6)
 
 
@@ -139,7 +139,7 @@ def test_fsdp_inside_stages_trains_as_the_replicated_pipeline(straight, tmp_path
     assert len(offset) == 4 * 2  # every stage's rate, once in each of its two shards
     stored = np.asarray(trainer.state.opt_state)[stage, chunk, offset]
     np.testing.assert_allclose(
-        stored, float(trainer.lr_fn(trainer.schedule.epoch_at(6))), rtol=1e-6
+        stored, float(trainer.parts.lr_fn(trainer.parts.schedule.epoch_at(6))), rtol=1e-6
     )
 
 
@@ -176,8 +176,8 @@ def test_auto_boundaries_cut_where_the_profile_says_and_resume_exactly(straight,
 
     capsys.readouterr()
     micro = 8  # the final batch of 32 on 2 replicas in 2 micro-batches
-    example = jax.ShapeDtypeStruct((micro, *straight.task.data.image_shape), "float32")
-    sizes = layer_sizes(straight.task.model, example)
+    example = jax.ShapeDtypeStruct((micro, *straight.parts.task.data.image_shape), "float32")
+    sizes = layer_sizes(straight.parts.task.model, example)
     costs = [1, 1, 1, 1.5, 1.5, 1.5, 1.5, 1, 1, 1]  # stage sums 3, 3, 3, 3 only at (0, 3, 5, 7)
     layers = tuple(
         LayerCost(f"l{i}", c / 3, 2 * c / 3, 64, size, size, 0)

@@ -55,8 +55,8 @@ def test_the_mlperf_recipe_is_compared_with_the_reference_at_its_batch():
 
 
 def test_a_plan_of_the_mlperf_recipe_prices_the_reference_epochs():
-    """What `jaxdist plan` adds for a ResNet-50 recipe, from its trainer's batch plan and the
-    stages' step times (a stand-in trainer: compiling ResNet-50 for a slice is slow)."""
+    """What `jaxdist plan` adds for a ResNet-50 recipe, from its run's batch plan and the
+    stages' step times (stand-in run parts: compiling ResNet-50 for a slice is slow)."""
     from types import SimpleNamespace
 
     from jaxdist.aot import record
@@ -68,7 +68,7 @@ def test_a_plan_of_the_mlperf_recipe_prices_the_reference_epochs():
 
     config = load_recipe("recipes/resnet50_imagenet_mlperf_lars.py")
     schedule = BatchSchedule(batch_stages(config), dataset_size=1_281_167)
-    trainer = SimpleNamespace(
+    parts = SimpleNamespace(
         task=SimpleNamespace(name="resnet50"),
         schedule=schedule,
         plans=schedule.device_plans(256, config.max_per_device_batch),
@@ -76,7 +76,7 @@ def test_a_plan_of_the_mlperf_recipe_prices_the_reference_epochs():
     )
     step_seconds = [0.1] * len(schedule.stages)
     topology = parse_topology("v4:4x8x8")  # 256 chips; the record holds TPU v4 submissions
-    ref = reference_for(config, trainer, step_seconds, topology, flops_per_image=24e9)
+    ref = reference_for(config, parts, step_seconds, topology, flops_per_image=24e9)
     found = rcp.epochs_to_converge(config.batch_size)
     assert ref["epochs"] == found.epochs and ref["recipe_epochs"] == config.num_epochs
     steps = schedule.steps_for_epochs(found.epochs)
@@ -96,11 +96,11 @@ def test_a_plan_of_the_mlperf_recipe_prices_the_reference_epochs():
     )
     (model_line,) = [line for line in lines if "the MLPerf record's model" in line]
     assert f"fitted on its {fitted['submissions']} submissions" in model_line
-    on_v5e = reference_for(config, trainer, step_seconds, parse_topology("v5e:16x16"), 24e9)
+    on_v5e = reference_for(config, parts, step_seconds, parse_topology("v5e:16x16"), 24e9)
     assert "no scored MLPerf submission of v5e" in "\n".join(_reference_lines(on_v5e))
     config.model.name = "resnet18"
-    trainer.task.name = "resnet18"
-    assert reference_for(config, trainer, step_seconds, topology, 24e9) is None
+    parts.task.name = "resnet18"
+    assert reference_for(config, parts, step_seconds, topology, 24e9) is None
 
 
 def test_a_batch_beyond_the_table_has_no_reference_and_says_so():

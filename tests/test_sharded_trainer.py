@@ -58,7 +58,7 @@ def test_fsdp_resumed_as_zero1_on_half_the_devices_ends_where_replicated_does(
         tiny_config(sharding="zero1", mesh="ring-4", **ONE_BATCH), workdir, allow_config_change=True
     )
     assert resumed.run()["step"] == 7
-    assert len(resumed.mesh.devices.flat) == 4
+    assert len(resumed.parts.mesh.devices.flat) == 4
     # The same model as the replicated run over the same devices, to float32 rounding.
     assert _max_difference(resumed.state.params, replicated_run.state.params) < 1e-5
     assert _max_difference(resumed.state.opt_state, replicated_run.state.opt_state) < 1e-5

@@ -113,7 +113,9 @@ def test_the_language_model_resumes_bitwise_and_reports_bits_per_byte(corpus_roo
     whole = Trainer(config, tmp_path / "whole", task=task)
     summary = whole.run()
     assert 0 < summary["bits_per_byte"] < 9  # six steps: far from trained, but finite
-    assert summary["unigram_bits_per_byte"] == pytest.approx(whole.task.baseline_bits_per_byte)
+    assert summary["unigram_bits_per_byte"] == pytest.approx(
+        whole.parts.task.baseline_bits_per_byte
+    )
 
     class Stop(Exception):
         pass

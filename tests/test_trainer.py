@@ -96,7 +96,8 @@ def straight(tmp_path_factory):
 def test_resume_is_bitwise_exact_across_a_ramp(straight, tmp_path, monkeypatch):
     summary = straight.summary
     assert summary["step"] == 7 and not summary["preempted"]
-    assert straight.schedule.stage_index_at(4) == 0 and straight.schedule.stage_index_at(5) == 1
+    schedule = straight.parts.schedule
+    assert schedule.stage_index_at(4) == 0 and schedule.stage_index_at(5) == 1
     assert isinstance(straight.train_step_for(0), TrainStep)
     assert isinstance(straight.train_step_for(0), Step)
 

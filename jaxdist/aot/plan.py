@@ -40,6 +40,8 @@ from jaxdist.aot.transformer_efficiency import fitted_efficiency
 from jaxdist.aot.xla_fsdp import XlaFsdp, compile_xla_fsdp
 from jaxdist.comm import cost_model
 from jaxdist.data.config import SYNTHETIC_CLASSES
+from jaxdist.run.build import RunParts, build_run
+from jaxdist.tasks.image_classification import ImageClassification
 from jaxdist.training.batch_schedule import DevicePlan
 
 __all__ = [
@@ -100,7 +102,7 @@ class Plan:
     # Where each link class's figures come from ("fast", "host"): the chip table or a flag.
     link_sources: dict[str, str] = field(default_factory=dict)
     # What compiling another batch size needs (see largest_fitting_batch_of).
-    trainer: object = field(default=None, repr=False)
+    parts: RunParts | None = field(default=None, repr=False)
     variable_shapes: tuple = field(default=(), repr=False)
     # For a ResNet-50 recipe: MLPerf's reference epochs at its batch (see reference_for).
     reference: dict | None = None
@@ -227,7 +229,6 @@ def plan_recipe(
     (:mod:`jaxdist.aot.transformer_efficiency`) instead of ``efficiency``.
     """
     from jaxdist.run import pipeline_config
-    from jaxdist.run.trainer import Trainer
 
     if pipeline_config.enabled(config):
         raise PipelineNotPlannedError(
@@ -241,14 +242,13 @@ def plan_recipe(
         check_mesh_matches(spec, topology)
     else:
         spec, mesh_note = mesh_spec_for(config.mesh, topology)
-    trainer = Trainer(
+    parts = build_run(
         config,
-        "unused: a plan writes nothing",
-        task=task,
+        task_factory=task or ImageClassification,
         mesh=meshes.build(spec, topology.devices()),
     )
-    params, model_state = _variable_shapes(trainer, config)
-    model_flops = trainer.task.model_flops_per_example()
+    params, model_state = _variable_shapes(parts, config)
+    model_flops = parts.task.model_flops_per_example()
     fit = None
     if model_flops and transformer_efficiency:
         fit = fitted_efficiency(topology.generation)
@@ -256,16 +256,16 @@ def plan_recipe(
     network = network_for(topology.chip, host_network=host_network, latency=link_latency)
     network, link_sources = _given_links(network, topology, fast_link, host_link)
     stages = []
-    for index, device_plan in enumerate(trainer.plans):
+    for index, device_plan in enumerate(parts.plans):
         if on_stage is not None:
             on_stage(index, device_plan)
         variables = (params, model_state)
         utilization = None
         if fit is not None:
-            per_chip = model_flops_per_chip(model_flops, device_plan, model_shared_by(trainer))
+            per_chip = model_flops_per_chip(model_flops, device_plan, model_shared_by(parts))
             utilization = (fit.value, per_chip)
         stage = _plan_stage(
-            trainer,
+            parts,
             index,
             device_plan,
             variables,
@@ -274,11 +274,11 @@ def plan_recipe(
             efficiency=efficiency,
             utilization=utilization,
         )
-        step = trainer.train_step_for(index)
+        step = parts.train_step_for(index)
         if xla_fsdp and step.sharding != "replicated":
             if on_xla_fsdp is not None:
                 on_xla_fsdp(index)
-            batch = _batch_shapes(trainer, device_plan.global_batch_size)
+            batch = _batch_shapes(parts, device_plan.global_batch_size)
             stage.xla_fsdp = compile_xla_fsdp(step, *variables, batch)
         stages.append(stage)
     plan = Plan(
@@ -293,22 +293,22 @@ def plan_recipe(
         wait_free=config.wait_free,
         gather=config.gather,
         link_sources=link_sources,
-        trainer=trainer,
+        parts=parts,
         variable_shapes=(params, model_state),
     )
     plan.model_flops_per_example = model_flops
     plan.efficiency_note = fit.describe() if fit is not None else ""
     step_seconds = [s.step_time.total for s in stages]
-    plan.time_rows = time_to_train(trainer.schedule, config.num_epochs, step_seconds)
+    plan.time_rows = time_to_train(parts.schedule, config.num_epochs, step_seconds)
     final = stages[-1]
     flops_per_image = final.compiled.flops / final.device_plan.per_device_batch
-    plan.reference = reference_for(config, trainer, step_seconds, topology, flops_per_image)
+    plan.reference = reference_for(config, parts, step_seconds, topology, flops_per_image)
     return plan
 
 
 def reference_for(
     config: ml_collections.ConfigDict,
-    trainer,
+    parts: RunParts,
     step_seconds: list,
     topology: Topology,
     flops_per_image: float,
@@ -320,14 +320,12 @@ def reference_for(
     MLPerf record predicts for ``topology`` (:func:`jaxdist.aot.record.record_time`; its
     images/s per chip as a share of the chip's peak at ``flops_per_image``). ``None`` for any
     other model."""
-    if trainer.task.name != "resnet50":
+    if parts.task.name != "resnet50":
         return None
     found = rcp.epochs_to_converge(config.batch_size)
-    final = trainer.plans[-1]
-    bn_span = final.per_device_batch * (config.model.get("bn_group_size") or trainer.num_replicas)
-    rows = (
-        [] if found.epochs is None else time_to_train(trainer.schedule, found.epochs, step_seconds)
-    )
+    final = parts.plans[-1]
+    bn_span = final.per_device_batch * (config.model.get("bn_group_size") or parts.num_replicas)
+    rows = [] if found.epochs is None else time_to_train(parts.schedule, found.epochs, step_seconds)
     differences = rcp.hyperparameter_differences(config, found.nearest, bn_span)
     return {
         "source": f"{rcp.RULESET} reference convergence points",
@@ -355,7 +353,7 @@ def _record_for(global_batch: int, topology: Topology, flops_per_image: float) -
 
 
 def _plan_stage(
-    trainer,
+    parts: RunParts,
     index: int,
     device_plan: DevicePlan,
     variables: tuple,
@@ -371,12 +369,12 @@ def _plan_stage(
     utilization (a published utilization counts the model's FLOPs, whatever the step
     recomputes)."""
     try:
-        compiled = _compile_at(trainer, index, device_plan.global_batch_size, variables)
+        compiled = _compile_at(parts, index, device_plan.global_batch_size, variables)
     except DoesNotFitError as err:
         raise DoesNotFitError(
             f"stage {index} (global batch {device_plan.global_batch_size:,}, "
             f"{device_plan.per_device_batch} per chip) does not fit on a "
-            f"{topology.chip.name}: {err}; {sharding_hint(trainer, index, variables)}{FIT_HINT}"
+            f"{topology.chip.name}: {err}; {sharding_hint(parts, index, variables)}{FIT_HINT}"
         ) from err
     if utilization is not None:
         share, model_flops = utilization
@@ -428,14 +426,14 @@ def _given_links(
     return cost_model.Network(intra, inter), sources
 
 
-def sharding_hint(trainer, stage: int, variable_shapes: tuple | None = None) -> str:
+def sharding_hint(parts: RunParts, stage: int, variable_shapes: tuple | None = None) -> str:
     """For a replicated data-parallel step, what its parameters and optimizer state weigh per
     chip and what FSDP would make of them ("" otherwise)."""
-    step = trainer.train_step_for(stage)
+    step = parts.train_step_for(stage)
     if getattr(step, "sharding", None) != "replicated":
         return ""
     if variable_shapes is None:
-        variable_shapes = _variable_shapes(trainer, trainer.config)
+        variable_shapes = _variable_shapes(parts, parts.config)
     state = step.abstract_init(*variable_shapes)
     held = per_chip_bytes((state.params, state.opt_state))
     chips = step.mesh.devices.size
@@ -446,15 +444,17 @@ def sharding_hint(trainer, stage: int, variable_shapes: tuple | None = None) -> 
     )
 
 
-def _variable_shapes(trainer, config) -> tuple[Any, Any]:
+def _variable_shapes(parts: RunParts, config) -> tuple[Any, Any]:
     """Parameter and model-state shapes of the recipe's model (nothing allocated)."""
-    return jax.eval_shape(trainer.task.init_variables, jax.random.key(config.seed))
+    return jax.eval_shape(parts.task.init_variables, jax.random.key(config.seed))
 
 
-def _compile_at(trainer, stage: int, global_batch: int, variable_shapes: tuple) -> CompiledStep:
+def _compile_at(
+    parts: RunParts, stage: int, global_batch: int, variable_shapes: tuple
+) -> CompiledStep:
     """Compile stage ``stage``'s train step for a global batch of ``global_batch`` images."""
-    step = trainer.train_step_for(stage)
-    return compile_train_step(step, *variable_shapes, _batch_shapes(trainer, global_batch))
+    step = parts.train_step_for(stage)
+    return compile_train_step(step, *variable_shapes, _batch_shapes(parts, global_batch))
 
 
 def model_flops_per_chip(
@@ -467,17 +467,17 @@ def model_flops_per_chip(
     return model_flops_per_example * examples / shared_by
 
 
-def model_shared_by(trainer) -> int:
+def model_shared_by(parts: RunParts) -> int:
     """How many chips split each example's model FLOPs: the size of the step's tensor axis
     (1 without one)."""
-    step = trainer.train_step_for(0)
+    step = parts.train_step_for(0)
     tensor = getattr(step, "tensor", None)
     return step.mesh.shape[tensor.axis] if tensor is not None else 1
 
 
-def _batch_shapes(trainer, global_batch: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+def _batch_shapes(parts: RunParts, global_batch: int) -> dict[str, tuple[tuple[int, ...], Any]]:
     """The task's train batch of ``global_batch`` records, as ``(shape, dtype)`` per key."""
-    spec = trainer.task.batch_spec(global_batch)
+    spec = parts.task.batch_spec(global_batch)
     return {name: (leaf.shape, leaf.dtype) for name, leaf in spec.items()}
 
 
@@ -495,7 +495,7 @@ def largest_fitting_batch_of(
                 0, DevicePlan(global_batch, first.num_devices, per_chip, first.accumulation_steps)
             )
         try:
-            return _compile_at(plan.trainer, 0, global_batch, plan.variable_shapes).memory.total
+            return _compile_at(plan.parts, 0, global_batch, plan.variable_shapes).memory.total
         except DoesNotFitError:
             return None
 

@@ -73,7 +73,7 @@ def model_flops_utilization(plan: Plan, stage: StagePlan) -> float | None:
     per_chip = model_flops_per_chip(
         plan.model_flops_per_example,
         stage.device_plan,
-        model_shared_by(plan.trainer) if plan.trainer is not None else 1,
+        model_shared_by(plan.parts) if plan.parts is not None else 1,
     )
     return per_chip / stage.step_time.total / plan.topology.chip.peak_flops
 
@@ -86,7 +86,7 @@ def _utilization_lines(plan: Plan, stage: StagePlan) -> list[str]:
         f"  model FLOPs utilization: {utilization:.1%} "
         f"({plan.model_flops_per_example:.3e} model FLOPs a {_unit(plan)[:-1]}, MaxText's count)"
     )
-    seq_len = plan.trainer.task.describe().get("seq_len") if plan.trainer is not None else None
+    seq_len = plan.parts.task.describe().get("seq_len") if plan.parts is not None else None
     if seq_len:
         tokens = stage.device_plan.global_batch_size * seq_len / stage.step_time.total
         line += f"; {tokens:,.0f} tokens/s, {tokens / plan.topology.num_chips:,.0f} per chip"
@@ -95,12 +95,12 @@ def _utilization_lines(plan: Plan, stage: StagePlan) -> list[str]:
 
 def _unit(plan: Plan) -> str:
     """What the task calls one example (images, sequences, samples)."""
-    return getattr(getattr(plan.trainer, "task", None), "unit", "samples")
+    return getattr(getattr(plan.parts, "task", None), "unit", "samples")
 
 
 def _sharding(plan: Plan) -> str:
-    trainer = plan.trainer
-    return trainer.config.get("sharding", "replicated") if trainer is not None else "replicated"
+    parts = plan.parts
+    return parts.config.get("sharding", "replicated") if parts is not None else "replicated"
 
 
 def _sharding_lines(plan: Plan, t: Any) -> list[str]:
@@ -108,7 +108,7 @@ def _sharding_lines(plan: Plan, t: Any) -> list[str]:
     sharding = _sharding(plan)
     if sharding == "replicated":
         return []
-    step = plan.trainer.train_step_for(0)
+    step = plan.parts.train_step_for(0)
     lines = [f"  sharding: {sharding}: {step.layout.describe()}"]
     if step.paced_layers is not None:
         ahead = "one layer" if step.prefetch == 1 else f"{step.prefetch} layers"
@@ -134,7 +134,7 @@ def _sharding_lines(plan: Plan, t: Any) -> list[str]:
 def _tensor_lines(plan: Plan, t: Any) -> list[str]:
     """A tensor-parallel plan: the axis and schedule, the memory the axis saves, and the
     summed products' transfer time with its share beside compute."""
-    step = plan.trainer.train_step_for(0) if plan.trainer is not None else None
+    step = plan.parts.train_step_for(0) if plan.parts is not None else None
     tensor = getattr(step, "tensor", None)
     if tensor is None:
         return []
@@ -159,15 +159,15 @@ def _tensor_lines(plan: Plan, t: Any) -> list[str]:
 
 def _places_parameters(plan: Plan) -> bool:
     """Whether the plan's step splits any parameter (sharded or tensor-parallel)."""
-    if plan.trainer is None:
+    if plan.parts is None:
         return False
-    step = plan.trainer.train_step_for(0)
+    step = plan.parts.train_step_for(0)
     return _sharding(plan) != "replicated" or getattr(step, "tensor", None) is not None
 
 
 def placement_lines(plan: Plan) -> list[str]:
     """Where the plan's step keeps each parameter (one row per kind of leaf)."""
-    step = plan.trainer.train_step_for(0)
+    step = plan.parts.train_step_for(0)
     rows = placement_rows(step, *plan.variable_shapes)
     width = max(len(name) for name, _, _ in rows)
     lines = [
@@ -216,11 +216,11 @@ def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
     looped = sum(
         c.turns for c in schedule.gradient_collectives if c.in_loop and not c.loop_computes
     )
-    if looped and plan.trainer is not None:
+    if looped and plan.parts is not None:
         longest = max(plan.mesh_spec.shape)
         lines.append(
             f"  note: {looped:,} gradient collectives per step run inside loops (rings longer "
-            f"than unroll_limit={plan.trainer.config.unroll_limit}) and hide nothing; "
+            f"than unroll_limit={plan.parts.config.unroll_limit}) and hide nothing; "
             f"--set unroll_limit={longest} unrolls them (the program compiles for longer)"
         )
     lines += _sharding_lines(plan, t)
@@ -417,7 +417,7 @@ def plan_json(plan: Plan, efficiency_note: str) -> dict:
         "placement": (
             [
                 dict(zip(("parameter", "shape", "spec"), row))
-                for row in placement_rows(plan.trainer.train_step_for(0), *plan.variable_shapes)
+                for row in placement_rows(plan.parts.train_step_for(0), *plan.variable_shapes)
             ]
             if _places_parameters(plan)
             else None

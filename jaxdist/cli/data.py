@@ -278,7 +278,8 @@ def undecodable_images(source, split: str) -> list[str]:
 
 
 def bench_pipeline(args: argparse.Namespace) -> int:
-    from jaxdist.bench.data import demand_of_plan, measure
+    from jaxdist.aot.input_demand import demand_of_plan
+    from jaxdist.bench.data import measure
     from jaxdist.data.config import LOADERS, DataConfig
     from jaxdist.data.sources import DatasetError
 

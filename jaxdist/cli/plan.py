@@ -160,8 +160,8 @@ def _fit_verdict(plan) -> int:
     if not over:
         return 0
     worst = max(over, key=lambda s: s.compiled.memory.total)
-    trainer = getattr(plan, "trainer", None)
-    hint = sharding_hint(trainer, worst.index) if trainer is not None else ""
+    parts = getattr(plan, "parts", None)
+    hint = sharding_hint(parts, worst.index) if parts is not None else ""
     excess = (worst.compiled.memory.total - capacity) / GIB
     print(
         f"jaxdist plan: stage {worst.index} needs {worst.compiled.memory.total / GIB:.2f} GiB "

@@ -26,7 +26,6 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from jaxdist.run import rerun
 from jaxdist.run.config import batch_stages, config_problems
 from jaxdist.run.from_config import (
     StepParts,
@@ -36,7 +35,6 @@ from jaxdist.run.from_config import (
     step_options,
 )
 from jaxdist.run.hooks import Hook
-from jaxdist.run.log import WorkdirError
 from jaxdist.run.mlperf import now_ms
 from jaxdist.run.standard_hooks import check_hook_settings
 from jaxdist.run.step_kinds import DataParallel, Pipeline, step_kind_for
@@ -93,7 +91,7 @@ class RunParts:
 
     Attributes:
       config: the recipe's config, as recorded.
-      workdir: where the run writes its logs and checkpoints.
+      workdir: where the run writes its logs and checkpoints (``None``: a plan's parts).
       init_ms: when building began (MLPerf's ``init_start``: building the run is
         initialisation).
       mesh: the devices and their axes.
@@ -116,7 +114,7 @@ class RunParts:
     """
 
     config: ml_collections.ConfigDict
-    workdir: Path
+    workdir: Path | None
     init_ms: int
     mesh: Mesh
     step_kind: DataParallel | Pipeline
@@ -152,31 +150,31 @@ class RunParts:
 
 def build_run(
     config: ml_collections.ConfigDict,
-    workdir: str | Path,
+    workdir: str | Path | None = None,
     *,
     task_factory: TaskFactory,
     mesh: Mesh | None = None,
+    recorded: Mapping[str, Any] | None = None,
     profile_steps: tuple[int, int] | None = None,
     hooks: Sequence[Hook] = (),
 ) -> RunParts:
     """Everything ``config`` describes, built and checked before any training: a bad value
     raises here, as one :class:`~jaxdist.run.config.ConfigError` line.
 
-    ``task_factory`` builds the task from the config and its replicas (a recipe's
-    ``get_task``); ``mesh`` replaces the recipe's; ``profile_steps`` and ``hooks`` (a user's)
-    have their settings checked with the standard hooks'.
+    Reads no run directory: ``workdir`` is only where the parts will write (``None`` for a
+    plan, which writes nothing), and ``recorded`` is what a run there resolved before
+    (:func:`~jaxdist.run.rerun.recorded_devices`, e.g. a pipeline's "auto" cut), which a
+    rerun keeps. ``task_factory`` builds the task from the config and its replicas (a
+    recipe's ``get_task``); ``mesh`` replaces the recipe's; ``profile_steps`` and ``hooks``
+    (a user's) have their settings checked with the standard hooks'.
     """
     init_ms = now_ms()
-    workdir = Path(workdir)
+    workdir = None if workdir is None else Path(workdir)
     with config_problems():
         stages = config.pipeline.stages if "pipeline" in config else 0
         mesh = build_mesh(config.mesh, stages) if mesh is None else mesh
-        try:
-            recorded = rerun.recorded_devices(workdir)  # e.g. a pipeline's "auto" cut
-        except OSError as err:
-            raise WorkdirError.from_os_error(err, workdir) from err
         # The one choice of step; from here on the loop sees only the Step interface.
-        step_kind = step_kind_for(config, mesh, recorded)
+        step_kind = step_kind_for(config, mesh, dict(recorded or {}))
         data_axes = data_axes_of(mesh, step_kind.data_axes)  # one name, or a tuple of several
         num_replicas = math.prod(mesh.shape[a] for a in step_kind.data_axes)
         task = task_factory(config, Replicas(data_axes, num_replicas))

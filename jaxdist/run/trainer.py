@@ -101,8 +101,8 @@ class Trainer:
     be compiled but not run). ``profile_steps=(first, last)`` traces those steps into
     ``WORKDIR/profile`` (:mod:`jaxdist.run.profile`). ``hooks`` are called after the trainer's
     own (:mod:`jaxdist.run.hooks`). What the config resolved to is ``parts``
-    (:class:`~jaxdist.run.build.RunParts`); its pieces are attributes of their own too
-    (``mesh``, ``task``, ``data``, ``schedule``, ``plans``, ``total_steps``, ...)."""
+    (:class:`~jaxdist.run.build.RunParts`: ``parts.mesh``, ``parts.task``, ``parts.data``,
+    ``parts.schedule``, ``parts.plans``, ``parts.total_steps``, ...)."""
 
     def __init__(
         self,
@@ -121,23 +121,22 @@ class Trainer:
         self.recipe = recipe
         self.user_hooks = list(hooks)
         # Everything the config describes, built and checked now, before any training.
+        try:
+            recorded = rerun.recorded_devices(self.workdir)  # e.g. a pipeline's "auto" cut
+        except OSError as err:
+            raise WorkdirError.from_os_error(err, self.workdir) from err
         self.parts = parts = build_run(
             config,
             self.workdir,
             task_factory=task or ImageClassification,
             mesh=mesh,
+            recorded=recorded,
             profile_steps=profile_steps,
             hooks=self.user_hooks,
         )
         self.config = parts.config  # the run's record only: the loop reads the parts
-        # The parts under the names the planner, the benchmarks and the tests read.
-        self.mesh, self.step_kind, self.task = parts.mesh, parts.step_kind, parts.task
-        self.data, self.data_axes = parts.data, parts.data_axes
-        if isinstance(self.data, Pipeline):  # a loader decoding on GPUs places the images
-            self.data.batch_sharding = NamedSharding(self.mesh, P(self.data_axes))
-        self.num_replicas, self.schedule = parts.num_replicas, parts.schedule
-        self.plans, self.total_steps = parts.plans, parts.total_steps
-        self.lr_fn, self.eval_step = parts.lr_fn, parts.eval_step
+        if isinstance(parts.data, Pipeline):  # a loader decoding on GPUs places the images
+            parts.data.batch_sharding = NamedSharding(parts.mesh, P(parts.data_axes))
         self._compiled_steps: list[Step] = []  # steps that ran once (compiling is not watched)
 
     # ------------------------------------------------------------------ pieces
@@ -153,7 +152,7 @@ class Trainer:
         step = self.train_step_for(0)
         if getattr(step, "sharding", "replicated") != "replicated":
             key = jax.random.key(self.parts.settings.seed)
-            return step.init_sharded(self.task.init_variables, key)
+            return step.init_sharded(self.parts.task.init_variables, key)
         return step.init(*self._variables(abstract=False))
 
     def abstract_state(self) -> Any:
@@ -164,7 +163,7 @@ class Trainer:
 
     def _variables(self, abstract: bool) -> tuple[Any, Any]:
         key = jax.random.key(self.parts.settings.seed)
-        init = self.task.init_variables
+        init = self.parts.task.init_variables
         return jax.eval_shape(init, key) if abstract else init(key)
 
     def evaluate(self, state: Any) -> dict[str, float]:
@@ -173,12 +172,12 @@ class Trainer:
         params, model_state = step.whole_variables(state)
         whole = TrainState(state.step, params, model_state, opt_state=None)
         totals = None
-        with self.data.eval_iterator(self.parts.settings.eval_batch_size) as batches:
+        with self.parts.data.eval_iterator(self.parts.settings.eval_batch_size) as batches:
             for batch in batches:
-                sums = self.eval_step(whole, step.shard_batch(batch))
+                sums = self.parts.eval_step(whole, step.shard_batch(batch))
                 totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
         totals = {k: float(v) for k, v in jax.device_get(totals).items()}
-        return self.task.eval_metrics(totals)
+        return self.parts.task.eval_metrics(totals)
 
     def resolved_devices(self) -> dict[str, Any]:
         """What the run resolved on this machine: the mesh, and a pipeline's "auto" cut."""
@@ -195,7 +194,7 @@ class Trainer:
         ``already_finished`` when the workdir held a finished run (then nothing is trained or
         written, and the metrics are those recorded in its ``metrics.jsonl``).
         """
-        check_same_everywhere(run_facts(self.config, self.mesh, self.recipe))
+        check_same_everywhere(run_facts(self.config, self.parts.mesh, self.recipe))
         if self.workdir.exists() and not self.workdir.is_dir():
             raise WorkdirError(
                 f"the workdir {self.workdir} is a file, not a folder: give another --workdir"
@@ -235,12 +234,12 @@ class Trainer:
                         held.enter_context(hook)
                 log.open()
                 loop = self._resume(ckpt, log, hooks)
-                if loop.step >= self.total_steps:
+                if loop.step >= self.parts.total_steps:
                     return self._already_finished(loop, log)
                 hooks.run_started(loop)
-                while loop.step < self.total_steps and not loop.stopped_by:
+                while loop.step < self.parts.total_steps and not loop.stopped_by:
                     self._train_one_step(loop, log, ckpt, hooks)
-                    if loop.step % log_every == 0 or loop.step == self.total_steps:
+                    if loop.step % log_every == 0 or loop.step == self.parts.total_steps:
                         self._report(loop, log, hooks)
                     if self._eval_due(loop):
                         self._evaluate(loop, log, hooks)
@@ -282,13 +281,13 @@ class Trainer:
         loop = Loop(
             state=state,
             step=step,
-            total_steps=self.total_steps,
+            total_steps=self.parts.total_steps,
             base_rng=jax.random.PRNGKey(self.parts.settings.seed),
             data_state=data_state,
-            epoch=self.schedule.epoch_at(step),
+            epoch=self.parts.schedule.epoch_at(step),
         )
         hooks.resumed(loop, meta)
-        if 0 < step < self.total_steps:
+        if 0 < step < self.parts.total_steps:
             log.progress(f"resumed from step {step} (epoch {meta['epoch']:.3f})", final=True)
         return loop
 
@@ -311,7 +310,7 @@ class Trainer:
     def _already_finished(self, loop: Loop, log: RunLog) -> dict[str, Any]:
         """A rerun of a finished run: say so, train nothing, append nothing."""
         log.progress(
-            f"already finished: step {loop.step} of {self.total_steps} (epoch {loop.epoch:.2f}); "
+            f"already finished: step {loop.step} of {self.parts.total_steps} (epoch {loop.epoch:.2f}); "
             "nothing to train (raise num_epochs or max_steps to go on)",
             final=True,
         )
@@ -330,18 +329,20 @@ class Trainer:
         step = loop.step
         hooks.step_starting(loop)
         try:
-            if self.schedule.stage_index_at(step) != loop.stage:
-                loop.stage = self.schedule.stage_index_at(step)
+            if self.parts.schedule.stage_index_at(step) != loop.stage:
+                loop.stage = self.parts.schedule.stage_index_at(step)
                 if loop.iterator is not None:
                     loop.iterator.close()
-                loop.iterator = self.schedule.open_iterator(self.data, step, loop.data_state)
+                loop.iterator = self.parts.schedule.open_iterator(
+                    self.parts.data, step, loop.data_state
+                )
                 loop.data_state = None  # the stream continues from here
             batch = next(loop.iterator)
         except DatasetError as err:
             raise self._stopped_by_data(err, loop, ckpt, hooks) from err
         train_step = self.train_step_for(loop.stage)
         batch = train_step.shard_batch(batch)
-        loop.lr = float(self.lr_fn(self.schedule.epoch_at(step)))
+        loop.lr = float(self.parts.lr_fn(self.parts.schedule.epoch_at(step)))
         loop.state = train_step.set_learning_rate(loop.state, loop.lr)
         rng = jax.random.fold_in(loop.base_rng, step)
         compiled = train_step in self._compiled_steps
@@ -352,11 +353,11 @@ class Trainer:
             self._compiled_steps.append(train_step)
             self._show_gradient_plan(train_step, log)
         loop.step += 1
-        loop.batch_size = self.schedule.batch_size_at(step)
+        loop.batch_size = self.parts.schedule.batch_size_at(step)
         loop.window_samples += loop.batch_size
         loop.window_steps += 1
         loop.pending.append(metrics)
-        loop.epoch = self.schedule.epoch_at(loop.step)
+        loop.epoch = self.parts.schedule.epoch_at(loop.step)
 
     def _show_gradient_plan(self, train_step: Step, log: RunLog) -> None:
         """After a train step's first call, when it chooses routes (``auto``) or sends factors:
@@ -383,14 +384,14 @@ class Trainer:
             "epoch": loop.epoch,
             "lr": loop.lr,
             "batch_size": loop.batch_size,
-            f"{self.task.unit}_per_sec": rate,
+            f"{self.parts.task.unit}_per_sec": rate,
             **means,
         }
         log.metrics(record)
-        eta = (self.total_steps - loop.step) * window / loop.window_steps
+        eta = (self.parts.total_steps - loop.step) * window / loop.window_steps
         log.progress(
-            f"step {loop.step}/{self.total_steps} | epoch {loop.epoch:.2f} | "
-            f"{rate:.0f} {self.task.unit}/s | loss {means['loss']:.4f} | "
+            f"step {loop.step}/{self.parts.total_steps} | epoch {loop.epoch:.2f} | "
+            f"{rate:.0f} {self.parts.task.unit}/s | loss {means['loss']:.4f} | "
             f"lr {loop.lr:.4g} | batch {loop.batch_size} | "
             f"{format_duration(now - loop.started)} elapsed, eta {format_duration(eta)}"
         )
@@ -402,19 +403,19 @@ class Trainer:
     def _eval_due(self, loop: Loop) -> bool:
         """Every ``eval_every_epochs`` (at the first step past each multiple) and at the end."""
         every = self.parts.settings.eval_every_epochs
-        previous = self.schedule.epoch_at(loop.step - 1)
+        previous = self.parts.schedule.epoch_at(loop.step - 1)
         due = every > 0 and math.floor(loop.epoch / every) > math.floor(previous / every)
-        return due or loop.step == self.total_steps
+        return due or loop.step == self.parts.total_steps
 
     def _evaluate(self, loop: Loop, log: RunLog, hooks: Hooks) -> None:
         """The task's metrics now; the first whose headline metric reaches ``target_accuracy``
         marks the target reached."""
         hooks.evaluating(loop)
         loop.last_eval = self.evaluate(loop.state)
-        headline = loop.last_eval[self.task.headline]
+        headline = loop.last_eval[self.parts.task.headline]
         target = self.parts.settings.target_accuracy
         loop.reached_target |= (
-            headline >= target if self.task.higher_is_better else headline <= target
+            headline >= target if self.parts.task.higher_is_better else headline <= target
         )
         hooks.evaluated(loop)
         record = {"kind": "eval", "step": loop.step, "epoch": loop.epoch, **loop.last_eval}
