@@ -19,7 +19,8 @@ from jax.sharding import Mesh
 
 from jaxdist import meshes
 from jaxdist.aot import compile as aot_compile
-from jaxdist.aot.plan import FIT_HINT, largest_fitting_batch
+from jaxdist.aot.batch_search import largest_fitting_batch
+from jaxdist.aot.plan import FIT_HINT
 from jaxdist.aot.schedule import read_schedule
 from jaxdist.aot.topology import (
     CompilerMissing,

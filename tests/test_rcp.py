@@ -60,7 +60,7 @@ def test_a_plan_of_the_mlperf_recipe_prices_the_reference_epochs():
     from types import SimpleNamespace
 
     from jaxdist.aot import record
-    from jaxdist.aot.plan import reference_for
+    from jaxdist.aot.plan_reference import reference_for
     from jaxdist.aot.report import _reference_lines
     from jaxdist.aot.topology import parse_topology
     from jaxdist.run.config import batch_stages

@@ -7,17 +7,15 @@ the slice, read its memory, FLOPs and schedule, and predict step time and time-t
                        parse_topology("v5e:16x16"))
     plan.stages[0].compiled.memory.total, plan.total_seconds
 
-The recipe's own mesh is used when it has as many devices as the slice has chips; otherwise
-its layout is laid over the slice (``ring``: one axis of every chip; ``torus2d``: rows along
-the slice's first dimension; ``torus3d``: the three dimensions of a v4 or v5p slice, its
-first the inner axis; ``hierarchical``: rows of one host's chips). A recipe that
-reads a dataset from disk is planned on a synthetic stand-in of the same image size and
-ImageNet's size (1,281,167 images, 1000 classes), as nothing is read.
+The run's parts are built as a run builds them (:func:`~jaxdist.run.build.build_run`), on the
+mesh :mod:`~jaxdist.aot.slice_mesh` lays over the slice and the data
+:mod:`~jaxdist.aot.stand_in` puts in place of a dataset on disk; a ResNet-50 recipe is set
+against MLPerf's reference (:mod:`~jaxdist.aot.plan_reference`); ``--max-batch`` searches
+with :mod:`~jaxdist.aot.batch_search`.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +24,6 @@ import jax
 import ml_collections
 
 from jaxdist import meshes
-from jaxdist.aot import rcp, record
 from jaxdist.aot.chips import GIB, network_for
 from jaxdist.aot.compile import (
     CompiledStep,
@@ -34,26 +31,26 @@ from jaxdist.aot.compile import (
     compile_train_step,
     per_chip_bytes,
 )
+from jaxdist.aot.plan_reference import reference_for
 from jaxdist.aot.predict import StepTime, predict_step, time_to_train
+from jaxdist.aot.slice_mesh import check_mesh_matches, mesh_spec_for
+from jaxdist.aot.stand_in import stand_in_data
 from jaxdist.aot.topology import Topology
 from jaxdist.aot.transformer_efficiency import fitted_efficiency
 from jaxdist.aot.xla_fsdp import XlaFsdp, compile_xla_fsdp
 from jaxdist.comm import cost_model
-from jaxdist.data.config import SYNTHETIC_CLASSES
 from jaxdist.run.build import RunParts, build_run
 from jaxdist.tasks.image_classification import ImageClassification
 from jaxdist.training.batch_schedule import DevicePlan
 
 __all__ = [
     "LinkError",
-    "MeshMismatchError",
     "PipelineNotPlannedError",
     "Plan",
     "StagePlan",
     "plan_recipe",
 ]
 
-_READS_FROM_DISK = ("folder", "arrayrecord", "tfds", "hf")
 FIT_HINT = (
     "lower max_per_device_batch (--set max_per_device_batch=N; --max-batch finds the largest "
     "that fits) or plan on more chips"
@@ -62,12 +59,6 @@ FIT_HINT = (
 
 class PipelineNotPlannedError(ValueError):
     """A plan was asked of a pipeline recipe, which the time model does not cover."""
-
-    exit_code = 2
-
-
-class MeshMismatchError(ValueError):
-    """A mesh given for a plan does not have one device per chip of the topology."""
 
     exit_code = 2
 
@@ -118,86 +109,6 @@ class Plan:
     @property
     def compile_seconds(self) -> float:
         return sum(s.compiled.compile_seconds for s in self.stages)
-
-
-def mesh_spec_for(config_mesh: str, topology: Topology) -> tuple[meshes.MeshSpec, str]:
-    """The mesh to plan on and a line saying where it came from (see the module docstring)."""
-    chips = topology.num_chips
-    base = meshes.load(config_mesh) if config_mesh else None
-    if base is not None and base.size == chips:
-        return base, f"the recipe's mesh {base.name!r}"
-    layout = base.layout if base is not None else "ring"
-    names = base.axis_names if base is not None else ("data",)
-    inner = _inner_axis(layout, topology)
-    if layout == "ring":
-        axes = ((names[0], chips),)
-    elif layout == "torus3d":
-        axes = tuple(zip(names, _torus3d_axes(topology, base)))
-    else:
-        axes = ((names[0], chips // inner), (names[1], inner))
-    spec = meshes.MeshSpec(
-        f"{layout}-on-{topology.name}",
-        layout,
-        axes,
-        devices_per_host=inner if layout == "hierarchical" else None,
-    )
-    if base is None:
-        return spec, "one data axis over every chip (the recipe names no mesh)"
-    return spec, (
-        f"the recipe's {layout} layout over the slice (its mesh {base.name!r} has "
-        f"{base.size} devices, the slice {chips} chips)"
-    )
-
-
-def _inner_axis(layout: str, topology: Topology) -> int:
-    """Chips along the inner axis of a two-axis layout: a whole slice when several slices
-    are joined by the data-centre network, and a host's GPUs (the outer axis crosses the
-    host network); inside one TPU slice, a host's chips for ``hierarchical`` and a row of the
-    torus for ``torus2d``."""
-    if topology.network_groups > 1 or topology.is_gpu:
-        return topology.chips_per_group
-    return topology.chip.chips_per_host if layout == "hierarchical" else topology.shape[0]
-
-
-def _torus3d_axes(topology: Topology, base: meshes.MeshSpec) -> tuple[int, ...]:
-    """A 3-D torus over the dimensions of one TPU slice of three, outer to inner: the
-    slice's last dimension outermost (``v4:8x8x16`` -> 16 x 8 x 8)."""
-    if topology.is_gpu or topology.slices > 1 or len(topology.shape) != 3:
-        raise MeshMismatchError(
-            f"the recipe's torus3d layout (mesh {base.name!r}) is laid over one TPU slice of "
-            f"three dimensions (v4, v5p), not {topology.name}: give a mesh of "
-            f"{topology.num_chips} devices, or another layout"
-        )
-    return tuple(reversed(topology.shape))
-
-
-def check_mesh_matches(spec: meshes.MeshSpec, topology: Topology) -> None:
-    """Raise :class:`MeshMismatchError` unless ``spec`` has one device per chip."""
-    if spec.size != topology.num_chips:
-        raise MeshMismatchError(
-            f"mesh {spec.name!r} has {spec.size} devices, topology {topology.name} has "
-            f"{topology.num_chips} chips: give a mesh of {topology.num_chips} devices, or no "
-            "--mesh to lay the recipe's layout over the slice"
-        )
-
-
-def stand_in_data(config: ml_collections.ConfigDict) -> tuple[ml_collections.ConfigDict, str]:
-    """The config with a synthetic source in place of one read from disk."""
-    source = config.data.get("source")
-    if source is None:
-        return config, "the task's own data"
-    if source not in _READS_FROM_DISK:
-        return config, f"the recipe's {source!r} data"
-    config = copy.deepcopy(config)
-    config.data.source = "synthetic"
-    config.data.root = None
-    size = config.data.image_size
-    note = (
-        f"synthetic stand-in for the recipe's {source} data: "
-        f"{config.data.synthetic_train_examples:,} images {size}x{size}x3, "
-        f"{config.data.num_classes or SYNTHETIC_CLASSES} classes (nothing is read)"
-    )
-    return config, note
 
 
 def plan_recipe(
@@ -306,52 +217,6 @@ def plan_recipe(
     return plan
 
 
-def reference_for(
-    config: ml_collections.ConfigDict,
-    parts: RunParts,
-    step_seconds: list,
-    topology: Topology,
-    flops_per_image: float,
-) -> dict | None:
-    """For a ResNet-50 recipe (MLPerf's benchmark), the reference convergence point at its
-    global batch (:mod:`jaxdist.aot.rcp`): the epochs MLPerf expects, how they were found,
-    the time to train at them, the hyperparameters the recipe sets otherwise than the
-    reference runs at the nearest reference batch, and what the time model fitted on the
-    MLPerf record predicts for ``topology`` (:func:`jaxdist.aot.record.record_time`; its
-    images/s per chip as a share of the chip's peak at ``flops_per_image``). ``None`` for any
-    other model."""
-    if parts.task.name != "resnet50":
-        return None
-    found = rcp.epochs_to_converge(config.batch_size)
-    final = parts.plans[-1]
-    bn_span = final.per_device_batch * (config.model.get("bn_group_size") or parts.num_replicas)
-    rows = [] if found.epochs is None else time_to_train(parts.schedule, found.epochs, step_seconds)
-    differences = rcp.hyperparameter_differences(config, found.nearest, bn_span)
-    return {
-        "source": f"{rcp.RULESET} reference convergence points",
-        "target": rcp.TARGET,
-        "batch": config.batch_size,
-        "epochs": found.epochs,
-        "how": found.how,
-        "recipe_epochs": config.num_epochs,
-        "compared_with_batch": found.nearest.batch,
-        "differences": [list(d) for d in differences],
-        "time_rows": rows,
-        "total_seconds": sum(row["seconds"] for row in rows),
-        "record": _record_for(config.batch_size, topology, flops_per_image),
-    }
-
-
-def _record_for(global_batch: int, topology: Topology, flops_per_image: float) -> dict:
-    answer = record.record_time(topology.generation, topology.num_chips, global_batch)
-    fitted = answer.get("fitted")
-    if fitted is not None:
-        answer["share_of_peak"] = (
-            fitted["images_per_second"] * flops_per_image / topology.chip.peak_flops
-        )
-    return answer
-
-
 def _plan_stage(
     parts: RunParts,
     index: int,
@@ -369,7 +234,7 @@ def _plan_stage(
     utilization (a published utilization counts the model's FLOPs, whatever the step
     recomputes)."""
     try:
-        compiled = _compile_at(parts, index, device_plan.global_batch_size, variables)
+        compiled = compile_at(parts, index, device_plan.global_batch_size, variables)
     except DoesNotFitError as err:
         raise DoesNotFitError(
             f"stage {index} (global batch {device_plan.global_batch_size:,}, "
@@ -449,7 +314,7 @@ def _variable_shapes(parts: RunParts, config) -> tuple[Any, Any]:
     return jax.eval_shape(parts.task.init_variables, jax.random.key(config.seed))
 
 
-def _compile_at(
+def compile_at(
     parts: RunParts, stage: int, global_batch: int, variable_shapes: tuple
 ) -> CompiledStep:
     """Compile stage ``stage``'s train step for a global batch of ``global_batch`` images."""
@@ -479,56 +344,3 @@ def _batch_shapes(parts: RunParts, global_batch: int) -> dict[str, tuple[tuple[i
     """The task's train batch of ``global_batch`` records, as ``(shape, dtype)`` per key."""
     spec = parts.task.batch_spec(global_batch)
     return {name: (leaf.shape, leaf.dtype) for name, leaf in spec.items()}
-
-
-def largest_fitting_batch_of(
-    plan: Plan, on_try: Callable[[int, DevicePlan], None] | None = None
-) -> tuple[int, dict[int, int | None]]:
-    """:func:`largest_fitting_batch` for the first stage of a plan: per-chip batches compiled
-    with the stage's accumulation, against the chip's HBM."""
-    first = plan.stages[0].device_plan
-
-    def memory_at(per_chip: int) -> int:
-        global_batch = per_chip * first.num_devices * first.accumulation_steps
-        if on_try is not None:
-            on_try(
-                0, DevicePlan(global_batch, first.num_devices, per_chip, first.accumulation_steps)
-            )
-        try:
-            return _compile_at(plan.parts, 0, global_batch, plan.variable_shapes).memory.total
-        except DoesNotFitError:
-            return None
-
-    return largest_fitting_batch(
-        memory_at, int(plan.topology.chip.hbm_bytes), first.per_device_batch
-    )
-
-
-def largest_fitting_batch(
-    memory_at: Callable[[int], int | None], capacity: int, start: int, limit: int = 1 << 16
-) -> tuple[int, dict[int, int | None]]:
-    """The largest per-chip batch whose step fits ``capacity`` bytes, by doubling from
-    ``start`` and then bisection; ``memory_at(b)`` compiles at per-chip batch ``b`` and
-    returns its bytes, or None where the compiler refused it. Returns the batch (0 if even 1
-    does not fit) and every size tried."""
-    tried: dict[int, int | None] = {}
-
-    def fits(b: int) -> bool:
-        if b not in tried:
-            tried[b] = memory_at(b)
-        return tried[b] is not None and tried[b] <= capacity
-
-    low, high = 0, max(1, start)
-    while fits(high):
-        low, high = high, high * 2
-        if high > limit:
-            return low, tried
-    if low == 0:
-        low_try = 1
-        if not fits(low_try):
-            return 0, tried
-        low = low_try
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low, tried

@@ -75,7 +75,7 @@ def _subject(args: argparse.Namespace) -> tuple[Any, Any, Any, Any, dict]:
     import jax.numpy as jnp
 
     from jaxdist import meshes
-    from jaxdist.aot.plan import stand_in_data
+    from jaxdist.aot.stand_in import stand_in_data
     from jaxdist.data import DataConfig, make_pipeline
     from jaxdist.run import config as config_lib
     from jaxdist.run.from_config import build_optimizer

@@ -88,8 +88,9 @@ def run_plan(args: argparse.Namespace) -> int:
     # A plan compiles for the slice and runs nothing: JAX itself needs only the CPU.
     jax.config.update("jax_platforms", "cpu")
     from jaxdist.aot import published
+    from jaxdist.aot.batch_search import largest_fitting_batch_of
     from jaxdist.aot.chips import GIB
-    from jaxdist.aot.plan import largest_fitting_batch_of, plan_recipe
+    from jaxdist.aot.plan import plan_recipe
     from jaxdist.aot.report import plan_json, plan_text
     from jaxdist.aot.topology import parse_topology
     from jaxdist.run import config as config_lib
