@@ -302,11 +302,7 @@ def bench_pipeline(args: argparse.Namespace) -> int:
             f"{demand.step_seconds * 1e3:.1f} ms = {demand.images_per_s_per_chip:,.0f} images/s "
             f"per chip, {demand.chips_per_host} chips per host"
         )
-    runs = [
-        ("dali", 0) if name == "dali" else ("grain", w)
-        for name in loaders
-        for w in (workers if name == "grain" else [0])
-    ]
+    runs = [(name, count) for name in loaders for count in (workers if name == "grain" else [0])]
     for loader, count in runs:
         try:
             config = DataConfig(
@@ -323,11 +319,10 @@ def bench_pipeline(args: argparse.Namespace) -> int:
             rate = measure(config, args.batch, args.steps, args.warmup)
         except (DatasetError, ValueError) as err:
             return _fail(err)
-        label = (
-            f"dali (threads {args.dali_threads or 'all'})"
-            if loader == "dali"
-            else (f"grain (workers {count})")
-        )
+        if loader == "dali":
+            label = f"dali (threads {args.dali_threads or 'all'})"
+        else:
+            label = f"grain (workers {count})"
         line = (
             f"  {label:<22} {rate.images_per_s:>9,.0f} images/s over {rate.batches} batches "
             f"({rate.seconds:.2f} s); first batch after {rate.first_batch_s:.2f} s"

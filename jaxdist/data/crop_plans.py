@@ -62,7 +62,7 @@ def planned_record(
     y0, x0 = round(top), round(left)
     y1 = min(height, max(round(top + crop_h), y0 + 1))
     x1 = min(width, max(round(left + crop_w), x0 + 1))
-    scale = decode_scale(height, width, box, size)
+    scale = decode_scale(box, size)
     reduced = (math.ceil((y1 - y0) * scale), math.ceil((x1 - x0) * scale))
     return {
         "jpeg": record["jpeg"],

@@ -125,7 +125,7 @@ def center_crop_box(height: int, width: int, crop_fraction: float = EVAL_CROP_FR
     return (height - side) / 2, (width - side) / 2, side, side
 
 
-def decode_scale(height: int, width: int, box: Box, size: int) -> float:
+def decode_scale(box: Box, size: int) -> float:
     """The smallest of 1/8, 1/4, 1/2 and 1 at which ``box`` still covers ``size x size``."""
     _, _, crop_h, crop_w = box
     need = max(size / crop_h, size / crop_w)
@@ -146,14 +146,15 @@ def decode_crop_resize(
 
     ``stored`` is ``stored_size(data)`` when the caller already has it."""
     height, width = stored or stored_size(data, name)
-    scale = decode_scale(height, width, box, size)
+    scale = decode_scale(box, size)
     min_h, min_w = math.ceil(height * scale), math.ceil(width * scale)
     image = decode(data, name, min_height=min_h, min_width=min_w)
     # The decoded size is what the decoder chose (PIL's fall-back decodes at full size).
     scale_y, scale_x = image.shape[0] / height, image.shape[1] / width
     top, left, crop_h, crop_w = box
-    y0, y1 = round(top * scale_y), max(round((top + crop_h) * scale_y), round(top * scale_y) + 1)
-    x0, x1 = round(left * scale_x), max(round((left + crop_w) * scale_x), round(left * scale_x) + 1)
+    y0, x0 = round(top * scale_y), round(left * scale_x)
+    y1 = max(round((top + crop_h) * scale_y), y0 + 1)
+    x1 = max(round((left + crop_w) * scale_x), x0 + 1)
     resized = cv2.resize(image[y0:y1, x0:x1], (size, size), interpolation=cv2.INTER_LINEAR)
     if flip:
         resized = cv2.flip(resized, 1)

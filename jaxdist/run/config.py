@@ -300,6 +300,12 @@ SWITCHES = {
 }
 
 
+def at_default(value: Any, default: Any) -> bool:
+    """Whether a config field holds its default (a tuple field compared as a tuple: a
+    recipe may write a list)."""
+    return tuple(value) == tuple(default) if isinstance(default, tuple) else value == default
+
+
 def drop_unread_after_switch(config: ml_collections.ConfigDict, given: set[str]) -> list[str]:
     """Where ``given`` (the keys set on the command line) switches ``optimizer.name`` or
     ``lr.kind``, the recipe's own settings that the new choice does not read go back to their
@@ -315,7 +321,8 @@ def drop_unread_after_switch(config: ml_collections.ConfigDict, given: set[str])
         for field, value in section.items():
             default = defaults[section_name][field]
             unread = field not in (*always, *reads[chosen])
-            if unread and f"{section_name}.{field}" not in given and value != default:
+            given_here = f"{section_name}.{field}" in given
+            if unread and not given_here and not at_default(value, default):
                 section[field] = default
                 notes.append(
                     f"note: {section_name}.{field}={value!r} from the recipe does nothing with "

@@ -17,7 +17,13 @@ import optax
 from jax.sharding import Mesh
 
 from jaxdist import meshes
-from jaxdist.run.config import LR_KIND_FIELDS, OPTIMIZER_FIELDS, SWITCHES, base_config
+from jaxdist.run.config import (
+    LR_KIND_FIELDS,
+    OPTIMIZER_FIELDS,
+    SWITCHES,
+    at_default,
+    base_config,
+)
 from jaxdist.tasks import Task
 from jaxdist.training import global_norm, optim
 
@@ -66,8 +72,7 @@ def refuse_unused(
     defaults = base_config()[section]
     for field, value in values.items():
         default = defaults[field]
-        same = tuple(value) == tuple(default) if isinstance(default, tuple) else value == default
-        if field not in used and not same:
+        if field not in used and not at_default(value, default):
             raise ValueError(
                 f"{section}.{field}={value!r} does nothing with {chosen}; leave "
                 f"it at its default ({default!r}) or choose what reads it"
