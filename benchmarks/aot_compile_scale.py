@@ -39,6 +39,7 @@ def compile_one(topology_name: str, algorithm: str, unroll_limit: int) -> dict:
     from jaxdist import meshes
     from jaxdist.aot.compile import compile_train_step
     from jaxdist.aot.topology import parse_topology
+    from jaxdist.training.step_options import Communication
     from jaxdist.training.train_step import TrainStep
 
     class MLP(nn.Module):
@@ -70,8 +71,7 @@ def compile_one(topology_name: str, algorithm: str, unroll_limit: int) -> dict:
         loss_fn,
         optax.sgd(0.1, 0.9),
         mesh,
-        allreduce=algorithm,
-        allreduce_options={"unroll_limit": unroll_limit},
+        communication=Communication(algorithm, options={"unroll_limit": unroll_limit}),
     )
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 2048)))["params"])
     batch = {"x": ((64 * chips, 2048), jnp.bfloat16), "y": ((64 * chips,), jnp.int32)}

@@ -58,7 +58,8 @@ from jaxdist.data import DataConfig, dali_loader, make_pipeline
 from jaxdist.data.fake import photo_like
 from jaxdist.tasks.image_classification import NormalizeOnDevice
 from jaxdist.training import optim
-from jaxdist.training.train_step import TrainStep, classifier_loss
+from jaxdist.training.classifier_loss import classifier_loss
+from jaxdist.training.train_step import TrainStep
 
 # Device names as the runtime reports them (device_kind) -> the chip table's entry.
 KINDS = {"H200": "h200", "H100": "h100", "A100": "a100", "V100": "v100"}

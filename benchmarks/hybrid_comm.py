@@ -121,7 +121,7 @@ def _model(args):
     import jax
     import jax.numpy as jnp
 
-    from jaxdist.training.train_step import classifier_loss
+    from jaxdist.training.classifier_loss import classifier_loss
 
     if args.model == "vgg-head":
 
@@ -244,19 +244,22 @@ def _steps(mesh, loss_fn, variables, batch, layers, links, iters, timing):
     import optax
 
     from jaxdist.training.batches import local_rows
-    from jaxdist.training.train_step import NO_ALLREDUCE, TrainStep
+    from jaxdist.training.step_options import NO_ALLREDUCE, Communication
+    from jaxdist.training.train_step import TrainStep
 
     candidates = [path for path, _, _ in layers]
     variants = {
-        "ring": dict(allreduce="ring"),
-        "factors for " + ", ".join(candidates): dict(allreduce="ring", sfb_layers=candidates),
-        "auto": dict(allreduce="auto", sfb_layers=candidates),
-        "no averaging": dict(allreduce=NO_ALLREDUCE),
+        "ring": Communication("ring", links=links),
+        "factors for " + ", ".join(candidates): Communication(
+            "ring", sfb_layers=candidates, links=links
+        ),
+        "auto": Communication("auto", sfb_layers=candidates, links=links),
+        "no averaging": Communication(NO_ALLREDUCE, links=links),
     }
     runners, steps = {}, {}
     holder = {}
-    for name, options in variants.items():
-        step = TrainStep(loss_fn, optax.sgd(1e-4), mesh, links=links, **options)
+    for name, communication in variants.items():
+        step = TrainStep(loss_fn, optax.sgd(1e-4), mesh, communication=communication)
         if "state" not in holder:  # one state for all: they share its structure and memory
             holder["state"] = step.init(*variables)
         sharded = step.shard_batch(local_rows(batch, mesh, "data"))

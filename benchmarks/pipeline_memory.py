@@ -113,6 +113,7 @@ def measure(
     from jaxdist import meshes
     from jaxdist.pipeline import stages as pipeline_stages
     from jaxdist.pipeline.step import PipelineStep
+    from jaxdist.training.step_options import Communication, StateSharding
 
     modules, example, loss_fn, batch_shapes = model_stages(model, stages, micro_batch)
     params, model_state = jax.eval_shape(
@@ -135,8 +136,8 @@ def measure(
                 microbatches=M,
                 schedule=schedule,
                 inputs=lambda b: b["x"],
-                allreduce="ring" if replicas > 1 else "native",
-                sharding=sharding,
+                communication=Communication("ring" if replicas > 1 else "native"),
+                sharding=StateSharding(sharding),
             )
             state = step.abstract_init(params, model_state)
             split = NamedSharding(mesh, PartitionSpec(step.data_axes or None))

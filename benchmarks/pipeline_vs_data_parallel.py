@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     from jaxdist.pipeline.step import PipelineStep
     from jaxdist.runtime import distributed
     from jaxdist.training.batches import local_rows
-    from jaxdist.training.train_step import NO_ALLREDUCE, TrainStep
+    from jaxdist.training.step_options import NO_ALLREDUCE, Communication, StateSharding
+    from jaxdist.training.train_step import TrainStep
 
     distributed.initialize()
     if jax.device_count() != 8:
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
         ("data parallel", "ring"),
         ("data parallel, no allreduce", NO_ALLREDUCE),
     ):
-        step = TrainStep(whole_loss, sgd, data_mesh, allreduce=allreduce)
+        step = TrainStep(whole_loss, sgd, data_mesh, communication=Communication(allreduce))
         state = step.init(whole_params)
         batch = step.shard_batch(local_rows(host_batch, data_mesh, step.data_axes))
         runners[name] = _runner(step, state, batch, jax)
@@ -114,8 +115,8 @@ def main(argv=None) -> int:
             pipeline_mesh,
             microbatches=M,
             schedule=schedule,
-            allreduce=allreduce,
-            sharding=sharding,
+            communication=Communication(allreduce),
+            sharding=StateSharding(sharding),
             inputs=lambda batch: batch["x"],
         )
         state = step.init(stage_params)

@@ -43,6 +43,7 @@ def child(program: str, depth: int | None, calls: int) -> None:
     from jaxdist import meshes
     from jaxdist.runtime import dispatch
     from jaxdist.training import train_step as ts
+    from jaxdist.training.step_options import Communication
 
     if program == "train_step":
 
@@ -54,7 +55,7 @@ def child(program: str, depth: int | None, calls: int) -> None:
             loss_fn,
             optax.sgd(0.01),
             meshes.build("torus-4x2"),
-            allreduce="ring",
+            communication=Communication("ring"),
             max_in_flight=depth,
         )
         state = step.init({"w": np.zeros((4, 1), np.float32)})

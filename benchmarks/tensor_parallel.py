@@ -38,6 +38,7 @@ from jaxdist.run.config import load_recipe
 from jaxdist.tasks import Replicas
 from jaxdist.tasks.language_model import LanguageModel
 from jaxdist.training import logical_axes
+from jaxdist.training.step_options import Communication
 from jaxdist.training.train_step import TrainStep
 
 
@@ -64,7 +65,12 @@ def _step(task: LanguageModel, mesh: Mesh, data_axes: str, schedule: str | None)
         )
         tensor = TensorParallel(dims, schedule=schedule)
     return TrainStep(
-        task.loss, optax.adamw(1e-3), mesh, data_axes=data_axes, allreduce="native", tensor=tensor
+        task.loss,
+        optax.adamw(1e-3),
+        mesh,
+        data_axes=data_axes,
+        communication=Communication("native"),
+        tensor=tensor,
     )
 
 

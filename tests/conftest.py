@@ -59,17 +59,22 @@ def pytest_configure(config):
 # the end. Any file not named keeps its place after these.
 LONGEST_FIRST = (
     "test_aot",
-    "test_faults",
     "test_pipeline_step",
-    "test_sufficient_factors",
-    "test_pipeline_trainer",
+    "test_tensor_parallel",
     "test_collectives",
-    "test_multiprocess",
+    "test_faults",
+    "test_tasks",
+    "test_sharded_step",
     "test_train_step",
+    "test_schedulers",
+    "test_pipeline_trainer",
+    "test_pipeline_fsdp",
+    "test_trainer",
+    "test_sufficient_factors",
+    "test_multiprocess",
+    "test_pipeline_async",
     "test_mlperf_log",
     "test_recipes",
-    "test_lowered_programs",
-    "test_trainer",
     "test_rerun",
 )
 

@@ -49,6 +49,8 @@ from jaxdist.comm import collectives, tensor_parallel
 from jaxdist.runtime import distributed
 from jaxdist.training import train_step as ts
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm
+from jaxdist.training.classifier_loss import classifier_loss
+from tests._step_options import records
 
 
 def check_mesh() -> None:
@@ -369,7 +371,7 @@ TRAIN_CASES: dict[str, tuple[Callable[[int], tuple[Mesh, collectives.AxisName]],
     "ring": (_ring_mesh, {"allreduce": "ring", "bucket_bytes": 512}),
     "hierarchical": (_host_mesh, {"allreduce": "hierarchical"}),
     "torus2d": (_host_mesh, {"allreduce": "torus2d", "bucket_bytes": 512}),
-    "ring_zero1": (_ring_mesh, {"allreduce": "ring", "zero1": True}),
+    "ring_zero1": (_ring_mesh, {"allreduce": "ring", "sharding": "zero1"}),
     "torus2d_fsdp": (
         _host_mesh,
         {"allreduce": "torus2d", "sharding": "fsdp", "min_shard_elements": 0},
@@ -403,10 +405,10 @@ def train_case(name: str, devices: int) -> tuple[dict[str, np.ndarray], float]:
     params = variables["params"]
     model_state = {k: v for k, v in variables.items() if k != "params"}
     step = ts.TrainStep(
-        ts.classifier_loss(model, num_classes=NUM_CLASSES),
+        classifier_loss(model, num_classes=NUM_CLASSES),
         optax.sgd(0.1, momentum=0.9),
         mesh,
-        **options,
+        **records(**options),
     )
     state = step.init(params, model_state)
     rows = GLOBAL_BATCH // jax.process_count()

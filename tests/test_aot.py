@@ -29,8 +29,10 @@ from jaxdist.aot.topology import (
     parse_topology,
 )
 from jaxdist.comm import collectives
+from jaxdist.training.step_options import Communication
 from jaxdist.training.train_step import TrainStep
 from tests._procs import REPO
+from tests._step_options import records
 
 needs_libtpu = pytest.mark.skipif(
     not libtpu_available(), reason="the TPU compiler is not installed (pip install -e '.[tpu]')"
@@ -73,7 +75,7 @@ def torus_2x2():
 
 
 def compile_step(mesh, batch=64, **options):
-    step = TrainStep(loss_fn, optax.sgd(0.1, 0.9), mesh, **options)
+    step = TrainStep(loss_fn, optax.sgd(0.1, 0.9), mesh, **records(**options))
     return aot_compile.compile_train_step(step, PARAMS, {}, batch_of(batch))
 
 
@@ -338,6 +340,7 @@ def test_every_allreduce_compiles_for_a_tpu_slice(torus_2x2, algorithm):
 
 
 @needs_libtpu
+@pytest.mark.slow  # a ResNet compile for a v4 slice: about 30 s
 def test_the_3d_torus_is_laid_over_a_v4_slice_and_paced_beside_backward(capsys):
     from jaxdist.cli import main
 
@@ -390,10 +393,12 @@ def test_the_3d_torus_is_laid_over_a_v4_slice_and_paced_beside_backward(capsys):
 
 
 @needs_libtpu
-@pytest.mark.parametrize("generation", ["v5e:2x2", "v4:2x2x1"])
+@pytest.mark.parametrize(
+    "generation", ["v5e:2x2", pytest.param("v4:2x2x1", marks=pytest.mark.slow)]
+)
 def test_zero1_and_accumulation_compile(generation):
     mesh = Mesh(np.asarray(parse_topology(generation).devices()), ("data",))
-    assert compile_step(mesh, zero1=True).flops > 0
+    assert compile_step(mesh, sharding="zero1").flops > 0
     assert compile_step(mesh, accumulation_steps=2).flops > 0
 
 
@@ -420,6 +425,7 @@ class DeepMLP(nn.Module):
 
 
 @needs_libtpu
+@pytest.mark.slow  # paced and unpaced TPU compiles: about 25 s
 def test_wait_free_steps_run_beside_backward_and_hide_their_time(torus_2x2):
     """Left to the compiler, each bucket's ring runs as a chain after backward; paced, its
     steps bracket backward's matrix products and most of their time is hidden."""
@@ -441,10 +447,8 @@ def test_wait_free_steps_run_beside_backward_and_hide_their_time(torus_2x2):
             deep_loss,
             optax.sgd(0.1, 0.9),
             torus_2x2,
-            allreduce="ring",
+            communication=Communication("ring", bucket_bytes=1 << 20, wait_free=wait_free),
             data_axes=("y", "x"),
-            bucket_bytes=1 << 20,
-            wait_free=wait_free,
         )
         report = aot_compile.compile_train_step(step, params, {}, batch_of(16384))
         grads = report.schedule.gradient_collectives
@@ -462,7 +466,7 @@ def test_wait_free_steps_run_beside_backward_and_hide_their_time(torus_2x2):
 @needs_libtpu
 def test_zero1_divides_optimizer_state_per_chip(torus_2x2):
     plain = compile_step(torus_2x2, data_axes=("y", "x"))
-    sharded = compile_step(torus_2x2, data_axes=("y", "x"), zero1=True)
+    sharded = compile_step(torus_2x2, data_axes=("y", "x"), sharding="zero1")
     assert sharded.memory.optimizer_state == pytest.approx(
         plain.memory.optimizer_state / 4, rel=0.01
     )
@@ -472,6 +476,7 @@ def test_zero1_divides_optimizer_state_per_chip(torus_2x2):
 
 
 @needs_libtpu
+@pytest.mark.slow  # a batch search of TPU compiles: about 40 s
 def test_hbm_grows_with_the_batch(torus_2x2):
     small, large = (compile_step(torus_2x2, batch=b, data_axes=("y", "x")) for b in (64, 65536))
     assert large.memory.temp > small.memory.temp
@@ -751,6 +756,7 @@ def test_a_sharded_plan_prints_xla_own_fsdp_of_the_step_beside_it(capsys):
 
 
 @needs_libtpu
+@pytest.mark.slow  # two transformer plans: about a minute
 def test_a_scanned_fsdp_plan_counts_every_layer_and_its_loop_as_compute(capsys, monkeypatch):
     """The transformer scanned over 3 blocks under FSDP: its FLOPs per chip are the unrolled
     model's (the compiler counts the scan's body once; the plan every turn), and its
@@ -795,7 +801,7 @@ def test_a_scanned_fsdp_plan_counts_every_layer_and_its_loop_as_compute(capsys, 
 
 
 @needs_libtpu
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def test_a_pipeline_step_compiles_for_a_tpu_slice(schedule):
     """The pipeline program (a switch per tick, permutes under a per-tick condition, in a
     loop) compiles for TPU chips; each chip's arguments are its stage's, and the stage
@@ -820,7 +826,7 @@ def test_a_pipeline_step_compiles_for_a_tpu_slice(schedule):
         mesh,
         microbatches=4,
         schedule=schedule,
-        allreduce="ring",
+        communication=Communication("ring"),
         inputs=lambda b: b["x"],
     )
     state = step.abstract_init(params, states)
@@ -874,14 +880,13 @@ def _normed_step(mesh, group_size):
         normed_loss,
         optax.sgd(0.1, 0.9),
         mesh,
-        allreduce="ring",
-        bucket_bytes=1 << 19,
-        allreduce_options={"unroll_limit": 32},
+        communication=Communication("ring", bucket_bytes=1 << 19, options={"unroll_limit": 32}),
     )
     return aot_compile.compile_train_step(step, params, model_state, batch_of(16 * mesh.size))
 
 
 @needs_libtpu
+@pytest.mark.slow  # two ResNet TPU compiles: about 20 s
 def test_batchnorm_statistics_move_bytes_of_the_group_not_of_the_slice():
     """On 32 chips with groups of 2, every collective that is not the gradients' moves a
     small multiple of the statistics' bytes: an all-reduce of each norm's statistics over its
@@ -907,7 +912,7 @@ def test_batchnorm_statistics_move_bytes_of_the_group_not_of_the_slice():
 
 
 @needs_libtpu
-@pytest.mark.parametrize("shape", [(4, 8), (32,)])
+@pytest.mark.parametrize("shape", [(4, 8), pytest.param((32,), marks=pytest.mark.slow)])
 def test_rings_on_a_slice_without_wraparound_overlap_backward(shape):
     """The mesh folds each axis over the slice's chips, so the compiler keeps the rings'
     permutes asynchronous beside backward (in physical order it made them synchronous)."""
@@ -1050,7 +1055,9 @@ def test_a_replicated_step_that_does_not_fit_is_told_what_fsdp_would_hold(torus_
     from jaxdist.aot.plan import sharding_hint
 
     def trainer_of(**options):
-        step = TrainStep(loss_fn, optax.adam(1e-3), torus_2x2, data_axes=("y", "x"), **options)
+        step = TrainStep(
+            loss_fn, optax.adam(1e-3), torus_2x2, data_axes=("y", "x"), **records(**options)
+        )
         return SimpleNamespace(train_step_for=lambda stage: step, config=None)
 
     hint = sharding_hint(trainer_of(), 0, (PARAMS, {}))

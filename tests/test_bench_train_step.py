@@ -14,9 +14,13 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import meshes
 from jaxdist.bench import train_step as bench_train
 from jaxdist.cli import main
+from jaxdist.comm import buckets as bucketing
 from jaxdist.training import train_step as ts
+from jaxdist.training.classifier_loss import classifier_loss
+from jaxdist.training.step_options import NO_ALLREDUCE, Communication
 
 
+@pytest.mark.slow  # every variant compiled and timed: about a minute
 def test_train_step_bench_runs_end_to_end(tmp_path, capsys):
     out_json = tmp_path / "train_step.json"
     argv = [
@@ -93,7 +97,7 @@ def test_variants_in_the_order_asked_and_wait_free_only_for_permute_schedules():
         "jaxdist auto/none",
     ]
     twins = [allreduce for name, allreduce, _ in bench_train._jaxdist_variants(["ring"], False)]
-    assert twins == ["ring", ts.NO_ALLREDUCE]
+    assert twins == ["ring", NO_ALLREDUCE]
     times = {name: [0.01] for name in ["baseline", "baseline/none", *names]}
     rows = bench_train._measurements(times, global_batch=16)
     assert [r.variant for r in rows] == [
@@ -143,11 +147,10 @@ def _jaxdist_run(optimizer, allreduce):
     """Two steps of jaxdist's TrainStep, built as the benchmark builds it."""
     mesh, _, model, num_classes, variables, batch = _small_run()
     step = ts.TrainStep(
-        ts.classifier_loss(model, num_classes=num_classes),
+        classifier_loss(model, num_classes=num_classes),
         optimizer,
         mesh,
-        allreduce=allreduce,
-        bucket_bytes=ts.bucketing.DEFAULT_BUCKET_BYTES,
+        communication=Communication(allreduce, bucket_bytes=bucketing.DEFAULT_BUCKET_BYTES),
     )
     state = step.init(variables["params"], {"batch_stats": variables["batch_stats"]})
     losses = []
@@ -169,6 +172,7 @@ def _differs(a, b):
     )
 
 
+@pytest.mark.slow  # both ResNet steps trained: about 30 s
 def test_baseline_and_jaxdist_steps_train_alike():
     """What the benchmark compares is the same training: from the same state and batch, the
     hand-written baseline step and jaxdist's TrainStep (built as the benchmark builds them)
@@ -185,9 +189,10 @@ def test_baseline_and_jaxdist_steps_train_alike():
         _assert_close(theirs[1], params)
         _assert_close(theirs[2], stats)
     assert _differs(_baseline_run(optimizer, communicate=False)[1], params)
-    assert _differs(_jaxdist_run(optimizer, ts.NO_ALLREDUCE)[1], params)
+    assert _differs(_jaxdist_run(optimizer, NO_ALLREDUCE)[1], params)
 
 
+@pytest.mark.slow  # both ResNet steps compiled and compared: about 40 s
 def test_the_resnet_benchmarks_flax_example_step_is_the_baseline_with_l2_decay():
     """`jaxdist bench resnet` times the same hand-written step as the baseline here, with the
     flax example's L2 term (0.5 * wd * |w|^2 over kernels): it trains as TrainStep does with
@@ -222,6 +227,7 @@ def test_communication_is_paired_by_round_and_carries_its_spread():
     assert ring.vs_baseline == pytest.approx(0.011 / 0.0115)
 
 
+@pytest.mark.slow  # every sharding compiled and timed: about 20 s
 def test_sharding_bench_compares_every_sharding_and_xlas_fsdp(tmp_path, capsys):
     out_json = tmp_path / "sharding.json"
     argv = [

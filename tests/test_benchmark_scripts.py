@@ -139,6 +139,7 @@ def test_queue_depth_runs_a_bounded_loop(tmp_path):
     ], rows
 
 
+@pytest.mark.slow  # pipeline compiles replicated and sharded: about 20 s
 def test_pipeline_memory_fsdp_keeps_a_quarter_of_each_stage_state(tmp_path):
     out = tmp_path / "memory.json"
     _run(
@@ -169,6 +170,7 @@ def test_pipeline_memory_fsdp_keeps_a_quarter_of_each_stage_state(tmp_path):
     assert rows["fsdp"]["peak_mib"] < rows["replicated"]["peak_mib"]
 
 
+@pytest.mark.slow  # pipeline compiles at several micro-batch counts: about 30 s
 def test_pipeline_memory_gpipe_grows_with_micro_batches_and_1f1b_does_not(tmp_path):
     out = tmp_path / "memory.json"
     _run(
@@ -193,6 +195,7 @@ def test_pipeline_memory_gpipe_grows_with_micro_batches_and_1f1b_does_not(tmp_pa
     assert rows["1f1b", 8]["temp_mib"] == rows["1f1b", 4]["temp_mib"]
 
 
+@pytest.mark.slow  # pipeline and data-parallel steps compiled: about 15 s
 def test_pipeline_bytes_against_data_parallelism(tmp_path):
     out = tmp_path / "bytes.json"
     text = _run(

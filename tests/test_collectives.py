@@ -413,7 +413,7 @@ def test_crossed_exchange_sends_no_pair_both_ways():
         assert any(sends_both_ways(ps) for ps in crossing) == expect_swap, crossing
 
 
-@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("op", [pytest.param("sum", marks=pytest.mark.slow), "mean"])
 def test_low_precision_transfer_leaves_every_device_the_same_bits(op):
     # A device that reduced a chunk must keep it rounded as it sent it, or replicas drift apart;
     # the mean's division, done where each schedule writes its result, must not break that.
@@ -507,7 +507,7 @@ def test_an_inner_pairs_swaps_wait_for_each_other():
         assert sent_is_pair != sends[name][1], f"{name} sends a message of its own kind: {sends}"
 
 
-@pytest.mark.parametrize("rows", [3, 4])
+@pytest.mark.parametrize("rows", [pytest.param(3, marks=pytest.mark.slow), 4])
 def test_an_inner_pair_lays_its_windows_out_as_a_flat_ring(rows):
     # The pair's two regions hold the outer ring's windows; region 1 ends at the buffer's end,
     # so at sizes whose last window starts early its windows sit that far into it. Sizes
@@ -676,7 +676,7 @@ def test_all_gather_into_a_buffer_of_the_wrong_size_is_an_error():
 
 
 # A few pieces (unrolled), more (the bidirectional ring's 2,560-byte steps in 3), many (fori_loop).
-@pytest.mark.parametrize("piece", [8000, 1024, 256])
+@pytest.mark.parametrize("piece", [8000, pytest.param(1024, marks=pytest.mark.slow), 256])
 def test_exchanges_in_pieces_against_psum(piece):
     # 2-device axes make every ring step, and every halving-doubling step, a pairwise exchange;
     # the bidirectional ring cuts every step.

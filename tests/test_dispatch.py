@@ -17,6 +17,7 @@ from jaxdist.runtime import dispatch
 from jaxdist.training import eval_step
 from jaxdist.training import train_step as ts
 from jaxdist.training.loss_scale import DynamicLossScale
+from jaxdist.training.step_options import Communication, Precision, StateSharding
 from tests._procs import REPO, clean_env
 
 
@@ -75,8 +76,10 @@ def _tiny_batch(step):
 
 def test_steps_on_the_same_devices_share_one_window():
     mesh = meshes.ring(8)
-    first = ts.TrainStep(_tiny_loss, optax.sgd(0.01), mesh, allreduce="ring")
-    second = ts.TrainStep(_tiny_loss, optax.sgd(0.02), meshes.ring(8), allreduce="ring")
+    first = ts.TrainStep(_tiny_loss, optax.sgd(0.01), mesh, communication=Communication("ring"))
+    second = ts.TrainStep(
+        _tiny_loss, optax.sgd(0.02), meshes.ring(8), communication=Communication("ring")
+    )
     evaluate = eval_step.EvalStep(lambda p, ms, b: {"n": b["x"].shape[0]}, mesh)
     assert first._in_flight is second._in_flight is evaluate._in_flight
     other = ts.TrainStep(_tiny_loss, optax.sgd(0.01), mesh, max_in_flight=2)
@@ -99,8 +102,10 @@ def test_waiting_on_earlier_steps_works_with_donated_state(variant):
     deleted or donated buffer")."""
     options = {
         "donated": {},
-        "donated_loss_scale": {"loss_scale": DynamicLossScale.create(initial_scale=2.0**8)},
-        "donated_zero1": {"zero1": True},
+        "donated_loss_scale": {
+            "precision": Precision(loss_scale=DynamicLossScale.create(initial_scale=2.0**8))
+        },
+        "donated_zero1": {"sharding": StateSharding("zero1")},
     }[variant]
     step = ts.TrainStep(
         _tiny_loss, optax.sgd(0.01), meshes.ring(8), donate=True, max_in_flight=2, **options
@@ -124,11 +129,17 @@ def test_many_unblocked_steps_finish_on_eight_cpu_devices():
         from jaxdist import meshes
         from jaxdist.runtime import dispatch
         from jaxdist.training import train_step as ts
+        from jaxdist.training.step_options import Communication
         from tests.test_dispatch import _tiny_loss
         waits = []
         wait = dispatch.jax.block_until_ready
         dispatch.jax.block_until_ready = lambda x: (waits.append(1), wait(x))[1]
-        step = ts.TrainStep(_tiny_loss, optax.sgd(0.01), meshes.build("torus-4x2"), allreduce="ring")
+        step = ts.TrainStep(
+            _tiny_loss,
+            optax.sgd(0.01),
+            meshes.build("torus-4x2"),
+            communication=Communication("ring"),
+        )
         assert step._in_flight.limit == dispatch.CPU_IN_FLIGHT_LIMIT, step._in_flight.limit
         state = step.init({"w": np.zeros((4, 1), np.float32)})
         batch = {"x": np.ones((16, 4), np.float32), "y": np.ones((16, 1), np.float32)}

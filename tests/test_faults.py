@@ -140,6 +140,7 @@ def logged_steps(workdir):
 # --------------------------------------------------------------------- one process
 
 
+@pytest.mark.slow  # two CLI runs: about 30 s
 def test_a_rerun_on_another_device_count_is_refused_with_the_diff(recipe, uninterrupted, tmp_path):
     workdir = tmp_path / "run"
     shutil.copytree(uninterrupted, workdir)
@@ -239,6 +240,7 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_step(
 
 
 @pytest.mark.beside_one
+@pytest.mark.slow  # a CLI run filling a small disk: about 20 s
 def test_a_full_disk_during_a_save_stops_in_one_line_and_keeps_the_previous_step(
     recipe, uninterrupted, tmp_path
 ):
@@ -355,6 +357,7 @@ def test_a_non_finite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(
     assert stop["metadata"]["reason"].startswith("NonFiniteError: the loss is nan")
 
 
+@pytest.mark.slow  # a CLI run poisoned step by step: about 20 s
 def test_skipping_non_finite_steps_stops_after_the_limit_in_a_row(recipe, tmp_path, capsys):
     workdir = tmp_path / "run"
     args = [
@@ -443,6 +446,7 @@ def images(tmp_path):
     return root
 
 
+@pytest.mark.slow  # a recipe run on files on disk: about 40 s
 def test_a_data_file_deleted_mid_run_stops_at_a_checkpoint_naming_it(
     recipe, images, tmp_path, capsys
 ):
@@ -503,6 +507,7 @@ def test_a_data_file_deleted_mid_run_stops_at_a_checkpoint_naming_it(
 
 
 @pytest.mark.beside_one
+@pytest.mark.slow  # a CLI run left to stall: about 20 s
 def test_a_stuck_input_reader_is_reported_by_the_watchdog(recipe, images, tmp_path):
     """The images become FIFOs that nobody writes: reading one blocks forever, as on a hung
     network filesystem. The watchdog names the process, the step and the wait."""

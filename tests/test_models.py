@@ -129,7 +129,7 @@ def test_pointwise_conv_rejects_strides_that_are_not_one_positive_int(strides):
         PointwiseConv(2, strides).init(jax.random.key(0), x)
 
 
-@pytest.mark.parametrize("block", ["basic", "bottleneck"])
+@pytest.mark.parametrize("block", ["basic", pytest.param("bottleneck", marks=pytest.mark.slow)])
 def test_pointwise_matmul_keeps_the_parameters_and_the_function(block):
     """``pointwise_matmul`` changes how 1x1 convolutions are computed, nothing else: the
     same variables from the same key, the same logits and gradients (two stages, so the
@@ -206,6 +206,7 @@ def test_bf16_compute_keeps_float32_params():
     assert dtypes == {jnp.dtype(jnp.float32)}, f"expected only float32 variables, found {dtypes}"
 
 
+@pytest.mark.slow  # a ResNet trained to a loss: about 15 s
 def test_small_stem_trains_on_28x28():
     model = models.resnet18(width=4, num_classes=10, stem="small")
     images = jax.random.normal(jax.random.key(1), (4, 28, 28, 1))

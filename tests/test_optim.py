@@ -256,7 +256,7 @@ def test_a_pipeline_refuses_updates_that_need_the_whole_model():
     """A pipeline gives each stage its own layers: an optimizer whose update would change is
     refused in one line, not run. (ZeRO-1 and FSDP run every optimizer exactly: the sharded
     step tests show it.)"""
-    from jaxdist.training.step_options import check_shardable
+    from jaxdist.training.step_checks import check_shardable
 
     clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
     summed = optax.chain(global_norm.clip_by_global_norm(1.0), optax.sgd(0.1))

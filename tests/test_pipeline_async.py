@@ -24,6 +24,7 @@ from jaxdist.pipeline.program import compile_schedule
 from jaxdist.pipeline.schedules import build
 from jaxdist.pipeline.step import PipelineStep
 from jaxdist.training.loss_scale import DynamicLossScale
+from tests._step_options import records
 
 KEY = jax.random.key(3)
 
@@ -133,7 +134,7 @@ def pipeline(schedule, mesh, M, optimizer, **options):
         microbatches=M,
         schedule=schedule,
         inputs=lambda b: b["x"],
-        **options,
+        **records(**options),
     )
     return step, fns, params, states, batch
 
@@ -180,6 +181,7 @@ def test_pipedream_equals_its_simulation(stages, M):
     )
 
 
+@pytest.mark.slow  # a PipeDream run beside its simulation: about 20 s
 def test_pipedream_with_data_parallelism_averages_each_micro_batch():
     mesh = meshes.build("pipeline-2x4")
     optimizer = optax.adam(1e-2)
@@ -235,7 +237,7 @@ def test_what_asynchronous_schedules_refuse():
                 mesh,
                 microbatches=2,
                 schedule="pipedream",
-                **options,
+                **records(**options),
             )
         assert "\n" not in str(caught.value)
     np.testing.assert_equal(build("pipedream_2bw", 3, 6).table, build("1f1b", 3, 6).table)

@@ -27,6 +27,8 @@ from jaxdist.pipeline.fsdp import ShardedFlatLayout
 from jaxdist.pipeline.step import PipelineStep
 from jaxdist.training import global_norm
 from jaxdist.training.loss_scale import DynamicLossScale
+from jaxdist.training.step_options import Communication, Precision, StateSharding
+from tests._step_options import records
 
 
 def lars():
@@ -48,7 +50,15 @@ def stages_of(virtual: int, batch):
 # optimizers reading a layer's norm, the model's norm, masks by shape, and elementwise ones.
 CASES = [
     ("pipeline-2x2x2", "torus2d", None, "1f1b", 1, lars),
-    ("4x2", "ring", "native", "interleaved", 2, lambda: optax.adamw(1e-2, weight_decay=0.1)),
+    pytest.param(
+        "4x2",
+        "ring",
+        "native",
+        "interleaved",
+        2,
+        lambda: optax.adamw(1e-2, weight_decay=0.1),
+        marks=pytest.mark.slow,
+    ),
     (
         "4x2",
         "native",
@@ -78,12 +88,9 @@ def test_fsdp_inside_stages_equals_one_device(
         microbatches=4,
         schedule=schedule,
         chunks=chunks,
-        allreduce=allreduce,
-        gather=gather,
-        bucket_bytes=4096,
+        communication=Communication(allreduce, bucket_bytes=4096),
+        sharding=StateSharding("fsdp", gather=gather, min_shard_elements=8),
         inputs=lambda b: b["x"],
-        sharding="fsdp",
-        min_shard_elements=8,
     )
     state, metrics = run_pipeline(step, params, states, batch, steps=3)
     layout = step.layouts["params"]
@@ -132,8 +139,8 @@ def test_each_device_keeps_its_share_of_its_stage_and_the_update_gathers_nothing
             optax.adam(1e-3),
             meshes.pipeline(4, 2),
             microbatches=2,
-            allreduce="ring",
-            sharding=sharding,
+            communication=Communication("ring"),
+            sharding=StateSharding(sharding),
             inputs=lambda b: b["x"],
         )
         state = step.init(params, states)
@@ -172,11 +179,9 @@ def test_loss_scale_and_skipped_steps_see_every_shard():
         optimizer,
         meshes.pipeline(4, 2),
         microbatches=2,
-        allreduce="ring",
-        sharding="fsdp",
-        min_shard_elements=8,
-        loss_scale=DynamicLossScale.create(2.0**10),
-        skip_nonfinite=True,
+        communication=Communication("ring"),
+        sharding=StateSharding("fsdp", min_shard_elements=8),
+        precision=Precision(loss_scale=DynamicLossScale.create(2.0**10), skip_nonfinite=True),
         inputs=lambda b: b["x"],
     )
     skipped = skips_poison_then_trains(step, fns, params, states, batch, optimizer, row=40)
@@ -199,8 +204,12 @@ def test_what_fsdp_inside_stages_cannot_honour_is_one_line():
         ({"gather": "native"}, mesh, "sharding='replicated' keeps each stage's parameters whole"),
         ({"sharding": "fsdp"}, stage_mesh(2), "the mesh has none beside 'stage'"),
         ({"sharding": "fsdp", "allreduce": "none"}, mesh, "allreduce='none' names none"),
+        ({"sharding": "fsdp", "prefetch": 2}, mesh, "a pipeline stage gathers its parameters"),
+        ({"sharding": "fsdp", "keep_gathered": True}, mesh, "leave keep_gathered out"),
+        ({"sharding": "fsdp", "shard_axes": "x"}, mesh, "over all of its data axes; leave"),
+        ({"allreduce": "ring", "wait_free": True}, mesh, "gradients already travel while"),
     ]
     for options, on, message in cases:
         with pytest.raises(ValueError, match=message) as caught:
-            PipelineStep(fns, cross_entropy, sgd, on, microbatches=2, **options)
+            PipelineStep(fns, cross_entropy, sgd, on, microbatches=2, **records(**options))
         assert "\n" not in str(caught.value)

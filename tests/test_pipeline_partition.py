@@ -194,6 +194,7 @@ def test_a_compiler_profile_prices_layers_for_a_tpu_chip():
     assert blocks.flops > 50 * head.flops
 
 
+@pytest.mark.slow  # a measured profile and a cut through the CLI: about 25 s
 def test_cli_profiles_then_cuts_a_recipe_and_refuses_another_models_profile(tmp_path, capsys):
     from jaxdist.cli import main
 
@@ -219,6 +220,7 @@ def test_cli_profiles_then_cuts_a_recipe_and_refuses_another_models_profile(tmp_
     assert "11 stages need at least 11 layers, but the model has 10" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a measured profile through the trainer: about 15 s
 def test_the_trainer_measures_a_profile_of_a_model_with_cross_replica_batchnorm():
     """The recipe's model averages BatchNorm statistics over the data axes; measured on one
     device outside the mesh, its profile uses each micro-batch's own."""

@@ -21,6 +21,7 @@ from jaxdist.pipeline.step import PipelineStep
 from jaxdist.training import global_norm
 from jaxdist.training.gradients import local_gradients
 from jaxdist.training.loss_scale import DynamicLossScale
+from jaxdist.training.step_options import Communication, Precision
 
 WIDTHS = (7, 13, 5, 11, 9, 6, 8, 3)  # uneven layers: stages differ in every shape
 
@@ -115,17 +116,19 @@ def stage_mesh(stages: int) -> Mesh:
 # 3S micro-batches (interleaved: 2 chunks per device, and one case of 3), each stage count
 # and each of these M once per schedule. The engine runs any table the same way; each
 # schedule's table for every S and M is checked without compiling in
-# test_pipeline_schedules.py.
+# test_pipeline_schedules.py. The default run keeps one to two cases of each schedule (2, 3
+# and 4 stages among them); the rest are slow.
+SLOW = pytest.mark.slow
 EQUIVALENCE_CASES = [
-    ("gpipe", 2, 6, 1),
+    pytest.param("gpipe", 2, 6, 1, marks=SLOW),
     ("gpipe", 3, 3, 1),
-    ("gpipe", 4, 1, 1),
-    ("1f1b", 2, 2, 1),
+    pytest.param("gpipe", 4, 1, 1, marks=SLOW),
+    pytest.param("1f1b", 2, 2, 1, marks=SLOW),
     ("1f1b", 3, 1, 1),
     ("1f1b", 4, 12, 1),
     ("interleaved", 2, 2, 2),
-    ("interleaved", 3, 9, 2),
-    ("interleaved", 2, 2, 3),
+    pytest.param("interleaved", 3, 9, 2, marks=SLOW),
+    pytest.param("interleaved", 2, 2, 3, marks=SLOW),
 ]
 
 
@@ -155,7 +158,8 @@ def test_pipeline_equals_accumulation(schedule, stages, micro_batches, chunks):
 
 
 @pytest.mark.parametrize(
-    "schedule, stages, micro_batches, chunks", [("1f1b", 3, 3, 1), ("interleaved", 2, 2, 2)]
+    "schedule, stages, micro_batches, chunks",
+    [("1f1b", 3, 3, 1), pytest.param("interleaved", 2, 2, 2, marks=pytest.mark.slow)],
 )
 def test_global_norm_clipping_takes_the_norm_over_every_stage(
     schedule, stages, micro_batches, chunks
@@ -220,6 +224,7 @@ RESNET_CASES = [
 @pytest.mark.parametrize(
     "resnet, schedule, stages, chunks, micro_batches, boundaries", RESNET_CASES
 )
+@pytest.mark.slow  # a ResNet cut into stages against accumulation: about 40 s
 def test_resnet_stages_with_batchnorm_equal_accumulation(
     resnet, schedule, stages, chunks, micro_batches, boundaries
 ):
@@ -253,7 +258,7 @@ def test_resnet_stages_with_batchnorm_equal_accumulation(
 @pytest.mark.parametrize(
     "preset, allreduce, options",
     [
-        ("pipeline-2x4", "ring", {}),
+        pytest.param("pipeline-2x4", "ring", {}, marks=pytest.mark.slow),
         ("pipeline-2x4", "bidirectional_ring", {}),
         ("pipeline-2x2x2", "torus2d", {}),
         ("pipeline-2x4", "halving_doubling", {"transfer_dtype": jnp.bfloat16}),
@@ -274,9 +279,7 @@ def test_pipeline_with_data_parallelism(preset, allreduce, options):
         optimizer,
         mesh,
         microbatches=3,
-        allreduce=allreduce,
-        allreduce_options=options,
-        bucket_bytes=64,
+        communication=Communication(allreduce, options=options, bucket_bytes=64),
         inputs=lambda b: b["x"],
     )
     state, metrics = run_pipeline(step, params, states, batch, steps=2)
@@ -301,7 +304,7 @@ def test_loss_scaling_changes_nothing_but_the_scale():
         optimizer,
         stage_mesh(2),
         microbatches=2,
-        loss_scale=DynamicLossScale.create(2.0**10),
+        precision=Precision(loss_scale=DynamicLossScale.create(2.0**10)),
         inputs=lambda b: b["x"],
     )
     state, metrics = run_pipeline(step, params, states, batch, steps=2)
@@ -324,7 +327,7 @@ def test_skip_nonfinite_leaves_every_stage_as_it_was():
         optimizer,
         stage_mesh(2),
         microbatches=2,
-        skip_nonfinite=True,
+        precision=Precision(skip_nonfinite=True),
         inputs=lambda b: b["x"],
     )
     skips_poison_then_trains(step, fns, params, states, batch, optimizer, row=0)
@@ -395,7 +398,7 @@ def test_bad_input_gets_one_line():
             sgd,
             meshes.build("pipeline-2x4"),
             microbatches=2,
-            allreduce="torus2d",
+            communication=Communication("torus2d"),
         )
     with pytest.raises(ValueError, match="3 stage functions for 4 stages"):
         PipelineStep(fns[:3], cross_entropy, sgd, stage_mesh(4), microbatches=2)
@@ -433,14 +436,18 @@ def test_cross_replica_batchnorm_over_the_data_axis_equals_data_parallel_trainin
         optimizer,
         meshes.build("pipeline-2x4"),
         microbatches=2,
-        allreduce="ring",
+        communication=Communication("ring"),
         inputs=lambda b: b["x"],
     )
     state, metrics = run_pipeline(step, params, states, batch, steps=2)
 
     data_mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     plain = TrainStep(
-        whole_model_loss(fns), optimizer, data_mesh, allreduce="ring", accumulation_steps=2
+        whole_model_loss(fns),
+        optimizer,
+        data_mesh,
+        communication=Communication("ring"),
+        accumulation_steps=2,
     )
     want = plain.init(params, states)
     for _ in range(2):

@@ -122,6 +122,7 @@ def test_bad_pipeline_config_is_one_line(tmp_path, overrides, message):
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.slow  # a second pipeline recipe run, under FSDP: about 100 s on 2 cores
 def test_fsdp_inside_stages_trains_as_the_replicated_pipeline(straight, tmp_path):
     """``--set sharding=fsdp``: each stage's state split over the data axis, made straight
     into the shardings a checkpoint is restored into, ends where the replicated pipeline
@@ -166,6 +167,7 @@ def test_micro_batches_that_do_not_divide_the_batch_are_refused_before_training(
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # two pipeline recipe runs: about 30 s
 def test_auto_boundaries_cut_where_the_profile_says_and_resume_exactly(straight, tmp_path, capsys):
     """A profile whose only balanced cut is the explicit one: the auto run, crashed and
     resumed, equals the explicit run, records the cut, and the resume restores the state's

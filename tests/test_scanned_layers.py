@@ -12,6 +12,7 @@ from jaxdist.models.transformer import stack_blocks, unstack_blocks
 from jaxdist.tasks import Replicas
 from jaxdist.tasks.language_model import LanguageModel
 from jaxdist.training.sharding import Layout
+from jaxdist.training.step_options import Communication, StateSharding
 from jaxdist.training.train_step import TrainStep
 from tests.test_tasks import corpus_root, lm_config  # noqa: F401  (the fixture)
 
@@ -30,7 +31,7 @@ def _train(task, params, model_state, batches, **options):
         task.loss,
         optax.sgd(0.5, momentum=0.9),
         meshes.ring(4),
-        allreduce="ring",
+        communication=Communication("ring"),
         stacked_layers=task.stacked_layers(),
         **options,
     )
@@ -80,7 +81,9 @@ def test_scanned_fsdp_equals_the_unrolled_model_and_gathers_one_layer_at_a_time(
     params, model_state = unrolled.init_variables(jax.random.key(0))
     batches = _batches(unrolled)
     _, expected, _ = _train(unrolled, params, model_state, batches)
-    step, state, _ = _train(scanned, stack_blocks(params), model_state, batches, sharding="fsdp")
+    step, state, _ = _train(
+        scanned, stack_blocks(params), model_state, batches, sharding=StateSharding("fsdp")
+    )
     _assert_close(unstack_blocks(jax.device_get(state.params)), expected.params)
 
     layout = step.layout
@@ -106,6 +109,7 @@ def test_scanned_fsdp_equals_the_unrolled_model_and_gathers_one_layer_at_a_time(
     assert scanned.baseline_bits_per_byte == pytest.approx(np.log2(1000))
 
 
+@pytest.mark.slow  # two scanned runs with dropout: about 25 s
 def test_scanned_fsdp_with_dropout_and_saved_products_equals_its_replicated_run(corpus_root):  # noqa: F811
     """Dropout draws per layer from keys scanned beside the parameters, and ``remat=dots``
     keeps the products' outputs: FSDP over 4 devices equals the replicated scanned model;
@@ -122,7 +126,7 @@ def test_scanned_fsdp_with_dropout_and_saved_products_equals_its_replicated_run(
     params, model_state = task.init_variables(jax.random.key(0))
     batches = _batches(task)
     _, expected, expected_metrics = _train(task, params, model_state, batches)
-    _, state, metrics = _train(task, params, model_state, batches, sharding="fsdp")
+    _, state, metrics = _train(task, params, model_state, batches, sharding=StateSharding("fsdp"))
     _assert_close(state.params, expected.params)
     np.testing.assert_allclose(float(metrics["loss"]), float(expected_metrics["loss"]), atol=2e-6)
 
@@ -136,8 +140,8 @@ def test_scanned_fsdp_with_dropout_and_saved_products_equals_its_replicated_run(
             deeper.loss,
             optax.sgd(0.1),
             meshes.ring(4),
-            allreduce="ring",
-            sharding="fsdp",
+            communication=Communication("ring"),
+            sharding=StateSharding("fsdp"),
             stacked_layers=deeper.stacked_layers(),
         )
         state = s.init(p, m)
@@ -179,6 +183,7 @@ def test_rotary_positions_make_scores_depend_on_the_distance_alone():
     assert not np.allclose(scores[5, 5], scores[5, 2])
 
 
+@pytest.mark.slow  # blocked and whole attention trained: about 20 s
 def test_attention_in_blocks_of_queries_is_the_whole_attention():
     """Queries in blocks of 4 (each block's scores recomputed in backward) give the loss and
     gradients of attention over all 16 at once, with grouped-query heads and rotary

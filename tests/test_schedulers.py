@@ -192,6 +192,7 @@ def test_srun_finds_the_processes_from_slurm_and_trains_like_launch(
     assert_trains_like(workdir, launched)
 
 
+@pytest.mark.slow  # four processes under mpirun, alone on the machine: about 25 s
 def test_mpirun_finds_the_processes_from_open_mpi_and_trains_like_launch(
     mpirun, recipe, launched, tmp_path
 ):

@@ -35,6 +35,7 @@ def replicated_run(tmp_path_factory):
     return trainer
 
 
+@pytest.mark.slow  # three recipe runs on two device counts: about 80 s
 def test_fsdp_resumed_as_zero1_on_half_the_devices_ends_where_replicated_does(
     replicated_run, tmp_path
 ):

@@ -13,6 +13,9 @@ import pytest
 from jaxdist import meshes
 from jaxdist.comm import cost_model, hybrid
 from jaxdist.training import train_step as ts
+from jaxdist.training.classifier_loss import classifier_loss
+from jaxdist.training.step_options import Communication
+from tests._step_options import records
 
 NUM_CLASSES = 10
 STEPS = 3
@@ -50,7 +53,10 @@ def train(mesh, batches=BATCHES, model=None, **options):
     model = model or WideMLP()
     params = model.init(jax.random.key(0), batches[0]["image"][:2])["params"]
     step = ts.TrainStep(
-        ts.classifier_loss(model, num_classes=NUM_CLASSES), optax.sgd(0.1, 0.9), mesh, **options
+        classifier_loss(model, num_classes=NUM_CLASSES),
+        optax.sgd(0.1, 0.9),
+        mesh,
+        **records(**options),
     )
     state = step.init(params)
     for batch in batches:
@@ -156,14 +162,14 @@ def test_resnet50_classifier_as_factors():
     }
     variables = init_variables(model, jax.random.key(0), batch["image"][:2])
     params, model_state = variables.pop("params"), dict(variables)
-    loss_fn = ts.classifier_loss(model, num_classes=NUM_CLASSES)
+    loss_fn = classifier_loss(model, num_classes=NUM_CLASSES)
     results = {}
     for name, options in {
         "plain": dict(allreduce="ring"),
         "sfb": dict(allreduce="ring", sfb_layers=["head"]),
         "auto": dict(allreduce="auto", links="0us:1gbit", bucket_bytes=None),
     }.items():
-        step = ts.TrainStep(loss_fn, optax.sgd(0.1, 0.9), meshes.ring(8), **options)
+        step = ts.TrainStep(loss_fn, optax.sgd(0.1, 0.9), meshes.ring(8), **records(**options))
         state = step.init(params, model_state)
         state, _ = step(state, step.shard_batch(batch), jax.random.key(1))
         results[name] = (state, step)
@@ -293,7 +299,9 @@ def one_line(excinfo):
 def test_auto_without_links_is_refused(monkeypatch):
     monkeypatch.delenv("JAXDIST_LINK_BITS_PER_S", raising=False)
     with pytest.raises(ValueError) as excinfo:
-        ts.TrainStep(lambda *a: None, optax.sgd(0.1), meshes.ring(8), allreduce="auto")
+        ts.TrainStep(
+            lambda *a: None, optax.sgd(0.1), meshes.ring(8), communication=Communication("auto")
+        )
     message = one_line(excinfo)
     assert "needs link figures" in message and "LATENCY:BANDWIDTH" in message
 
@@ -312,7 +320,10 @@ def test_a_links_file_from_another_mesh(tmp_path):
     path = bench_json(tmp_path / "links.json", (8,))
     with pytest.raises(ValueError) as excinfo:
         ts.TrainStep(
-            lambda *a: None, optax.sgd(0.1), meshes.torus2d(4, 2), allreduce="auto", links=str(path)
+            lambda *a: None,
+            optax.sgd(0.1),
+            meshes.torus2d(4, 2),
+            communication=Communication("auto", links=str(path)),
         )
     message = one_line(excinfo)
     assert "measured on mesh ring-8 with axis sizes (8,)" in message and "(4, 2)" in message
@@ -321,7 +332,12 @@ def test_a_links_file_from_another_mesh(tmp_path):
 def test_zero1_with_factors_or_auto_is_refused():
     for options in (dict(sfb_layers="all"), dict(allreduce="auto", links="5us:1gbit")):
         with pytest.raises(ValueError) as excinfo:
-            ts.TrainStep(lambda *a: None, optax.sgd(0.1), meshes.ring(8), zero1=True, **options)
+            ts.TrainStep(
+                lambda *a: None,
+                optax.sgd(0.1),
+                meshes.ring(8),
+                **records(sharding="zero1", **options),
+            )
         assert "sharding='zero1'" in one_line(excinfo)
 
 

@@ -21,8 +21,10 @@ from jaxdist.run.config import load_recipe, recipe_task
 from jaxdist.run.trainer import Trainer
 from jaxdist.tasks import Replicas
 from jaxdist.tasks.language_model import LanguageModel
+from jaxdist.training.step_options import Communication
 from jaxdist.training.train_step import TrainStep
 from tests._procs import JAXDIST, clean_env
+from tests._step_options import records
 
 ROOT = Path(__file__).resolve().parents[1]
 LM_RECIPE = ROOT / "recipes" / "transformer_lm.py"
@@ -92,7 +94,7 @@ def test_the_language_model_data_parallel_step_equals_one_device_training(corpus
     it.close()
 
     def train(mesh, **options):
-        step = TrainStep(task.loss, optax.sgd(0.5, momentum=0.9), mesh, **options)
+        step = TrainStep(task.loss, optax.sgd(0.5, momentum=0.9), mesh, **records(**options))
         state = step.init(params, model_state)
         for batch in batches:
             state, metrics = step(state, step.shard_batch(batch), jax.random.key(1))
@@ -206,7 +208,9 @@ def test_a_recipe_with_its_own_task_trains_with_jaxdist_train(tmp_path):
     assert config["model"]["name"] == "sine_mlp"
 
 
-@pytest.mark.parametrize("schedule, remat", [("gpipe", "none"), ("1f1b", "full")])
+@pytest.mark.parametrize(
+    "schedule, remat", [("gpipe", "none"), pytest.param("1f1b", "full", marks=pytest.mark.slow)]
+)
 def test_the_language_model_pipeline_step_equals_one_device_training(corpus_root, schedule, remat):
     """The NNX transformer cut into two stages over a data x stage mesh (4 x 2), two
     micro-batches per replica: the whole model after three steps is the one-device model
@@ -240,7 +244,7 @@ def test_the_language_model_pipeline_step_equals_one_device_training(corpus_root
         schedule=schedule,
         inputs=parts.inputs,
         split=parts.split,
-        allreduce="ring",
+        communication=Communication("ring"),
     )
     state = step.init(params, model_state)
     for batch in batches:
@@ -282,14 +286,19 @@ def test_the_nnx_language_model_trains_with_zero1_and_in_bfloat16(corpus_root):
     mesh = meshes.ring(2, axis_name="data")
 
     def train(task, **options):
-        step = TrainStep(task.loss, optax.sgd(0.5, momentum=0.9), mesh, allreduce="ring", **options)
+        step = TrainStep(
+            task.loss,
+            optax.sgd(0.5, momentum=0.9),
+            mesh,
+            **records(allreduce="ring", **options),
+        )
         state = step.init(*task.init_variables(jax.random.key(0)))
         for batch in batches:
             state, metrics = step(state, step.shard_batch(batch), jax.random.key(1))
         return state, metrics
 
     replicated, _ = train(task)
-    sharded, _ = train(task, zero1=True)
+    sharded, _ = train(task, sharding="zero1")
     for a, b in zip(
         jax.tree.leaves(sharded.params), jax.tree.leaves(replicated.params), strict=True
     ):
@@ -302,6 +311,7 @@ def test_the_nnx_language_model_trains_with_zero1_and_in_bfloat16(corpus_root):
     assert len(params) == len(state.params)
 
 
+@pytest.mark.slow  # remat and plain steps compiled and read: about 20 s
 def test_remat_recomputes_each_block_and_fsdp_paces_it_as_one_unit(corpus_root):
     """``model.remat=full`` keeps only each block's input and recomputes the block in the
     backward pass; under FSDP each block is then gathered whole. Two steps on 2 devices
@@ -329,7 +339,12 @@ def test_remat_recomputes_each_block_and_fsdp_paces_it_as_one_unit(corpus_root):
     assert "remat" in backward(remat) and "remat" not in backward(task)  # recomputed, not kept
 
     def train(task, **options):
-        step = TrainStep(task.loss, optax.adam(1e-3), mesh, allreduce="ring", **options)
+        step = TrainStep(
+            task.loss,
+            optax.adam(1e-3),
+            mesh,
+            **records(allreduce="ring", **options),
+        )
         state = step.init(params, model_state)
         for batch in batches:
             state, _ = step(state, step.shard_batch(batch), rng)

@@ -20,7 +20,9 @@ from jaxdist.comm.collective_matmul import TENSOR_SCHEDULES, summed_product
 from jaxdist.tasks import Replicas
 from jaxdist.tasks.language_model import LanguageModel
 from jaxdist.training import logical_axes
+from jaxdist.training.step_options import StateSharding
 from jaxdist.training.train_step import TrainStep
+from tests._step_options import records
 from tests.test_tasks import corpus_root, lm_config  # noqa: F401  (the fixture)
 
 
@@ -102,10 +104,9 @@ def _train(task, mesh, data_axes, schedule=None, sequence=False, **options):
         _adamw(),
         mesh,
         data_axes=data_axes,
-        allreduce="native",
+        **records(allreduce="native", **options),
         stacked_layers=task.stacked_layers(),
         tensor=tensor,
-        **options,
     )
     state = step.init(*task.init_variables(jax.random.key(0)))
     it = task.data.train_iterator(16)
@@ -130,7 +131,14 @@ def replicated(corpus_root):  # noqa: F811
 CASES = [
     # mesh, data axes, schedule, scanned, options
     ((("data", 2), ("tensor", 4)), "data", "native", False, {}),
-    ((("data", 2), ("tensor", 4)), "data", "collective_matmul", False, {"accumulation_steps": 2}),
+    pytest.param(
+        (("data", 2), ("tensor", 4)),
+        "data",
+        "collective_matmul",
+        False,
+        {"accumulation_steps": 2},
+        marks=pytest.mark.slow,
+    ),
     (
         (("data", 2), ("fsdp", 2), ("tensor", 2)),
         ("data", "fsdp"),
@@ -139,17 +147,32 @@ CASES = [
         {"sharding": "fsdp", "shard_axes": "fsdp"},
     ),
     ((("fsdp", 4), ("tensor", 2)), "fsdp", "native", True, {"sharding": "fsdp"}),
-    ((("fsdp", 4), ("tensor", 2)), "fsdp", "collective_matmul", True, {"sharding": "zero1"}),
-    (
+    pytest.param(
+        (("fsdp", 4), ("tensor", 2)),
+        "fsdp",
+        "collective_matmul",
+        True,
+        {"sharding": "zero1"},
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
         (("data", 2), ("fsdp", 2), ("tensor", 2)),
         ("data", "fsdp"),
         "native",
         False,
         {"sharding": "fsdp", "shard_axes": "fsdp"},
+        marks=pytest.mark.slow,
     ),
     # Sequence parallelism: norms and residual stream split along the positions.
     ((("data", 2), ("tensor", 4)), "data", "collective_matmul", False, {"sequence": True}),
-    ((("fsdp", 4), ("tensor", 2)), "fsdp", "native", True, {"sequence": True, "sharding": "fsdp"}),
+    pytest.param(
+        (("fsdp", 4), ("tensor", 2)),
+        "fsdp",
+        "native",
+        True,
+        {"sequence": True, "sharding": "fsdp"},
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
@@ -205,9 +228,8 @@ def test_a_tensor_axis_divides_the_state_a_device_holds(corpus_root):  # noqa: F
         optax.adamw(1e-3),
         mesh,
         data_axes="fsdp",
-        sharding="fsdp",
+        sharding=StateSharding("fsdp", min_shard_elements=1),
         tensor=tp.TensorParallel(dims),
-        min_shard_elements=1,
     )
     state = step.init(params, model_state)
 

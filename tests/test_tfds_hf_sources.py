@@ -383,6 +383,7 @@ def test_a_damaged_tfrecord_file_is_one_line_and_verify_finds_a_changed_byte(tmp
         TfdsSource(name, "test", data_dir=str(tmp_path))
 
 
+@pytest.mark.slow  # three recipe runs on converted datasets: about 20 s
 def test_recipes_train_on_png_tfrecord_train_test_and_renamed_columns(folder, tmp_path):
     """The layouts a user brings: MNIST-like PNG TFDS in TFRecord with train and test only, and
     an HF dataset whose columns are img and fine_label."""

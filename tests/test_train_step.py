@@ -1,5 +1,6 @@
 """Data-parallel train steps against plain single-device training."""
 
+import dataclasses
 import re
 
 import flax.linen as nn
@@ -11,11 +12,14 @@ import pytest
 
 from jaxdist import meshes
 from jaxdist.comm import buckets, collectives
-from jaxdist.training import eval_step, step_options
+from jaxdist.training import eval_step, step_checks
 from jaxdist.training import train_step as ts
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm
+from jaxdist.training.classifier_loss import classifier_loss
 from jaxdist.training.loss_scale import DynamicLossScale
+from jaxdist.training.step_options import Communication, Precision, StateSharding
 from tests._procs import REPO
+from tests._step_options import records
 
 NUM_CLASSES = 4
 STEPS = 3
@@ -85,9 +89,8 @@ def reference_training(optimizer, batches, use_norm=True):
 def distributed_training(mesh, axes, optimizer, batches, use_norm=True, group_size=None, **options):
     params, model_state = init_variables(use_norm)
     model = Net(norm_axis=axes, group_size=group_size, use_norm=use_norm)
-    step = ts.TrainStep(
-        ts.classifier_loss(model, num_classes=NUM_CLASSES), optimizer, mesh, **options
-    )
+    loss = classifier_loss(model, num_classes=NUM_CLASSES)
+    step = ts.TrainStep(loss, optimizer, mesh, **records(**options))
     state = step.init(params, model_state)
     for batch in batches:
         state, metrics = step(state, step.shard_batch(batch), jax.random.key(1))
@@ -97,7 +100,7 @@ def distributed_training(mesh, axes, optimizer, batches, use_norm=True, group_si
 def poisoned_loss(value):
     """The classifier loss of the net without BatchNorm, times ``value`` (NaN, inf) on a batch
     whose ``poison`` flag is set."""
-    inner = ts.classifier_loss(Net(use_norm=False), num_classes=NUM_CLASSES)
+    inner = classifier_loss(Net(use_norm=False), num_classes=NUM_CLASSES)
 
     def loss_fn(params, model_state, batch, rng):
         loss, aux = inner(params, model_state, batch, rng)
@@ -158,11 +161,11 @@ def test_every_allreduce_matches_single_device_training(reference, algorithm, bu
     ("algorithm", "mesh_name", "accumulation_steps"),
     [
         ("ring", "ring-8", 1),
-        ("bidirectional_ring", "ring-8", 1),
+        pytest.param("bidirectional_ring", "ring-8", 1, marks=pytest.mark.slow),
         ("torus2d", "torus-4x2", 1),
         ("hierarchical", "hierarchical-2x4", 1),
-        ("torus2d", "torus-4x2", 2),
-        ("torus3d", "torus-2x2x2", 1),
+        pytest.param("torus2d", "torus-4x2", 2, marks=pytest.mark.slow),
+        pytest.param("torus3d", "torus-2x2x2", 1, marks=pytest.mark.slow),
     ],
 )
 def test_wait_free_steps_are_the_serial_steps_bit_for_bit(
@@ -199,15 +202,17 @@ def test_wait_free_steps_are_the_serial_steps_bit_for_bit(
 
 def test_wait_free_refuses_what_it_cannot_pace():
     mesh = meshes.ring(8)
-    loss = ts.classifier_loss(Net(), num_classes=NUM_CLASSES)
+    loss = classifier_loss(Net(), num_classes=NUM_CLASSES)
     with pytest.raises(ValueError, match="allreduce='native' has none"):
-        ts.TrainStep(loss, optax.sgd(0.1), mesh, wait_free=True)
+        ts.TrainStep(loss, optax.sgd(0.1), mesh, communication=Communication(wait_free=True))
     for options, what in [
-        ({"zero1": True}, "sharding='zero1'"),
+        ({"sharding": "zero1"}, "sharding='zero1'"),
         ({"sfb_layers": "all"}, "sfb_layers"),
     ]:
         with pytest.raises(ValueError, match=re.escape(f"does not combine with {what}")):
-            ts.TrainStep(loss, optax.sgd(0.1), mesh, allreduce="ring", wait_free=True, **options)
+            ts.TrainStep(
+                loss, optax.sgd(0.1), mesh, **records(allreduce="ring", wait_free=True, **options)
+            )
 
 
 @pytest.mark.parametrize("mesh_name", ["hierarchical-2x4"])
@@ -291,7 +296,7 @@ def test_compiles_once_per_batch_shape():
     params, model_state = init_variables()
     model = Net(norm_axis=axes)
     step = ts.TrainStep(
-        ts.classifier_loss(model, num_classes=NUM_CLASSES), optax.sgd(0.1), make_mesh()
+        classifier_loss(model, num_classes=NUM_CLASSES), optax.sgd(0.1), make_mesh()
     )
     state = step.init(params, model_state)
     for seed in range(4):
@@ -304,9 +309,9 @@ def test_compiles_once_per_batch_shape():
 def test_donation_default_and_explicit_donation():
     make_mesh, axes = MESHES["ring-8"]
     params, model_state = init_variables()
-    loss_fn = ts.classifier_loss(Net(norm_axis=axes), num_classes=NUM_CLASSES)
+    loss_fn = classifier_loss(Net(norm_axis=axes), num_classes=NUM_CLASSES)
     mesh = make_mesh()
-    assert not step_options.donation_default(mesh), (
+    assert not step_checks.donation_default(mesh), (
         "CPU devices: donation costs time and saves nothing"
     )
     results = {}
@@ -325,7 +330,7 @@ def test_float16_loss_scaling_skips_inf_steps_and_converges():
     mesh = make_mesh()
     params, model_state = init_variables(use_norm=False)
     model = Net(use_norm=False)
-    inner = ts.classifier_loss(model, num_classes=NUM_CLASSES)
+    inner = classifier_loss(model, num_classes=NUM_CLASSES)
 
     def loss_fn(params, model_state, batch, rng):
         half = jax.tree.map(lambda p: p.astype(jnp.float16), params)  # float16 compute
@@ -337,7 +342,11 @@ def test_float16_loss_scaling_skips_inf_steps_and_converges():
 
     scale = DynamicLossScale.create(initial_scale=2.0**10, period=3)
     step = ts.TrainStep(
-        loss_fn, optax.sgd(0.3, momentum=0.9), mesh, allreduce="ring", loss_scale=scale
+        loss_fn,
+        optax.sgd(0.3, momentum=0.9),
+        mesh,
+        communication=Communication("ring"),
+        precision=Precision(loss_scale=scale),
     )
     state = step.init(params, model_state)
     batch = data()
@@ -371,9 +380,9 @@ def test_skip_nonfinite_leaves_the_state_and_reports_the_step(zero1):
         poisoned_loss(jnp.nan),
         optax.sgd(0.3, momentum=0.9),
         mesh,
-        allreduce="ring",
-        zero1=zero1,
-        skip_nonfinite=True,
+        communication=Communication("ring"),
+        sharding=StateSharding("zero1" if zero1 else "replicated"),
+        precision=Precision(skip_nonfinite=True),
     )
     batch = data()
 
@@ -416,7 +425,7 @@ def test_zero1_with_bf16_transfer_keeps_float32_parameters(reference):
         axes,
         optax.sgd(0.1, momentum=0.9),
         batches,
-        zero1=True,
+        sharding="zero1",
         allreduce_options={"transfer_dtype": jnp.bfloat16},
     )
     assert_trees_close(state.params, params, atol=2e-3)
@@ -448,7 +457,7 @@ def test_eval_step_counts_like_a_single_device():
     mesh = make_mesh()
     params, model_state = init_variables()
     step = ts.TrainStep(
-        ts.classifier_loss(Net(norm_axis=axes), num_classes=NUM_CLASSES), optax.sgd(0.1), mesh
+        classifier_loss(Net(norm_axis=axes), num_classes=NUM_CLASSES), optax.sgd(0.1), mesh
     )
     state = step.init(params, model_state)
     state, _ = step(state, step.shard_batch(data()), jax.random.key(0))
@@ -491,18 +500,19 @@ def test_bucket_planning_follows_backward_order():
 
 def test_clear_errors():
     mesh = meshes.ring(8)
-    loss = ts.classifier_loss(Net(), num_classes=NUM_CLASSES)
+    loss = classifier_loss(Net(), num_classes=NUM_CLASSES)
     with pytest.raises(ValueError, match="unknown allreduce 'rign'"):
-        ts.TrainStep(loss, optax.sgd(0.1), mesh, allreduce="rign")
+        ts.TrainStep(loss, optax.sgd(0.1), mesh, communication=Communication("rign"))
     with pytest.raises(ValueError, match=r"data axes \['data'\] are not axes of the mesh"):
         ts.TrainStep(loss, optax.sgd(0.1), mesh, data_axes="data")
     with pytest.raises(ValueError, match="needs two data axes"):
-        ts.TrainStep(loss, optax.sgd(0.1), mesh, allreduce="torus2d")
+        ts.TrainStep(loss, optax.sgd(0.1), mesh, communication=Communication("torus2d"))
     step = ts.TrainStep(loss, optax.sgd(0.1), mesh)
     with pytest.raises(ValueError, match="must divide evenly over the 8 local"):
         step.shard_batch(data(n=12))
 
 
+@pytest.mark.slow  # two ResNet-18 compiles read instruction by instruction: about 40 s
 def test_buckets_let_xla_schedule_gradient_collectives_inside_backward():
     from jaxdist.bench import train_step as bench_train
 
@@ -548,11 +558,10 @@ def test_bfloat16_compute_with_float32_master_weights_trains():
     mesh = meshes.ring(8)
     params = HalfNet().init(jax.random.key(0), np.zeros((2, 10), np.float32))["params"]
     step = ts.TrainStep(
-        ts.classifier_loss(HalfNet(), num_classes=NUM_CLASSES),
+        classifier_loss(HalfNet(), num_classes=NUM_CLASSES),
         optax.sgd(0.3, 0.9),
         mesh,
-        allreduce="ring",
-        allreduce_options={"transfer_dtype": jnp.bfloat16},
+        communication=Communication("ring", options={"transfer_dtype": jnp.bfloat16}),
     )
     state = step.init(params)
     batch = step.shard_batch(data())
@@ -574,6 +583,25 @@ def test_zero1_passes_the_exchange_piece_option_to_its_building_blocks(reference
             axes,
             optax.sgd(0.1),
             batches[:1],
-            zero1=True,
+            sharding="zero1",
             allreduce_options={"exchange_piece_bytes": -1},
         )
+
+
+def test_option_records_are_frozen_so_one_serves_several_steps():
+    mesh = meshes.ring(8)
+    loss = classifier_loss(Net(), num_classes=NUM_CLASSES)
+    shared = Communication("ring", options={"unroll_limit": 4})
+    with pytest.raises(TypeError):
+        shared.options["unroll_limit"] = 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shared.allreduce = "native"
+    one = ts.TrainStep(loss, optax.sgd(0.1), mesh, communication=shared)
+    other = ts.TrainStep(
+        loss, optax.sgd(0.1), mesh, communication=dataclasses.replace(shared, bucket_bytes=0)
+    )
+    assert one.communication.bucket_bytes == buckets.DEFAULT_BUCKET_BYTES
+    assert other.communication.bucket_bytes == 0
+    assert dict(other.communication.options) == {"unroll_limit": 4}
+    # Defaults are instances too, shared by every step that takes them.
+    assert ts.TrainStep(loss, optax.sgd(0.1), mesh).communication.allreduce == "native"

@@ -168,7 +168,10 @@ def get_config():
 # timed but a generous deadline.
 @pytest.mark.parametrize(
     ("signum", "code", "said"),
-    [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "stopped by Ctrl-C")],
+    [
+        (signal.SIGTERM, 143, "stopped by SIGTERM"),
+        pytest.param(signal.SIGINT, 130, "stopped by Ctrl-C", marks=pytest.mark.slow),
+    ],
 )
 def test_sigterm_and_ctrl_c_save_a_checkpoint_before_exit(tmp_path, signum, code, said):
     recipe = tmp_path / "tiny.py"

@@ -4,7 +4,7 @@
 
     topology = jaxdist.aot.parse_topology("v5e:2x2")
     mesh = Mesh(np.array(topology.devices()).reshape(2, 2), ("y", "x"))
-    step = TrainStep(loss_fn, optax.sgd(0.1, 0.9), mesh, allreduce="torus2d")
+    step = TrainStep(loss_fn, optax.sgd(0.1, 0.9), mesh, communication=Communication("torus2d"))
     report = compile_train_step(step, param_shapes, {}, {"image": ((128, 224, 224, 3), jnp.bfloat16), ...})
     report.memory.total, report.flops, report.schedule.by_kind()
 

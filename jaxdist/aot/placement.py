@@ -15,6 +15,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxdist.training.protocol import Step
+
 __all__ = ["placement_rows", "state_bytes_per_chip"]
 
 
@@ -28,7 +30,7 @@ def _axes_of(spec: P) -> list[str]:
     return names
 
 
-def placement_rows(step: Any, params: Any, model_state: Any) -> list[tuple[str, str, str]]:
+def placement_rows(step: Step, params: Any, model_state: Any) -> list[tuple[str, str, str]]:
     """``(name, global shape, PartitionSpec)`` per distinct parameter of ``step``'s state,
     layer indices written ``*`` so a block's leaves appear once."""
     state = step.abstract_init(params, model_state)

@@ -42,6 +42,7 @@ from jaxdist.comm import cost_model
 from jaxdist.run.build import RunParts, build_run
 from jaxdist.tasks.image_classification import ImageClassification
 from jaxdist.training.batch_schedule import DevicePlan
+from jaxdist.training.train_step import TrainStep
 
 __all__ = [
     "LinkError",
@@ -88,7 +89,7 @@ class Plan:
     stages: list[StagePlan]
     epochs: float
     time_rows: list[dict] = field(default_factory=list)
-    wait_free: bool = False  # gradient buckets paced beside backward (TrainStep(wait_free=...))
+    wait_free: bool = False  # gradient buckets paced beside backward (Communication(wait_free=...))
     gather: str = ""  # the parameters' all-gather schedule when not the allreduce's
     # Where each link class's figures come from ("fast", "host"): the chip table or a flag.
     link_sources: dict[str, str] = field(default_factory=dict)
@@ -186,7 +187,7 @@ def plan_recipe(
             utilization=utilization,
         )
         step = parts.train_step_for(index)
-        if xla_fsdp and step.sharding != "replicated":
+        if xla_fsdp and step.sharding.sharded:
             if on_xla_fsdp is not None:
                 on_xla_fsdp(index)
             batch = _batch_shapes(parts, device_plan.global_batch_size)
@@ -295,7 +296,7 @@ def sharding_hint(parts: RunParts, stage: int, variable_shapes: tuple | None = N
     """For a replicated data-parallel step, what its parameters and optimizer state weigh per
     chip and what FSDP would make of them ("" otherwise)."""
     step = parts.train_step_for(stage)
-    if getattr(step, "sharding", None) != "replicated":
+    if not isinstance(step, TrainStep) or step.sharding.sharded:
         return ""
     if variable_shapes is None:
         variable_shapes = _variable_shapes(parts, parts.config)

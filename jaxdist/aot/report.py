@@ -100,7 +100,7 @@ def _unit(plan: Plan) -> str:
 
 def _sharding(plan: Plan) -> str:
     parts = plan.parts
-    return parts.config.get("sharding", "replicated") if parts is not None else "replicated"
+    return parts.step_parts.sharding.kind if parts is not None else "replicated"
 
 
 def _sharding_lines(plan: Plan, t: Any) -> list[str]:
@@ -111,7 +111,8 @@ def _sharding_lines(plan: Plan, t: Any) -> list[str]:
     step = plan.parts.train_step_for(0)
     lines = [f"  sharding: {sharding}: {step.layout.describe()}"]
     if step.paced_layers is not None:
-        ahead = "one layer" if step.prefetch == 1 else f"{step.prefetch} layers"
+        prefetch = step.sharding.prefetch
+        ahead = "one layer" if prefetch == 1 else f"{prefetch} layers"
         lines.append(
             f"  fsdp's gathers: the loss cut into {step.paced_layers} layers, each "
             f"gathered {ahead} ahead of its use, in forward and again in backward"
@@ -218,9 +219,10 @@ def _stage_lines(plan: Plan, stage: StagePlan) -> list[str]:
     )
     if looped and plan.parts is not None:
         longest = max(plan.mesh_spec.shape)
+        limit = plan.parts.step_parts.communication.options["unroll_limit"]
         lines.append(
             f"  note: {looped:,} gradient collectives per step run inside loops (rings longer "
-            f"than unroll_limit={plan.parts.config.unroll_limit}) and hide nothing; "
+            f"than unroll_limit={limit}) and hide nothing; "
             f"--set unroll_limit={longest} unrolls them (the program compiles for longer)"
         )
     lines += _sharding_lines(plan, t)

@@ -26,6 +26,7 @@ from jaxdist.aot.compile import (
     compile_or_refuse,
     memory_per_chip,
 )
+from jaxdist.training.train_step import TrainStep
 
 __all__ = ["XlaFsdp", "compile_xla_fsdp"]
 
@@ -39,7 +40,7 @@ class XlaFsdp:
         self.memory, self.compile_seconds, self.refusal = memory, compile_seconds, refusal
 
 
-def compile_xla_fsdp(step: Any, params: Any, model_state: Any, batch: dict) -> XlaFsdp:
+def compile_xla_fsdp(step: TrainStep, params: Any, model_state: Any, batch: dict) -> XlaFsdp:
     """Compile XLA's own FSDP of the sharded ``step`` (see the module docstring) from shapes
     alone; ``batch`` as :func:`jaxdist.aot.compile.compile_train_step` takes it."""
     state = step.abstract_init(params, model_state)

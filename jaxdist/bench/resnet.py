@@ -43,7 +43,8 @@ from jaxdist.bench.train_step import baseline_step
 from jaxdist.runtime import dispatch
 from jaxdist.training import optim
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm
-from jaxdist.training.train_step import TrainStep, classifier_loss
+from jaxdist.training.classifier_loss import classifier_loss
+from jaxdist.training.train_step import TrainStep
 
 __all__ = [
     "StepRate",

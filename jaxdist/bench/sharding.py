@@ -30,6 +30,7 @@ from jaxdist.models.nnx_model import NnxModel
 from jaxdist.models.transformer import Transformer
 from jaxdist.tasks.language_model import VOCAB, inputs_of, next_byte_nll
 from jaxdist.training import train_step as ts
+from jaxdist.training.step_options import Communication, StateSharding
 
 __all__ = ["Measurement", "format_table", "run"]
 
@@ -138,20 +139,29 @@ def run(
     global_batch = per_device_batch * mesh.devices.size
     tokens = np.random.default_rng(0).integers(0, VOCAB, (global_batch, seq_len + 1), np.uint8)
     rng = jax.random.key(0)
-    variants = {
-        "replicated": {"sharding": "replicated", "allreduce": algorithm},
-        "zero1": {"sharding": "zero1", "allreduce": algorithm},
-        f"fsdp ({algorithm})": {"sharding": "fsdp", "allreduce": algorithm},
-    }
+    variants = {"replicated": "replicated", "zero1": "zero1", f"fsdp ({algorithm})": "fsdp"}
+    communication = Communication(algorithm)
     runners, compiled, holders = {}, {}, {}
-    for name, options in variants.items():
-        step = ts.TrainStep(loss_fn, optimizer, mesh, **options)
+    for name, kind in variants.items():
+        step = ts.TrainStep(
+            loss_fn,
+            optimizer,
+            mesh,
+            communication=communication,
+            sharding=StateSharding(kind),
+        )
         holders[name] = [step.init(params, model_state)]
         batch = step.shard_batch({"tokens": tokens})
         compiled[name] = step.lower(holders[name][0], batch, rng).compile()
         runners[name] = _runner(step, holders[name], batch, rng)
         progress(f"compiled {name}")
-    fsdp_step = ts.TrainStep(loss_fn, optimizer, mesh, sharding="fsdp", allreduce=algorithm)
+    fsdp_step = ts.TrainStep(
+        loss_fn,
+        optimizer,
+        mesh,
+        communication=Communication(algorithm),
+        sharding=StateSharding("fsdp"),
+    )
     holders[XLA_FSDP] = [fsdp_step.init(params, model_state)]
     batch = fsdp_step.shard_batch({"tokens": tokens})
     compiled[XLA_FSDP] = _xla_fsdp(fsdp_step, holders[XLA_FSDP][0], batch, rng)

@@ -28,9 +28,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import models
 from jaxdist.bench import timing
+from jaxdist.comm import buckets as bucketing
 from jaxdist.comm import hybrid
-from jaxdist.training import step_options
+from jaxdist.training import step_checks
 from jaxdist.training import train_step as ts
+from jaxdist.training.classifier_loss import classifier_loss
+from jaxdist.training.step_options import NO_ALLREDUCE, Communication
 
 __all__ = [
     "Measurement",
@@ -120,7 +123,7 @@ def baseline_step(
         check_vma=False,
     )
     if donate is None:
-        donate = step_options.donation_default(mesh)
+        donate = step_checks.donation_default(mesh)
     return jax.jit(sharded, donate_argnums=(0, 1, 2) if donate else ())
 
 
@@ -134,7 +137,7 @@ def run(
     num_classes: int = 10,
     steps: int = 3,
     rounds: int = 5,
-    bucket_bytes: int | None = ts.bucketing.DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = bucketing.DEFAULT_BUCKET_BYTES,
     wait_free: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> list[Measurement]:
@@ -210,12 +213,10 @@ def _jaxdist_runners(
     runners = {}
     for name, allreduce, paced in _jaxdist_variants(algorithms, wait_free):
         step = ts.TrainStep(
-            ts.classifier_loss(model, num_classes=num_classes),
+            classifier_loss(model, num_classes=num_classes),
             optimizer,
             mesh,
-            allreduce=allreduce,
-            bucket_bytes=bucket_bytes,
-            wait_free=paced,
+            communication=Communication(allreduce, bucket_bytes=bucket_bytes, wait_free=paced),
         )
         holder = [step.init(variables["params"], {"batch_stats": variables["batch_stats"]})]
 
@@ -235,7 +236,7 @@ def _jaxdist_variants(algorithms: Sequence[str], wait_free: bool) -> list[tuple[
     for algorithm in algorithms:
         variants += [
             (f"jaxdist {algorithm}", algorithm, False),
-            (f"jaxdist {algorithm}/none", ts.NO_ALLREDUCE, False),
+            (f"jaxdist {algorithm}/none", NO_ALLREDUCE, False),
         ]
         if wait_free and algorithm not in ("native", hybrid.AUTO):
             variants.append((f"jaxdist {algorithm} wait-free", algorithm, True))
@@ -332,11 +333,10 @@ def compiled_step_hlo(
     images = np.zeros((per_device_batch * mesh.size, image_size, image_size, 3), np.float32)
     variables = jax.device_get(models.init_variables(init_model, jax.random.key(0), images[:2]))
     step = ts.TrainStep(
-        ts.classifier_loss(model, num_classes=10),
+        classifier_loss(model, num_classes=10),
         optax.sgd(0.1),
         mesh,
-        allreduce=algorithm,
-        bucket_bytes=bucket_bytes,
+        communication=Communication(algorithm, bucket_bytes=bucket_bytes),
     )
     state = step.init(variables["params"], {"batch_stats": variables["batch_stats"]})
     batch = step.shard_batch({"image": images, "label": np.zeros(len(images), np.int32)})
@@ -369,13 +369,12 @@ def gradient_plan(
     )
     variables = jax.eval_shape(lambda x: init_model.init(jax.random.key(0), x, train=False), images)
     step = ts.TrainStep(
-        ts.classifier_loss(model, num_classes=num_classes),
+        classifier_loss(model, num_classes=num_classes),
         optax.sgd(0.1),
         mesh,
-        allreduce=algorithm,
-        bucket_bytes=bucket_bytes,
-        links=links,
-        sfb_layers=sfb_layers,
+        communication=Communication(
+            algorithm, bucket_bytes=bucket_bytes, links=links, sfb_layers=sfb_layers
+        ),
     )
     state = step.abstract_init(variables["params"], {"batch_stats": variables["batch_stats"]})
     labels = jax.ShapeDtypeStruct((images.shape[0],), np.int32)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxdist.pipeline.passes import mean_over_data_axes, update
+from jaxdist.pipeline.passes import StageStep, mean_over_data_axes, update
 from jaxdist.pipeline.schedules import ASYNCHRONOUS
 
 __all__ = ["PerBackward", "check_options"]
@@ -64,7 +64,7 @@ class PerBackward:
     weights and optimizer state travel in the loop's carry, a forward stashes the weights it
     uses, a backward uses its stash, and every backward's gradient updates the newest."""
 
-    def __init__(self, step: Any, params: jax.Array, opt_state: jax.Array, stage) -> None:
+    def __init__(self, step: StageStep, params: jax.Array, opt_state: jax.Array, stage) -> None:
         self.step, self.params, self.opt_state, self.stage = step, params, opt_state, stage
         self.slots = step.program.weight_slots
         self.virtual = len(step.stages)
@@ -97,7 +97,10 @@ class PerBackward:
         step, grads = self.step, carry["grads"]
         if step.data_axes and step.averages_gradients:
             grads = lax.cond(
-                self.runs_backward[t], lambda g: mean_over_data_axes(step, g), lambda g: g, grads
+                self.runs_backward[t],
+                lambda g: mean_over_data_axes(g, step.reduce_axes, step.communication),
+                lambda g: g,
+                grads,
             )
 
         def apply(operands):

@@ -30,7 +30,7 @@ The step then
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.comm import collectives
 from jaxdist.comm.compiler_options import compiler_options_for
-from jaxdist.pipeline.passes import per_chunk, update
+from jaxdist.pipeline.passes import StageStep, per_chunk, update
 from jaxdist.pipeline.stages import FlatLayout
 from jaxdist.pipeline.state import PipelineState
 from jaxdist.training.loss_scale import all_finite, finish_scaled_step
@@ -134,7 +134,7 @@ class ShardedFlatLayout:
         )
 
 
-def rows_to_whole(step: Any, rows: jax.Array, stage: jax.Array) -> jax.Array:
+def rows_to_whole(step: StageStep, rows: jax.Array, stage: jax.Array) -> jax.Array:
     """Inside shard_map: this device's ``(chunks, shards * row_size)`` gathered parameters as
     the ``(chunks, size)`` flat vectors the stages compute on (each leaf contiguous, so a
     stage reads its layers as the replicated pipeline does, without a strided copy each
@@ -143,13 +143,15 @@ def rows_to_whole(step: Any, rows: jax.Array, stage: jax.Array) -> jax.Array:
     return _relaid(step, rows, stage, layout, layout.whole)
 
 
-def whole_to_rows(step: Any, flats: jax.Array, stage: jax.Array) -> jax.Array:
+def whole_to_rows(step: StageStep, flats: jax.Array, stage: jax.Array) -> jax.Array:
     """Inside shard_map: :func:`rows_to_whole` undone, for the summed gradients."""
     layout = step.layouts["params"]
     return _relaid(step, flats, stage, layout.whole, layout)
 
 
-def _relaid(step: Any, flats: jax.Array, stage: jax.Array, source: Any, target: Any) -> jax.Array:
+def _relaid(
+    step: StageStep, flats: jax.Array, stage: jax.Array, source: Any, target: Any
+) -> jax.Array:
     """Each chunk's flat vector, read by the ``source`` layout and written by ``target``."""
 
     def relaid(v):
@@ -208,12 +210,13 @@ def scatter_rows(
     return jnp.stack(out)
 
 
-def build_fsdp_step(step: Any, state: PipelineState) -> Any:
+def build_fsdp_step(step: StageStep, state: PipelineState, body: Callable) -> Callable:
     """The jitted ``(state, batch, rng) -> (state, metrics)`` of a
     :class:`~jaxdist.pipeline.step.PipelineStep` under FSDP: the gradients inside a shard_map
     over every axis (its body gathers each stage's rows first and reduce-scatters the
     gradients last), then the update inside one over the stage axis alone, the data axes left
-    to XLA's SPMD partitioner."""
+    to XLA's SPMD partitioner. ``body`` is the step's shard_map body, which returns this
+    device's gradient rows."""
     stage, rows = P(step.stage_axis), step.state_spec("params")
     specs = PipelineState(
         step=P(),
@@ -223,7 +226,7 @@ def build_fsdp_step(step: Any, state: PipelineState) -> Any:
         loss_scale=jax.tree.map(lambda _: P(), state.loss_scale),
     )
     gradients = jax.shard_map(
-        step._body,
+        body,
         mesh=step.mesh,
         in_specs=(specs, P(step.data_axes), P()),
         out_specs=(rows, stage, P(), P(), P()),
@@ -247,21 +250,22 @@ def build_fsdp_step(step: Any, state: PipelineState) -> Any:
         check_vma=False,
     )
     kept = NamedSharding(step.mesh, rows)
+    skip = step.precision.skip_nonfinite
 
     def train_step(state, batch, rng):
         grads, model_state, loss, metrics, grads_finite = gradients(state, batch, rng)
         params, opt_state, params_finite = update_stages(state.params, grads, state.opt_state)
         params, opt_state = lax.with_sharding_constraint((params, opt_state), kept)
         finite = grads_finite if state.loss_scale is not None else None
-        if step.skip_nonfinite:  # also a finite step whose update leaves inf parameters
+        if skip:  # also a finite step whose update leaves inf parameters
             ok = grads_finite & params_finite & jnp.isfinite(loss)
             finite = ok if finite is None else finite & ok
         new_state = state.replace(
             step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state
         )
         return finish_scaled_step(
-            state, new_state, finite, {**metrics, "loss": loss}, report_skipped=step.skip_nonfinite
+            state, new_state, finite, {**metrics, "loss": loss}, report_skipped=skip
         )
 
-    options = compiler_options_for(step.mesh.devices.flat, step.allreduce)
+    options = compiler_options_for(step.mesh.devices.flat, step.communication.allreduce)
     return jax.jit(train_step, donate_argnums=(0,) if step.donate else (), compiler_options=options)

@@ -11,8 +11,8 @@ from jax.sharding import Mesh
 
 from jaxdist.comm import collectives
 from jaxdist.pipeline import schedules
-from jaxdist.training.step_options import check_gather, check_sharded, gather_options
-from jaxdist.training.train_step import NO_ALLREDUCE
+from jaxdist.training.step_checks import check_gather, check_sharded
+from jaxdist.training.step_options import NO_ALLREDUCE, Communication, StateSharding
 
 __all__: list[str] = []  # building blocks of the package's own modules
 
@@ -29,15 +29,19 @@ def stage_data_axes(mesh: Mesh, stage_axis: str) -> tuple[str, ...]:
 
 
 def refuse_unsupported(
-    allreduce: str,
-    sfb_layers: Any,
-    links: Any,
+    communication: Communication,
     accumulation_steps: int,
-    sharding: str,
+    sharding: StateSharding,
     schedule: str,
 ) -> None:
     """One line for each data-parallel option a pipeline cannot honour, rather than ignoring
-    it: its gradients are one flat vector per stage, averaged by one schedule."""
+    it: its gradients are one flat vector per stage, averaged by one schedule, and a stage's
+    parameters are gathered once a step."""
+    allreduce, sfb_layers, links = (
+        communication.allreduce,
+        communication.sfb_layers,
+        communication.links,
+    )
     if allreduce == "auto":
         raise ValueError(
             "allreduce='auto' chooses routes per gradient bucket and dense layer "
@@ -63,22 +67,39 @@ def refuse_unsupported(
             f"accumulation_steps={accumulation_steps}: a pipeline's micro-batches take the "
             "place of gradient accumulation; use more micro-batches instead"
         )
-    if sharding == "zero1":
+    if communication.wait_free:
+        raise ValueError(
+            "wait_free=True paces a data-parallel step's gradient buckets; a "
+            "pipeline step's gradients already travel while the pipeline "
+            "drains: set wait_free=False"
+        )
+    kind = sharding.kind
+    if kind == "zero1":
         raise ValueError(
             "sharding='zero1' keeps parameters whole and shards the optimizer "
             "state; a pipeline shards a stage's parameters and optimizer state "
             "together: choose sharding='fsdp' (or 'replicated')"
         )
-    if sharding not in ("replicated", "fsdp"):
-        raise ValueError(
-            f"sharding must be one of replicated, fsdp in a pipeline; got {sharding!r}"
-        )
-    if sharding == "fsdp" and schedule in schedules.ASYNCHRONOUS:
+    if kind not in ("replicated", "fsdp"):
+        raise ValueError(f"sharding must be one of replicated, fsdp in a pipeline; got {kind!r}")
+    if kind == "fsdp" and schedule in schedules.ASYNCHRONOUS:
         raise ValueError(
             f"sharding='fsdp' gathers each stage's parameters once a step and "
             f"updates them after it; schedule={schedule!r} updates (or keeps "
             "versions of) them between micro-batches: choose gpipe, 1f1b or "
             "interleaved, or sharding='replicated'"
+        )
+    if sharding.prefetch != 1 or sharding.keep_gathered:
+        name = "prefetch" if sharding.prefetch != 1 else "keep_gathered"
+        raise ValueError(
+            f"{name}={getattr(sharding, name)!r} paces a sharded step's parameter "
+            "all-gathers layer by layer; a pipeline stage gathers its "
+            f"parameters once a step: leave {name} out"
+        )
+    if sharding.axes is not None:
+        raise ValueError(
+            f"sharding axes={sharding.axes!r}: a pipeline splits a stage's state over all "
+            "of its data axes; leave axes out"
         )
 
 
@@ -86,31 +107,29 @@ def check_stage_sharding(
     mesh: Mesh,
     reduce_axes: Any,
     stage_axis: str,
-    sharding: str,
-    allreduce: str,
-    gather: str | None,
-    options: dict[str, Any],
-) -> dict[str, Any]:
+    sharding: StateSharding,
+    communication: Communication,
+) -> None:
     """Refuse, in one line, FSDP inside stages that cannot run (no data axes to split over, an
-    allreduce with no halves, ``gather`` without FSDP); the options of its gathers."""
-    if gather is not None and sharding != "fsdp":
+    allreduce with no halves, a gather schedule without FSDP)."""
+    kind, gather, options = sharding.kind, sharding.gather, communication.options
+    if gather is not None and kind != "fsdp":
         raise ValueError(
             f"gather={gather!r} is the schedule of FSDP's parameter all-gathers; "
-            f"sharding={sharding!r} keeps each stage's parameters whole: "
+            f"sharding={kind!r} keeps each stage's parameters whole: "
             "choose sharding='fsdp' or leave gather out"
         )
-    if sharding != "fsdp":
-        return {}
+    if kind != "fsdp":
+        return
     if reduce_axes is None:
         raise ValueError(
             f"sharding='fsdp' splits each stage's state over the data axes; the "
             f"mesh has none beside {stage_axis!r}: use a mesh with data axes "
             "(e.g. the preset pipeline-2x4)"
         )
-    check_sharded(mesh, reduce_axes, reduce_axes, sharding, allreduce, options, None)
+    check_sharded(mesh, reduce_axes, reduce_axes, kind, communication.allreduce, options, None)
     if gather is not None:
-        check_gather(mesh, reduce_axes, reduce_axes, sharding, gather, options)
-    return gather_options(allreduce if gather is None else gather, options)
+        check_gather(mesh, reduce_axes, reduce_axes, kind, gather, options)
 
 
 def check_stage_count(functions: int, stages: int, chunks: int, stage_axis: str) -> None:

@@ -16,22 +16,57 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxdist.comm import collectives
+from jaxdist.pipeline.program import Program
 from jaxdist.pipeline.stages import ActivationLayout
 from jaxdist.training import global_norm
+from jaxdist.training.step_options import Communication, Precision
 
 __all__: list[str] = []  # building blocks of the package's own modules
 
 
+class StageStep(Protocol):
+    """What the passes read of the :class:`~jaxdist.pipeline.step.PipelineStep` they run: its
+    schedule's program, its stages and their flat layouts, and its options."""
+
+    mesh: Mesh
+    stage_axis: str
+    data_axes: tuple[str, ...]
+    reduce_axes: str | tuple[str, ...] | None
+    num_stages: int
+    chunks: int
+    program: Program
+    stages: list[Callable]
+    inputs: Callable[[Any], jax.Array]
+    loss_fn: Callable
+    optimizer: optax.GradientTransformation
+    communication: Communication
+    precision: Precision
+    sums_over_model: bool
+    donate: bool
+    layouts: dict[str, Any] | None
+    activations: ActivationLayout | None
+
+    @property
+    def averages_gradients(self) -> bool: ...
+    def state_spec(self, name: str) -> PartitionSpec: ...
+
+
 def branches(
-    step: Any, params: jax.Array, micro: Any, rng: jax.Array, scale, weights: Callable | None = None
+    step: StageStep,
+    params: jax.Array,
+    micro: Any,
+    rng: jax.Array,
+    scale,
+    weights: Callable | None = None,
 ) -> list[Callable]:
     """The switch's branches for a :class:`~jaxdist.pipeline.step.PipelineStep`'s tick:
     ``branch(carry, microbatch, input_slot, grad_slot, weight_slot) -> carry``. ``params`` is
@@ -114,7 +149,7 @@ def branches(
 
 
 def update(
-    step: Any, params: jax.Array, grads: jax.Array, opt_state: jax.Array, stage: jax.Array
+    step: StageStep, params: jax.Array, grads: jax.Array, opt_state: jax.Array, stage: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Apply the optimizer to each of this device's chunks, as the trees of its virtual stage.
 
@@ -151,7 +186,7 @@ def update(
 
 
 def per_chunk(
-    step: Any, stage: jax.Array, branch: Callable[[int], Callable], *arrays: jax.Array
+    step: StageStep, stage: jax.Array, branch: Callable[[int], Callable], *arrays: jax.Array
 ) -> list:
     """For each of this device's chunks, ``branch(v)(*(a[chunk] for a in arrays))`` with
     ``v`` the virtual stage this device runs in that chunk (``stage`` is its place on the
@@ -164,7 +199,7 @@ def per_chunk(
 
 
 def run_schedule(
-    step: Any,
+    step: StageStep,
     state: Any,
     params,
     micro: Any,
@@ -254,7 +289,7 @@ def run_schedule(
     return lax.fori_loop(0, step.program.schedule.ticks, tick, carry)
 
 
-def activation_layout(step: Any, micro: Any) -> tuple[ActivationLayout, Any]:
+def activation_layout(step: StageStep, micro: Any) -> tuple[ActivationLayout, Any]:
     """Shapes sent between stages for one micro-batch, and the loss's metrics' shapes."""
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro)
     x = jax.eval_shape(step.inputs, one)
@@ -273,24 +308,26 @@ def activation_layout(step: Any, micro: Any) -> tuple[ActivationLayout, Any]:
     return ActivationLayout(tuple(shapes[:-1])), metrics
 
 
-def _flat(step: Any, name: str) -> jax.ShapeDtypeStruct:
+def _flat(step: StageStep, name: str) -> jax.ShapeDtypeStruct:
     layout = step.layouts[name]
     return jax.ShapeDtypeStruct((layout.size,), layout.dtype)
 
 
-def mean_over_data_axes(step: Any, grads: jax.Array) -> jax.Array:
-    """Mean of this device's stage gradients over the data axes with the step's allreduce, in
-    buckets of ``bucket_bytes``, the last chunk first."""
+def mean_over_data_axes(
+    grads: jax.Array, axes: str | tuple[str, ...], communication: Communication
+) -> jax.Array:
+    """Mean of this device's stage gradients over the data ``axes`` with the communication's
+    allreduce, in buckets of its ``bucket_bytes``, the last chunk first."""
     flat = grads.reshape(-1)
-    per_bucket = max(1, (step.bucket_bytes or flat.nbytes) // flat.dtype.itemsize)
+    per_bucket = max(1, (communication.bucket_bytes or flat.nbytes) // flat.dtype.itemsize)
     starts = list(range(0, flat.size, per_bucket))[::-1]
     pieces = {}
     for start in starts:
         (pieces[start],) = collectives.allreduce(
             [flat[start : start + per_bucket]],
-            step.reduce_axes,
-            step.allreduce,
+            axes,
+            communication.allreduce,
             op="mean",
-            **step.allreduce_options,
+            **communication.options,
         )
     return jnp.concatenate([pieces[s] for s in sorted(pieces)]).reshape(grads.shape)

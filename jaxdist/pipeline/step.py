@@ -20,7 +20,7 @@ one's output. Inside one jitted shard_map program each device
    :mod:`jaxdist.comm.collectives` schedule, in buckets;
 3. updates its own stage's parameters and optimizer state with the optax optimizer.
 
-Under ``sharding="fsdp"`` each stage's parameters and optimizer state are also split over the
+Under ``StateSharding("fsdp")`` each stage's parameters and optimizer state are also split over the
 data axes (:mod:`jaxdist.pipeline.fsdp`): a device gathers its stage's parameters once, before
 the first micro-batch, reduce-scatters the gradients after the last, and updates only its
 shard.
@@ -36,7 +36,7 @@ normalises each micro-batch with that micro-batch's statistics, as in GPipe.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -47,7 +47,6 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.comm import buckets as bucketing
 from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.comm.scopes import GRADIENT_SCOPE, PARAMETER_SCOPE
 from jaxdist.pipeline import asynchronous, schedules
@@ -73,20 +72,15 @@ from jaxdist.pipeline.stages import ActivationLayout, FlatLayout, StageFn, full_
 from jaxdist.pipeline.state import PipelineState
 from jaxdist.runtime import dispatch
 from jaxdist.training.batches import (
-    check_batch_sizes,
     data_axes_of,
     shard_batch,
     split_micro_batches,
 )
-from jaxdist.training.loss_scale import DynamicLossScale, all_finite, finish_scaled_step
-from jaxdist.training.sharding import DEFAULT_MIN_SHARD_ELEMENTS
-from jaxdist.training.step_options import (
-    check_allreduce,
-    check_optimizer,
-    check_shardable,
-    donation_default,
-)
-from jaxdist.training.train_step import NO_ALLREDUCE, place_per_process
+from jaxdist.training.compiled_step import CompiledStep
+from jaxdist.training.loss_scale import all_finite, finish_scaled_step
+from jaxdist.training.step_checks import check_allreduce, check_shardable
+from jaxdist.training.step_options import NO_ALLREDUCE, Communication, Precision, StateSharding
+from jaxdist.training.train_state import place_per_process
 
 __all__ = ["PipelineLossFn", "PipelineState", "PipelineStep"]
 
@@ -99,7 +93,7 @@ def _image_of(batch: Any) -> jax.Array:
 PipelineLossFn = Callable[[jax.Array, Any], tuple[jax.Array, dict]]
 
 
-class PipelineStep:
+class PipelineStep(CompiledStep):
     """A jitted pipeline-parallel train step on ``mesh``; see the module docstring.
 
     Args:
@@ -116,21 +110,22 @@ class PipelineStep:
       schedule: one of :data:`jaxdist.pipeline.schedules.SCHEDULES`.
       chunks: model chunks per device for the interleaved schedule (1 otherwise).
       inputs: picks the first stage's input out of a micro-batch (default ``batch["image"]``).
-      allreduce, allreduce_options, bucket_bytes: how each stage's gradients are averaged over
-        the data axes, as for :class:`jaxdist.training.train_step.TrainStep`.
-      loss_scale: a :class:`DynamicLossScale` for float16 training, or ``None``.
-      skip_nonfinite, donate, max_in_flight: as for :class:`~jaxdist.training.train_step.TrainStep`.
+      communication: how each stage's gradients are averaged over the data axes (the
+        schedule, its options, the bucket size), as for
+        :class:`jaxdist.training.train_step.TrainStep`; ``auto``, sufficient factors, links
+        and wait-free pacing are refused in one line.
+      sharding: ``StateSharding("replicated")`` (each stage's state whole on every device of
+        that stage) or ``StateSharding("fsdp")``: split over the data axes, gathered once a
+        step by its ``gather`` schedule (default the gradients'), gradients reduce-scattered
+        by the communication's schedule; parameters with fewer than ``min_shard_elements``
+        values stay whole. ZeRO-1, shard axes, prefetch and keep_gathered are refused.
+      precision: a float16 loss scale, or skipped non-finite steps.
       split: ``(params, model_state) -> (params per virtual stage, model state per virtual
         stage)``; with it :meth:`init` and :meth:`abstract_init` take the whole model's trees
         (:func:`~jaxdist.pipeline.stages.variable_splitter` makes one for flax stages),
         without it one tree per virtual stage.
-      sharding: ``"replicated"`` (each stage's state whole on every device of that stage) or
-        ``"fsdp"``: split over the data axes, gathered once a step by ``gather``'s schedule
-        (default ``allreduce``'s), gradients reduce-scattered by ``allreduce``'s.
-      gather: the schedule of FSDP's parameter all-gathers, when not ``allreduce``'s.
-      min_shard_elements: under FSDP, parameters with fewer values stay whole on every shard.
-      sfb_layers, links, accumulation_steps, zero1: the data-parallel step's options that a
-        pipeline cannot honour; anything but their defaults is refused in one line.
+      accumulation_steps: refused unless 1: the micro-batches take its place.
+      donate, max_in_flight: as for :class:`~jaxdist.training.train_step.TrainStep`.
     """
 
     def __init__(
@@ -145,29 +140,21 @@ class PipelineStep:
         chunks: int = 1,
         stage_axis: str = "stage",
         inputs: Callable[[Any], jax.Array] | None = None,
-        allreduce: str = "native",
-        allreduce_options: Mapping[str, Any] | None = None,
-        bucket_bytes: int | None = bucketing.DEFAULT_BUCKET_BYTES,
-        loss_scale: DynamicLossScale | None = None,
-        skip_nonfinite: bool = False,
+        communication: Communication = Communication(),
+        sharding: StateSharding = StateSharding(),
+        precision: Precision = Precision(),
+        split: Callable[[Any, Any], tuple[list, list]] | None = None,
+        accumulation_steps: int = 1,
         donate: bool | None = None,
         max_in_flight: dispatch.Limit = "auto",
-        split: Callable[[Any, Any], tuple[list, list]] | None = None,
-        sfb_layers: Any = None,
-        links: Any = None,
-        accumulation_steps: int = 1,
-        zero1: bool = False,
-        sharding: str = "replicated",
-        gather: str | None = None,
-        min_shard_elements: int = DEFAULT_MIN_SHARD_ELEMENTS,
     ):
-        sharding = "zero1" if zero1 else sharding
-        refuse_unsupported(allreduce, sfb_layers, links, accumulation_steps, sharding, schedule)
-        check_optimizer(optimizer)
+        allreduce = communication.allreduce
+        refuse_unsupported(communication, accumulation_steps, sharding, schedule)
+        super().__init__(loss_fn, optimizer, mesh, communication, precision, donate, max_in_flight)
         # Whether the update sums over the whole model (global-norm clipping): then each
         # update adds its parts over the stages first (jaxdist.pipeline.passes.update).
         self.sums_over_model = check_shardable(optimizer, updates_together=schedule != "pipedream")
-        asynchronous.check_options(schedule, loss_scale, skip_nonfinite, chunks)
+        asynchronous.check_options(schedule, precision.loss_scale, precision.skip_nonfinite, chunks)
         self.data_axes = stage_data_axes(mesh, stage_axis)
         self.num_stages = mesh.shape[stage_axis]
         chunks = chunks if schedule == "interleaved" else 1
@@ -178,44 +165,21 @@ class PipelineStep:
         # The data axes as the collectives take them: one name, or a tuple of two.
         self.reduce_axes = data_axes_of(mesh, self.data_axes) if self.data_axes else None
         if allreduce != NO_ALLREDUCE and self.data_axes:
-            check_allreduce(mesh, self.reduce_axes, allreduce, dict(allreduce_options or {}))
+            check_allreduce(mesh, self.reduce_axes, allreduce, communication.options)
+        check_stage_sharding(mesh, self.reduce_axes, stage_axis, sharding, communication)
         self.sharding = sharding
-        self.gather = allreduce if gather is None else gather
-        self.min_shard_elements = min_shard_elements
-        # The gathers' options under FSDP (never the gradients' transfer_dtype).
-        self.gather_options = check_stage_sharding(
-            mesh,
-            self.reduce_axes,
-            stage_axis,
-            sharding,
-            allreduce,
-            gather,
-            dict(allreduce_options or {}),
-        )
         self.schedule = schedule
         self.stages = [full_stage(fn) for fn in stages]
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer
-        self.mesh = mesh
         self.stage_axis = stage_axis
         self.microbatches = microbatches
         self.chunks = chunks
         self.inputs = _image_of if inputs is None else inputs
-        self.allreduce = allreduce
-        self.allreduce_options = dict(allreduce_options or {})
-        self.bucket_bytes = bucket_bytes
-        self.loss_scale = loss_scale
-        self.skip_nonfinite = skip_nonfinite
-        self.donate = donation_default(mesh) if donate is None else donate
         self.split = split
         self.accumulation_steps = 1
         self.num_replicas = int(np.prod([mesh.shape[a] for a in self.data_axes]))
-        self.trace_count = 0  # how many times the step was traced (compiled)
         self.layouts: dict[str, FlatLayout] | None = None
         self.activations: ActivationLayout | None = None
-        self._compiled: Callable | None = None
         self._learning_rate_at: tuple | None = None
-        self._in_flight = dispatch.shared_window(mesh, max_in_flight)
 
     # ------------------------------------------------------------------ state and batches
 
@@ -242,7 +206,9 @@ class PipelineStep:
         return PipelineState(
             step=place_per_process(np.zeros((), np.int32), replicated),
             **placed,
-            loss_scale=jax.tree.map(lambda x: place_per_process(x, replicated), self.loss_scale),
+            loss_scale=jax.tree.map(
+                lambda x: place_per_process(x, replicated), self.precision.loss_scale
+            ),
             previous_params=jnp.copy(placed["params"]) if self._two_versions else None,
         )
 
@@ -268,7 +234,7 @@ class PipelineStep:
             opt_state=stacked("opt_state"),
             loss_scale=jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
-                self.loss_scale,
+                self.precision.loss_scale,
             ),
             previous_params=stacked("params") if self._two_versions else None,
         )
@@ -305,7 +271,7 @@ class PipelineStep:
             return PipelineState(
                 step=jnp.zeros((), jnp.int32),
                 **stacked,
-                loss_scale=self.loss_scale,
+                loss_scale=self.precision.loss_scale,
                 previous_params=stacked["params"] if self._two_versions else None,
             )
 
@@ -314,7 +280,7 @@ class PipelineStep:
     def state_spec(self, name: str) -> P:
         """Where the state's array ``name`` lives: split by stage, and under FSDP the
         parameters and optimizer state by rows over the data axes too."""
-        if self.sharding == "fsdp" and name in ("params", "opt_state"):
+        if self.sharding.kind == "fsdp" and name in ("params", "opt_state"):
             return P(self.stage_axis, None, self.reduce_axes)
         return P(self.stage_axis)
 
@@ -337,9 +303,9 @@ class PipelineStep:
         self._opt_shapes = [
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), o) for o in opt_states
         ]
-        if self.sharding == "fsdp":
+        if self.sharding.kind == "fsdp":
             sharded = lambda trees: ShardedFlatLayout(  # noqa: E731
-                trees, self.num_replicas, self.min_shard_elements
+                trees, self.num_replicas, self.sharding.min_shard_elements
             )
         else:
             sharded = FlatLayout
@@ -387,7 +353,7 @@ class PipelineStep:
     def averages_gradients(self) -> bool:
         """Whether stage gradients are averaged over data axes (there are some, and an
         allreduce is chosen)."""
-        return bool(self.data_axes) and self.allreduce != NO_ALLREDUCE
+        return bool(self.data_axes) and self.communication.allreduce != NO_ALLREDUCE
 
     def bytes_per_step(self) -> dict[str, int]:
         """What each device sends per step, known once the step was traced: ``messages``
@@ -400,7 +366,8 @@ class PipelineStep:
                 "bytes_per_step is known once the step was traced (call or lower it)"
             )
         layout = self.layouts["params"]
-        gathered = layout.size * np.dtype(layout.dtype).itemsize if self.sharding == "fsdp" else 0
+        fsdp = self.sharding.kind == "fsdp"
+        gathered = layout.size * np.dtype(layout.dtype).itemsize if fsdp else 0
         return {
             "messages": self.program.messages_per_step,
             "message_bytes": self.activations.size * np.dtype(self.activations.dtype).itemsize,
@@ -416,10 +383,7 @@ class PipelineStep:
 
     # ------------------------------------------------------------------ the step
 
-    def __call__(
-        self, state: PipelineState, batch: Any, rng: jax.Array
-    ) -> tuple[PipelineState, dict]:
-        check_batch_sizes(batch)
+    def _check_batch(self, batch: Any) -> None:
         if self.inputs is _image_of and "image" not in batch:
             raise ValueError(
                 f"PipelineStep takes the first stage's input from batch['image'] "
@@ -427,25 +391,12 @@ class PipelineStep:
                 "inputs=lambda batch: batch[...]"
             )
         check_micro_batches(batch, self.microbatches, self.num_replicas)
-        if self._compiled is None:
-            self._compiled = self._build(state)
-        self._in_flight.make_room()
-        new_state, metrics = self._compiled(state, batch, rng)
-        self._in_flight.add(metrics)
-        return new_state, metrics
-
-    def lower(self, state: PipelineState, batch: Any, rng: jax.Array):
-        """The lowered step (``.compile().memory_analysis()`` gives its per-device memory)."""
-        check_micro_batches(batch, self.microbatches, self.num_replicas)
-        if self._compiled is None:
-            self._compiled = self._build(state)
-        return self._compiled.lower(state, batch, rng)
 
     def _build(self, state: PipelineState) -> Callable:
         if self.layouts is None:
             raise RuntimeError("the step's layouts come from init(); call init first")
-        if self.sharding == "fsdp":
-            return build_fsdp_step(self, state)
+        if self.sharding.kind == "fsdp":
+            return build_fsdp_step(self, state, self._body)
         stage = P(self.stage_axis)
         specs = PipelineState(
             step=P(),
@@ -463,13 +414,13 @@ class PipelineStep:
             out_specs=(specs, P()),
             check_vma=False,
         )
-        options = compiler_options_for(self.mesh.devices.flat, self.allreduce)
+        options = compiler_options_for(self.mesh.devices.flat, self.communication.allreduce)
         return jax.jit(
             sharded, donate_argnums=(0,) if self.donate else (), compiler_options=options
         )
 
     def _body(self, state: PipelineState, batch: Any, rng: jax.Array):
-        self.trace_count += 1
+        self.count_trace()
         stage = lax.axis_index(self.stage_axis)
         if self.data_axes:
             rng = jax.random.fold_in(rng, lax.axis_index(self.data_axes))
@@ -479,10 +430,15 @@ class PipelineStep:
         scale = None if state.loss_scale is None else state.loss_scale.scale
         # 2BW computes on the older version; PipeDream's versions live in the loop.
         used = state.previous_params[0] if self._two_versions else params
-        if self.sharding == "fsdp":  # every stage's parameters, gathered once for the step
+        communication, sharding = self.communication, self.sharding
+        if sharding.kind == "fsdp":  # every stage's parameters, gathered once for the step
             with jax.named_scope(PARAMETER_SCOPE):
                 used = gather_rows(
-                    params, self.reduce_axes, self.gather, self.gather_options, self.bucket_bytes
+                    params,
+                    self.reduce_axes,
+                    sharding.gather_schedule(communication),
+                    sharding.gather_options(communication),
+                    communication.bucket_bytes,
                 )
             used = rows_to_whole(self, used, stage)
         per_backward = None
@@ -491,10 +447,10 @@ class PipelineStep:
         carry = run_schedule(
             self, state, used, micro, rng, scale, metric_shapes, stage, per_backward
         )
-        if self.sharding == "fsdp":
+        if sharding.kind == "fsdp":
             grads, model_state, loss, metrics = self._averaged(state, carry)
             finite = jnp.ones((), bool)  # read only under a loss scale or skip_nonfinite
-            if state.loss_scale is not None or self.skip_nonfinite:
+            if self.precision.checks_finite:
                 finite = all_finite(grads).astype(jnp.int32)  # each device has its own shard
                 finite = lax.pmin(finite, (self.stage_axis, *self.data_axes)) > 0
             return grads[None], model_state[None], loss, metrics, finite
@@ -514,17 +470,18 @@ class PipelineStep:
             model_state, loss, metrics = lax.pmean((model_state, loss, metrics), self.data_axes)
         if self.averages_gradients and self.schedule != "pipedream":  # it averaged per tick
             with jax.named_scope(GRADIENT_SCOPE):
-                if self.sharding == "fsdp":
+                if self.sharding.kind == "fsdp":
                     rows = whole_to_rows(self, grads, lax.axis_index(self.stage_axis))
+                    communication = self.communication
                     grads = scatter_rows(
                         rows,
                         self.reduce_axes,
-                        self.allreduce,
-                        self.allreduce_options,
-                        self.bucket_bytes,
+                        communication.allreduce,
+                        communication.options,
+                        communication.bucket_bytes,
                     )
                 else:
-                    grads = mean_over_data_axes(self, grads)
+                    grads = mean_over_data_axes(grads, self.reduce_axes, self.communication)
         if state.loss_scale is not None:
             grads = state.loss_scale.unscale(grads)
         return grads, model_state, loss, metrics
@@ -540,7 +497,7 @@ class PipelineStep:
             params, opt_state = carry["params"], carry["opt_state"]
         else:
             params, opt_state = update(self, params, grads, opt_state, stage)
-        if self.skip_nonfinite:  # also a finite step whose update leaves inf parameters
+        if self.precision.skip_nonfinite:  # also a finite step whose update leaves inf parameters
             ok = all_finite((grads, params)) & jnp.isfinite(loss)
             ok = lax.pmin(ok.astype(jnp.int32), self.stage_axis) > 0
             finite = ok if finite is None else finite & ok
@@ -552,5 +509,9 @@ class PipelineStep:
             previous_params=state.params if self._two_versions else None,
         )
         return finish_scaled_step(
-            state, new_state, finite, {**metrics, "loss": loss}, report_skipped=self.skip_nonfinite
+            state,
+            new_state,
+            finite,
+            {**metrics, "loss": loss},
+            report_skipped=self.precision.skip_nonfinite,
         )

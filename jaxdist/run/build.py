@@ -44,7 +44,14 @@ from jaxdist.training.batches import data_axes_of
 from jaxdist.training.eval_step import EvalStep
 from jaxdist.training.protocol import Step
 
-__all__ = ["CheckpointSettings", "LoopSettings", "RunParts", "TaskFactory", "build_run"]
+__all__ = [
+    "CheckpointSettings",
+    "HookSettings",
+    "LoopSettings",
+    "RunParts",
+    "TaskFactory",
+    "build_run",
+]
 
 # A recipe's ``get_task``: the task of a config, on the replicas the mesh gives it.
 TaskFactory = Callable[[ml_collections.ConfigDict, Replicas], Task]
@@ -70,6 +77,22 @@ class LoopSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class HookSettings:
+    """The config's fields the standard hooks read.
+
+    Attributes:
+      watchdog_s: how long a process may finish no step before the watchdog reports it.
+      nonfinite_steps: how many non-finite steps in a row are skipped before the run stops
+        (0: stop at the first).
+      tensorboard: ``"auto"``, ``"on"`` or ``"off"`` (:mod:`jaxdist.run.tensorboard`).
+    """
+
+    watchdog_s: float
+    nonfinite_steps: int
+    tensorboard: str
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointSettings:
     """``config.checkpoint``: how often a checkpoint is written (0: only at the end), how many
     are kept, and whether they are written in the background."""
@@ -85,9 +108,9 @@ class RunParts:
 
     ``config`` is kept only as the run's record: it is written to ``config.json`` and into each
     checkpoint's meta, compared across processes and on a rerun, and given to the hooks that
-    record it (the rerun check, TensorBoard's flattened config, the MLPerf event log's header)
-    or read their own settings from it. The loop reads the resolved values here instead, so a
-    field is read in one place.
+    record it (the rerun check, TensorBoard's flattened config, the MLPerf event log's header).
+    The loop and the hooks read the resolved values here instead, so a field is read in one
+    place.
 
     Attributes:
       config: the recipe's config, as recorded.
@@ -108,6 +131,7 @@ class RunParts:
       eval_step: the evaluation step on the mesh.
       settings: the loop's own settings.
       checkpoint: the checkpoints' settings.
+      hooks: the standard hooks' settings.
       shows_plans: whether a train step prints its gradient plan after its first call (it
         chooses routes, ``allreduce="auto"``, or sends sufficient factors).
       profile_steps: the steps traced into ``WORKDIR/profile``, if any.
@@ -130,6 +154,7 @@ class RunParts:
     eval_step: EvalStep
     settings: LoopSettings
     checkpoint: CheckpointSettings
+    hooks: HookSettings
     shows_plans: bool
     profile_steps: tuple[int, int] | None = None
 
@@ -195,9 +220,7 @@ def build_run(
 
         lr_fn = jax.jit(build_lr_schedule(config))
         step_parts = StepParts(
-            task=task,
-            optimizer=build_optimizer(config.optimizer, float(lr_fn(0.0))),
-            options=step_options(config),
+            task, build_optimizer(config.optimizer, float(lr_fn(0.0))), *step_options(config)
         )
         eval_step = EvalStep(task.eval_sums, mesh, data_axes=data_axes)
         # One train step per accumulation setting, in stage order: a step a later stage
@@ -237,7 +260,12 @@ def build_run(
             keep=config.checkpoint.keep,
             async_save=config.checkpoint.async_save,
         ),
+        hooks=HookSettings(
+            watchdog_s=config.watchdog_s,
+            nonfinite_steps=config.skip_nonfinite_steps,
+            tensorboard=config.tensorboard,
+        ),
         # Steps that choose routes (auto) or send factors print their plan after a first step.
-        shows_plans=config.allreduce == "auto" or bool(step_parts.options["sfb_layers"]),
+        shows_plans=config.allreduce == "auto" or bool(step_parts.communication.sfb_layers),
         profile_steps=profile_steps,
     )

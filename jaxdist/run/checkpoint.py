@@ -3,7 +3,7 @@
 One :class:`Checkpointer` per run directory wraps an ``orbax.checkpoint.CheckpointManager``
 with three items per step:
 
-* ``state`` -- the :class:`~jaxdist.training.train_step.TrainState` pytree (parameters, BatchNorm
+* ``state`` -- the :class:`~jaxdist.training.train_state.TrainState` pytree (parameters, BatchNorm
   statistics, optimizer state with its injected learning rate, loss scale), written by every
   process for its own shards and restored straight onto the mesh's shardings;
 * ``data`` -- the input iterator's :meth:`~jaxdist.data.BatchIterator.get_state` (JSON);

@@ -68,7 +68,10 @@ def array_digests(state: Any) -> dict[str, int]:
     one_copy = [_replicated_copy(leaf) for leaf in leaves]
     local = {i: copy for i, copy in enumerate(one_copy) if copy is not None}
     spread = {i: leaf for i, leaf in enumerate(leaves) if one_copy[i] is None}
-    digests = {**checkpoint_digests(local), **checkpoint_digests(spread)}
+    digests = {}
+    for group in (local, spread):
+        if group:  # an empty group would still compile a program of its own
+            digests.update(checkpoint_digests(group))
     values = jax.device_get([digests[i] for i in range(len(leaves))])
     return {dotted_name(path): int(value) for path, value in zip(paths, values, strict=True)}
 

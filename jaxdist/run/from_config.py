@@ -26,6 +26,7 @@ from jaxdist.run.config import (
 )
 from jaxdist.tasks import Task
 from jaxdist.training import global_norm, optim
+from jaxdist.training.step_options import Communication, Precision, StateSharding
 
 __all__ = [
     "StepParts",
@@ -155,31 +156,37 @@ class StepParts:
     Attributes:
       task: what is trained (:class:`~jaxdist.tasks.Task`): its loss, or its pipeline stages.
       optimizer: the recipe's optimizer.
-      options: the recipe's gradient options, as both steps take them (:func:`step_options`).
+      communication, sharding, precision: the recipe's step options, as both steps take
+        them (:func:`step_options`).
     """
 
     task: Task
     optimizer: optax.GradientTransformation
-    options: dict
+    communication: Communication
+    sharding: StateSharding
+    precision: Precision
 
 
-def step_options(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The recipe's fields every step takes: how gradients are averaged and priced."""
+def step_options(
+    config: ml_collections.ConfigDict,
+) -> tuple[Communication, StateSharding, Precision]:
+    """The recipe's fields every step takes: how gradients are averaged and priced, where
+    the state lives, and whether non-finite steps are skipped."""
     if config.allreduce == "native" and config.unroll_limit != base_config().unroll_limit:
         raise ValueError(
             f"unroll_limit={config.unroll_limit} shapes the ppermute schedules, "
             "and allreduce='native' is XLA's own all-reduce: choose a schedule "
             "(ring, torus2d, ...) or leave unroll_limit out"
         )
-    return {
-        "allreduce": config.allreduce,
-        "allreduce_options": {"unroll_limit": config.unroll_limit},
-        "bucket_bytes": config.bucket_bytes,
-        "links": config.links or None,
-        "sfb_layers": sfb_layers_setting(config.sfb_layers),
-        "skip_nonfinite": config.skip_nonfinite_steps > 0,
-        "wait_free": config.wait_free,
-        "sharding": config.sharding,
-        **({"gather": config.gather} if config.gather else {}),
-        **({"prefetch": config.prefetch} if config.prefetch != 1 else {}),
-    }
+    communication = Communication(
+        config.allreduce,
+        options={"unroll_limit": config.unroll_limit},
+        bucket_bytes=config.bucket_bytes,
+        sfb_layers=sfb_layers_setting(config.sfb_layers),
+        links=config.links or None,
+        wait_free=config.wait_free,
+    )
+    sharding = StateSharding(
+        config.sharding, gather=config.gather or None, prefetch=config.prefetch
+    )
+    return communication, sharding, Precision(skip_nonfinite=config.skip_nonfinite_steps > 0)

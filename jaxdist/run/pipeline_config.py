@@ -3,6 +3,7 @@ stages, and the pipeline step the trainer runs in place of the data-parallel one
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -17,7 +18,7 @@ from jax.sharding import Mesh
 from jaxdist.comm import hybrid
 from jaxdist.comm.cost_model import Link
 from jaxdist.meshes import STAGE_AXIS
-from jaxdist.pipeline.options import stage_data_axes
+from jaxdist.pipeline.options import refuse_unsupported, stage_data_axes
 from jaxdist.pipeline.partition import Partition, partition
 from jaxdist.pipeline.profile import Profile, layer_sizes, measure_profile, read_profile
 from jaxdist.pipeline.step import PipelineStep
@@ -111,23 +112,12 @@ class Pipeline:
         """The recipe's :class:`PipelineStep`: the task's model cut into stages, its loss on
         the last one, initialised from the whole model's variables."""
         p = self.config.pipeline
-        options = dict(parts.options)
-        if options.pop("wait_free", False):
-            raise ValueError(
-                "wait_free=True paces a data-parallel step's gradient buckets; a "
-                "pipeline step's gradients already travel while the pipeline "
-                "drains: set wait_free=False"
-            )
-        if "prefetch" in options:
-            raise ValueError(
-                f"prefetch={options['prefetch']!r} paces a sharded step's parameter "
-                "all-gathers layer by layer; a pipeline stage gathers its "
-                "parameters once a step: leave prefetch out"
-            )
-        boundaries = None
-        if p.boundaries == "auto":
-            boundaries = self._auto_boundaries(parts)
-            options["links"] = None  # they priced the sends between stages, not a gradient plan
+        communication = parts.communication
+        if p.boundaries == "auto":  # the links price the sends between stages, no gradient plan
+            communication = dataclasses.replace(communication, links=None)
+        # Refused before a cut is profiled: what a pipeline cannot honour.
+        refuse_unsupported(communication, accumulation_steps, parts.sharding, p.schedule)
+        boundaries = self._auto_boundaries(parts) if p.boundaries == "auto" else None
         cut = stage_parts(self.config, parts.task, boundaries)
         return PipelineStep(
             cut.stages,
@@ -141,7 +131,9 @@ class Pipeline:
             inputs=cut.inputs,
             split=cut.split,
             accumulation_steps=accumulation_steps,
-            **options,
+            communication=communication,
+            sharding=parts.sharding,
+            precision=parts.precision,
         )
 
     def _auto_boundaries(self, parts: StepParts) -> tuple[int, ...]:

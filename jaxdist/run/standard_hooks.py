@@ -55,9 +55,9 @@ def standard_hooks(
     """The hooks for one run of ``parts`` (a :class:`~jaxdist.run.build.RunParts`), one of
     each of :data:`STANDARD_HOOKS`, in its order: ``lock`` is the workdir's lock, which the
     caller holds before ``ckpt`` opens the checkpoints, and the others are new. The hooks read
-    their own settings from the recorded config; ``allow_config_change`` lets the rerun check
-    accept a changed config."""
-    cfg, workdir = parts.config, parts.workdir
+    their settings from ``parts.hooks``; the rerun check and TensorBoard also record the
+    config. ``allow_config_change`` lets the rerun check accept a changed config."""
+    cfg, workdir, settings = parts.config, parts.workdir, parts.hooks
     writer = jax.process_index() == 0  # only process 0 writes logs
     return [
         lock,
@@ -69,13 +69,13 @@ def standard_hooks(
             progress=log.progress,
             write=writer,
         ),
-        Watchdog(cfg.watchdog_s, workdir),
+        Watchdog(settings.watchdog_s, workdir),
         PreemptionGuard(ckpt.manager),
         StepProfiler(parts.profile_steps, workdir),
-        NonFiniteGuard(cfg.skip_nonfinite_steps, kept=ckpt.kept),
+        NonFiniteGuard(settings.nonfinite_steps, kept=ckpt.kept),
         TensorBoard(
             workdir,
-            cfg.tensorboard,
+            settings.tensorboard,
             enabled=writer,
             config=rerun.flatten(cfg),
             headline=parts.task.headline,

@@ -5,6 +5,7 @@ on every device or split over a ``tensor`` axis, the other mesh axes splitting t
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -87,17 +88,20 @@ class DataParallel:
         """The recipe's :class:`TrainStep`: the task's loss on the whole model, its state
         sharded over the mesh's ``fsdp`` axis where it has one (HSDP), else over every axis."""
         hsdp = FSDP_AXIS in self.data_axes and len(self.data_axes) > 1
-        shard_axes = FSDP_AXIS if hsdp and parts.options.get("sharding") != "replicated" else None
+        sharding = parts.sharding
+        if hsdp and sharding.sharded:
+            sharding = dataclasses.replace(sharding, axes=FSDP_AXIS)
         return TrainStep(
             parts.task.loss,
             parts.optimizer,
             self.mesh,
             data_axes=self.data_axes,
+            communication=parts.communication,
+            sharding=sharding,
+            precision=parts.precision,
             accumulation_steps=accumulation_steps,
-            shard_axes=shard_axes,
             stacked_layers=parts.task.stacked_layers(),
             tensor=self._split_of(parts.task),
-            **parts.options,
         )
 
     def _split_of(self, task: Task) -> TensorParallel | None:

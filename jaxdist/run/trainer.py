@@ -61,7 +61,7 @@ from jaxdist.run.workdir_lock import WorkdirLock
 from jaxdist.runtime.distributed import peer_lost
 from jaxdist.tasks.image_classification import ImageClassification
 from jaxdist.training.protocol import Step
-from jaxdist.training.train_step import TrainState
+from jaxdist.training.train_state import TrainState
 
 __all__ = ["Loop", "TaskFactory", "Trainer"]
 
@@ -297,8 +297,8 @@ class Trainer:
         """``err``, said as what it is when a pipeline recipe resumes under another sharding:
         the same model, laid out another way."""
         recorded = newest_config_record(ckpt.directory) or {}
-        old, new = recorded.get("sharding"), self.config.sharding
-        if not pipeline_config.enabled(self.config) or old in (None, new):
+        old, new = recorded.get("sharding"), self.parts.step_parts.sharding.kind
+        if not isinstance(self.parts.step_kind, pipeline_config.Pipeline) or old in (None, new):
             return err
         return CheckpointMismatchError(
             f"the checkpoints in {ckpt.directory} hold this pipeline under sharding={old!r}; "

@@ -19,8 +19,8 @@ from jaxdist.pipeline import stages as pipeline_stages
 from jaxdist.tasks.task import PipelineParts, Replicas, Task
 from jaxdist.training import optim
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm
+from jaxdist.training.classifier_loss import classifier_loss
 from jaxdist.training.eval_step import classifier_eval
-from jaxdist.training.train_step import classifier_loss
 
 __all__ = ["DTYPES", "ImageClassification", "NormalizeOnDevice", "build_model", "model_description"]
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist.runtime import dispatch
 from jaxdist.training.batches import check_batch_sizes, data_axes_of
-from jaxdist.training.train_step import TrainState
+from jaxdist.training.train_state import TrainState
 
 __all__ = ["EvalFn", "EvalStep", "classifier_eval"]
 

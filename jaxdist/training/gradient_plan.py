@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxdist.comm import buckets as bucketing
 from jaxdist.comm import collectives, hybrid
@@ -35,6 +36,7 @@ from jaxdist.training.dense_factors import (
     key_names,
     select_dense_layers,
 )
+from jaxdist.training.step_options import Communication
 from jaxdist.training.wait_free import wait_free_gradients
 
 __all__ = [
@@ -193,28 +195,39 @@ def make_gradient_plan(
     return GradientPlan(buckets, algorithms, factored, layer_routes + bucket_routes, links)
 
 
-def plan_for_step(step: Any, state: Any, batch: Any, rng: Any) -> GradientPlan:
-    """The plan of a :class:`~jaxdist.training.train_step.TrainStep`, from an abstract trace
-    of its loss on one micro-batch of ``batch`` (one device's shard)."""
-    axes = (step.data_axes,) if isinstance(step.data_axes, str) else step.data_axes
-    k = step.accumulation_steps
+def plan_for_step(
+    loss_fn: Callable,
+    communication: Communication,
+    links: hybrid.Links | None,
+    mesh: Mesh,
+    data_axes: str | tuple[str, ...],
+    accumulation_steps: int,
+    state: Any,
+    batch: Any,
+    rng: Any,
+) -> GradientPlan:
+    """The plan of a data-parallel step, from an abstract trace of its ``loss_fn`` on one
+    micro-batch of ``batch`` (one device's shard): ``communication``'s schedule and buckets,
+    priced on ``links`` (resolved) where given."""
+    axes = (data_axes,) if isinstance(data_axes, str) else data_axes
+    k = accumulation_steps
     abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)  # noqa: E731
     micro_batch = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch
     )
-    transfer = step.allreduce_options.get("transfer_dtype")
+    transfer = communication.options.get("transfer_dtype")
     return make_gradient_plan(
-        step.loss_fn,
+        loss_fn,
         abstract(state.params),
         abstract(state.model_state),
         micro_batch,
         abstract(rng),
-        axis_env=[(a, step.mesh.shape[a]) for a in axes],
-        axis_sizes=step.axis_sizes,
-        allreduce=step.allreduce,
-        bucket_bytes=step.bucket_bytes,
-        sfb_layers=step.sfb_layers,
-        links=step.links,
+        axis_env=[(a, mesh.shape[a]) for a in axes],
+        axis_sizes=tuple(mesh.shape[a] for a in axes),
+        allreduce=communication.allreduce,
+        bucket_bytes=communication.bucket_bytes,
+        sfb_layers=communication.sfb_layers,
+        links=links,
         accumulation_steps=k,
         transfer_itemsize=None if transfer is None else np.dtype(transfer).itemsize,
     )

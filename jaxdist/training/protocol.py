@@ -15,12 +15,17 @@ A step refuses, in one line when it is built, any option it cannot honour.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import jax
 from jax.sharding import Mesh
 
-__all__ = ["Step"]
+__all__ = ["LossFn", "Step"]
+
+# ``loss_fn(params, model_state, batch, rng) -> (loss, (new_model_state, metrics))`` on one
+# device's shard of the batch; ``metrics`` is a dict of scalars.
+LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, dict]]]
 
 
 @runtime_checkable

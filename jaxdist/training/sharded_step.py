@@ -19,29 +19,59 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.comm import collectives
 from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.comm.scopes import GRADIENT_SCOPE, METRICS_SCOPE, MODEL_STATE_SCOPE
+from jaxdist.comm.tensor_parallel import TensorParallel
 from jaxdist.training import sharding as sharding_lib
 from jaxdist.training.gradients import local_gradients
 from jaxdist.training.loss_scale import all_finite, ended_step
+from jaxdist.training.protocol import LossFn
+from jaxdist.training.step_options import Communication, Precision, StateSharding
+from jaxdist.training.train_state import TrainState
 
 __all__: list[str] = []  # building blocks of the package's own modules
 
 
-def build_sharded_step(step: Any, state: Any) -> Callable:
+class ShardedStep(Protocol):
+    """What the program reads of the :class:`~jaxdist.training.train_step.TrainStep` it is
+    built for: its parts and options, and where it places the state."""
+
+    mesh: Mesh
+    data_axes: str | tuple[str, ...]
+    shard_axes: str | tuple[str, ...]
+    loss_fn: LossFn
+    optimizer: optax.GradientTransformation
+    communication: Communication
+    sharding: StateSharding
+    precision: Precision
+    tensor: TensorParallel | None
+    accumulation_steps: int
+    num_replicas: int
+    donate: bool
+
+    def layout_of(self, params: Any) -> sharding_lib.Layout: ...
+    def parameter_specs(self, params: Any) -> tuple[Any, Any]: ...
+    def state_specs(self, state: TrainState) -> TrainState: ...
+    def state_shardings(self, state: TrainState) -> TrainState: ...
+    def record_paced_layers(self, count: int) -> None: ...
+    def count_trace(self) -> None: ...
+
+
+def build_sharded_step(step: ShardedStep, state: TrainState) -> Callable:
     """The jitted ``(state, batch, rng) -> (state, metrics)`` of a ZeRO-1, FSDP or
     tensor-parallel :class:`~jaxdist.training.train_step.TrainStep`."""
-    mesh, fsdp = step.mesh, step.sharding == "fsdp"
+    mesh, fsdp = step.mesh, step.sharding.kind == "fsdp"
+    communication, sharding = step.communication, step.sharding
     specs = step.state_specs(state)
     layout = step.layout_of(state.params)
     whole, blocks = step.parameter_specs(state.params)
@@ -55,7 +85,11 @@ def build_sharded_step(step: Any, state: Any) -> Callable:
     )
     gather_back = jax.shard_map(
         lambda b: sharding_lib.gather_parameters(
-            b, layout, step.shard_axes, step.gather, step.gather_options
+            b,
+            layout,
+            step.shard_axes,
+            sharding.gather_schedule(communication),
+            sharding.gather_options(communication),
         ),
         mesh=mesh,
         in_specs=(blocks,),
@@ -73,8 +107,8 @@ def build_sharded_step(step: Any, state: Any) -> Callable:
         )
         if state.loss_scale is not None:
             grads = state.loss_scale.unscale(grads)
-        checked = state.loss_scale is not None or step.skip_nonfinite
-        finite = all_finite(grads) if checked else None
+        skip = step.precision.skip_nonfinite
+        finite = all_finite(grads) if state.loss_scale is not None or skip else None
         # ZeRO-1's whole parameters, seen in blocks: each device slices its own, no traffic.
         params = (
             state.params if fsdp else lax.with_sharding_constraint(state.params, block_shardings)
@@ -83,21 +117,19 @@ def build_sharded_step(step: Any, state: Any) -> Callable:
         params = optax.apply_updates(params, updates)
         if not fsdp:
             params = gather_back(params)
-        return ended_step(
-            state, params, model_state, opt_state, finite, loss, metrics, step.skip_nonfinite
-        )
+        return ended_step(state, params, model_state, opt_state, finite, loss, metrics, skip)
 
     state_shardings = step.state_shardings(state)
     return jax.jit(
         train_step,
         out_shardings=(state_shardings, NamedSharding(mesh, P())),
         donate_argnums=(0,) if step.donate else (),
-        compiler_options=compiler_options_for(mesh.devices.flat, step.allreduce),
+        compiler_options=compiler_options_for(mesh.devices.flat, communication.allreduce),
     )
 
 
 def _gradients(
-    step: Any,
+    step: ShardedStep,
     layout: sharding_lib.Layout,
     params: Any,
     model_state: Any,
@@ -107,22 +139,22 @@ def _gradients(
 ):
     """Inside shard_map: ``(gradient blocks, model state, loss, metrics)``, every gradient the
     mean over the data axes, each sharded one kept only in the blocks this device owns."""
-    step.trace_count += 1
+    step.count_trace()
     axes, shard_axes = step.data_axes, step.shard_axes
+    communication, sharding = step.communication, step.sharding
     rng = jax.random.fold_in(rng, lax.axis_index(axes))
-    gradient_options = step.allreduce_options
     loss_fn = step.loss_fn
-    if step.sharding == "fsdp":
+    if sharding.kind == "fsdp":
         loss_fn = sharding_lib.gathered_loss(
             loss_fn,
             layout,
             shard_axes,
-            step.gather,
-            step.allreduce,
-            step.gather_options,
-            gradient_options,
-            step.keep_gathered,
-            step.prefetch,
+            sharding.gather_schedule(communication),
+            communication.allreduce,
+            sharding.gather_options(communication),
+            communication.options,
+            sharding.keep_gathered,
+            sharding.prefetch,
             step.record_paced_layers,
         )
     tensor = step.tensor
@@ -134,40 +166,49 @@ def _gradients(
         model_state = lax.pmean(model_state, axes)
     with jax.named_scope(METRICS_SCOPE):
         loss, metrics = lax.pmean((loss, metrics), axes)
-    if step.sharding == "zero1":
+    if sharding.kind == "zero1":
         grads = sharding_lib.scatter_gradients(
-            grads, layout, shard_axes, step.allreduce, gradient_options
+            grads, layout, shard_axes, communication.allreduce, communication.options
         )
-    return _averaged(step, layout, grads), model_state, loss, metrics
+    averaged = _averaged(grads, layout, communication, axes, shard_axes, step.num_replicas)
+    return averaged, model_state, loss, metrics
 
 
-def _averaged(step: Any, layout: sharding_lib.Layout, grads: Any) -> Any:
+def _averaged(
+    grads: Any,
+    layout: sharding_lib.Layout,
+    communication: Communication,
+    data_axes: str | tuple[str, ...],
+    shard_axes: str | tuple[str, ...],
+    num_replicas: int,
+) -> Any:
     """Gradients summed over the shard axes (blocks) or not at all (whole leaves), made the
     mean over every data axis: whole leaves by the schedule's allreduce, and under HSDP the
     blocks across the replica groups too."""
     leaves, treedef = jax.tree.flatten(grads)
     whole = [i for i, d in enumerate(layout.dims) if d is None]
     split = [i for i, d in enumerate(layout.dims) if d is not None]
-    data_axes, shard_axes = np.atleast_1d(step.data_axes), np.atleast_1d(step.shard_axes)
-    across = tuple(a for a in data_axes if a not in shard_axes)
+    shard_names = np.atleast_1d(shard_axes)
+    across = tuple(a for a in np.atleast_1d(data_axes) if a not in shard_names)
+    allreduce = communication.allreduce
     hsdp = bool(across)
     with jax.named_scope(GRADIENT_SCOPE):
         if whole:
-            algorithm = _replica_algorithm(step.allreduce) if hsdp else step.allreduce
-            options = {} if hsdp else step.allreduce_options
+            algorithm = _replica_algorithm(allreduce) if hsdp else allreduce
+            options = {} if hsdp else communication.options
             summed = collectives.allreduce(
-                [leaves[i] for i in whole], step.data_axes, algorithm, **options
+                [leaves[i] for i in whole], data_axes, algorithm, **options
             )
             for i, g in zip(whole, summed):
                 leaves[i] = g
         if hsdp and split:
             group_axes = across[0] if len(across) == 1 else across
             summed = collectives.allreduce(
-                [leaves[i] for i in split], group_axes, _replica_algorithm(step.allreduce)
+                [leaves[i] for i in split], group_axes, _replica_algorithm(allreduce)
             )
             for i, g in zip(split, summed):
                 leaves[i] = g
-    return jax.tree.unflatten(treedef, [g / step.num_replicas for g in leaves])
+    return jax.tree.unflatten(treedef, [g / num_replicas for g in leaves])
 
 
 def _replica_algorithm(algorithm: str) -> str:

@@ -1,8 +1,8 @@
-"""Mesh-aware data-parallel train and eval steps that research code imports.
+"""The mesh-aware data-parallel train step that research code imports.
 
 The five-line use::
 
-    step = jaxdist.training.train_step.TrainStep(loss_fn, optax.sgd(0.1, 0.9), mesh, allreduce="torus2d")
+    step = TrainStep(loss_fn, optax.sgd(0.1, 0.9), mesh, communication=Communication("torus2d"))
     state = step.init(params, model_state)
     for batch in batches:
         state, metrics = step(state, step.shard_batch(batch), rng)
@@ -12,14 +12,16 @@ device's shard of the batch. Inside one ``jax.jit``-ed ``jax.shard_map`` program
 
 1. computes gradients on its shard (optionally summed over ``accumulation_steps`` micro-batches,
    and of a scaled loss for float16),
-2. averages them across the data axes with the chosen :mod:`jaxdist.comm.collectives` schedule, one
-   call per gradient bucket (:mod:`jaxdist.comm.buckets`), buckets in backward order -- or with
-   ``allreduce="auto"`` the schedule the cost model prices cheapest for each bucket, and dense
+2. averages them across the data axes with the chosen :mod:`jaxdist.comm.collectives` schedule
+   (:class:`~jaxdist.training.step_options.Communication`), one call per gradient bucket
+   (:mod:`jaxdist.comm.buckets`), buckets in backward order -- or with ``allreduce="auto"``
+   the schedule the cost model prices cheapest for each bucket, and dense
    layers' gradients as sufficient factors where that is cheaper
    (:mod:`jaxdist.training.gradient_plan`),
 3. applies the optax update.
 
-With ``sharding="zero1"`` or ``"fsdp"`` (:mod:`jaxdist.training.sharding`) the gradients are
+With a ZeRO-1 or FSDP :class:`~jaxdist.training.step_options.StateSharding`
+(:mod:`jaxdist.training.sharding`) the gradients are
 instead reduce-scattered with the chosen schedule's first half into the shards that own them,
 the optimizer updates sharded arrays (under ``jax.jit`` outside the shard_map, so any optax
 transformation sees whole arrays: a global norm is a sum over shards), and ZeRO-1 all-gathers
@@ -28,7 +30,7 @@ each unit just before the loss reads it.
 
 Model state (BatchNorm running statistics) and metrics are averaged over the data axes, so every
 device holds the same state after each step. The state argument is donated on accelerators
-(see :func:`~jaxdist.training.step_options.donation_default`).
+(see :func:`~jaxdist.training.step_checks.donation_default`).
 
 The shard_map runs with ``check_vma=False``: the parameters are replicated (``P()``) on the way
 in and out, and in between each device must see *its own* gradient so that the chosen schedule,
@@ -38,19 +40,17 @@ not autodiff's implicit psum, does the averaging.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.comm import buckets as bucketing
 from jaxdist.comm import collectives, hybrid
 from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.comm.scopes import METRICS_SCOPE, MODEL_STATE_SCOPE
@@ -58,60 +58,29 @@ from jaxdist.comm.tensor_parallel import TensorParallel
 from jaxdist.runtime import dispatch
 from jaxdist.training import optim
 from jaxdist.training import sharding as sharding_lib
-from jaxdist.training.batches import check_batch_sizes, data_axes_of, shard_batch
+from jaxdist.training.batches import data_axes_of, shard_batch
+from jaxdist.training.compiled_step import CompiledStep
 from jaxdist.training.gradient_plan import GradientPlan, plan_for_step
 from jaxdist.training.gradients import local_gradients, reduced_while_computing
-from jaxdist.training.loss_scale import DynamicLossScale, all_finite, ended_step
+from jaxdist.training.loss_scale import all_finite, ended_step
+from jaxdist.training.protocol import LossFn
 from jaxdist.training.sharded_step import build_sharded_step
-from jaxdist.training.step_options import (
+from jaxdist.training.step_checks import (
     WAIT_FREE_UNROLL_LIMIT,
     check_allreduce,
     check_gather,
-    check_optimizer,
     check_prefetch,
     check_sharded,
     check_tensor,
     check_wait_free,
-    donation_default,
-    gather_options,
 )
+from jaxdist.training.step_options import NO_ALLREDUCE, Communication, Precision, StateSharding
+from jaxdist.training.train_state import TrainState, place_per_process
 
-__all__ = [
-    "NO_ALLREDUCE",
-    "LossFn",
-    "TrainState",
-    "TrainStep",
-    "classifier_loss",
-    "place_per_process",
-]
-
-# Measurement only: skip the gradient allreduce, so each device trains on its own shard. The
-# train-step benchmark times this to split a step into compute and communication.
-NO_ALLREDUCE = "none"
-
-LossFn = Callable[[Any, Any, Any, jax.Array], tuple[jax.Array, tuple[Any, dict]]]
+__all__ = ["TrainStep"]
 
 
-class TrainState(struct.PyTreeNode):
-    """Everything a step changes. A pytree: it is donated, sharded and checkpointed as one."""
-
-    step: jax.Array
-    params: Any
-    model_state: Any
-    opt_state: Any
-    loss_scale: DynamicLossScale | None = None
-
-
-def place_per_process(value: Any, sharding: NamedSharding) -> jax.Array:
-    """``value`` (the same on every process) placed with ``sharding``, each process filling
-    only its own devices. ``jax.device_put`` would first check across processes that all hold
-    the same value: a blocking collective (before every step, for a learning rate), and for a
-    whole train state an all-gather that ran 8 processes of one machine out of memory."""
-    host = np.asarray(value)
-    return jax.make_array_from_callback(host.shape, sharding, host.__getitem__)
-
-
-class TrainStep:
+class TrainStep(CompiledStep):
     """A jitted data-parallel train step on ``mesh``; see the module docstring.
 
     Args:
@@ -119,40 +88,15 @@ class TrainStep:
         device's shard; ``metrics`` is a dict of scalars.
       optimizer: any optax transformation.
       mesh: the device mesh; ``data_axes`` (default: all its axes) split the batch.
-      allreduce: a name from :data:`jaxdist.comm.collectives.ALGORITHMS`, ``"auto"`` (a schedule
-        per bucket and factors or not per dense layer, by the cost model on ``links``), or
-        :data:`NO_ALLREDUCE` (for measurements only); ``allreduce_options`` go to it
-        (``transfer_dtype=jnp.bfloat16`` sends gradients in bf16, accumulating in float32).
-      bucket_bytes: gradient fusion threshold; ``None`` or 0: one bucket for all gradients.
-      sfb_layers: dense layers (flax module paths such as ``"head"``, or ``"all"``) whose
-        gradient travels as sufficient factors (:mod:`jaxdist.training.dense_factors`). With
-        ``"auto"`` these are the candidates (default: every dense layer; ``()``: none), each
-        sent as factors only where the cost model says that is cheaper.
-      links: the links the cost model prices on: ``"LATENCY:BANDWIDTH"``, a
-        ``jaxdist bench allreduce --json`` file of this mesh, or a
-        :class:`~jaxdist.comm.cost_model.Link`/``Network`` (see
-        :func:`jaxdist.comm.hybrid.resolve_links`). Needed by ``"auto"`` (default: the link
-        ``jaxdist cluster`` emulates); otherwise it only adds predictions to :meth:`plan`.
+      communication: how gradients are averaged over the data axes: the schedule, its
+        options, buckets, sufficient factors, links, wait-free pacing
+        (:class:`~jaxdist.training.step_options.Communication`; default XLA's all-reduce).
+      sharding: where the parameters and optimizer state live: replicated, ZeRO-1 or FSDP,
+        over which axes, gathered how (:class:`~jaxdist.training.step_options.StateSharding`).
+      precision: loss scaling and skipped non-finite steps
+        (:class:`~jaxdist.training.step_options.Precision`).
       accumulation_steps: micro-batches per device whose gradients are summed before one
         allreduce; the per-device batch must divide by it.
-      sharding: ``"replicated"`` (default), ``"zero1"`` (optimizer state and update sharded)
-        or ``"fsdp"`` (parameters too), over ``shard_axes``; see
-        :mod:`jaxdist.training.sharding`. Every optax transformation is exact under each.
-        The reduce-scatters and all-gathers run ``allreduce``'s two halves
-        (:data:`jaxdist.comm.collectives.SHARDED_ALGORITHMS`).
-      gather: the schedule of a sharded step's parameter all-gathers, when it is not
-        ``allreduce``'s (``"native"`` beside a permute ``allreduce``: XLA's all-gather for the
-        parameters, the schedule's reduce-scatter for the gradients). Default: ``allreduce``.
-      zero1: the same as ``sharding="zero1"``.
-      shard_axes: the data axes the state is sharded over (default: all of them). Fewer is
-        HSDP: sharded inside each group, the groups averaging their gradients as data
-        parallel replicas (with the ring, or XLA's all-reduce under ``native``).
-      keep_gathered: FSDP keeps each unit's gathered parameters from forward for backward
-        instead of gathering them again (more memory, half the parameter traffic).
-      prefetch: how many layers ahead of its use FSDP may start a layer's gather, in forward
-        and in backward (default 1: beside the layer before). More gives a gather more
-        compute to hide behind and holds that many more layers gathered at once.
-      min_shard_elements: parameters with fewer elements stay whole on every device.
       stacked_layers: a tree of booleans like the parameters, true where a leaf's first
         dimension counts layers the loss scans over (:meth:`jaxdist.tasks.task.Task.stacked_layers`):
         ZeRO-1 and FSDP split such a leaf below that axis, and FSDP gathers it one layer at
@@ -163,18 +107,8 @@ class TrainStep:
         row-parallel products sum over it. Each device of the axis sees the same batch; the
         optimizer runs outside the shard_map as for a sharded state, so every optax
         transformation stays exact.
-      wait_free: run each gradient bucket's schedule beside the rest of the backward pass,
-        one message step per matrix product, in the compiled program's own order
-        (:mod:`jaxdist.training.wait_free`); the same arithmetic. With accumulation, beside
-        the last micro-batch's backward. Needs a permute schedule, and no sufficient factors
-        or ZeRO-1.
-      loss_scale: a :class:`DynamicLossScale` for float16 training, or ``None``.
-      skip_nonfinite: a step whose loss, gradients or updated parameters hold inf/NaN leaves
-        the state as it was (but for the step count), as loss scaling does, and reports
-        ``skipped`` in its metrics; without it such a step is applied and the trainer stops
-        at it.
       donate: donate the state buffers to the step; ``None`` (default): on accelerators only,
-        see :func:`~jaxdist.training.step_options.donation_default`.
+        see :func:`~jaxdist.training.step_checks.donation_default`.
       max_in_flight: how many calls may be queued at once; a call waits for the oldest to
         finish first. ``"auto"`` (default): 4 on CPU meshes, where deeper queues of collective
         programs can hang XLA:CPU, no limit elsewhere; ``None``: no limit. Steps on the same
@@ -188,95 +122,74 @@ class TrainStep:
         mesh: Mesh,
         *,
         data_axes: str | tuple[str, ...] | None = None,
-        allreduce: str = "native",
-        allreduce_options: Mapping[str, Any] | None = None,
-        bucket_bytes: int | None = bucketing.DEFAULT_BUCKET_BYTES,
-        sfb_layers: str | tuple[str, ...] | list[str] | None = None,
-        links: Any = None,
+        communication: Communication = Communication(),
+        sharding: StateSharding = StateSharding(),
+        precision: Precision = Precision(),
         accumulation_steps: int = 1,
-        sharding: str | None = None,
-        gather: str | None = None,
-        zero1: bool = False,
-        shard_axes: str | tuple[str, ...] | None = None,
-        keep_gathered: bool = False,
-        prefetch: int = 1,
-        min_shard_elements: int = sharding_lib.DEFAULT_MIN_SHARD_ELEMENTS,
         stacked_layers: Any = None,
         tensor: TensorParallel | None = None,
-        wait_free: bool = False,
-        loss_scale: DynamicLossScale | None = None,
-        skip_nonfinite: bool = False,
         donate: bool | None = None,
         max_in_flight: dispatch.Limit = "auto",
     ):
+        allreduce, sfb_layers = communication.allreduce, communication.sfb_layers
         if allreduce not in (NO_ALLREDUCE, hybrid.AUTO, *collectives.ALGORITHMS):
             raise ValueError(
                 f"unknown allreduce {allreduce!r}; expected one of "
                 f"{(*collectives.ALGORITHMS, hybrid.AUTO)}"
             )
-        if zero1 and sharding not in (None, "zero1"):
-            raise ValueError(f"zero1=True is sharding='zero1'; got sharding={sharding!r} too")
-        sharding = sharding_lib.check_sharding(sharding or ("zero1" if zero1 else "replicated"))
+        sharding_lib.check_sharding(sharding.kind)
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
-        check_wait_free(wait_free, allreduce, sharding, sfb_layers)
-        check_optimizer(optimizer)
-        self.loss_fn = loss_fn
-        self.optimizer = optimizer
-        self.mesh = mesh
+        check_wait_free(communication.wait_free, allreduce, sharding.kind, sfb_layers)
+        super().__init__(loss_fn, optimizer, mesh, communication, precision, donate, max_in_flight)
         self.data_axes = data_axes_of(mesh, data_axes)
-        self.allreduce = allreduce
-        self.allreduce_options = dict(allreduce_options or {})
-        if allreduce in (NO_ALLREDUCE, hybrid.AUTO):
-            collectives.common_options(self.allreduce_options)
+        if communication.named:
+            check_allreduce(mesh, self.data_axes, allreduce, communication.options)
         else:
-            check_allreduce(mesh, self.data_axes, allreduce, self.allreduce_options)
-        self.bucket_bytes = bucket_bytes
-        self.sfb_layers = sfb_layers
+            collectives.common_options(communication.options)
         self.axis_sizes = tuple(mesh.shape[a] for a in np.atleast_1d(self.data_axes))
-        self.sharding = sharding
-        self.shard_axes = self.data_axes if shard_axes is None else data_axes_of(mesh, shard_axes)
-        if sharding != "replicated":
+        self.shard_axes = (
+            self.data_axes if sharding.axes is None else data_axes_of(mesh, sharding.axes)
+        )
+        if sharding.sharded:
             check_sharded(
                 mesh,
                 self.data_axes,
                 self.shard_axes,
-                sharding,
+                sharding.kind,
                 allreduce,
-                self.allreduce_options,
+                communication.options,
                 sfb_layers,
             )
-        self.gather = allreduce if gather is None else gather
-        if gather is not None:
+        if sharding.gather is not None:
             check_gather(
-                mesh, self.data_axes, self.shard_axes, sharding, gather, self.gather_options
+                mesh,
+                self.data_axes,
+                self.shard_axes,
+                sharding.kind,
+                sharding.gather,
+                sharding.gather_options(communication),
             )
-        self.keep_gathered = keep_gathered
-        self.prefetch = check_prefetch(prefetch, sharding, keep_gathered)
-        self.min_shard_elements = min_shard_elements
+        check_prefetch(sharding.prefetch, sharding.kind, sharding.keep_gathered)
+        self.sharding = sharding
         self.stacked_layers = stacked_layers
         self.tensor = tensor
         if tensor is not None:
-            check_tensor(mesh, self.data_axes, tensor, allreduce, sfb_layers, wait_free)
+            check_tensor(
+                mesh, self.data_axes, tensor, allreduce, sfb_layers, communication.wait_free
+            )
         self.layout: sharding_lib.Layout | None = None
         # How many layers FSDP's paced gathers cut the loss into, once the step is traced.
         self.paced_layers: int | None = None
         # Auto cannot choose without links: refuse now, not at the first step.
         self.links = (
-            hybrid.resolve_links(links, self.axis_sizes)
-            if links is not None or allreduce == hybrid.AUTO
+            hybrid.resolve_links(communication.links, self.axis_sizes)
+            if communication.links is not None or allreduce == hybrid.AUTO
             else None
         )
         self.accumulation_steps = accumulation_steps
-        self.wait_free = wait_free
-        self.loss_scale = loss_scale
-        self.skip_nonfinite = skip_nonfinite
-        self.donate = donation_default(mesh) if donate is None else donate
         self.num_replicas = math.prod(self.axis_sizes)
-        self.trace_count = 0  # how many times the step was traced (compiled); tests guard on it
         self.gradient_plan: GradientPlan | None = None
-        self._compiled: Callable | None = None
-        self._in_flight = dispatch.shared_window(mesh, max_in_flight)
 
     # ------------------------------------------------------------------ state and batches
 
@@ -326,7 +239,7 @@ class TrainStep:
             params=params,
             model_state=model_state,
             opt_state=self.optimizer.init(params),
-            loss_scale=self.loss_scale,
+            loss_scale=self.precision.loss_scale,
         )
 
     def layout_of(self, params: Any) -> sharding_lib.Layout:
@@ -334,14 +247,14 @@ class TrainStep:
         the shard axes, or whole; replicated steps keep every parameter whole."""
         if self.layout is None:
             shards = math.prod(self.mesh.shape[a] for a in np.atleast_1d(self.shard_axes))
-            if self.sharding == "replicated":
+            if not self.sharding.sharded:
                 shards = 1
             tensor = self.tensor
             self.layout = sharding_lib.Layout.of(
                 params,
                 shards,
-                unit_bytes=self.bucket_bytes,
-                min_elements=self.min_shard_elements,
+                unit_bytes=self.communication.bucket_bytes,
+                min_elements=self.sharding.min_shard_elements,
                 stacked=self.stacked_layers,
                 tensor=None
                 if tensor is None
@@ -357,7 +270,7 @@ class TrainStep:
         layout = self.layout_of(params)
         treedef = jax.tree.structure(params)
         whole = layout.specs(treedef, None)
-        if self.sharding == "replicated":
+        if not self.sharding.sharded:
             return whole, whole
         return whole, layout.specs(treedef, self.shard_axes)
 
@@ -367,7 +280,7 @@ class TrainStep:
         tensor axis splits (with their optimizer state)."""
         replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
         whole, blocks = self.parameter_specs(state.params)
-        params = blocks if self.sharding == "fsdp" else whole
+        params = blocks if self.sharding.kind == "fsdp" else whole
         opt_state = optax.tree_map_params(
             self.optimizer,
             lambda _, spec: spec,
@@ -409,27 +322,12 @@ class TrainStep:
 
     # ------------------------------------------------------------------ the step
 
-    def __call__(self, state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
-        check_batch_sizes(batch)
-        if self._compiled is None:
-            self._compiled = self._build(state)
-        self._in_flight.make_room()
-        new_state, metrics = self._compiled(state, batch, rng)
-        self._in_flight.add(metrics)  # metrics, never donated: safe to wait on later
-        return new_state, metrics
-
     def record_paced_layers(self, count: int) -> None:
         """Called as FSDP's paced loss is traced: how many layers it gathers one by one."""
         self.paced_layers = count
 
-    def lower(self, state: TrainState, batch: Any, rng: jax.Array):
-        """The lowered step (``.compile().as_text()`` shows XLA's scheduled program)."""
-        if self._compiled is None:
-            self._compiled = self._build(state)
-        return self._compiled.lower(state, batch, rng)
-
     def _build(self, state: TrainState) -> Callable:
-        if self.sharding != "replicated" or self.tensor is not None:
+        if self.sharding.sharded or self.tensor is not None:
             return build_sharded_step(self, state)
         specs = self.state_specs(state)
         sharded = jax.shard_map(
@@ -439,22 +337,24 @@ class TrainStep:
             out_specs=(specs, P()),
             check_vma=False,
         )
+        communication = self.communication
         return jax.jit(
             sharded,
             donate_argnums=(0,) if self.donate else (),
             compiler_options=compiler_options_for(
-                self.mesh.devices.flat, self.allreduce, self.wait_free
+                self.mesh.devices.flat, communication.allreduce, communication.wait_free
             ),
         )
 
     def _body(self, state: TrainState, batch: Any, rng: jax.Array) -> tuple[TrainState, dict]:
-        self.trace_count += 1
-        axes = self.data_axes
+        self.count_trace()
+        axes, communication = self.data_axes, self.communication
         rng = jax.random.fold_in(rng, lax.axis_index(axes))
         scale = None if state.loss_scale is None else state.loss_scale.scale
         plan = self._plan_for(state, batch, rng)
-        if self.wait_free:
-            options = {**self.allreduce_options, "unroll_limit": WAIT_FREE_UNROLL_LIMIT}
+        averaged = communication.allreduce != NO_ALLREDUCE
+        if communication.wait_free:
+            options = {**communication.options, "unroll_limit": WAIT_FREE_UNROLL_LIMIT}
             grads, model_state, loss, metrics = reduced_while_computing(
                 self.loss_fn,
                 plan,
@@ -475,7 +375,7 @@ class TrainStep:
                 rng,
                 scale,
                 self.accumulation_steps,
-                tap=None if plan is None or self.allreduce == NO_ALLREDUCE else plan.tap,
+                tap=plan.tap if averaged else None,
             )
         # Every device leaves the step with the same model state and metrics.
         with jax.named_scope(MODEL_STATE_SCOPE):
@@ -483,25 +383,16 @@ class TrainStep:
         with jax.named_scope(METRICS_SCOPE):
             loss, metrics = lax.pmean((loss, metrics), axes)
 
-        if self.allreduce != NO_ALLREDUCE and not self.wait_free:
-            grads = plan.reduce(grads, factors, axes, self.allreduce_options)
+        if averaged and not communication.wait_free:
+            grads = plan.reduce(grads, factors, axes, communication.options)
         if state.loss_scale is not None:
             grads = state.loss_scale.unscale(grads)
         # Same on every device: they all hold the same reduced gradients.
-        checked = state.loss_scale is not None or self.skip_nonfinite
-        finite = all_finite(grads) if checked else None
+        skip = self.precision.skip_nonfinite
+        finite = all_finite(grads) if state.loss_scale is not None or skip else None
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-
-        return ended_step(
-            state, params, model_state, opt_state, finite, loss, metrics, self.skip_nonfinite
-        )
-
-    @property
-    def gather_options(self) -> dict[str, Any]:
-        """The options of the parameters' all-gathers (:func:`~jaxdist.training.step_options.
-        gather_options`)."""
-        return gather_options(self.gather, self.allreduce_options)
+        return ended_step(state, params, model_state, opt_state, finite, loss, metrics, skip)
 
     # ------------------------------------------------------------------ the gradient plan
 
@@ -522,9 +413,9 @@ class TrainStep:
                 "the plan is made at the first step; before it, pass the state "
                 "and a batch: step.plan(state, batch)"
             )
-        if self.sharding != "replicated":
+        if self.sharding.sharded:
             raise ValueError(
-                f"sharding={self.sharding!r} has no gradient plan: its gradients "
+                f"sharding={self.sharding.kind!r} has no gradient plan: its gradients "
                 f"are reduce-scattered unit by unit"
             )
         if self.tensor is not None:
@@ -544,26 +435,15 @@ class TrainStep:
         """The plan, made once from an abstract trace of the loss on one device's
         micro-batch (``batch`` is one device's shard)."""
         if self.gradient_plan is None:
-            self.gradient_plan = plan_for_step(self, state, batch, rng)
+            self.gradient_plan = plan_for_step(
+                self.loss_fn,
+                self.communication,
+                self.links,
+                self.mesh,
+                self.data_axes,
+                self.accumulation_steps,
+                state,
+                batch,
+                rng,
+            )
         return self.gradient_plan
-
-
-# --------------------------------------------------------------------------- flax classifiers
-
-
-def classifier_loss(model, *, num_classes: int, label_smoothing: float = 0.0) -> LossFn:
-    """``loss_fn`` for a flax linen classifier taking ``(images, train=...)`` with BatchNorm
-    state in the ``batch_stats`` collection; batches are ``{"image", "label"}`` dicts."""
-
-    def loss_fn(params, model_state, batch, rng):
-        variables = {"params": params, **model_state}
-        logits, new_state = model.apply(
-            variables, batch["image"], train=True, mutable=list(model_state), rngs={"dropout": rng}
-        )
-        loss = optim.smoothed_cross_entropy(
-            logits, batch["label"], num_classes, label_smoothing
-        ).mean()
-        accuracy = (jnp.argmax(logits, -1) == batch["label"]).mean()
-        return loss, (new_state, {"accuracy": accuracy})
-
-    return loss_fn

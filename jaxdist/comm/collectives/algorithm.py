@@ -59,7 +59,7 @@ class Algorithm:
     """An allreduce algorithm.
 
     Attributes:
-      name: the name users pass (``allreduce(..., "ring")``, ``TrainStep(allreduce="ring")``).
+      name: the name users pass (``allreduce(..., "ring")``, ``Communication("ring")``).
       summary: one line on what it does.
       schedule: ``schedule(flat, axis_name, run, **options) -> flat sum``, run inside
         shard_map on a flat buffer in the accumulation dtype; ``run`` is a
