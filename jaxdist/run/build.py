@@ -266,6 +266,7 @@ def build_run(
             tensorboard=config.tensorboard,
         ),
         # Steps that choose routes (auto) or send factors print their plan after a first step.
-        shows_plans=config.allreduce == "auto" or bool(step_parts.communication.sfb_layers),
+        shows_plans=step_parts.communication.allreduce == "auto"
+        or bool(step_parts.communication.sfb_layers),
         profile_steps=profile_steps,
     )

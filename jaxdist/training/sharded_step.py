@@ -107,8 +107,7 @@ def build_sharded_step(step: ShardedStep, state: TrainState) -> Callable:
         )
         if state.loss_scale is not None:
             grads = state.loss_scale.unscale(grads)
-        skip = step.precision.skip_nonfinite
-        finite = all_finite(grads) if state.loss_scale is not None or skip else None
+        finite = all_finite(grads) if step.precision.checks_finite else None
         # ZeRO-1's whole parameters, seen in blocks: each device slices its own, no traffic.
         params = (
             state.params if fsdp else lax.with_sharding_constraint(state.params, block_shardings)
@@ -117,6 +116,7 @@ def build_sharded_step(step: ShardedStep, state: TrainState) -> Callable:
         params = optax.apply_updates(params, updates)
         if not fsdp:
             params = gather_back(params)
+        skip = step.precision.skip_nonfinite
         return ended_step(state, params, model_state, opt_state, finite, loss, metrics, skip)
 
     state_shardings = step.state_shardings(state)

@@ -388,10 +388,10 @@ class TrainStep(CompiledStep):
         if state.loss_scale is not None:
             grads = state.loss_scale.unscale(grads)
         # Same on every device: they all hold the same reduced gradients.
-        skip = self.precision.skip_nonfinite
-        finite = all_finite(grads) if state.loss_scale is not None or skip else None
+        finite = all_finite(grads) if self.precision.checks_finite else None
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        skip = self.precision.skip_nonfinite
         return ended_step(state, params, model_state, opt_state, finite, loss, metrics, skip)
 
     # ------------------------------------------------------------------ the gradient plan
