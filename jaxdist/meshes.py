@@ -53,6 +53,7 @@ __all__ = [
     "build",
     "check_roles",
     "describe",
+    "for_run",
     "hierarchical",
     "load",
     "pipeline",
@@ -385,11 +386,44 @@ def build(spec: MeshSpec | str, devices: Sequence[jax.Device] | None = None) -> 
     spec's hosts are not the real ones (see :func:`host_mismatch`)."""
     if not isinstance(spec, MeshSpec):
         spec = load(spec)
-    grid = device_grid(spec, devices)
-    mismatch = host_mismatch(spec, grid)
+    check_fits(spec, devices)
+    # The grid holds the first spec.size devices in (process, id) order, whatever their
+    # arrangement, and the hosts' device counts do not depend on the arrangement.
+    used = np.array(_ordered_devices(devices)[: spec.size], dtype=object)
+    mismatch = host_mismatch(spec, used)
     if mismatch:
         warnings.warn(mismatch, stacklevel=2)
-    return Mesh(grid, spec.axis_names)
+    return Mesh(device_grid(spec, devices), spec.axis_names)
+
+
+def for_run(name: str, stages: int = 0) -> Mesh:
+    """A run's mesh: the preset, TOML path or inline spec ``name``, on every device of every
+    process; ``""``: all devices as one ``data`` axis, or with ``stages`` pipeline stages as
+    ``data x stage`` (neighbouring stages on neighbouring devices). Refuses an axis whose
+    role no step handles (:func:`check_roles`)."""
+    count = jax.device_count()
+    if name:
+        spec = load(name)
+        if jax.process_count() > 1 and spec.size != count:
+            # A mesh on part of the devices would leave whole processes out of every step.
+            raise MeshDoesNotFitError(
+                f"mesh {spec.name!r} ({' x '.join(map(str, spec.shape))} = {spec.size} devices) "
+                f"does not match this run: {jax.process_count()} processes with "
+                f"{jax.local_device_count()} devices each = {count}. Start processes x devices "
+                f"= {spec.size} (srun --ntasks, mpirun -np, jaxdist launch --processes; "
+                f"--cpu-devices on CPU), or give a mesh of {count} devices (--set mesh=...)"
+            )
+    elif not stages:
+        spec = MeshSpec(f"ring-{count}", "ring", (("data", count),))
+    elif count % stages:
+        raise ValueError(
+            f"pipeline.stages={stages} does not divide the {count} devices; give "
+            "a stage count that does, or a mesh (--set mesh=...)"
+        )
+    else:
+        spec = _pipeline_spec(count // stages, stages)
+    check_roles(spec.axis_names)
+    return build(spec)
 
 
 def ring(n: int, axis_name: str = "x", devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -442,10 +476,13 @@ def hierarchical(
 def pipeline(replicas: int, stages: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """``replicas`` data-parallel copies (outer axis ``data``) of a ``stages``-stage pipeline
     (inner axis ``stage``): neighbouring stages are neighbouring devices."""
-    spec = MeshSpec(
+    return build(_pipeline_spec(replicas, stages), devices)
+
+
+def _pipeline_spec(replicas: int, stages: int) -> MeshSpec:
+    return MeshSpec(
         f"pipeline-{replicas}x{stages}", "pipeline", (("data", replicas), (STAGE_AXIS, stages))
     )
-    return build(spec, devices)
 
 
 def host_of(spec: MeshSpec, grid: np.ndarray) -> np.ndarray:

@@ -345,3 +345,14 @@ def test_the_pipeline_builder_lays_devices_as_its_preset():
     built = meshes.pipeline(2, 4)
     assert dict(built.shape) == {"data": 2, meshes.STAGE_AXIS: 4}
     assert built.devices.tolist() == meshes.build("pipeline-2x4").devices.tolist()
+
+
+def test_a_runs_mesh_is_every_device_as_data_or_data_by_stage_or_the_named_spec():
+    n = jax.device_count()
+    assert dict(meshes.for_run("").shape) == {"data": n}
+    assert dict(meshes.for_run("", stages=2).shape) == {"data": n // 2, "stage": 2}
+    assert dict(meshes.for_run("data=2,fsdp=4").shape) == {"data": 2, "fsdp": 4}
+    with pytest.raises(ValueError, match=rf"^pipeline.stages=3 does not divide the {n} devices"):
+        meshes.for_run("", stages=3)
+    with pytest.raises(meshes.MeshSpecError, match=r"^mesh axis 'expert' has the role expert"):
+        meshes.for_run("data=1,expert=2")

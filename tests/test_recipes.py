@@ -214,3 +214,27 @@ def test_a_switch_drops_the_recipes_settings_it_makes_unread_with_a_note(capsys)
         "note: lr.step_epochs=(30.0, 60.0, 80.0) from the recipe does nothing with "
         "lr.kind='cosine'; dropped (back to its default ())"
     )
+
+
+def test_pipeline_stages_0_drops_the_recipes_pipeline_settings_with_a_note(capsys):
+    """``--set pipeline.stages=0`` on a pipeline recipe trains data parallel: the recipe's
+    other pipeline fields go back to their defaults, one note each; a pipeline field the user
+    gives with it is refused by name."""
+    from jaxdist.run.config import base_config, refuse_unread
+
+    recipe = load_recipe("mnist_pipeline")
+    changed = [
+        f for f, v in recipe.pipeline.items() if f != "stages" and v != base_config().pipeline[f]
+    ]
+    assert changed  # the recipe sets pipeline fields beyond stages
+    config = apply_overrides(load_recipe("mnist_pipeline"), ["pipeline.stages=0"])
+    assert dict(config.pipeline) == dict(base_config().pipeline)
+    refuse_unread(config)
+    notes = capsys.readouterr().err.strip().splitlines()
+    assert [n.split("=")[0] for n in notes] == [f"note: pipeline.{f}" for f in changed]
+    assert all("does nothing with pipeline.stages=0; dropped" in n for n in notes)
+    given = apply_overrides(
+        load_recipe("mnist_pipeline"), ["pipeline.stages=0", "pipeline.microbatches=3"]
+    )
+    with pytest.raises(ValueError, match=r"^pipeline.microbatches=3 does nothing with pipeline"):
+        refuse_unread(given)

@@ -216,7 +216,6 @@ def test_the_language_model_pipeline_step_equals_one_device_training(corpus_root
     micro-batches per replica: the whole model after three steps is the one-device model
     (which keeps its activations; the 1F1B stages recompute theirs, ``model.remat``)."""
     from jaxdist.pipeline.step import PipelineStep
-    from jaxdist.run.from_config import build_mesh
 
     config = lm_config(corpus_root, **{"model.num_layers": 2})
     task = LanguageModel(config, Replicas("data", 1))
@@ -239,7 +238,7 @@ def test_the_language_model_pipeline_step_equals_one_device_training(corpus_root
         parts.stages,
         parts.loss,
         optimizer,
-        build_mesh("", stages=2),
+        meshes.for_run("", stages=2),
         microbatches=2,
         schedule=schedule,
         inputs=parts.inputs,

@@ -5,8 +5,8 @@ evaluation, progress, checkpoints), :mod:`~jaxdist.run.hooks` (what the loop cal
 everything else: the event log, TensorBoard, the profiler, the watchdog, the workdir lock, the
 rerun comparison, preemption, the non-finite guard; each a module of its own),
 :mod:`~jaxdist.run.config` (recipes and ``--set`` overrides), :mod:`~jaxdist.run.build`
-(the config resolved once into what a run uses), :mod:`~jaxdist.run.from_config` (the mesh and
-optimizer a config names), :mod:`~jaxdist.run.pipeline_config` (a recipe's
+(the config resolved once into what a run uses), :mod:`~jaxdist.run.from_config` (the config
+read once: batches, learning rate, optimizer, step options), :mod:`~jaxdist.run.pipeline_config` (a recipe's
 pipeline step), :mod:`~jaxdist.run.checkpoint` (self-healing checkpoints) and
 :mod:`~jaxdist.run.log` (progress and ``metrics.jsonl``). It sits above both
 :mod:`jaxdist.training` and :mod:`jaxdist.pipeline` and uses only their step interface.

@@ -26,14 +26,9 @@ import jax
 import ml_collections
 from jax.sharding import Mesh
 
-from jaxdist.run.config import batch_stages, config_problems
-from jaxdist.run.from_config import (
-    StepParts,
-    build_lr_schedule,
-    build_mesh,
-    build_optimizer,
-    step_options,
-)
+from jaxdist.meshes import check_roles, for_run
+from jaxdist.run.config import config_problems
+from jaxdist.run.from_config import StepParts, read_recipe
 from jaxdist.run.hooks import Hook
 from jaxdist.run.mlperf import now_ms
 from jaxdist.run.standard_hooks import check_hook_settings
@@ -196,20 +191,24 @@ def build_run(
     init_ms = now_ms()
     workdir = None if workdir is None else Path(workdir)
     with config_problems():
-        stages = config.pipeline.stages if "pipeline" in config else 0
-        mesh = build_mesh(config.mesh, stages) if mesh is None else mesh
+        # In the order the pieces need each other, each built whole before the next.
+        recipe = read_recipe(config)
+        if mesh is not None:
+            check_roles(mesh.axis_names)
+        else:
+            mesh = for_run(recipe.mesh, recipe.stages)
         # The one choice of step; from here on the loop sees only the Step interface.
         step_kind = step_kind_for(config, mesh, dict(recorded or {}))
         data_axes = data_axes_of(mesh, step_kind.data_axes)  # one name, or a tuple of several
         num_replicas = math.prod(mesh.shape[a] for a in step_kind.data_axes)
         task = task_factory(config, Replicas(data_axes, num_replicas))
 
-        schedule = BatchSchedule(batch_stages(config), dataset_size=task.data.num_train_examples)
-        plans = tuple(schedule.device_plans(num_replicas, config.max_per_device_batch))
-        step_kind.check_batches([b for _, b in batch_stages(config)], num_replicas)
+        schedule = BatchSchedule(recipe.batch_stages, dataset_size=task.data.num_train_examples)
         total_steps = schedule.steps_for_epochs(config.num_epochs)
         if config.max_steps:
             total_steps = min(total_steps, config.max_steps)
+        plans = tuple(schedule.device_plans(num_replicas, config.max_per_device_batch))
+        step_kind.check_batches([b for _, b in recipe.batch_stages], num_replicas)
         # The hooks' settings, checked now; the hooks themselves are new for every run.
         check_hook_settings(config, total_steps, profile_steps, hooks)
         if config.eval_batch_size % num_replicas:
@@ -218,9 +217,8 @@ def build_run(
                 f"{num_replicas} data-parallel devices"
             )
 
-        lr_fn = jax.jit(build_lr_schedule(config))
         step_parts = StepParts(
-            task, build_optimizer(config.optimizer, float(lr_fn(0.0))), *step_options(config)
+            task, recipe.optimizer, recipe.communication, recipe.sharding, recipe.precision
         )
         eval_step = EvalStep(task.eval_sums, mesh, data_axes=data_axes)
         # One train step per accumulation setting, in stage order: a step a later stage
@@ -244,7 +242,7 @@ def build_run(
         schedule=schedule,
         plans=plans,
         total_steps=total_steps,
-        lr_fn=lr_fn,
+        lr_fn=recipe.lr_fn,
         step_parts=step_parts,
         train_steps=train_steps,
         eval_step=eval_step,

@@ -114,7 +114,7 @@ import contextlib
 import difflib
 import importlib.util
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +127,7 @@ __all__ = [
     "batch_stages",
     "load_recipe",
     "recipe_task",
+    "refuse_unread",
 ]
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
@@ -293,10 +294,11 @@ LR_KIND_FIELDS = {
     "step": ("step_epochs", "step_factor"),
 }
 # A field that chooses what reads the rest of its section: (the fields each choice reads,
-# the fields every choice reads).
+# the fields every choice reads). Without pipeline stages no other pipeline field is read.
 SWITCHES = {
     "optimizer.name": (OPTIMIZER_FIELDS, ("name", "clip_norm")),
     "lr.kind": (LR_KIND_FIELDS, ("kind", "peak", "warmup_epochs", "init_lr")),
+    "pipeline.stages": ({0: ()}, ("stages",)),
 }
 
 
@@ -306,29 +308,48 @@ def at_default(value: Any, default: Any) -> bool:
     return tuple(value) == tuple(default) if isinstance(default, tuple) else value == default
 
 
-def drop_unread_after_switch(config: ml_collections.ConfigDict, given: set[str]) -> list[str]:
-    """Where ``given`` (the keys set on the command line) switches ``optimizer.name`` or
-    ``lr.kind``, the recipe's own settings that the new choice does not read go back to their
-    defaults; returns a note for each. A setting in ``given`` is kept, to be refused by the
-    builder if the choice does not read it."""
-    notes = []
+def _unread_after_switches(config: ml_collections.ConfigDict) -> Iterator[tuple[str, str, Any]]:
+    """``(switch, field, default)`` for each field of a switched section (:data:`SWITCHES`)
+    that its choice does not read and that differs from its default."""
     defaults = base_config()
     for switch, (reads, always) in SWITCHES.items():
         section_name, _ = switch.split(".")
-        section, chosen = config[section_name], config[switch]
-        if switch not in given or chosen not in reads:
-            continue
-        for field, value in section.items():
+        if section_name not in config or config[switch] not in reads:
+            continue  # an unknown choice is for its builder to name
+        read = (*always, *reads[config[switch]])
+        for field, value in config[section_name].items():
             default = defaults[section_name][field]
-            unread = field not in (*always, *reads[chosen])
-            given_here = f"{section_name}.{field}" in given
-            if unread and not given_here and not at_default(value, default):
-                section[field] = default
-                notes.append(
-                    f"note: {section_name}.{field}={value!r} from the recipe does nothing with "
-                    f"{switch}={chosen!r}; dropped (back to its default {default!r})"
-                )
+            if field not in read and not at_default(value, default):
+                yield switch, f"{section_name}.{field}", default
+
+
+def drop_unread_after_switch(config: ml_collections.ConfigDict, given: set[str]) -> list[str]:
+    """Where ``given`` (the keys set on the command line) switches ``optimizer.name``,
+    ``lr.kind`` or ``pipeline.stages``, the recipe's own settings that the new choice does
+    not read go back to their defaults; returns a note for each. A setting in ``given`` is
+    kept, to be refused by :func:`refuse_unread` if the choice does not read it."""
+    notes = []
+    for switch, field, default in list(_unread_after_switches(config)):
+        if switch in given and field not in given:
+            value = config[field]
+            section_name, leaf = field.split(".")
+            config[section_name][leaf] = default
+            notes.append(
+                f"note: {field}={value!r} from the recipe does nothing with "
+                f"{switch}={config[switch]!r}; dropped (back to its default {default!r})"
+            )
     return notes
+
+
+def refuse_unread(config: ml_collections.ConfigDict) -> None:
+    """Refuse a field set away from its default that its section's switch does not read
+    (``lr.power`` with a cosine schedule, ``optimizer.trust_coefficient`` with SGD, any
+    pipeline field without stages): the run would silently ignore it."""
+    for switch, field, default in _unread_after_switches(config):
+        raise ValueError(
+            f"{field}={config[field]!r} does nothing with {switch}={config[switch]!r}; leave "
+            f"it at its default ({default!r}) or choose what reads it"
+        )
 
 
 def apply_overrides(

@@ -1,6 +1,6 @@
-"""The pieces a recipe's config names, built: the mesh, the learning-rate schedule, the
-optimizer, and what a train step is built from.
-Each raises ``ValueError`` naming the config field when a value cannot work.
+"""A recipe's config read in one pass into what the run is built from: the mesh it asks for,
+its batch stages, the learning-rate schedule, the optimizer, and the step options every step
+takes (:func:`read_recipe`). Each problem raises ``ValueError`` naming the config field.
 
 A field set away from its default that does nothing with the rest of the config (``lr.power``
 with a cosine schedule, ``optimizer.trust_coefficient`` with SGD, ``unroll_limit`` with XLA's
@@ -9,118 +9,110 @@ own all-reduce) is refused too: the run would silently ignore it."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import ml_collections
 import optax
-from jax.sharding import Mesh
 
-from jaxdist import meshes
 from jaxdist.run.config import (
-    LR_KIND_FIELDS,
     OPTIMIZER_FIELDS,
-    SWITCHES,
-    at_default,
     base_config,
+    batch_stages,
+    refuse_unread,
 )
 from jaxdist.tasks import Task
-from jaxdist.training import global_norm, optim
+from jaxdist.training import optim
 from jaxdist.training.step_options import Communication, Precision, StateSharding
 
 __all__ = [
+    "RecipeParts",
     "StepParts",
-    "build_lr_schedule",
-    "build_mesh",
     "build_optimizer",
     "optimizer_arguments",
+    "read_recipe",
     "step_options",
 ]
 
 
-def build_mesh(name: str, stages: int = 0) -> Mesh:
-    """The recipe's mesh preset (or TOML path); ``""``: all devices, as one ``data`` axis, or
-    with ``stages`` pipeline stages as ``data x stage`` (neighbouring stages on neighbouring
-    devices)."""
-    count = jax.device_count()
-    if name:
-        spec = meshes.load(name)
-        if jax.process_count() > 1 and spec.size != count:
-            # A mesh on part of the devices would leave whole processes out of every step.
-            raise meshes.MeshDoesNotFitError(
-                f"mesh {spec.name!r} ({' x '.join(map(str, spec.shape))} = {spec.size} devices) "
-                f"does not match this run: {jax.process_count()} processes with "
-                f"{jax.local_device_count()} devices each = {count}. Start processes x devices "
-                f"= {spec.size} (srun --ntasks, mpirun -np, jaxdist launch --processes; "
-                f"--cpu-devices on CPU), or give a mesh of {count} devices (--set mesh=...)"
-            )
-        return meshes.build(spec)
-    if not stages:
-        return meshes.ring(count, axis_name="data")
-    if count % stages:
-        raise ValueError(
-            f"pipeline.stages={stages} does not divide the {count} devices; give "
-            "a stage count that does, or a mesh (--set mesh=...)"
+@dataclasses.dataclass(frozen=True)
+class RecipeParts:
+    """What :func:`read_recipe` read from a recipe's config, checked.
+
+    Attributes:
+      mesh: the mesh preset, TOML path or inline spec (``""``: every device, one axis).
+      stages: the pipeline stages (0: none).
+      batch_stages: ``(start_epoch, global_batch)`` of each batch-size stage.
+      lr_fn: ``epoch -> learning rate`` (jitted: a new value never recompiles).
+      optimizer: the recipe's optimizer, its learning rate a hyperparameter set each step.
+      communication, sharding, precision: the step options both kinds of step take.
+    """
+
+    mesh: str
+    stages: int
+    batch_stages: tuple[tuple[float, int], ...]
+    lr_fn: Callable[[float], jax.Array]
+    optimizer: optax.GradientTransformation
+    communication: Communication
+    sharding: StateSharding
+    precision: Precision
+
+
+def read_recipe(config: ml_collections.ConfigDict) -> RecipeParts:
+    """Every field of ``config`` that is not a step kind's or the task's, read and checked
+    once: the values first, then the fields the recipe's switches leave unread, then the
+    schedule and the optimizer built from them."""
+    stages = config.pipeline.stages if "pipeline" in config else 0
+    if stages < 0:
+        raise ValueError(f"pipeline.stages must be >= 0 (0: no pipeline), got {stages}")
+    communication, sharding, precision = step_options(config)
+    opt, lr = config.optimizer, config.lr
+    _check_optimizer(opt)
+    arguments = optimizer_arguments(opt)
+    refuse_unread(config)
+    batches = batch_stages(config)
+    lr_fn = jax.jit(
+        optim.lr_schedule(
+            lr.kind,
+            lr.peak,
+            lr.warmup_epochs,
+            config.num_epochs,
+            end_lr=lr.end_lr,
+            power=lr.power,
+            init_lr=lr.init_lr,
+            step_epochs=tuple(lr.step_epochs),
+            step_factor=lr.step_factor,
         )
-    return meshes.pipeline(count // stages, stages)
-
-
-def refuse_unused(
-    section: str, values: ml_collections.ConfigDict, used: tuple[str, ...], chosen: str
-) -> None:
-    """Refuse a field of ``config.<section>`` outside ``used`` that differs from its default:
-    ``chosen`` (e.g. ``"lr.kind='cosine'"``) does not read it."""
-    defaults = base_config()[section]
-    for field, value in values.items():
-        default = defaults[field]
-        if field not in used and not at_default(value, default):
-            raise ValueError(
-                f"{section}.{field}={value!r} does nothing with {chosen}; leave "
-                f"it at its default ({default!r}) or choose what reads it"
-            )
-
-
-def build_lr_schedule(config: ml_collections.ConfigDict):
-    """``epoch -> learning rate`` from ``config.lr``, ending at ``config.num_epochs``."""
-    lr = config.lr
-    if lr.kind in LR_KIND_FIELDS:  # an unknown kind is optim.lr_schedule's to name
-        used = (*SWITCHES["lr.kind"][1], *LR_KIND_FIELDS[lr.kind])
-        refuse_unused("lr", lr, used, f"lr.kind={lr.kind!r}")
-    return optim.lr_schedule(
-        lr.kind,
-        lr.peak,
-        lr.warmup_epochs,
-        config.num_epochs,
-        end_lr=lr.end_lr,
-        power=lr.power,
-        init_lr=lr.init_lr,
-        step_epochs=tuple(lr.step_epochs),
-        step_factor=lr.step_factor,
     )
+    # The learning rate is set each step; the one it starts with only fills the state.
+    initial_lr = float(lr_fn(0.0))
+    optimizer = optim.make_optimizer(opt.name, initial_lr, clip_norm=opt.clip_norm, **arguments)
+    return RecipeParts(
+        config.mesh, stages, batches, lr_fn, optimizer, communication, sharding, precision
+    )
+
+
+def _check_optimizer(opt: ml_collections.ConfigDict) -> None:
+    if opt.name not in OPTIMIZER_FIELDS:
+        raise ValueError(
+            f"optimizer.name must be one of {sorted(OPTIMIZER_FIELDS)}, got {opt.name!r}"
+        )
+    if opt.clip_norm < 0:
+        raise ValueError(f"optimizer.clip_norm must be >= 0 (0: no clipping), got {opt.clip_norm}")
 
 
 def build_optimizer(
     opt: ml_collections.ConfigDict, initial_lr: float
 ) -> optax.GradientTransformation:
-    """``config.optimizer``'s optimizer, its learning rate a hyperparameter set each step,
-    after global-norm clipping when ``clip_norm`` is set."""
-    if opt.name not in OPTIMIZER_FIELDS:
-        raise ValueError(
-            f"optimizer.name must be one of {sorted(OPTIMIZER_FIELDS)}, got {opt.name!r}"
-        )
-    refuse_unused(
-        "optimizer",
-        opt,
-        (*SWITCHES["optimizer.name"][1], *OPTIMIZER_FIELDS[opt.name]),
-        f"optimizer.name={opt.name!r}",
+    """``config.optimizer``'s optimizer alone (as :func:`read_recipe` builds it), its
+    learning rate a hyperparameter set each step, after global-norm clipping when
+    ``clip_norm`` is set."""
+    _check_optimizer(opt)
+    refuse_unread(ml_collections.ConfigDict({"optimizer": opt}))
+    return optim.make_optimizer(
+        opt.name, initial_lr, clip_norm=opt.clip_norm, **optimizer_arguments(opt)
     )
-    if opt.clip_norm < 0:
-        raise ValueError(f"optimizer.clip_norm must be >= 0 (0: no clipping), got {opt.clip_norm}")
-    optimizer = optim.make_optimizer(opt.name, initial_lr, **optimizer_arguments(opt))
-    if opt.clip_norm:
-        # The norm over the whole model, also where a pipeline updates it stage by stage.
-        optimizer = optax.chain(global_norm.clip_by_global_norm(opt.clip_norm), optimizer)
-    return optimizer
 
 
 def optimizer_arguments(opt: ml_collections.ConfigDict) -> dict[str, Any]:

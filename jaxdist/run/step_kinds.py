@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from jaxdist import meshes
 from jaxdist.comm.tensor_parallel import TENSOR_AXIS, TensorParallel
-from jaxdist.run.from_config import StepParts, refuse_unused
+from jaxdist.run.from_config import StepParts
 from jaxdist.run.pipeline_config import Pipeline, enabled
 from jaxdist.tasks.task import Task
 from jaxdist.training import logical_axes
@@ -29,16 +29,15 @@ def step_kind_for(
 ) -> DataParallel | Pipeline:
     """The recipe's kind of step: a pipeline when it has stages (``recorded``: what an
     earlier run of the workdir resolved, e.g. an "auto" cut), else data parallel."""
-    meshes.check_roles(mesh.axis_names)
-    if enabled(config):
-        if TENSOR_AXIS in mesh.axis_names:
-            raise ValueError(
-                f"the mesh's {TENSOR_AXIS!r} axis splits weights inside a stage, "
-                "which pipeline steps do not do: use a mesh without it, or "
-                "pipeline.stages=0"
-            )
-        return Pipeline(config, mesh, recorded)
-    return DataParallel(config, mesh)
+    if not enabled(config):
+        return DataParallel(config, mesh)
+    if TENSOR_AXIS in mesh.axis_names:
+        raise ValueError(
+            f"the mesh's {TENSOR_AXIS!r} axis splits weights inside a stage, "
+            "which pipeline steps do not do: use a mesh without it, or "
+            "pipeline.stages=0"
+        )
+    return Pipeline(config, mesh, recorded)
 
 
 class DataParallel:
@@ -47,7 +46,6 @@ class DataParallel:
     other axes split the batch."""
 
     def __init__(self, config: ml_collections.ConfigDict, mesh: Mesh) -> None:
-        refuse_unused("pipeline", config.pipeline, ("stages",), "pipeline.stages=0")
         if meshes.STAGE_AXIS in mesh.axis_names:
             raise ValueError(
                 f"the mesh's {meshes.STAGE_AXIS!r} axis cuts the model into "

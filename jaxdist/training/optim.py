@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxdist.training import global_norm
+
 __all__ = [
     "adamw",
     "get_learning_rate",
@@ -367,10 +369,17 @@ OPTIMIZERS: dict[str, Callable[..., optax.GradientTransformationExtraArgs]] = {
 
 
 def make_optimizer(
-    name: str, learning_rate: float, **kwargs: Any
+    name: str, learning_rate: float, *, clip_norm: float = 0.0, **kwargs: Any
 ) -> optax.GradientTransformationExtraArgs:
     """Build the optimizer registered as ``name`` (``"adamw"``, ``"lars"`` or ``"sgd"``); ``kwargs`` are
-    that optimizer's keyword arguments."""
+    that optimizer's keyword arguments. ``clip_norm > 0`` clips the gradients to that global
+    norm first: the norm over the whole model, also where a pipeline updates it stage by
+    stage (:func:`~jaxdist.training.global_norm.clip_by_global_norm`)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; expected one of {sorted(OPTIMIZERS)}")
-    return OPTIMIZERS[name](learning_rate, **kwargs)
+    if clip_norm < 0:
+        raise ValueError(f"clip_norm must be >= 0 (0: no clipping), got {clip_norm}")
+    optimizer = OPTIMIZERS[name](learning_rate, **kwargs)
+    if clip_norm:
+        return optax.chain(global_norm.clip_by_global_norm(clip_norm), optimizer)
+    return optimizer
