@@ -24,6 +24,11 @@ from jaxdist.tasks.language_model import LanguageModel, data_fields, model_field
 def get_config():
     c = base_config()
     c.model = model_fields()
+    # As MaxText trains: the blocks scanned (one compiled block, whatever the depth) and
+    # recomputed in backward (each keeps only its input), so a deep model fits where a plain
+    # jit of it fits; a pipeline's stages unscan them (the note says so).
+    c.model.scan_layers = True
+    c.model.remat = "full"
     c.data = data_fields()
     c.data.max_train_bytes = 2 * 2**20  # the first 2 MiB of the training files
     c.data.max_eval_bytes = 256 * 2**10

@@ -61,6 +61,7 @@ def _one_line(capsys, code, expected_code, *parts):
         ),
         (["unroll_limit=4"], "unroll_limit=4 shapes the ppermute schedules, and allreduce='na"),
         (["skip_nonfinite_steps=-1"], "skip_nonfinite_steps must be >= 0, got -1"),
+        (["scatter_behind=True"], "scatter_behind=True paces FSDP's gradient reduce-scatters"),
         (["watchdog_s=-1.0"], "watchdog_s must be >= 0 (0 disables it), got -1.0"),
         # Meshes and rules: an axis no step handles, a rule for an axis the mesh lacks, a
         # tensor axis for a model that names no dimensions.

@@ -114,6 +114,7 @@ def test_learning_rate_and_lars_reach_every_stage():
         ({"gather": "native"}, "sharding='replicated' keeps each stage's parameters whole"),
         ({"sharding": "zero1"}, "a pipeline shards a stage's parameters and optimizer state"),
         ({"sharding": "fsdp", "prefetch": 2}, "prefetch=2 paces a sharded step's parameter"),
+        ({"sharding": "fsdp", "scatter_behind": True}, "scatter_behind=True paces a sharded"),
     ],
 )
 def test_bad_pipeline_config_is_one_line(tmp_path, overrides, message):

@@ -238,3 +238,21 @@ def test_pipeline_stages_0_drops_the_recipes_pipeline_settings_with_a_note(capsy
     )
     with pytest.raises(ValueError, match=r"^pipeline.microbatches=3 does nothing with pipeline"):
         refuse_unread(given)
+
+
+def test_pipeline_stages_drop_the_lm_recipes_scanned_layers_with_a_note(capsys):
+    """The LM recipe scans its blocks; pipeline stages cut between blocks, so ``--set
+    pipeline.stages=2`` unscans them with one note; given with them, they are kept for the
+    stage cut to refuse (``tests/test_tasks.py``)."""
+    assert load_recipe("transformer_lm").model.scan_layers
+    config = apply_overrides(load_recipe("transformer_lm"), ["pipeline.stages=2"])
+    assert config.model.scan_layers is False and config.model.remat == "full"
+    assert capsys.readouterr().err.strip() == (
+        "note: model.scan_layers=True from the recipe cannot be used with pipeline.stages=2 "
+        "(pipeline stages cut the model between blocks, which scanned layers stack into one); "
+        "dropped (back to False)"
+    )
+    given = apply_overrides(
+        load_recipe("transformer_lm"), ["pipeline.stages=2", "model.scan_layers=True"]
+    )
+    assert given.model.scan_layers and not capsys.readouterr().err

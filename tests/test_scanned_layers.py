@@ -2,7 +2,10 @@
 unrolled one, and under FSDP each layer's slice of the stacked parameters gathered inside the
 scan; rotary positions and attention in blocks of queries."""
 
+import re
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -69,7 +72,8 @@ LLAMA_LIKE = {
 
 def test_scanned_fsdp_equals_the_unrolled_model_and_gathers_one_layer_at_a_time(corpus_root):  # noqa: F811
     """Three Llama-like blocks, every block recomputed in backward (``remat=full``): the
-    scanned model under FSDP over 4 devices, after two steps, is the unrolled replicated
+    scanned model starts from the unrolled one's values and, under FSDP over 4 devices,
+    after two steps, is the unrolled replicated
     model's; its stacked leaves are split below the layer axis, and the scan is one of the
     loss's paced segments, whatever the depth."""
     shape = LLAMA_LIKE
@@ -79,6 +83,10 @@ def test_scanned_fsdp_equals_the_unrolled_model_and_gathers_one_layer_at_a_time(
         Replicas("data", 4),
     )
     params, model_state = unrolled.init_variables(jax.random.key(0))
+    # The scanned model draws each block as the unrolled one does: the same start.
+    drawn, _ = scanned.init_variables(jax.random.key(0))
+    for a, b in zip(jax.tree.leaves(drawn), jax.tree.leaves(stack_blocks(params)), strict=True):
+        np.testing.assert_array_equal(a, b)
     batches = _batches(unrolled)
     _, expected, _ = _train(unrolled, params, model_state, batches)
     step, state, _ = _train(
@@ -107,6 +115,44 @@ def test_scanned_fsdp_equals_the_unrolled_model_and_gathers_one_layer_at_a_time(
     assert state.params["token_embed"]["embedding"].shape == (1000, 32)
     assert scanned.batch_spec(8)["tokens"].dtype == np.int32
     assert scanned.baseline_bits_per_byte == pytest.approx(np.log2(1000))
+
+
+def test_scanned_bfloat16_blocks_recomputed_gather_their_kernels_as_bfloat16(
+    corpus_root,  # noqa: F811
+    monkeypatch,
+):
+    """Blocks computing in bfloat16 and recomputed in backward (the recipe's ``remat=full``)
+    read each float32 parameter through a cast inside the checkpoint: FSDP gathers the casts
+    inside the scan and, with each gradient reduce-scattered one layer behind, trains
+    exactly as when it gathers float32 and scatters each gradient in turn."""
+    from jaxdist.training import fsdp_scan
+
+    overrides = {
+        "model.num_layers": 2,
+        "model.d_model": 32,
+        "model.scan_layers": True,
+        "model.remat": "full",
+        "model.dtype": "bfloat16",
+    }
+    task = LanguageModel(lm_config(corpus_root, **overrides), Replicas("data", 4))
+    params, model_state = task.init_variables(jax.random.key(0))
+    batches = _batches(task)
+
+    def train(scatter_behind):
+        sharding = StateSharding("fsdp", scatter_behind=scatter_behind)
+        step, state, metrics = _train(task, params, model_state, batches, sharding=sharding)
+        text = step.lower(state, step.shard_batch(batches[0]), jax.random.key(1)).as_text()
+        sent = re.findall(r"collective_permute.*: \(tensor<[\dx]*x(\w+)>\)", text)
+        return state, metrics, sent.count("bf16")
+
+    narrow, narrow_metrics, narrow_bf16 = train(scatter_behind=True)
+    own_dtypes = lambda params, eqns: [jnp.dtype(p.aval.dtype) for p in params]  # noqa: E731
+    monkeypatch.setattr(fsdp_scan, "gather_dtypes", own_dtypes)
+    wide, wide_metrics, wide_bf16 = train(scatter_behind=False)
+    assert narrow_bf16 > wide_bf16  # the scanned blocks' gathers travel as bfloat16
+    assert float(narrow_metrics["loss"]) == float(wide_metrics["loss"])
+    for a, b in zip(jax.tree.leaves(narrow.params), jax.tree.leaves(wide.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.slow  # two scanned runs with dropout: about 25 s

@@ -186,7 +186,8 @@ def test_bfloat16_layers_gather_their_parameters_as_bfloat16_for_the_same_traini
     class HalfNet(nn.Module):
         @nn.compact
         def __call__(self, x, train=True):
-            x = nn.relu(nn.Dense(64, dtype=jnp.bfloat16)(x))
+            # Recomputed in backward: its kernel's cast is read inside the checkpoint.
+            x = nn.relu(nn.remat(nn.Dense)(64, dtype=jnp.bfloat16)(x))
             x = nn.LayerNorm()(x)  # reads its scale in float32: that gather stays float32
             return nn.Dense(NUM_CLASSES, dtype=jnp.bfloat16)(x).astype(jnp.float32)
 
@@ -459,6 +460,25 @@ def test_fsdp_paces_each_layers_gather_and_keeps_tied_weights_in_one_segment():
     segments = fsdp_pacing.segments_of(closed.jaxpr, param_vars)
     assert [sorted(s.leaves) for s in segments] == [[0, 1], [2, 3], [4, 5]]
     assert all(fsdp_pacing.gather_dtypes(s.params, s.eqns) == [jnp.bfloat16] * 2 for s in segments)
+    # Inside a recomputed block or a nested jit, the reads are looked at where they happen.
+    recomputed = jax.make_jaxpr(
+        lambda *ls: jax.checkpoint(half_mlp)(
+            jax.tree.unflatten(jax.tree.structure(params), ls), jnp.ones((2, 8))
+        )
+    )(*leaves)
+    assert (
+        fsdp_pacing.gather_dtypes(recomputed.jaxpr.invars, recomputed.jaxpr.eqns)
+        == [jnp.bfloat16] * 6
+    )
+    # A value a call gives back unchanged is read where its result is: cast there, or not.
+    call = jax.jit(lambda w: (w.astype(jnp.bfloat16), w))
+
+    def dtypes_of(f):
+        closed = jax.make_jaxpr(f)(jnp.ones(3))
+        return fsdp_pacing.gather_dtypes(closed.jaxpr.invars, closed.jaxpr.eqns)
+
+    assert dtypes_of(lambda w: call(w)[0] * call(w)[1].astype(jnp.bfloat16)) == [jnp.bfloat16]
+    assert dtypes_of(lambda w: call(w)[0] * call(w)[1].sum()) == [jnp.float32]
 
     def tied(params, x):
         h = x @ params["embed"]

@@ -330,8 +330,14 @@ class Transformer(nnx.Module):
             self.position_embed = nnx.Embed(max_len, d_model, dtype=dtype, rngs=rngs)
         make = lambda rngs: Block(d_model, shape, dropout, dtype, rngs)  # noqa: E731
         if scan_layers:
+            # Each block drawn as the unrolled model draws it, then stacked into the scanned
+            # module: both start from the same values (and train to them).
+            drawn = [nnx.to_pure_dict(nnx.state(make(rngs), nnx.Param)) for _ in range(num_layers)]
             vmapped = nnx.vmap(make, in_axes=0, out_axes=0, transform_metadata=LAYERS_AXIS)
-            self.blocks = nnx.split_rngs(splits=num_layers)(vmapped)(rngs)
+            self.blocks = nnx.split_rngs(splits=num_layers)(vmapped)(nnx.Rngs(0))
+            stacked = nnx.state(self.blocks, nnx.Param)
+            nnx.replace_by_pure_dict(stacked, jax.tree.map(lambda *xs: jnp.stack(xs), *drawn))
+            nnx.update(self.blocks, stacked)
         else:
             self.blocks = nnx.List([make(rngs) for _ in range(num_layers)])
         self.norm = NORMS[shape.norm](d_model, dtype=dtype, rngs=rngs)

@@ -89,12 +89,14 @@ def refuse_unsupported(
             "versions of) them between micro-batches: choose gpipe, 1f1b or "
             "interleaved, or sharding='replicated'"
         )
-    if sharding.prefetch != 1 or sharding.keep_gathered:
-        name = "prefetch" if sharding.prefetch != 1 else "keep_gathered"
+    paced = {"prefetch": sharding.prefetch != 1, "keep_gathered": sharding.keep_gathered}
+    paced["scatter_behind"] = sharding.scatter_behind
+    if any(paced.values()):
+        name = next(name for name, given in paced.items() if given)
         raise ValueError(
             f"{name}={getattr(sharding, name)!r} paces a sharded step's parameter "
-            "all-gathers layer by layer; a pipeline stage gathers its "
-            f"parameters once a step: leave {name} out"
+            "all-gathers (or gradient reduce-scatters) layer by layer; a pipeline stage "
+            f"gathers its parameters once a step: leave {name} out"
         )
     if sharding.axes is not None:
         raise ValueError(

@@ -51,6 +51,9 @@ Fields:
   prefetch: under ``fsdp``, how many layers ahead of its use a layer's all-gather may start,
     in forward and in backward (1: beside the layer before); more gives each gather more
     compute to hide behind and holds that many more layers gathered.
+  scatter_behind: under ``fsdp`` with scanned layers, each layer's gradient is
+    reduce-scattered during the backward of the layer before it, hidden behind its compute,
+    for one layer's whole gradient more in memory (``False``: at the end of its own).
   logical_axis_rules: ``name=axis`` pairs, comma-separated and ordered, mapping the model's
     named parameter dimensions to mesh axes (MaxText's semantics,
     :mod:`jaxdist.training.logical_axes`); ``""``: heads, key/value heads and MLP units over
@@ -308,6 +311,19 @@ def at_default(value: Any, default: Any) -> bool:
     return tuple(value) == tuple(default) if isinstance(default, tuple) else value == default
 
 
+# A recipe's setting that a choice in another section cannot use: (the choice's field, whether
+# its value rules the setting out, the setting, the value the setting goes back to, why).
+RULED_OUT = (
+    (
+        "pipeline.stages",
+        lambda stages: stages > 0,
+        "model.scan_layers",
+        False,
+        "pipeline stages cut the model between blocks, which scanned layers stack into one",
+    ),
+)
+
+
 def _unread_after_switches(config: ml_collections.ConfigDict) -> Iterator[tuple[str, str, Any]]:
     """``(switch, field, default)`` for each field of a switched section (:data:`SWITCHES`)
     that its choice does not read and that differs from its default."""
@@ -326,8 +342,9 @@ def _unread_after_switches(config: ml_collections.ConfigDict) -> Iterator[tuple[
 def drop_unread_after_switch(config: ml_collections.ConfigDict, given: set[str]) -> list[str]:
     """Where ``given`` (the keys set on the command line) switches ``optimizer.name``,
     ``lr.kind`` or ``pipeline.stages``, the recipe's own settings that the new choice does
-    not read go back to their defaults; returns a note for each. A setting in ``given`` is
-    kept, to be refused by :func:`refuse_unread` if the choice does not read it."""
+    not read go back to their defaults, and those it cannot use (:data:`RULED_OUT`: scanned
+    layers under pipeline stages) go back to what it can; returns a note for each. A setting
+    in ``given`` is kept, to be refused by :func:`refuse_unread` or the builder."""
     notes = []
     for switch, field, default in list(_unread_after_switches(config)):
         if switch in given and field not in given:
@@ -337,6 +354,17 @@ def drop_unread_after_switch(config: ml_collections.ConfigDict, given: set[str])
             notes.append(
                 f"note: {field}={value!r} from the recipe does nothing with "
                 f"{switch}={config[switch]!r}; dropped (back to its default {default!r})"
+            )
+    for choice, rules_out, setting, back, why in RULED_OUT:
+        section_name, leaf = setting.split(".")
+        if choice not in given or setting in given or leaf not in config.get(section_name, {}):
+            continue
+        value = config[setting]
+        if rules_out(config[choice]) and value != back:
+            config[section_name][leaf] = back
+            notes.append(
+                f"note: {setting}={value!r} from the recipe cannot be used with "
+                f"{choice}={config[choice]!r} ({why}); dropped (back to {back!r})"
             )
     return notes
 
@@ -440,6 +468,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.sharding = "replicated"
     c.gather = ""  # the parameters' all-gather schedule under zero1/fsdp; "": allreduce's
     c.prefetch = 1  # layers ahead FSDP's gathers may start
+    c.scatter_behind = False  # scanned layers' gradients reduce-scattered one layer later
     c.logical_axis_rules = ""  # name=axis,...; "": heads, kv_heads and mlp over tensor
     c.tensor_schedule = "native"  # or collective_matmul
     c.tensor_sequence = False  # sequence parallelism between the tensor-parallel products

@@ -179,6 +179,9 @@ def step_options(
         wait_free=config.wait_free,
     )
     sharding = StateSharding(
-        config.sharding, gather=config.gather or None, prefetch=config.prefetch
+        config.sharding,
+        gather=config.gather or None,
+        prefetch=config.prefetch,
+        scatter_behind=config.scatter_behind,
     )
     return communication, sharding, Precision(skip_nonfinite=config.skip_nonfinite_steps > 0)

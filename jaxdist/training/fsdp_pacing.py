@@ -183,6 +183,8 @@ def paced_loss(
     scatter: Callable,
     prefetch: int = 1,
     on_segments: Callable[[int], None] | None = None,
+    *,
+    scatter_behind: bool = False,
 ) -> Callable:
     """``loss_fn`` on a device's parameter blocks with every gather and reduce-scatter placed
     as the module docstring says. ``gather(blocks, dims, again) -> whole`` and
@@ -190,7 +192,9 @@ def paced_loss(
     (:mod:`jaxdist.training.sharding`); ``again`` marks backward's gather, which must not be
     merged with forward's. ``prefetch``: how many segments ahead of its use a gather may
     start (1: beside the segment before it). ``on_segments`` is told, at each trace, how
-    many segments the loss was cut into."""
+    many segments the loss was cut into. ``scatter_behind``: a scanned segment reduce-scatters
+    each layer's gradient during the backward of the layer before it
+    (:func:`~jaxdist.training.fsdp_scan.scanned_step`)."""
 
     def sharded_loss(params, model_state, batch, rng):
         blocks, treedef = jax.tree.flatten(params)
@@ -218,8 +222,10 @@ def paced_loss(
             on_segments(len(segments))
         handover = None  # what the previous segment handed over (see handover_vector)
         for segment in segments:
-            make_step = scanned_step if segment.scan else _segment_step
-            step = make_step(segment, layout, gather, scatter, prefetch)
+            if segment.scan:
+                step = scanned_step(segment, layout, gather, scatter, prefetch, scatter_behind)
+            else:
+                step = _segment_step(segment, layout, gather, scatter, prefetch)
             shards = [blocks[i] for i in segment.leaves]
             values = [env[v] for v in segment.inputs]
             outputs, handover = step(values, shards, handover)

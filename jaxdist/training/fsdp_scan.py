@@ -13,7 +13,10 @@ stack at once; instead the scan is run again here, as one ``jax.custom_vjp``:
   computed from its parameters alone;
 * backward, a scan over the layers in reverse: layer ``i`` gathers its parameters again
   (prefetched during layer ``i + 1``'s backward), recomputes what depends on them alone,
-  applies the layer's ``vjp`` and reduce-scatters its gradient into this device's slice.
+  applies the layer's ``vjp`` and reduce-scatters its gradient into this device's slice;
+  with ``scatter_behind``, layer ``i + 1``'s gradient is reduce-scattered during layer
+  ``i``'s backward instead (one layer behind, hidden behind its compute, one whole layer's
+  gradient more in memory).
 
 The model's own activation checkpointing (``nnx.remat`` in the scanned body) decides what a
 layer keeps, as without FSDP. The first layer's gather waits for the handover of the
@@ -69,7 +72,12 @@ def _zero_cotangent(aval: Any) -> Any:
 
 
 def scanned_step(
-    segment: Any, layout: Any, gather: Callable, scatter: Callable, prefetch: int
+    segment: Any,
+    layout: Any,
+    gather: Callable,
+    scatter: Callable,
+    prefetch: int,
+    scatter_behind: bool = False,
 ) -> Callable:
     """``(inputs, blocks, handover) -> (outputs, handover)`` for a segment that is one scan
     over stacked layers (:func:`scans_stacked_layers`), as a custom_vjp (see the module
@@ -177,7 +185,10 @@ def scanned_step(
         float_ys = [j for j, a in enumerate(ys_avals) if _float(a)]
         const_cts = [jnp.zeros_like(c) if _float(c) else None for c in consts]
 
-        def one_layer(state, scanned):
+        def layer_backward(state, scanned):
+            """Layer ``i``'s backward on its gathered parameters, gathering layer ``i - 1``'s
+            meanwhile: ``(state for layer i - 1), (its whole parameter cotangents, xs'
+            cotangents)``."""
             carry_ct, whole, const_cts = state
             i, (kept_i, ins_i), ys_ct_i = scanned
             behind = gathered(shards, (i - 1) % length, None, again=True)
@@ -195,8 +206,6 @@ def scanned_step(
             for j, ct in zip(float_ys, ys_ct_i):
                 ys_full[j] = ct
             ins_ct, ws_ct = vjp_fn([*out_ct, *ys_full])
-            with jax.named_scope(GRADIENT_SCOPE):
-                shard_ct = scatter(ws_ct[: len(param_at)], dims)
             new_carry_ct = [ins_ct[k] if c is not None else None for k, c in enumerate(carry_ct)]
             new_const_cts = [
                 None if acc is None else acc + ct
@@ -204,16 +213,55 @@ def scanned_step(
             ]
             xs_ct = [ins_ct[num_carry + j] for j in range(len(other_xs))]
             xs_ct = [ct if _float(ct) else None for ct in xs_ct]
-            return (new_carry_ct, behind, new_const_cts), (shard_ct, xs_ct)
+            return (new_carry_ct, behind, new_const_cts), (ws_ct[: len(param_at)], xs_ct)
+
+        def reduce_scatter(param_cts):
+            with jax.named_scope(GRADIENT_SCOPE):
+                return scatter(param_cts, dims)
+
+        def scatter_in_turn(state):
+            """Each layer's gradient reduce-scattered at the end of its own backward."""
+
+            def one_layer(state, scanned):
+                state, (param_cts, xs_ct) = layer_backward(state, scanned)
+                return state, (reduce_scatter(param_cts), xs_ct)
+
+            scanned = (jnp.arange(length), held, float_ys_ct)
+            return lax.scan(one_layer, state, scanned, reverse=True)
+
+        def scatter_one_behind(state):
+            """Layer ``i + 1``'s gradient, ``pending``, reduce-scattered during layer ``i``'s
+            backward: a collective that ends inside the iteration that starts it can only
+            hide behind compute that does not need its result. The last layer's backward
+            runs alone before the scan; layer 0's gradient is scattered after it."""
+
+            def one_layer(state, scanned):
+                *state, pending = state
+                state, (param_cts, xs_ct) = layer_backward(tuple(state), scanned)
+                return (*state, param_cts), (reduce_scatter(pending), xs_ct)
+
+            top = length - 1
+            at_top = (top, jax.tree.map(lambda h: h[top], held), [c[top] for c in float_ys_ct])
+            state, (pending, top_xs_ct) = layer_backward(state, at_top)
+            below = jax.tree.map(lambda h: h[:top], (held, float_ys_ct))
+            (*state, pending), (above_cts, xs_cts) = lax.scan(
+                one_layer, (*state, pending), (jnp.arange(top), *below), reverse=True
+            )
+            # ``above_cts[i]`` is layer i + 1's slice; layer 0's was left pending.
+            shard_cts = [
+                jnp.concatenate([first[None], rest])
+                for first, rest in zip(reduce_scatter(pending), above_cts)
+            ]
+            xs_cts = [
+                None if ct is None else jnp.concatenate([rest, ct[None]])
+                for rest, ct in zip(xs_cts, top_xs_ct)
+            ]
+            return tuple(state), (shard_cts, xs_cts)
 
         last = gathered(shards, length - 1, gate(handover_ct, prefetch), again=True)
         float_ys_ct = [ys_ct[j] for j in float_ys]
-        (carry_ct, _, const_cts), (shard_cts, xs_cts) = lax.scan(
-            one_layer,
-            (carry_ct, last, const_cts),
-            (jnp.arange(length), held, float_ys_ct),
-            reverse=True,
-        )
+        backward_scan = scatter_one_behind if scatter_behind else scatter_in_turn
+        (carry_ct, _, const_cts), (shard_cts, xs_cts) = backward_scan((carry_ct, last, const_cts))
         input_cts = [_zero_cotangent(x) if not _float(x) else jnp.zeros_like(x) for x in inputs]
         by_position = {k: c for k, c in enumerate(const_cts)}
         by_position |= {num_consts + k: c for k, c in enumerate(carry_ct)}

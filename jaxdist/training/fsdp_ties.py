@@ -28,19 +28,61 @@ def is_var(v: Any) -> bool:
 def gather_dtypes(params: Sequence[Any], eqns: Sequence[Any]) -> list[Any]:
     """Per parameter (a jaxpr var of ``params``, read by ``eqns``), the dtype its gather
     travels in: the narrower float dtype that every read of it casts it to first (a bfloat16
-    layer's float32 kernel), else its own. The cast commutes with the gather, so the layer
-    sees the very same values for half the bytes."""
+    layer's float32 kernel, also inside a recomputed block or a nested jit), else its own.
+    The cast commutes with the gather, so the layer sees the very same values for half the
+    bytes."""
     dtypes = []
     for param in params:
         own = jnp.dtype(param.aval.dtype)
-        reads = [eqn for eqn in eqns if any(is_var(v) and v == param for v in eqn.invars)]
-        # What its reads are: narrowed only if every one is the same cast.
-        kinds = {(eqn.primitive.name, eqn.params.get("new_dtype")) for eqn in reads}
-        name, target = next(iter(kinds))
-        narrow = jnp.dtype(target) if len(kinds) == 1 and name == "convert_element_type" else own
+        targets = _cast_targets(param, eqns, (), lambda j: None)
+        narrow = targets.pop() if targets and len(targets) == 1 else own
         floats = jnp.issubdtype(own, jnp.floating) and jnp.issubdtype(narrow, jnp.floating)
         dtypes.append(narrow if floats and narrow.itemsize < own.itemsize else own)
     return dtypes
+
+
+# Calls whose inner jaxpr takes the call's operands and gives its results in order: a read of a
+# value by one of them is whatever its inner jaxpr does with it.
+_CALLS = ("remat2", "checkpoint", "jit", "pjit", "closed_call", "core_call")
+
+
+def _cast_targets(
+    var: Any,
+    eqns: Sequence[Any],
+    outvars: Sequence[Any],
+    on_return: Callable[[int], set | None],
+) -> set | None:
+    """The dtypes the reads of ``var`` convert it to, or None where a read is no cast. A value
+    a call returns as it is (a recomputed flax NNX block gives back its parameters) is read
+    where the call's result is: ``on_return(j)`` for ``outvars[j]``."""
+    targets: set = set()
+    for j, out in enumerate(outvars):
+        if is_var(out) and out == var:
+            found = on_return(j)
+            if found is None:
+                return None
+            targets |= found
+    for eqn in eqns:
+        positions = [k for k, v in enumerate(eqn.invars) if is_var(v) and v == var]
+        if not positions:
+            continue
+        if eqn.primitive.name == "convert_element_type":
+            targets.add(jnp.dtype(eqn.params["new_dtype"]))
+            continue
+        inner = eqn.params.get("jaxpr") if eqn.primitive.name in _CALLS else None
+        inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's, or the Jaxpr itself
+        if inner is None or len(inner.invars) != len(eqn.invars):
+            return None
+
+        def returned(j: int, eqn: Any = eqn) -> set | None:
+            return _cast_targets(eqn.outvars[j], eqns, outvars, on_return)
+
+        for k in positions:
+            found = _cast_targets(inner.invars[k], inner.eqns, inner.outvars, returned)
+            if found is None:
+                return None
+            targets |= found
+    return targets
 
 
 def floats(values: Sequence[Any]) -> list[jax.Array]:

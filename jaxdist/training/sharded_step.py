@@ -156,6 +156,7 @@ def _gradients(
             sharding.keep_gathered,
             sharding.prefetch,
             step.record_paced_layers,
+            scatter_behind=sharding.scatter_behind,
         )
     tensor = step.tensor
     with tensor.splitting() if tensor else contextlib.nullcontext():

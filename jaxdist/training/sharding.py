@@ -299,12 +299,15 @@ def gathered_loss(
     keep_gathered: bool,
     prefetch: int = 1,
     on_segments: Callable[[int], None] | None = None,
+    *,
+    scatter_behind: bool = False,
 ) -> Any:
     """``loss_fn`` on a device's parameter blocks, gathered by the ``gather`` schedule and
     their gradients reduce-scattered by the ``scatter`` schedule. By default each layer's
     parameters are gathered just before it runs, one layer ahead, and again in backward
     (:mod:`jaxdist.training.fsdp_pacing`), or ``prefetch`` layers ahead (``on_segments`` is
-    told how many layers the loss was cut into); with
+    told how many layers the loss was cut into; ``scatter_behind``: a scanned layer's
+    gradient reduce-scattered during the layer before it); with
     ``keep_gathered`` every unit is gathered at the top of the loss and kept for backward
     (more memory, half the parameter traffic)."""
     if not keep_gathered:
@@ -317,6 +320,7 @@ def gathered_loss(
             lambda whole, dims: scatter_unit(whole, dims, axes, scatter, gradient_options),
             prefetch,
             on_segments,
+            scatter_behind=scatter_behind,
         )
 
     def gather_leaves(leaves, dims):  # scoped inside: forward's gather, backward's scatter

@@ -175,9 +175,19 @@ def check_gather(
         raise ValueError(f"gather={gather!r}: {err}") from None
 
 
-def check_prefetch(prefetch: Any, sharding: str, keep_gathered: bool) -> int:
+def check_prefetch(
+    prefetch: Any, sharding: str, keep_gathered: bool, scatter_behind: bool = False
+) -> int:
     """``prefetch`` if a step can honour it: a positive count of layers, which only FSDP's
-    paced gathers read (1, the default, is accepted anywhere)."""
+    paced gathers read (1, the default, is accepted anywhere); and ``scatter_behind`` only
+    where FSDP paces its layers too."""
+    if scatter_behind and (sharding != "fsdp" or keep_gathered):
+        how = "keeps every unit gathered" if keep_gathered else f"sharding={sharding!r} gathers"
+        raise ValueError(
+            "scatter_behind=True paces FSDP's gradient reduce-scatters in scanned layers; "
+            f"a step that {how} none layer by layer (choose sharding='fsdp' without "
+            "keep_gathered, or leave scatter_behind out)"
+        )
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
         raise ValueError(f"prefetch must be a whole number of layers >= 1; got {prefetch!r}")
     if prefetch != 1 and (sharding != "fsdp" or keep_gathered):

@@ -98,6 +98,10 @@ class StateSharding:
       prefetch: how many layers ahead of its use FSDP may start a layer's gather, in forward
         and in backward (default 1: beside the layer before). More gives a gather more
         compute to hide behind and holds that many more layers gathered at once.
+      scatter_behind: in scanned layers, FSDP reduce-scatters each layer's gradient during
+        the backward of the layer before it instead of at the end of its own, so that it
+        has compute to hide behind; holds one layer's whole gradient more. Unrolled layers
+        need no such choice: the compiler schedules across them.
       min_shard_elements: parameters with fewer elements stay whole on every device.
     """
 
@@ -106,6 +110,7 @@ class StateSharding:
     gather: str | None = None
     keep_gathered: bool = False
     prefetch: int = 1
+    scatter_behind: bool = False
     min_shard_elements: int = sharding_lib.DEFAULT_MIN_SHARD_ELEMENTS
 
     @property

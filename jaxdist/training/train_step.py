@@ -170,7 +170,9 @@ class TrainStep(CompiledStep):
                 sharding.gather,
                 sharding.gather_options(communication),
             )
-        check_prefetch(sharding.prefetch, sharding.kind, sharding.keep_gathered)
+        check_prefetch(
+            sharding.prefetch, sharding.kind, sharding.keep_gathered, sharding.scatter_behind
+        )
         self.sharding = sharding
         self.stacked_layers = stacked_layers
         self.tensor = tensor
