@@ -89,10 +89,13 @@ def refuse_unsupported(
             "versions of) them between micro-batches: choose gpipe, 1f1b or "
             "interleaved, or sharding='replicated'"
         )
-    paced = {"prefetch": sharding.prefetch != 1, "keep_gathered": sharding.keep_gathered}
-    paced["scatter_behind"] = sharding.scatter_behind
-    if any(paced.values()):
-        name = next(name for name, given in paced.items() if given)
+    paced = {
+        "prefetch": sharding.prefetch != 1,
+        "keep_gathered": sharding.keep_gathered,
+        "scatter_behind": sharding.scatter_behind,
+    }
+    name = next((name for name, given in paced.items() if given), None)
+    if name is not None:
         raise ValueError(
             f"{name}={getattr(sharding, name)!r} paces a sharded step's parameter "
             "all-gathers (or gradient reduce-scatters) layer by layer; a pipeline stage "

@@ -21,7 +21,7 @@ __all__ = [
     "check_allreduce",
     "check_gather",
     "check_optimizer",
-    "check_prefetch",
+    "check_pacing",
     "check_shardable",
     "check_sharded",
     "check_tensor",
@@ -175,29 +175,30 @@ def check_gather(
         raise ValueError(f"gather={gather!r}: {err}") from None
 
 
-def check_prefetch(
+def check_pacing(
     prefetch: Any, sharding: str, keep_gathered: bool, scatter_behind: bool = False
-) -> int:
-    """``prefetch`` if a step can honour it: a positive count of layers, which only FSDP's
-    paced gathers read (1, the default, is accepted anywhere); and ``scatter_behind`` only
-    where FSDP paces its layers too."""
-    if scatter_behind and (sharding != "fsdp" or keep_gathered):
-        how = "keeps every unit gathered" if keep_gathered else f"sharding={sharding!r} gathers"
+) -> None:
+    """Refuse the options that pace FSDP's layers where a step cannot honour them:
+    ``prefetch`` must be a positive count of layers, and ``prefetch`` other than 1 (the
+    default, accepted anywhere) or ``scatter_behind`` needs FSDP's paced layers
+    (``sharding="fsdp"`` without ``keep_gathered``)."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        raise ValueError(f"prefetch must be a whole number of layers >= 1; got {prefetch!r}")
+    if sharding == "fsdp" and not keep_gathered:
+        return
+    how = "keeps every unit gathered" if keep_gathered else f"sharding={sharding!r} gathers"
+    if scatter_behind:
         raise ValueError(
             "scatter_behind=True paces FSDP's gradient reduce-scatters in scanned layers; "
             f"a step that {how} none layer by layer (choose sharding='fsdp' without "
             "keep_gathered, or leave scatter_behind out)"
         )
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-        raise ValueError(f"prefetch must be a whole number of layers >= 1; got {prefetch!r}")
-    if prefetch != 1 and (sharding != "fsdp" or keep_gathered):
-        how = "keeps every unit gathered" if keep_gathered else f"sharding={sharding!r} gathers"
+    if prefetch != 1:
         raise ValueError(
             f"prefetch={prefetch} is how many layers ahead FSDP gathers parameters; "
             f"a step that {how} none layer by layer (choose sharding='fsdp' "
             "without keep_gathered, or leave prefetch=1)"
         )
-    return prefetch
 
 
 # A wait-free step paces every message step beside backward compute, which a step inside a

@@ -69,7 +69,7 @@ from jaxdist.training.step_checks import (
     WAIT_FREE_UNROLL_LIMIT,
     check_allreduce,
     check_gather,
-    check_prefetch,
+    check_pacing,
     check_sharded,
     check_tensor,
     check_wait_free,
@@ -170,7 +170,7 @@ class TrainStep(CompiledStep):
                 sharding.gather,
                 sharding.gather_options(communication),
             )
-        check_prefetch(
+        check_pacing(
             sharding.prefetch, sharding.kind, sharding.keep_gathered, sharding.scatter_behind
         )
         self.sharding = sharding
