@@ -3,8 +3,8 @@ table (kept out of the fit) predicted.
 
 Every run of ``jaxdist/aot/data/transformer_runs.json`` with its model FLOPs utilization under
 MaxText's current count (:mod:`jaxdist.aot.transformer_efficiency`); for each bfloat16 run of
-the fit, the median of the others of its generation (or of its kind, TPU or GPU, where it is
-the only one) as its prediction; for each v5e run, the fitted value::
+the fit, the median of the others of its generation and software stack (or of its kind, TPU
+or GPU, where it is the only one) as its prediction; for each v5e run, the value a plan uses::
 
     python benchmarks/transformer_efficiency.py --out benchmarks/results/transformer_efficiency.json
 
@@ -27,6 +27,7 @@ def _row(run: dict, predicted: te.Efficiency) -> dict:
     return {
         "generation": run["generation"],
         "model": run["model"],
+        "source": te.source(run),
         "chips": run["chips"],
         "per_device_batch": run["per_device_batch"],
         "measured": measured,
@@ -40,7 +41,7 @@ def score(table: list[dict]) -> dict:
     """Leave-one-out rows of the fitted runs, and the held-out generations' predictions."""
     fitted = [r for r in table if r["dtype"] == "bfloat16" and te.utilization(r) is not None]
     leave_one_out = [
-        _row(r, te.fitted_efficiency(r["generation"], table, leave_out=r))
+        _row(r, te.fitted_efficiency(r["generation"], table, leave_out=r, stack=te.software(r)))
         for r in fitted
         if r["generation"] not in te.HELD_OUT
     ]
@@ -73,7 +74,7 @@ def main() -> None:
     for row in result["leave_one_out"]:
         if not row["within"]:
             print(
-                f"  outside: {row['generation']} {row['model']} on {row['chips']} "
+                f"  outside: {row['generation']} {row['source']} {row['model']} on {row['chips']} "
                 f"({row['measured']:.3f} measured, {row['predicted']:.3f} predicted)"
             )
     print(

@@ -146,3 +146,38 @@ def test_bidirectional_halves_send_both_ways():
             pairs.add(line.split("source_target_pairs = ")[1].split(">")[0][:40])
     assert len(pairs) == 2, pairs  # clockwise and counter-clockwise
     assert sharded._second_half_order(4).tolist() == [0, 3, 2, 1]
+
+
+def test_native_reduce_scatters_each_gradient_of_a_unit_with_the_flat_rings_values():
+    """FSDP's unit of two parameters (split on different dimensions): XLA's own
+    reduce-scatter takes each gradient on its own (no unit-sized concatenation), the gather
+    one buffer, and both give the values the ring's one flat buffer gives."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdist.training import sharding
+
+    mesh = meshes.ring(8)
+    axes = axes_of(mesh)
+    rng = np.random.default_rng(0)
+    whole = [jnp.asarray(rng.normal(size=(16, 3)), jnp.float32)]
+    whole.append(jnp.asarray(rng.normal(size=(5, 24)), jnp.float32))
+    dims = [0, 1]
+    specs = (P(axes), P(None, axes))
+
+    def round_trip(algorithm):
+        def body(a, b):
+            gathered = sharding.gather_unit([a, b], dims, axes, algorithm, {})
+            doubled = [2.0 * g for g in gathered]
+            return tuple(sharding.scatter_unit(doubled, dims, axes, algorithm, {}))
+
+        run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs))
+        return run, run(*whole)
+
+    native, native_out = round_trip("native")
+    _, ring_out = round_trip("ring")
+    for got, ring, w in zip(native_out, ring_out, whole):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ring))
+        np.testing.assert_allclose(np.asarray(got), 16.0 * np.asarray(w), rtol=1e-6)
+    lowered = native.lower(*whole).as_text()
+    assert lowered.count('"stablehlo.all_gather"') == 1
+    assert lowered.count('"stablehlo.reduce_scatter"') == 2

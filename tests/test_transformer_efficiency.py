@@ -48,6 +48,28 @@ def test_the_fit_keeps_v5e_out_and_pools_what_a_generation_lacks():
     assert te.fitted_efficiency("h200", runs, leave_out=only[0]).pooled == "GPU"
 
 
+def test_the_fit_takes_the_runs_of_the_plans_software_stack_first():
+    """On H100, MaxText's XLA runs and torchtitan's PyTorch runs sit far apart; a plan (an XLA
+    program) rests on the XLA runs, a torchtitan run is scored against torchtitan's, and a
+    stack a generation has no run of falls back to the generation's other runs."""
+    runs = [r for r in te.runs() if r["dtype"] == "bfloat16"]
+    h100 = {
+        stack: sorted(
+            te.utilization(r) for r in runs if r["generation"] == "h100" and te.software(r) == stack
+        )
+        for stack in ("XLA", "PyTorch")
+    }
+    assert h100["XLA"] and h100["PyTorch"] and max(h100["PyTorch"]) < min(h100["XLA"])
+    plan = te.fitted_efficiency("h100", runs)
+    assert plan.stack == "XLA" and plan.sources == ("MaxText",) and plan.runs == len(h100["XLA"])
+    assert plan.value == pytest.approx(h100["XLA"][len(h100["XLA"]) // 2])
+    torch = te.fitted_efficiency("h100", runs, stack="PyTorch")
+    assert torch.sources == ("torchtitan",) and torch.value < plan.value
+    v5p = te.fitted_efficiency("v5p", runs, stack="PyTorch")  # no PyTorch run of v5p
+    assert v5p.stack == "XLA" and v5p.value == te.fitted_efficiency("v5p", runs).value
+    assert "on XLA (MaxText)" in plan.describe()
+
+
 @pytest.mark.skipif(not libtpu_available(), reason="the TPU compiler is not installed")
 def test_a_transformer_plan_prices_compute_at_the_fitted_utilization(capsys):
     from jaxdist.cli import main

@@ -15,10 +15,13 @@ per second, over the chip's dense bfloat16 peak (:data:`jaxdist.aot.chips.CHIPS`
 what it published (tokens per second, or TFLOP/s per chip under its own source's count,
 :data:`CONVENTIONS`), then re-expressed under that one count.
 
-The fit is the median utilization per chip generation over its bfloat16 runs (float8 runs
-reach past the bfloat16 peak and are left out); a generation with no run takes the median of
-every TPU run, or of every GPU run. MaxText's v5e table is kept out of the fit on purpose:
-it scores the predictions (``benchmarks/transformer_efficiency.py``).
+The fit is the median utilization per chip generation and software stack over the bfloat16
+runs (float8 runs reach past the bfloat16 peak and are left out). The stack matters as much as
+the chip: on the same H100s MaxText's XLA programs reach 0.38-0.50 and torchtitan's PyTorch
+0.23-0.35. A plan compiles an XLA program, so it takes XLA's runs (:data:`PLAN_STACK`); a
+generation without runs of that stack takes its runs of the other, and one with no runs at all
+the median of every TPU (or GPU) run of the stack. MaxText's v5e table is kept out of the fit
+on purpose: it scores the predictions (``benchmarks/transformer_efficiency.py``).
 """
 
 from __future__ import annotations
@@ -39,12 +42,18 @@ __all__ = [
     "Efficiency",
     "fitted_efficiency",
     "runs",
+    "software",
     "utilization",
 ]
 
 # Generations whose runs never enter the fit: they score it.
 HELD_OUT = ("v5e",)
 TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e")
+
+# The software behind each source's runs, by the source's first word, and the stack a plan's
+# program runs on.
+STACKS = {"maxtext": "XLA", "jaxdist": "XLA", "torchtitan": "PyTorch"}
+PLAN_STACK = "XLA"
 
 
 # Each source's own training FLOPs per token, under which its TFLOP/s per chip was published.
@@ -84,8 +93,21 @@ def utilization(run: Mapping[str, Any]) -> float | None:
     return tokens * shape.training_flops_per_token() / peak
 
 
+def source(run: Mapping[str, Any]) -> str:
+    """The project a run was published by (the first word of its ``source``)."""
+    return run["source"].split()[0]
+
+
+def software(run: Mapping[str, Any]) -> str:
+    """The software stack a run's program ran on (:data:`STACKS`)."""
+    return STACKS[source(run)]
+
+
 def _fitted(run: Mapping[str, Any]) -> bool:
     return run["dtype"] == "bfloat16" and run["generation"] not in HELD_OUT
+
+
+_NAMES = {"maxtext": "MaxText", "jaxdist": "jaxdist", "torchtitan": "torchtitan"}
 
 
 @dataclass(frozen=True)
@@ -95,30 +117,47 @@ class Efficiency:
     generation: str
     value: float
     runs: int  # how many runs the median is over
-    pooled: str = ""  # "TPU" or "GPU" where the generation had none of its own
+    stack: str  # the software those runs ran on ("XLA", or "PyTorch and XLA" where mixed)
+    sources: tuple[str, ...]  # who published them
+    pooled: str = ""  # "TPU" or "GPU" where the generation had no run of its own
 
     def describe(self) -> str:
         """One line for a plan: the value and what it rests on."""
-        where = (
-            f"the median of {self.runs} published {self.pooled} transformer runs (none "
-            f"of {self.generation})"
-            if self.pooled
-            else f"the median of {self.runs} published {self.generation} transformer runs"
+        runs = "run" if self.runs == 1 else "runs"
+        where = f"{self.generation} transformer {runs}"
+        if self.pooled:
+            where = f"{self.pooled} transformer {runs} (none of {self.generation})"
+        return (
+            f"{self.value:.3f} model FLOPs utilization, the median of {self.runs} published "
+            f"{where} on {self.stack} ({', '.join(self.sources)})"
         )
-        return f"{self.value:.3f} model FLOPs utilization, {where} (MaxText, torchtitan)"
 
 
 def fitted_efficiency(
-    generation: str, table: list[dict] | None = None, leave_out: Mapping[str, Any] | None = None
+    generation: str,
+    table: list[dict] | None = None,
+    leave_out: Mapping[str, Any] | None = None,
+    stack: str = PLAN_STACK,
 ) -> Efficiency:
-    """The fitted utilization of ``generation`` (see the module docstring); ``leave_out``: a
-    run kept out of the fit, to score it against the others."""
+    """The fitted utilization of ``generation`` for programs on ``stack`` (see the module
+    docstring); ``leave_out``: a run kept out of the fit, to score it against the others."""
     table = runs() if table is None else table
-    fitted = [r for r in table if _fitted(r) and r is not leave_out]
-    values = [(r["generation"], u) for r in fitted if (u := utilization(r)) is not None]
-    own = [u for g, u in values if g == generation]
-    if own:
-        return Efficiency(generation, statistics.median(own), len(own))
+    fitted = [
+        (r, u)
+        for r in table
+        if _fitted(r) and r is not leave_out and (u := utilization(r)) is not None
+    ]
     tpu = generation in TPU_GENERATIONS
-    pooled = [u for g, u in values if (g in TPU_GENERATIONS) == tpu]
-    return Efficiency(generation, statistics.median(pooled), len(pooled), "TPU" if tpu else "GPU")
+    own = [(r, u) for r, u in fitted if r["generation"] == generation]
+    kind = [(r, u) for r, u in fitted if (r["generation"] in TPU_GENERATIONS) == tpu]
+    pooled = "" if own else ("TPU" if tpu else "GPU")
+    candidates = own or kind
+    chosen = [(r, u) for r, u in candidates if software(r) == stack] or candidates
+    return Efficiency(
+        generation,
+        statistics.median(u for _, u in chosen),
+        len(chosen),
+        " and ".join(sorted({software(r) for r, _ in chosen})),
+        tuple(sorted({_NAMES[source(r)] for r, _ in chosen})),
+        pooled,
+    )

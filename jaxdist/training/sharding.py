@@ -244,7 +244,16 @@ def scatter_unit(
     algorithm: str,
     options: Mapping[str, Any],
 ) -> list[jax.Array]:
-    """One unit's whole gradients summed over ``axes``, each device keeping its blocks."""
+    """One unit's whole gradients summed over ``axes``, each device keeping its blocks.
+
+    The permute schedules send the unit as one buffer, in few large messages. The
+    compiler's own reduce-scatter (``native``) takes each gradient on its own, as XLA's FSDP
+    does: no unit-sized concatenation of float32 gradients is built, and a TPU compiler
+    that turns a reduce-scatter over many chips into an all-reduce (and a slice) keeps one
+    gradient's buffer for it, not the unit's. (Gathers stay one buffer: on the TPU, one
+    all-gather per parameter left more of them waiting.)"""
+    if algorithm == "native" and len(whole) > 1:
+        return [scatter_unit([g], [d], axes, algorithm, options)[0] for g, d in zip(whole, dims)]
     shards = collectives.axis_size(axes)
     rows = [jnp.moveaxis(g, d, 0).reshape(shards, -1) for g, d in zip(whole, dims)]
     mine = collectives.reduce_scatter(jnp.concatenate(rows, axis=1), axes, algorithm, **options)
