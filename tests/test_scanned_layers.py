@@ -117,6 +117,26 @@ def test_scanned_fsdp_equals_the_unrolled_model_and_gathers_one_layer_at_a_time(
     assert scanned.baseline_bits_per_byte == pytest.approx(np.log2(1000))
 
 
+def test_tied_embeddings_under_fsdp_gather_the_table_on_each_side_of_the_scan(corpus_root):  # noqa: F811
+    """The head read from the token embedding's table (``model.tie_embeddings``): the logits
+    are the final norm's output against the table, FSDP over 4 devices trains as the
+    replicated model does, and the scan between the table's two reads stays a segment of
+    its own (each side gathers the table; their gradients' shards add up)."""
+    tied = {**LLAMA_LIKE, "model.tie_embeddings": True, "model.scan_layers": True}
+    task = LanguageModel(lm_config(corpus_root, **tied), Replicas("data", 4))
+    params, model_state = task.init_variables(jax.random.key(0))
+    assert "head" not in params
+    batches = _batches(task)
+    _, expected, _ = _train(task, params, model_state, batches)
+    step, state, _ = _train(task, params, model_state, batches, sharding=StateSharding("fsdp"))
+    _assert_close(jax.device_get(state.params), expected.params)
+    assert step.paced_layers == 3  # the embedding, the scan, the norm with the tied head
+    with pytest.raises(ValueError, match=r"model\.tie_embeddings=True makes one table"):
+        LanguageModel(
+            lm_config(corpus_root, **{**tied, "model.scan_layers": False}), Replicas("data", 4)
+        ).pipeline_parts(2, None)
+
+
 def test_scanned_bfloat16_blocks_recomputed_gather_their_kernels_as_bfloat16(
     corpus_root,  # noqa: F811
     monkeypatch,

@@ -302,7 +302,9 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """A causal language model over ``vocab_size`` tokens, sequences up to ``max_len``;
     ``remat`` names what each block keeps for backward (:data:`REMAT_POLICIES`; ``True`` is
-    ``"full"``), ``scan_layers`` stacks the blocks and scans over them."""
+    ``"full"``), ``scan_layers`` stacks the blocks and scans over them, and
+    ``tie_embeddings`` takes the logits from the token embedding's table (no separate head,
+    as GPT-2 and MaxText's 2023 models do)."""
 
     def __init__(
         self,
@@ -318,10 +320,12 @@ class Transformer(nnx.Module):
         dtype=jnp.float32,
         remat: bool | str = False,
         scan_layers: bool = False,
+        tie_embeddings: bool = False,
         rngs: nnx.Rngs,
     ) -> None:
         self.remat = remat_policy_name(remat)
         self.scan_layers = scan_layers
+        self.tie_embeddings = tie_embeddings
         self.depth = num_layers
         shape = shape or BlockShape(num_heads, mlp_ratio=mlp_ratio)
         shape.check(d_model)
@@ -341,13 +345,14 @@ class Transformer(nnx.Module):
         else:
             self.blocks = nnx.List([make(rngs) for _ in range(num_layers)])
         self.norm = NORMS[shape.norm](d_model, dtype=dtype, rngs=rngs)
-        self.head = nnx.Linear(d_model, vocab_size, dtype=dtype, rngs=rngs)
+        if not tie_embeddings:
+            self.head = nnx.Linear(d_model, vocab_size, dtype=dtype, rngs=rngs)
+            name_dims(self.head.kernel, "embed", "vocab")
+            name_dims(self.head.bias, "vocab")
         name_dims(self.token_embed.embedding, "vocab", "embed")
         if not shape.rotary:
             name_dims(self.position_embed.embedding, "positions", "embed")
         _name_norm(self.norm)
-        name_dims(self.head.kernel, "embed", "vocab")
-        name_dims(self.head.bias, "vocab")
 
     @property
     def num_layers(self) -> int:
@@ -379,8 +384,13 @@ class TransformerSpan(nnx.Module):
                 f"a span of layers [{start}, {stop}) of a transformer with "
                 f"{model.num_layers} layers"
             )
+        if model.tie_embeddings:
+            raise ValueError(
+                "a span of a transformer whose head is its token embedding "
+                "(model.tie_embeddings=True) cannot run on its own; set model.tie_embeddings=False"
+            )
         self.start, self.stop, self.total = start, stop, model.num_layers
-        self.remat, self.scan_layers = model.remat, False
+        self.remat, self.scan_layers, self.tie_embeddings = model.remat, False, False
         if start == 0:
             self.token_embed = model.token_embed
             if hasattr(model, "position_embed"):
@@ -427,7 +437,9 @@ def _run(
     if stop == total:
         if start < total - 1:  # blocks ran
             x = from_sequence_shard(x)
-        x = layers.head(layers.norm(x)).astype(jnp.float32)
+        x = layers.norm(x)
+        x = layers.token_embed.attend(x) if layers.tie_embeddings else layers.head(x)
+        x = x.astype(jnp.float32)
     return x
 
 

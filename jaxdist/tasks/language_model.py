@@ -7,7 +7,8 @@ Recipe fields it reads: ``model.num_layers``, ``d_model``, ``num_heads``, ``head
 ``num_kv_heads`` (grouped-query attention), ``mlp_dim`` (or ``mlp_ratio``), ``mlp``
 (``gelu`` or ``swiglu``), ``norm`` (``layernorm`` or ``rmsnorm``), ``positions``
 (``learned`` or ``rotary``), ``attention_chunk`` (queries per block of attention),
-``vocab_size``, ``dropout``, ``dtype``, ``remat`` (what each
+``vocab_size``, ``tie_embeddings`` (the logits from the token embedding's own table, no
+separate head), ``dropout``, ``dtype``, ``remat`` (what each
 block keeps for the backward pass: ``none``, ``full`` or ``dots``, the products' outputs),
 ``scan_layers`` (the blocks stacked and scanned: a program that does not grow with depth);
 ``data.source`` (``corpus``: the text files below; ``synthetic``: uniformly random tokens
@@ -75,6 +76,7 @@ def model_fields() -> ml_collections.ConfigDict:
             positions="learned",
             attention_chunk=0,  # 0: every query at once
             vocab_size=VOCAB,
+            tie_embeddings=False,  # True: the head is the token embedding's table
         )
     )
 
@@ -239,6 +241,7 @@ class LanguageModel(Task):
             dtype=DTYPES[m.dtype],
             remat=m.remat,
             scan_layers=m.scan_layers,
+            tie_embeddings=m.tie_embeddings,
             rngs=nnx.Rngs(key),
         )
         self._abstract = nnx.eval_shape(lambda: self._make(jax.random.key(0)))  # structure only
@@ -298,6 +301,12 @@ class LanguageModel(Task):
             raise ValueError(
                 "pipeline stages cut the transformer between blocks, which "
                 "model.scan_layers=True stacks into one; set model.scan_layers=False"
+            )
+        if whole.tie_embeddings:
+            raise ValueError(
+                "pipeline stages give the token embedding to the first stage and the head to "
+                "the last, which model.tie_embeddings=True makes one table; set "
+                "model.tie_embeddings=False"
             )
         cuts = pipeline_stages.spans(
             whole.num_layers, None if boundaries else virtual_stages, boundaries

@@ -133,8 +133,13 @@ def segments_of(
         last_matmul = i if matmul else last_matmul
     scans = [i for i, eqn in enumerate(eqns) if scans_stacked_layers(eqn, param_vars, stacked)]
     starts = sorted({*starts, *scans, *(i + 1 for i in scans if i + 1 < len(eqns))})
-    # A parameter read in several segments keeps them one.
+    # A parameter read in several segments keeps them one, but for a scan of stacked layers
+    # between its reads (a tied embedding read by the head after the blocks): that scan
+    # would then gather every layer at once, so each segment gathers the parameter itself,
+    # and their gradients' shards add up.
     for v in first:
+        if any(first[v] < i < last[v] for i in scans):
+            continue
         lo = max(s for s in starts if s <= first[v])
         starts = [s for s in starts if not lo < s <= last[v]]
     bounds = [*starts, len(eqns)]
