@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from jaxdist import meshes
 from jaxdist.comm import collectives
 from jaxdist.comm.collectives import sharded
+from jaxdist.training import sharding
 from tests.test_collectives import axes_of, per_device_each, random_rows
 
 # Every mesh shape the allreduce tests use, with the algorithms that run over its axes.
@@ -152,10 +154,6 @@ def test_native_reduce_scatters_each_gradient_of_a_unit_with_the_flat_rings_valu
     """FSDP's unit of two parameters (split on different dimensions): XLA's own
     reduce-scatter takes each gradient on its own (no unit-sized concatenation), the gather
     one buffer, and both give the values the ring's one flat buffer gives."""
-    from jax.sharding import PartitionSpec as P
-
-    from jaxdist.training import sharding
-
     mesh = meshes.ring(8)
     axes = axes_of(mesh)
     rng = np.random.default_rng(0)

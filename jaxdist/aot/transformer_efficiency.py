@@ -50,9 +50,13 @@ __all__ = [
 HELD_OUT = ("v5e",)
 TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e")
 
-# The software behind each source's runs, by the source's first word, and the stack a plan's
-# program runs on.
-STACKS = {"maxtext": "XLA", "jaxdist": "XLA", "torchtitan": "PyTorch"}
+# Each source (by the first word of a run's ``source``): who published it, and the software
+# its programs ran on; and the stack a plan's program runs on.
+SOURCES = {
+    "maxtext": ("MaxText", "XLA"),
+    "jaxdist": ("jaxdist", "XLA"),
+    "torchtitan": ("torchtitan", "PyTorch"),
+}
 PLAN_STACK = "XLA"
 
 
@@ -99,15 +103,12 @@ def source(run: Mapping[str, Any]) -> str:
 
 
 def software(run: Mapping[str, Any]) -> str:
-    """The software stack a run's program ran on (:data:`STACKS`)."""
-    return STACKS[source(run)]
+    """The software stack a run's program ran on (:data:`SOURCES`)."""
+    return SOURCES[source(run)][1]
 
 
 def _fitted(run: Mapping[str, Any]) -> bool:
     return run["dtype"] == "bfloat16" and run["generation"] not in HELD_OUT
-
-
-_NAMES = {"maxtext": "MaxText", "jaxdist": "jaxdist", "torchtitan": "torchtitan"}
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,6 @@ def fitted_efficiency(
         statistics.median(u for _, u in chosen),
         len(chosen),
         " and ".join(sorted({software(r) for r, _ in chosen})),
-        tuple(sorted({_NAMES[source(r)] for r, _ in chosen})),
+        tuple(sorted({SOURCES[source(r)][0] for r, _ in chosen})),
         pooled,
     )

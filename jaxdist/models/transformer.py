@@ -359,13 +359,25 @@ class Transformer(nnx.Module):
         """Layers a stage cut counts: the embedding, each block, the head."""
         return self.depth + 2
 
-    def span(self, start: int, stop: int) -> TransformerSpan:
-        """Layers ``[start, stop)`` as a module of their own, sharing this one's layers."""
+    def check_cuttable(self) -> None:
+        """Refuse, in one line, a model that cannot be cut into spans of layers (pipeline
+        stages): scanned blocks are one stacked module, and a tied head is the first
+        layer's table."""
         if self.scan_layers:
             raise ValueError(
-                "a transformer with scanned layers (model.scan_layers=True) cannot "
-                "be cut into pipeline stages; set model.scan_layers=False"
+                "pipeline stages cut the transformer between blocks, which "
+                "model.scan_layers=True stacks into one; set model.scan_layers=False"
             )
+        if self.tie_embeddings:
+            raise ValueError(
+                "pipeline stages give the token embedding to the first stage and the head to "
+                "the last, which model.tie_embeddings=True makes one table; set "
+                "model.tie_embeddings=False"
+            )
+
+    def span(self, start: int, stop: int) -> TransformerSpan:
+        """Layers ``[start, stop)`` as a module of their own, sharing this one's layers."""
+        self.check_cuttable()
         return TransformerSpan(self, start, stop)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -383,11 +395,6 @@ class TransformerSpan(nnx.Module):
             raise ValueError(
                 f"a span of layers [{start}, {stop}) of a transformer with "
                 f"{model.num_layers} layers"
-            )
-        if model.tie_embeddings:
-            raise ValueError(
-                "a span of a transformer whose head is its token embedding "
-                "(model.tie_embeddings=True) cannot run on its own; set model.tie_embeddings=False"
             )
         self.start, self.stop, self.total = start, stop, model.num_layers
         self.remat, self.scan_layers, self.tie_embeddings = model.remat, False, False

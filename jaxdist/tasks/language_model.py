@@ -297,17 +297,7 @@ class LanguageModel(Task):
         """The transformer cut into spans of layers (embedding, blocks, norm and head); the
         next-byte cross-entropy on the last stage's logits."""
         whole = self._abstract
-        if whole.scan_layers:  # before the stage count is checked against the layers
-            raise ValueError(
-                "pipeline stages cut the transformer between blocks, which "
-                "model.scan_layers=True stacks into one; set model.scan_layers=False"
-            )
-        if whole.tie_embeddings:
-            raise ValueError(
-                "pipeline stages give the token embedding to the first stage and the head to "
-                "the last, which model.tie_embeddings=True makes one table; set "
-                "model.tie_embeddings=False"
-            )
+        whole.check_cuttable()  # before the stage count is checked against the layers
         cuts = pipeline_stages.spans(
             whole.num_layers, None if boundaries else virtual_stages, boundaries
         )
