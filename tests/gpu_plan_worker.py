@@ -6,11 +6,16 @@ import contextlib
 import io
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxdist.aot.schedule import read_schedule
 from jaxdist.aot.topology import parse_topology
 from jaxdist.cli import main
+from jaxdist.comm.collective_matmul import gathered_product, summed_product
 from tests.test_aot import OWN_TASK, compile_step
 
 
@@ -23,6 +28,45 @@ def schedule_facts(report) -> dict:
         "flops": report.flops,
         "memory_total": report.memory.total,
     }
+
+
+def collective_matmul_windows() -> dict:
+    """The collective matmul's products in the GPU compiler's order, over 8 H100s: of each
+    form's permutes, how many run with a product inside their start..done window."""
+    mesh = Mesh(np.asarray(parse_topology("h100:1x8").devices()), ("tensor",))
+    rows, inner, out = 1024, 8 * 512, 8 * 256
+    forms = {
+        "summed": (
+            lambda x, w: summed_product(x, w, "tensor", "collective_matmul"),
+            P(None, "tensor"),
+            P("tensor"),
+        ),
+        "gathered": (
+            lambda x, w: gathered_product(x, w, "tensor", "collective_matmul")[0],
+            P("tensor"),
+            P(None, "tensor"),
+        ),
+    }
+    facts = {}
+    for name, (body, row_spec, weight_spec) in forms.items():
+        step = jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=(row_spec, weight_spec), out_specs=P(), check_vma=False
+            )
+        )
+        x = jax.ShapeDtypeStruct(
+            (rows, inner), jnp.bfloat16, sharding=NamedSharding(mesh, row_spec)
+        )
+        w = jax.ShapeDtypeStruct(
+            (inner, out), jnp.bfloat16, sharding=NamedSharding(mesh, weight_spec)
+        )
+        schedule = read_schedule(step.lower(x, w).compile().as_text(), num_devices=8)
+        permutes = [c for c in schedule.collectives if c.kind == "collective-permute"]
+        facts[name] = {
+            "permutes": len(permutes),
+            "with_a_product": sum(c.compute_between > 0 for c in permutes),
+        }
+    return facts
 
 
 def run() -> dict:
@@ -48,6 +92,7 @@ def run() -> dict:
     return {
         "torus2d_h100_2x4": schedule_facts(torus),
         "native_h100_1x4": schedule_facts(native),
+        "collective_matmul_h100_1x8": collective_matmul_windows(),
         "plan_exit_code": code,
         "plan": json.loads(printed.getvalue()) if code == 0 else printed.getvalue(),
     }

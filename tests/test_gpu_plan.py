@@ -78,3 +78,14 @@ def test_plan_command_for_gpu_hosts(compiled):
     # broadcast or a reduction): its products are counted as traced, 8 examples per GPU, the
     # forward's two and backward's three (no input gradient for the first layer).
     assert plan["stages"][0]["flops_per_chip"] == 2 * 8 * 64 * 5
+
+
+def test_each_collective_matmul_permute_on_gpu_has_a_product_beside_it(compiled):
+    """Over 8 H100s: each of the reduce-scatter's 2 x 7 permutes runs beside a product, and
+    each of the gathered product's. The GPU compiler merges products that share a weight,
+    which left every permute of both forms without one before each product waited for the
+    one before it."""
+    windows = compiled["collective_matmul_h100_1x8"]
+    assert windows["summed"]["permutes"] == 2 * 2 * 7  # reduce-scatter, then all-gather
+    assert windows["summed"]["with_a_product"] >= 2 * 7
+    assert windows["gathered"]["with_a_product"] == windows["gathered"]["permutes"] == 2 * 7
