@@ -22,6 +22,7 @@ SHARDING = {
     "keep_gathered": "keep_gathered",
     "prefetch": "prefetch",
     "min_shard_elements": "min_shard_elements",
+    "shard_dims": "dims",
 }
 PRECISION = {"loss_scale": "loss_scale", "skip_nonfinite": "skip_nonfinite"}
 

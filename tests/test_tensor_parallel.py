@@ -1,13 +1,14 @@
 """Tensor parallelism: the summed product's two schedules, Megatron's column- and
 row-parallel products, the transformer split over a ``tensor`` axis by logical axis rules
 (alone, beside data parallelism, FSDP and HSDP, with scanned layers) against its replicated
-run, the memory a tensor axis saves, and the one-line refusals of meshes and rules that
-cannot hold."""
+run, the memory a tensor axis saves, rules that place the state over ``fsdp``, and the
+one-line refusals of meshes and rules that cannot hold."""
 
 import math
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -17,10 +18,13 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import meshes
 from jaxdist.comm import tensor_parallel as tp
 from jaxdist.comm.collective_matmul import TENSOR_SCHEDULES, summed_product
+from jaxdist.run.from_config import StepParts
+from jaxdist.run.step_kinds import DataParallel
 from jaxdist.tasks import Replicas
 from jaxdist.tasks.language_model import LanguageModel
 from jaxdist.training import logical_axes
-from jaxdist.training.step_options import StateSharding
+from jaxdist.training.sharding import Layout
+from jaxdist.training.step_options import Communication, Precision, StateSharding
 from jaxdist.training.train_step import TrainStep
 from tests._step_options import records
 from tests.test_tasks import corpus_root, lm_config  # noqa: F401  (the fixture)
@@ -285,8 +289,12 @@ def test_meshes_and_rules_that_cannot_hold_are_one_line(corpus_root):  # noqa: F
         logical_axes.check_rules(logical_axes.parse_rules("mlp=tensor"), ("data",), axes)
     with pytest.raises(ValueError, match=r"embed=tensor, but the model computes only heads"):
         logical_axes.check_rules((("embed", "tensor"),), ("data", "tensor"), axes)
-    with pytest.raises(ValueError, match=r"over tensor only"):
-        logical_axes.check_rules((("embed", "fsdp"),), ("fsdp", "tensor"), axes)
+    with pytest.raises(
+        ValueError, match=r"embed=data: the rules split parameters over tensor or fsdp"
+    ):
+        logical_axes.check_rules((("embed", "data"),), ("data", "tensor"), axes)
+    with pytest.raises(ValueError, match=r"layers=fsdp: scanned layers are gathered one layer"):
+        logical_axes.check_rules((("layers", "fsdp"),), ("fsdp",), axes)
     with pytest.raises(ValueError, match=r"entries are name=axis.*got 'heads:tensor'"):
         logical_axes.parse_rules("heads:tensor")
     shapes, _ = jax.eval_shape(task.init_variables, jax.random.key(0))
@@ -372,3 +380,73 @@ def test_sequence_parallel_products_are_the_unsplit_block(schedule):
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
     for got, expected in zip(grads, want, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- rules for fsdp
+
+FSDP_RULES = "mlp=fsdp,heads=fsdp,kv_heads=fsdp,vocab=fsdp"
+
+
+def test_rules_naming_fsdp_place_the_state_and_train_as_the_replicated_run(
+    corpus_root,  # noqa: F811
+    replicated,
+):
+    """Scanned layers under FSDP over 4 with rules that split the MLP's units, the heads and
+    the vocabulary over ``fsdp``: each parameter split where the rules say (not where its
+    shape would), what no rule names kept whole, and two Adam steps those of one device."""
+    task = _task(corpus_root, **{"model.scan_layers": True})
+    shapes, _ = jax.eval_shape(task.init_variables, jax.random.key(0))
+    rules = logical_axes.parse_rules(FSDP_RULES)
+    dims = logical_axes.split_dims(task.logical_axes().names, rules, "fsdp", shapes, 4)
+    mesh = _grid((4,), ("fsdp",))
+    _, state, losses = _train(task, mesh, "fsdp", sharding="fsdp", shard_dims=dims)
+    _, expected, expected_losses = replicated[True]
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-4)
+    _assert_params_close(state.params, expected.params)
+    blocks = state.params["blocks"]
+    # [layers, embed, mlp]: the units (the shape rule would split the model width).
+    assert blocks["up"]["kernel"].sharding.spec == P(None, None, "fsdp")
+    assert blocks["attention"]["out"]["kernel"].sharding.spec == P(None, "fsdp")
+    assert blocks["norm1"]["scale"].sharding.spec == P()  # embed: no rule, whole
+    assert state.params["token_embed"]["embedding"].sharding.spec == P("fsdp")
+    # Given from Python, a split FSDP cannot keep is one line.
+    layers_first = jax.tree.map(lambda _: 0, shapes)
+    with pytest.raises(ValueError, match=r"attention.key.bias: dimension 0 counts scanned"):
+        Layout.of(
+            shapes, 4, unit_bytes=None, stacked=task.stacked_layers(), shard_dims=layers_first
+        )
+
+
+def test_a_recipes_rules_for_fsdp_and_tensor_compose_and_refuse_in_one_line(
+    corpus_root,  # noqa: F811
+):
+    """The run's placement: the recipe's rules first, Megatron's after them on a tensor
+    axis. ``embed=fsdp`` alone puts the width over fsdp and the units over tensor; a rule
+    that takes a tensor-parallel name off the tensor axis, or one for fsdp while the state
+    is replicated, is one line."""
+    task = _task(corpus_root)
+    mesh = _grid((2, 2), ("fsdp", "tensor"))
+    config = ml_collections.ConfigDict(
+        {
+            "logical_axis_rules": "embed=fsdp",
+            "tensor_schedule": "native",
+            "tensor_sequence": False,
+        }
+    )
+    kind = DataParallel(config, mesh)
+    tensor, shard_dims = kind.tensor_parallel(task), kind.shard_dims(task)
+    up = (tensor.dims["blocks"][0]["up"]["kernel"], shard_dims["blocks"][0]["up"]["kernel"])
+    assert up == (1, 0)  # [embed, mlp]: mlp over tensor, embed over fsdp
+    assert shard_dims["blocks"][0]["attention"]["out"]["kernel"] == 2  # [heads, head_dim, embed]
+    parts = StepParts(
+        task, optax.adamw(1e-3), Communication("native"), StateSharding(), Precision()
+    )
+    with pytest.raises(ValueError, match=r"sharding=replicated keeps it whole"):
+        kind.build(parts, 1)
+    config.logical_axis_rules = "mlp=fsdp"
+    with pytest.raises(ValueError, match=r"place mlp over fsdp \(blocks.0.down.kernel\)"):
+        DataParallel(config, mesh).tensor_parallel(task)
+    # On a tensor axis a name the model splits, left whole, would sum whole products.
+    config.logical_axis_rules = "heads=tensor,kv_heads=tensor,mlp="
+    with pytest.raises(ValueError, match=r"place mlp over no axis"):
+        DataParallel(config, mesh).tensor_parallel(task)

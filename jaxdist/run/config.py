@@ -55,9 +55,10 @@ Fields:
     reduce-scattered during the backward of the layer before it, hidden behind its compute,
     for one layer's whole gradient more in memory (``False``: at the end of its own).
   logical_axis_rules: ``name=axis`` pairs, comma-separated and ordered, mapping the model's
-    named parameter dimensions to mesh axes (MaxText's semantics,
-    :mod:`jaxdist.training.logical_axes`); ``""``: heads, key/value heads and MLP units over
-    the mesh's ``tensor`` axis, if it has one.
+    named parameter dimensions to the mesh's ``tensor`` and ``fsdp`` axes (MaxText's
+    semantics, :mod:`jaxdist.training.logical_axes`); heads, key/value heads and MLP units
+    over the ``tensor`` axis (if the mesh has one) after them. With no rule for ``fsdp``,
+    FSDP and ZeRO-1 split each parameter by its shape.
   tensor_schedule: how a ``tensor`` axis's partial products are summed: ``native`` (XLA's
     all-reduce) or ``collective_matmul`` (a reduce-scatter with the product inside it, then
     an all-gather; :mod:`jaxdist.comm.collective_matmul`).
@@ -469,7 +470,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.gather = ""  # the parameters' all-gather schedule under zero1/fsdp; "": allreduce's
     c.prefetch = 1  # layers ahead FSDP's gathers may start
     c.scatter_behind = False  # scanned layers' gradients reduce-scattered one layer later
-    c.logical_axis_rules = ""  # name=axis,...; "": heads, kv_heads and mlp over tensor
+    c.logical_axis_rules = ""  # name=axis,...; then heads, kv_heads and mlp over tensor
     c.tensor_schedule = "native"  # or collective_matmul
     c.tensor_sequence = False  # sequence parallelism between the tensor-parallel products
     c.wait_free = False

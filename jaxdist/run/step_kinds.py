@@ -37,6 +37,12 @@ def step_kind_for(
             "which pipeline steps do not do: use a mesh without it, or "
             "pipeline.stages=0"
         )
+    if config.logical_axis_rules:
+        raise ValueError(
+            f"logical_axis_rules={config.logical_axis_rules!r} place the parameters of a "
+            "model trained whole; a pipeline's stages split theirs by shape: leave the "
+            "rules empty, or pipeline.stages=0"
+        )
     return Pipeline(config, mesh, recorded)
 
 
@@ -89,6 +95,14 @@ class DataParallel:
         sharding = parts.sharding
         if hsdp and sharding.sharded:
             sharding = dataclasses.replace(sharding, axes=FSDP_AXIS)
+        tensor, shard_dims = self._split_of(parts.task)
+        if shard_dims is not None:
+            if not sharding.sharded:
+                raise ValueError(
+                    f"logical_axis_rules place the state over {FSDP_AXIS!r}, and "
+                    "sharding=replicated keeps it whole: set sharding=fsdp or zero1"
+                )
+            sharding = dataclasses.replace(sharding, dims=shard_dims)
         return TrainStep(
             parts.task.loss,
             parts.optimizer,
@@ -99,19 +113,33 @@ class DataParallel:
             precision=parts.precision,
             accumulation_steps=accumulation_steps,
             stacked_layers=parts.task.stacked_layers(),
-            tensor=self._split_of(parts.task),
+            tensor=tensor,
         )
 
-    def _split_of(self, task: Task) -> TensorParallel | None:
+    def _split_of(self, task: Task) -> tuple[TensorParallel | None, Any]:
         if task not in self._splits:
-            self._splits[task] = self.tensor_parallel(task)
+            self._splits[task] = (self.tensor_parallel(task), self.shard_dims(task))
         return self._splits[task]
 
-    def tensor_parallel(self, task: Task) -> TensorParallel | None:
-        """How the task's parameters split over the mesh's tensor axis, by the recipe's rules
-        (the default rules where it gives none); None without a tensor axis. One line for
-        rules that cannot hold on this mesh and model."""
+    def shard_dims(self, task: Task) -> Any:
+        """Per parameter of the task, the dimension the recipe's rules split over the mesh's
+        ``fsdp`` axis (None: whole), where a rule names ``fsdp``; None otherwise (FSDP and
+        ZeRO-1 split each parameter by its shape)."""
+        if not logical_axes.names_axis(self.rules, FSDP_AXIS):
+            return None
         axes = task.logical_axes()
+        self._check_rules(task, axes)
+        shapes, _ = jax.eval_shape(task.init_variables, jax.random.key(0))
+        size = self.mesh.shape[FSDP_AXIS]
+        return logical_axes.split_dims(axes.names, self._rules(), FSDP_AXIS, shapes, size)
+
+    def _rules(self) -> logical_axes.Rules:
+        """The recipe's rules, then on a mesh with a tensor axis the default (Megatron's
+        split) for the names they leave."""
+        return self.rules + (logical_axes.DEFAULT_RULES if self.tensor_axis else ())
+
+    def _check_rules(self, task: Task, axes: logical_axes.LogicalAxes | None) -> None:
+        """One line for rules that cannot hold on this mesh and model."""
         if axes is not None and self.rules:
             logical_axes.check_rules(self.rules, self.mesh.axis_names, axes)
         elif self.rules:  # rules for a model that names nothing
@@ -119,6 +147,13 @@ class DataParallel:
                 f"logical_axis_rules are given, but the {task.name} task's model "
                 "names no parameter dimensions"
             )
+
+    def tensor_parallel(self, task: Task) -> TensorParallel | None:
+        """How the task's parameters split over the mesh's tensor axis, by the recipe's rules
+        and the default rules after them; None without a tensor axis. One line for rules
+        that cannot hold on this mesh and model."""
+        axes = task.logical_axes()
+        self._check_rules(task, axes)
         if self.tensor_axis is None:
             return None
         if axes is None:
@@ -128,7 +163,8 @@ class DataParallel:
                 "(Task.logical_axes)"
             )
         shapes, _ = jax.eval_shape(task.init_variables, jax.random.key(0))
-        rules = self.rules or logical_axes.DEFAULT_RULES
+        rules = self._rules()
+        logical_axes.check_tensor_split(axes.names, rules, axes.tensor_parallel)
         size = self.mesh.shape[TENSOR_AXIS]
         dims = logical_axes.split_dims(axes.names, rules, TENSOR_AXIS, shapes, size)
         return TensorParallel(dims, TENSOR_AXIS, self.tensor_schedule, self.tensor_sequence)

@@ -12,10 +12,16 @@ or whose rules' axes are all taken, stays whole. Written on the command line::
 A name given no axis (``vocab=``) stays whole even where a later rule would split it.
 
 The rules place parameters over the ``tensor`` axis (the model computes those dimensions
-tensor-parallel, :mod:`jaxdist.comm.tensor_parallel`). FSDP and ZeRO-1 then split each
-device's tensor block over the ``fsdp`` axis (or the data axes) by the shape rule of
-:mod:`jaxdist.training.sharding`: the first dimension the shard count divides. The default
-rules (:data:`DEFAULT_RULES`, used where the recipe gives none) are Megatron's split.
+tensor-parallel, :mod:`jaxdist.comm.tensor_parallel`) and over the ``fsdp`` axis (where
+FSDP and ZeRO-1 keep each device's slice of the state). Where no rule names ``fsdp``, FSDP
+and ZeRO-1 split each device's tensor block over the ``fsdp`` axis (or the data axes) by the
+shape rule of :mod:`jaxdist.training.sharding`: the first dimension the shard count
+divides. Where one does, every parameter follows the rules, and a parameter with no
+dimension mapped to ``fsdp`` stays whole on the axis (MaxText's semantics). On a mesh with
+a ``tensor`` axis the default rules (:data:`DEFAULT_RULES`, Megatron's split) follow the
+recipe's, so ``embed=fsdp`` alone places the model width over ``fsdp`` and heads and MLP
+units over ``tensor``; a dimension the model computes tensor-parallel must land on
+``tensor`` (refused in one line otherwise: the model would sum whole products).
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ __all__ = [
     "RULE_AXES",
     "LogicalAxes",
     "Rules",
+    "check_tensor_split",
     "mesh_axes",
+    "names_axis",
     "parse_rules",
     "split_dims",
 ]
@@ -39,7 +47,9 @@ __all__ = [
 Rules = tuple[tuple[str, str | None], ...]
 
 # Roles a rule may split a parameter's dimension over.
-RULE_AXES = ("tensor",)
+RULE_AXES = ("tensor", "fsdp")
+# The leading dimension of scanned layers' stacked parameters.
+LAYERS = "layers"
 
 # Megatron's split: attention heads and the MLP's hidden units over the tensor axis.
 DEFAULT_RULES: Rules = (("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"))
@@ -77,16 +87,21 @@ def parse_rules(text: str) -> Rules:
 
 def check_rules(rules: Rules, mesh_axes_present: Sequence[str], axes: LogicalAxes) -> None:
     """One line for a rule that cannot hold on this mesh and model: an axis parameters are
-    not split over, an axis the mesh lacks, or ``tensor`` for a name the model does not
-    compute tensor-parallel."""
+    not split over, an axis the mesh lacks, the stacked layers' dimension, or ``tensor``
+    for a name the model does not compute tensor-parallel."""
     for name, axis in rules:
         if axis is None:
             continue
         if axis not in RULE_AXES:
             raise ValueError(
                 f"logical_axis_rules: {name}={axis}: the rules split parameters "
-                f"over {' or '.join(RULE_AXES)} only (FSDP splits each block by "
-                "its shape)"
+                f"over {' or '.join(RULE_AXES)} only (the other axes split the batch)"
+            )
+        if name == LAYERS:
+            raise ValueError(
+                f"logical_axis_rules: {name}={axis}: scanned layers are gathered one "
+                "layer at a time, so each device keeps a slice of every layer: map a "
+                "dimension inside the layer instead"
             )
         if axis not in mesh_axes_present:
             raise ValueError(
@@ -98,6 +113,29 @@ def check_rules(rules: Rules, mesh_axes_present: Sequence[str], axes: LogicalAxe
                 f"logical_axis_rules: {name}=tensor, but the model computes only "
                 f"{', '.join(axes.tensor_parallel)} tensor-parallel"
             )
+
+
+def check_tensor_split(names: Any, rules: Rules, tensor_parallel: Sequence[str]) -> None:
+    """One line for a parameter dimension the model computes tensor-parallel (a name in
+    ``tensor_parallel``) that ``rules`` do not place over ``tensor``: the model would sum
+    whole products over the axis."""
+
+    def check(path, leaf_names):
+        for name, axis in zip(leaf_names, mesh_axes(leaf_names, rules)):
+            if name in tensor_parallel and axis != "tensor":
+                where = jax.tree_util.keystr(path, simple=True, separator=".")
+                raise ValueError(
+                    f"logical_axis_rules place {name} over {axis or 'no axis'} ({where}), "
+                    f"but on a tensor axis the model computes "
+                    f"{', '.join(tensor_parallel)} split over it: map them to tensor"
+                )
+
+    jax.tree_util.tree_map_with_path(check, names, is_leaf=_is_names)
+
+
+def names_axis(rules: Rules, axis: str) -> bool:
+    """Whether any of ``rules`` maps a name to ``axis``."""
+    return any(rule_axis == axis for _, rule_axis in rules)
 
 
 def mesh_axes(names: Sequence[str | None], rules: Rules) -> tuple[str | None, ...]:

@@ -90,6 +90,24 @@ def _block_shape(shape: tuple[int, ...], tensor_dim: int | None, size: int) -> t
     return (*shape[:tensor_dim], shape[tensor_dim] // size, *shape[tensor_dim + 1 :])
 
 
+def _check_shard_dims(dims, shapes, stacked, paths, shards) -> None:
+    """One line for a given split FSDP cannot keep: the stacked layers' dimension, or one
+    the shard count does not divide."""
+    for dim, shape, flag, path in zip(dims, shapes, stacked, paths):
+        if dim is None:
+            continue
+        if flag and dim == 0:
+            raise ValueError(
+                f"{path}: dimension 0 counts scanned layers, which are gathered one at a "
+                "time: FSDP splits a dimension inside the layer"
+            )
+        if shape[dim] % shards:
+            raise ValueError(
+                f"{path}: dimension {dim} ({shape[dim]} on each device) does not divide "
+                f"over {shards} shards"
+            )
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where a sharded step keeps each parameter.
@@ -127,11 +145,16 @@ class Layout:
         min_elements: int = DEFAULT_MIN_SHARD_ELEMENTS,
         stacked: Any = None,
         tensor: tuple[str, int, Any] | None = None,
+        shard_dims: Any = None,
     ) -> Layout:
         """The layout of ``params`` (arrays or shapes) over ``shards`` devices; ``stacked``: a
         tree of booleans like ``params`` (or None), true where a leaf's first dimension
         counts scanned layers; ``tensor``: ``(axis, size, dims)``, ``dims`` a tree like
-        ``params`` of the dimension each leaf splits over ``axis`` (or None)."""
+        ``params`` of the dimension each leaf splits over ``axis`` (or None);
+        ``shard_dims``: a tree like ``params`` of the dimension each leaf splits over the
+        shard axes, or None to keep it whole (logical axis rules,
+        :func:`jaxdist.training.logical_axes.split_dims`); None for the whole tree: each
+        leaf's first dimension ``shards`` divides."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         per_leaf = lambda tree, default: (  # noqa: E731
             (default,) * len(flat) if tree is None else tuple(treedef.flatten_up_to(tree))
@@ -144,7 +167,13 @@ class Layout:
         )
         paths = tuple(jax.tree_util.keystr(path, simple=True, separator=".") for path, _ in flat)
         flags = tuple(bool(b) for b in per_leaf(stacked, False))
-        dims = tuple(_split_dimension(s, shards, min_elements, f) for s, f in zip(shapes, flags))
+        if shard_dims is None:
+            dims = tuple(
+                _split_dimension(s, shards, min_elements, f) for s, f in zip(shapes, flags)
+            )
+        else:
+            dims = tuple(None if shards == 1 else d for d in per_leaf(shard_dims, None))
+            _check_shard_dims(dims, shapes, flags, paths, shards)
         units: list[list[int]] = []
         size = 0
         for index, (_leaf_path, leaf) in enumerate(flat):

@@ -103,6 +103,10 @@ class StateSharding:
         has compute to hide behind; holds one layer's whole gradient more. Unrolled layers
         need no such choice: the compiler schedules across them.
       min_shard_elements: parameters with fewer elements stay whole on every device.
+      dims: a tree like the parameters: the dimension of each that is split over ``axes``,
+        or None to keep it whole, as logical axis rules place them
+        (:func:`jaxdist.training.logical_axes.split_dims` with ``fsdp``). Default (None):
+        each parameter's first dimension the shard count divides.
     """
 
     kind: str = "replicated"
@@ -112,6 +116,7 @@ class StateSharding:
     prefetch: int = 1
     scatter_behind: bool = False
     min_shard_elements: int = sharding_lib.DEFAULT_MIN_SHARD_ELEMENTS
+    dims: Any = None
 
     @property
     def sharded(self) -> bool:

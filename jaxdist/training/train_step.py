@@ -261,6 +261,7 @@ class TrainStep(CompiledStep):
                 tensor=None
                 if tensor is None
                 else (tensor.axis, self.mesh.shape[tensor.axis], tensor.dims),
+                shard_dims=self.sharding.dims,
             )
         return self.layout
 
