@@ -23,7 +23,7 @@ from test_pipeline_step import (
 
 from jaxdist import meshes
 from jaxdist.pipeline import stages as pipeline_stages
-from jaxdist.pipeline.fsdp import ShardedFlatLayout
+from jaxdist.pipeline.fsdp import ShardedFlatPacking
 from jaxdist.pipeline.step import PipelineStep
 from jaxdist.training import global_norm
 from jaxdist.training.loss_scale import DynamicLossScale
@@ -93,30 +93,30 @@ def test_fsdp_inside_stages_equals_one_device(
         inputs=lambda b: b["x"],
     )
     state, metrics = run_pipeline(step, params, states, batch, steps=3)
-    layout = step.layouts["params"]
-    assert "kept whole" in layout.describe() and not layout.describe().startswith("0 of")
+    packing = step.packings["params"]
+    assert "kept whole" in packing.describe() and not packing.describe().startswith("0 of")
     assert state.params.sharding.spec[2] is not None  # split by rows over the data axes
     want, _, want_loss = reference(fns, params, states, batch, optimizer(), 4 * replicas, 3)
     assert_trees_close(step.unstack(state)[0], want)
     np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-5)
 
 
-def test_sharded_flat_layout_round_trips_every_stage_and_keeps_rows_apart():
+def test_sharded_flat_packing_round_trips_every_stage_and_keeps_rows_apart():
     trees = [
         {"k": jnp.arange(24.0).reshape(2, 12), "b": jnp.arange(3.0)},
         {"k": jnp.arange(40.0).reshape(10, 4), "n": jnp.ones((), jnp.int32)},
     ]
-    layout = ShardedFlatLayout(trees, shards=4, min_elements=4)
+    packing = ShardedFlatPacking(trees, shards=4, min_elements=4)
     for v, tree in enumerate(trees):
-        flat = layout.flatten(tree)
-        assert flat.shape == (layout.size,) and layout.size == 4 * layout.row_size
-        back = layout.unflatten(v, flat)
+        flat = packing.flatten(tree)
+        assert flat.shape == (packing.size,) and packing.size == 4 * packing.row_size
+        back = packing.unflatten(v, flat)
         for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(tree), strict=True):
             assert got.dtype == want.dtype
             np.testing.assert_array_equal(got, want)
     # Row d holds a copy of the bias ("b" comes first in the tree) and the d-th slab of the
     # split kernel, along its columns (its 2 rows do not split 4 ways).
-    rows = np.asarray(layout.flatten(trees[0])).reshape(4, -1)
+    rows = np.asarray(packing.flatten(trees[0])).reshape(4, -1)
     np.testing.assert_array_equal(rows[:, :3], np.tile(np.arange(3.0), (4, 1)))
     slab = np.moveaxis(np.asarray(trees[0]["k"])[:, 3:6], 1, 0).reshape(-1)
     np.testing.assert_array_equal(rows[1, 3:9], slab)

@@ -14,7 +14,7 @@ from jaxdist import meshes
 from jaxdist.models.transformer import stack_blocks, unstack_blocks
 from jaxdist.tasks import Replicas
 from jaxdist.tasks.language_model import LanguageModel
-from jaxdist.training.sharding import Layout
+from jaxdist.training.sharding import Placement
 from jaxdist.training.step_options import Communication, StateSharding
 from jaxdist.training.train_step import TrainStep
 from tests.test_tasks import corpus_root, lm_config  # noqa: F401  (the fixture)
@@ -94,11 +94,11 @@ def test_scanned_fsdp_equals_the_unrolled_model_and_gathers_one_layer_at_a_time(
     )
     _assert_close(unstack_blocks(jax.device_get(state.params)), expected.params)
 
-    layout = step.layout
-    blocks = [i for i, path in enumerate(layout.paths) if path.startswith("blocks.")]
-    assert all(layout.stacked[i] for i in blocks)
-    assert {layout.dims[i] for i in blocks} - {None} and all(
-        layout.dims[i] != 0 for i in blocks
+    placement = step.placement
+    blocks = [i for i, path in enumerate(placement.paths) if path.startswith("blocks.")]
+    assert all(placement.stacked[i] for i in blocks)
+    assert {placement.dims[i] for i in blocks} - {None} and all(
+        placement.dims[i] != 0 for i in blocks
     )  # split, and never along the layers
     # The embeddings, the scan over every block, the final norm, the head.
     assert step.paced_layers == 4
@@ -219,9 +219,9 @@ def test_scanned_fsdp_with_dropout_and_saved_products_equals_its_replicated_run(
 
 def test_stacked_leaves_split_below_the_layer_axis_and_scans_refuse_stage_cuts(corpus_root):  # noqa: F811
     params = {"stack": np.zeros((4, 8, 256)), "embed": np.zeros((4, 512))}
-    flat = Layout.of(params, 4, unit_bytes=None)
+    flat = Placement.of(params, 4, unit_bytes=None)
     assert flat.dims == (0, 0)
-    stacked = Layout.of(params, 4, unit_bytes=None, stacked={"stack": True, "embed": False})
+    stacked = Placement.of(params, 4, unit_bytes=None, stacked={"stack": True, "embed": False})
     assert stacked.dims == (0, 1)  # tree order: embed, stack
     task = LanguageModel(lm_config(corpus_root, **{"model.scan_layers": True}), Replicas("data", 1))
     with pytest.raises(ValueError, match=r"model.scan_layers=True .*set model.scan_layers=False"):

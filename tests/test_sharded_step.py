@@ -79,7 +79,7 @@ def test_every_optimizer_is_exact_when_sharded(sharding, name):
         allreduce="ring",
         **SHARDED,
     )
-    assert step.layout.units, "nothing was sharded"
+    assert step.placement.units, "nothing was sharded"
     assert_trees_close(state.params, params, atol=3e-6)
     # The clipping bites: an unclipped run lands elsewhere (the test can fail).
     if name.startswith("clip"):
@@ -248,7 +248,7 @@ def test_hsdp_shards_inside_groups_and_averages_across(reference_sgd):
     assert_trees_close(state.model_state, model_state, atol=2e-6)
     kernel = state.params["Dense_1"]["kernel"]  # 16 x 12, split 4 ways along its rows
     assert kernel.addressable_shards[0].data.shape == (4, 12)
-    assert step.layout.shards == 4
+    assert step.placement.shards == 4
 
 
 @pytest.mark.parametrize("keep_gathered", [pytest.param(False, marks=pytest.mark.slow), True])
@@ -349,7 +349,7 @@ def test_per_device_state_falls_as_one_over_n():
     batch = {"image": np.zeros((64, 256), np.float32), "label": np.zeros((64,), np.int32)}
     mesh = meshes.ring(8)
     loss = classifier_loss(Wide(), num_classes=8)
-    sizes, layouts = {}, {}
+    sizes, placements = {}, {}
     for sharding in ("replicated", "zero1", "fsdp"):
         step = ts.TrainStep(
             loss,
@@ -361,13 +361,18 @@ def test_per_device_state_falls_as_one_over_n():
         state = step.init(params)
         compiled = step.lower(state, step.shard_batch(batch), jax.random.key(0)).compile()
         sizes[sharding] = compiled.memory_analysis().argument_size_in_bytes
-        layouts[sharding] = step.layout_of(state.params)
-    # What a device holds of the parameters, whole or split 8 ways as the layout says.
-    layout = layouts["fsdp"]
-    whole = sum(np.prod(s) for s in layout.shapes) * 4
-    split = sum(np.prod(s) for s, d in zip(layout.shapes, layout.dims) if d is not None) * 4
+        placements[sharding] = step.placement_of(state.params)
+    # What a device holds of the parameters, whole or split 8 ways as the placement says.
+    placement = placements["fsdp"]
+    whole = sum(np.prod(s) for s in placement.shapes) * 4
+    split = sum(np.prod(s) for s, d in zip(placement.shapes, placement.dims) if d is not None) * 4
     own = whole - split + split / 8
-    assert layout.replicated() == ["Dense_0.bias", "Dense_1.bias", "Dense_2.bias", "Dense_3.bias"]
+    assert placement.replicated() == [
+        "Dense_0.bias",
+        "Dense_1.bias",
+        "Dense_2.bias",
+        "Dense_3.bias",
+    ]
     batch_bytes = (64 * 256 + 64) * 4 / 8
     # Adam: parameters + two moments. Replicated: 3x the model per device; ZeRO-1: whole
     # parameters and split moments; FSDP: everything split (the biases stay whole).

@@ -49,7 +49,7 @@ def test_fsdp_resumed_as_zero1_on_half_the_devices_ends_where_replicated_does(
 
     with pytest.raises(Crash):
         fsdp.run(on_step=crash_at_4)  # the newest checkpoint: step 3, sharded 8 ways
-    assert fsdp.train_step_for(0).layout.units, "nothing was sharded"
+    assert fsdp.train_step_for(0).placement.units, "nothing was sharded"
     kernels = [leaf for leaf in jax.tree.leaves(seen["params"]) if leaf.ndim == 4]
     # Every kernel of 1,024 values or more is split 8 ways; smaller ones stay whole.
     large = [k for k in kernels if k.size >= 1024]

@@ -23,7 +23,7 @@ from jaxdist.run.step_kinds import DataParallel
 from jaxdist.tasks import Replicas
 from jaxdist.tasks.language_model import LanguageModel
 from jaxdist.training import logical_axes
-from jaxdist.training.sharding import Layout
+from jaxdist.training.sharding import Placement
 from jaxdist.training.step_options import Communication, Precision, StateSharding
 from jaxdist.training.train_step import TrainStep
 from tests._step_options import records
@@ -412,7 +412,7 @@ def test_rules_naming_fsdp_place_the_state_and_train_as_the_replicated_run(
     # Given from Python, a split FSDP cannot keep is one line.
     layers_first = jax.tree.map(lambda _: 0, shapes)
     with pytest.raises(ValueError, match=r"attention.key.bias: dimension 0 counts scanned"):
-        Layout.of(
+        Placement.of(
             shapes, 4, unit_bytes=None, stacked=task.stacked_layers(), shard_dims=layers_first
         )
 

@@ -279,10 +279,10 @@ def test_sharded_steps_match_single_device_training(sharding, mesh_name, optimiz
     assert_trees_close(state.params, params, atol=3e-6)
     assert_trees_close(state.model_state, model_state, atol=2e-6)
     # Split where a dimension divides by 8, whole where none does; in units of <= 512 bytes.
-    layout = step.layout
+    placement = step.placement
     expected_whole = ["Dense_1.bias", "Dense_2.bias", "Dense_2.kernel"]  # 12, 4 and 12x4
-    assert layout.replicated() == expected_whole
-    assert len(layout.units) > 1
+    assert placement.replicated() == expected_whole
+    assert len(placement.units) > 1
     # The optimizer state is really sharded (and FSDP's parameters): 1/8 of a kernel each.
     kernel = state.params["Dense_0"]["kernel"]
     moments = [leaf for leaf in jax.tree.leaves(state.opt_state) if leaf.shape == kernel.shape]

@@ -23,7 +23,7 @@ def _xla_fsdp_lines(xla: XlaFsdp | None, ours: int) -> list[str]:
     """One line setting XLA's own FSDP of the step beside ours (none where not compiled)."""
     if xla is None:
         return []
-    head = "  XLA's own FSDP of this step (a plain jax.jit, the same layout):"
+    head = "  XLA's own FSDP of this step (a plain jax.jit, the same placement):"
     if xla.memory is None:
         return [f"{head} does not fit ({xla.refusal}); compiled in {xla.compile_seconds:.1f} s"]
     theirs = xla.memory
@@ -109,7 +109,7 @@ def _sharding_lines(plan: Plan, t: Any) -> list[str]:
     if sharding == "replicated":
         return []
     step = plan.parts.train_step_for(0)
-    lines = [f"  sharding: {sharding}: {step.layout.describe()}"]
+    lines = [f"  sharding: {sharding}: {step.placement.describe()}"]
     if step.paced_layers is not None:
         prefetch = step.sharding.prefetch
         ahead = "one layer" if prefetch == 1 else f"{prefetch} layers"

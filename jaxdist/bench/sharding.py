@@ -4,7 +4,7 @@ schedule of the family, and as XLA's own FSDP, on the same mesh and batches.
 XLA's own FSDP is how MaxText shards a model: the step is a plain ``jax.jit`` of the loss, the
 gradient and the optax update, its parameters and optimizer state placed with a
 ``NamedSharding`` split along the same dimension jaxdist splits
-(:class:`~jaxdist.training.sharding.Layout`), and the SPMD partitioner inserts the
+(:class:`~jaxdist.training.sharding.Placement`), and the SPMD partitioner inserts the
 all-gathers and reduce-scatters. Every variant reports its median step time over
 interleaved rounds (machines are shared: rounds alternate so load hits every variant alike),
 its ratio to XLA's FSDP and to the replicated step, and per device the bytes of its state
@@ -88,7 +88,7 @@ def _state_bytes(state) -> int:
 
 
 def _xla_fsdp(step: ts.TrainStep, state, batch, rng):
-    """The same model, optimizer and layout as ``step`` (an FSDP TrainStep), stepped by a plain
+    """The same model, optimizer and placement as ``step`` (an FSDP TrainStep), stepped by a plain
     ``jax.jit`` that leaves every collective to XLA's SPMD partitioner."""
     shardings = step.state_shardings(state)
     batch_sharding = NamedSharding(step.mesh, P(step.data_axes))

@@ -3,9 +3,9 @@ data axes, gathered once a step, their gradients reduce-scattered back.
 
 A pipeline keeps one flat vector per virtual stage (:mod:`jaxdist.pipeline.state`). Under
 ``sharding="fsdp"`` that vector is laid out as a matrix of one row per data-parallel shard
-(:class:`ShardedFlatLayout`): row ``d`` holds shard ``d``'s block of every parameter that
+(:class:`ShardedFlatPacking`): row ``d`` holds shard ``d``'s block of every parameter that
 splits (the parameter cut along one of its dimensions, as
-:class:`jaxdist.training.sharding.Layout` cuts it) and a copy of every parameter kept whole.
+:class:`jaxdist.training.sharding.Placement` cuts it) and a copy of every parameter kept whole.
 The state stores the matrix split by rows over the data axes, so each device keeps ``1/N``
 of its stage's parameters and optimizer state.
 
@@ -42,23 +42,23 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.comm import collectives
 from jaxdist.comm.compiler_options import compiler_options_for
 from jaxdist.pipeline.passes import StageStep, per_chunk, update
-from jaxdist.pipeline.stages import FlatLayout
+from jaxdist.pipeline.stages import FlatPacking
 from jaxdist.pipeline.state import PipelineState
 from jaxdist.training.loss_scale import all_finite, finish_scaled_step
-from jaxdist.training.sharding import DEFAULT_MIN_SHARD_ELEMENTS, Layout
+from jaxdist.training.sharding import DEFAULT_MIN_SHARD_ELEMENTS, Placement
 
-__all__ = ["ShardedFlatLayout"]
+__all__ = ["ShardedFlatPacking"]
 
 
-class ShardedFlatLayout:
+class ShardedFlatPacking:
     """Pytrees of different structures, one per virtual stage, as flat vectors of ``shards``
-    equal rows: the drop-in for :class:`~jaxdist.pipeline.stages.FlatLayout` under FSDP.
+    equal rows: the drop-in for :class:`~jaxdist.pipeline.stages.FlatPacking` under FSDP.
 
     ``flatten(tree)`` gives ``shards * row_size`` elements, row ``d`` (of :attr:`row_size`,
     padded with zeros to the largest stage's) holding block ``d`` of every split leaf and a
     copy of every whole leaf; ``unflatten(v, flat)`` gives virtual stage ``v``'s tree back.
-    Attributes as ``FlatLayout``'s: :attr:`size` (the whole vector), :attr:`dtype`; and
-    :attr:`whole`, the ``FlatLayout`` of the same trees, which the stages compute on.
+    Attributes as ``FlatPacking``'s: :attr:`size` (the whole vector), :attr:`dtype`; and
+    :attr:`whole`, the ``FlatPacking`` of the same trees, which the stages compute on.
     """
 
     def __init__(
@@ -66,35 +66,35 @@ class ShardedFlatLayout:
     ):
         self.shards = shards
         self.min_elements = min_elements
-        self._layouts: list[Layout] = []
+        self._placements: list[Placement] = []
         self._treedefs: list[Any] = []
         self._dtypes: list[list[Any]] = []
         self.row_sizes: list[int] = []
         dtypes = []
         for tree in trees:
             leaves, treedef = jax.tree.flatten(tree)
-            layout = Layout.of(tree, shards, unit_bytes=None, min_elements=min_elements)
-            self._layouts.append(layout)
+            placement = Placement.of(tree, shards, unit_bytes=None, min_elements=min_elements)
+            self._placements.append(placement)
             self._treedefs.append(treedef)
             self._dtypes.append([jnp.dtype(leaf.dtype) for leaf in leaves])
-            self.row_sizes.append(sum(self._row_width(layout, i) for i in range(len(leaves))))
+            self.row_sizes.append(sum(self._row_width(placement, i) for i in range(len(leaves))))
             dtypes.extend(leaf.dtype for leaf in leaves)
         self.row_size = max([*self.row_sizes, 1])  # a zero-length row would be a special case
-        self.whole = FlatLayout(trees)
+        self.whole = FlatPacking(trees)
         self.size = shards * self.row_size
         self.dtype = jnp.result_type(*dtypes) if dtypes else jnp.float32
 
-    def _row_width(self, layout: Layout, index: int) -> int:
-        count = math.prod(layout.shapes[index])
-        return count if layout.dims[index] is None else count // self.shards
+    def _row_width(self, placement: Placement, index: int) -> int:
+        count = math.prod(placement.shapes[index])
+        return count if placement.dims[index] is None else count // self.shards
 
     def flatten(self, tree: Any) -> jax.Array:
-        """``tree`` (of a stage this layout was built from) as its flat vector of rows."""
+        """``tree`` (of a stage this packing was built from) as its flat vector of rows."""
         leaves = jax.tree.leaves(tree)
-        layout = Layout.of(tree, self.shards, unit_bytes=None, min_elements=self.min_elements)
+        placement = Placement.of(tree, self.shards, unit_bytes=None, min_elements=self.min_elements)
         rows = jnp.zeros((self.shards, self.row_size), self.dtype)
         offset = 0
-        for leaf, dim in zip(leaves, layout.dims):
+        for leaf, dim in zip(leaves, placement.dims):
             leaf = jnp.asarray(leaf, self.dtype)
             if dim is None:  # a copy in every row
                 block = jnp.broadcast_to(leaf.reshape(1, -1), (self.shards, leaf.size))
@@ -106,11 +106,11 @@ class ShardedFlatLayout:
 
     def unflatten(self, index: int, flat: jax.Array) -> Any:
         """Virtual stage ``index``'s tree from its flat vector of rows."""
-        layout = self._layouts[index]
+        placement = self._placements[index]
         rows = flat.reshape(self.shards, self.row_size)
         leaves, offset = [], 0
-        for i, (shape, dim) in enumerate(zip(layout.shapes, layout.dims)):
-            width = self._row_width(layout, i)
+        for i, (shape, dim) in enumerate(zip(placement.shapes, placement.dims)):
+            width = self._row_width(placement, i)
             block = rows[:, offset : offset + width]
             if dim is None:
                 leaf = block[0].reshape(shape)
@@ -123,10 +123,13 @@ class ShardedFlatLayout:
 
     def describe(self) -> str:
         """One line: how many of the stages' arrays are split, and how many stay whole."""
-        split = sum(d is not None for lay in self._layouts for d in lay.dims)
-        total = sum(len(lay.dims) for lay in self._layouts)
+        split = sum(d is not None for lay in self._placements for d in lay.dims)
+        total = sum(len(lay.dims) for lay in self._placements)
         whole = sum(
-            math.prod(s) for lay in self._layouts for s, d in zip(lay.shapes, lay.dims) if d is None
+            math.prod(s)
+            for lay in self._placements
+            for s, d in zip(lay.shapes, lay.dims)
+            if d is None
         )
         return (
             f"{split} of {total} parameter arrays split {self.shards} ways; "
@@ -139,20 +142,20 @@ def rows_to_whole(step: StageStep, rows: jax.Array, stage: jax.Array) -> jax.Arr
     the ``(chunks, size)`` flat vectors the stages compute on (each leaf contiguous, so a
     stage reads its layers as the replicated pipeline does, without a strided copy each
     tick)."""
-    layout = step.layouts["params"]
-    return _relaid(step, rows, stage, layout, layout.whole)
+    packing = step.packings["params"]
+    return _relaid(step, rows, stage, packing, packing.whole)
 
 
 def whole_to_rows(step: StageStep, flats: jax.Array, stage: jax.Array) -> jax.Array:
     """Inside shard_map: :func:`rows_to_whole` undone, for the summed gradients."""
-    layout = step.layouts["params"]
-    return _relaid(step, flats, stage, layout.whole, layout)
+    packing = step.packings["params"]
+    return _relaid(step, flats, stage, packing.whole, packing)
 
 
 def _relaid(
     step: StageStep, flats: jax.Array, stage: jax.Array, source: Any, target: Any
 ) -> jax.Array:
-    """Each chunk's flat vector, read by the ``source`` layout and written by ``target``."""
+    """Each chunk's flat vector, read by the ``source`` packing and written by ``target``."""
 
     def relaid(v):
         return lambda flat: target.flatten(source.unflatten(v, flat))

@@ -8,7 +8,7 @@ gradient stashes, the summed gradients, the model state, the loss and metric sum
 messages the tick sends.
 
 :func:`branches` is longer than 60 lines because the forward, backward and idle branches
-share their closures (this device's parameters, micro-batches, rng and layouts); apart, each
+share their closures (this device's parameters, micro-batches, rng and packings); apart, each
 would need them all passed in again.
 """
 
@@ -26,7 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxdist.comm import collectives
 from jaxdist.pipeline.program import Program
-from jaxdist.pipeline.stages import ActivationLayout
+from jaxdist.pipeline.stages import ActivationPacking
 from jaxdist.training import global_norm
 from jaxdist.training.step_options import Communication, Precision
 
@@ -35,7 +35,7 @@ __all__: list[str] = []  # building blocks of the package's own modules
 
 class StageStep(Protocol):
     """What the passes read of the :class:`~jaxdist.pipeline.step.PipelineStep` they run: its
-    schedule's program, its stages and their flat layouts, and its options."""
+    schedule's program, its stages and their flat packings, and its options."""
 
     mesh: Mesh
     stage_axis: str
@@ -52,8 +52,8 @@ class StageStep(Protocol):
     precision: Precision
     sums_over_model: bool
     donate: bool
-    layouts: dict[str, Any] | None
-    activations: ActivationLayout | None
+    packings: dict[str, Any] | None
+    activations: ActivationPacking | None
 
     @property
     def averages_gradients(self) -> bool: ...
@@ -77,7 +77,7 @@ def branches(
         weights = lambda carry, kind, weight_slot: params  # noqa: E731
     S, V = step.num_stages, len(step.stages)
     acts = step.activations
-    p_layout, s_layout = step.layouts["gathered"], step.layouts["model_state"]
+    p_packing, s_packing = step.packings["gathered"], step.packings["model_state"]
     silent = jnp.zeros((acts.size,), acts.dtype)
 
     def stage_inputs(v: int, carry: dict, m: jax.Array, input_slot: jax.Array, block):
@@ -85,8 +85,8 @@ def branches(
         chunk = v // S
         mb = jax.tree.map(lambda x: x[m], micro)
         x = step.inputs(mb) if v == 0 else acts.unflatten(v - 1, carry["stash"][input_slot])
-        p = p_layout.unflatten(v, block[chunk])
-        ms = s_layout.unflatten(v, carry["model_state"][chunk])
+        p = p_packing.unflatten(v, block[chunk])
+        ms = s_packing.unflatten(v, carry["model_state"][chunk])
         # The same rng in the forward and in its recomputation: dropout masks agree.
         key = jax.random.fold_in(jax.random.fold_in(rng, m), v)
         return p, ms, x, mb, key
@@ -102,7 +102,7 @@ def branches(
             chunk = v // S
             carry = {
                 **carry,
-                "model_state": carry["model_state"].at[chunk].set(s_layout.flatten(new_ms)),
+                "model_state": carry["model_state"].at[chunk].set(s_packing.flatten(new_ms)),
                 "send_forward": silent if v == V - 1 else acts.flatten(y),
                 "send_backward": silent,
             }
@@ -138,7 +138,7 @@ def branches(
             chunk = v // S
             return {
                 **carry,
-                "grads": carry["grads"].at[chunk].add(p_layout.flatten(pulled[0])),
+                "grads": carry["grads"].at[chunk].add(p_packing.flatten(pulled[0])),
                 "send_forward": silent,
                 "send_backward": silent if v == 0 else acts.flatten(pulled[1]),
             }
@@ -158,15 +158,15 @@ def update(
     first, when the optimizer calls ``model_sum`` at all (``step.sums_over_model``): the
     update runs once to record this device's parts, which are added over its chunks and the
     stage axis, and again with the totals."""
-    p_layout, o_layout = step.layouts["params"], step.layouts["opt_state"]
+    p_packing, o_packing = step.packings["params"], step.packings["opt_state"]
 
     def update_of(v: int, totals: list | None) -> Callable:
         def run(p_flat, g_flat, o_flat):
-            p = p_layout.unflatten(v, p_flat)
-            g = p_layout.unflatten(v, g_flat.astype(p_flat.dtype))
-            o = o_layout.unflatten(v, o_flat)
+            p = p_packing.unflatten(v, p_flat)
+            g = p_packing.unflatten(v, g_flat.astype(p_flat.dtype))
+            o = o_packing.unflatten(v, o_flat)
             updates, o = step.optimizer.update(g, o, p)
-            return p_layout.flatten(optax.apply_updates(p, updates)), o_layout.flatten(o)
+            return p_packing.flatten(optax.apply_updates(p, updates)), o_packing.flatten(o)
 
         if not step.sums_over_model:
             return run
@@ -289,28 +289,28 @@ def run_schedule(
     return lax.fori_loop(0, step.program.schedule.ticks, tick, carry)
 
 
-def activation_layout(step: StageStep, micro: Any) -> tuple[ActivationLayout, Any]:
+def activation_packing(step: StageStep, micro: Any) -> tuple[ActivationPacking, Any]:
     """Shapes sent between stages for one micro-batch, and the loss's metrics' shapes."""
     one = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), micro)
     x = jax.eval_shape(step.inputs, one)
     shapes = []
     for v, apply in enumerate(step.stages):
         p = jax.eval_shape(
-            functools.partial(step.layouts["gathered"].unflatten, v), _flat(step, "gathered")
+            functools.partial(step.packings["gathered"].unflatten, v), _flat(step, "gathered")
         )
         ms = jax.eval_shape(
-            functools.partial(step.layouts["model_state"].unflatten, v),
+            functools.partial(step.packings["model_state"].unflatten, v),
             _flat(step, "model_state"),
         )
         x, _ = jax.eval_shape(apply, p, ms, x, jax.random.key(0))
         shapes.append(x)
     _, metrics = jax.eval_shape(step.loss_fn, shapes[-1], one)
-    return ActivationLayout(tuple(shapes[:-1])), metrics
+    return ActivationPacking(tuple(shapes[:-1])), metrics
 
 
 def _flat(step: StageStep, name: str) -> jax.ShapeDtypeStruct:
-    layout = step.layouts[name]
-    return jax.ShapeDtypeStruct((layout.size,), layout.dtype)
+    packing = step.packings[name]
+    return jax.ShapeDtypeStruct((packing.size,), packing.dtype)
 
 
 def mean_over_data_axes(

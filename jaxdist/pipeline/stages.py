@@ -3,7 +3,7 @@
 A stage is a function ``apply(params, model_state, x, rng) -> (y, new_model_state)``. Stages
 may differ in everything: a stem, blocks of different widths, a head. One SPMD program runs
 them all, so whatever differs in shape crosses the program as one flat vector per stage,
-padded to the largest stage's size (:class:`FlatLayout`): parameters, optimizer state, model
+padded to the largest stage's size (:class:`FlatPacking`): parameters, optimizer state, model
 state, and the activations sent between stages.
 
 For flax: :func:`cut` splits a list of layers into stages (equal counts, or at given
@@ -63,7 +63,7 @@ def full_stage(fn: Callable) -> StageFn:
     return stage
 
 
-class FlatLayout:
+class FlatPacking:
     """Pytrees of different structures, one per stage, as flat vectors of one length and dtype.
 
     ``flatten(tree)`` ravels a stage's tree and pads it with zeros to :attr:`size`;
@@ -92,7 +92,7 @@ class FlatLayout:
 
 
 @dataclass(frozen=True)
-class ActivationLayout:
+class ActivationPacking:
     """Shapes of the activations between stages, for one micro-batch: ``shapes[v]`` is what
     virtual stage v sends to v + 1. Messages are flat vectors of :attr:`size` elements."""
 

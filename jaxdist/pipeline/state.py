@@ -3,7 +3,7 @@ stage axis, and the way back to trees.
 
 Stages differ in every shape, but one SPMD program runs them all, so the parameters, model
 state and optimizer state of virtual stage ``v`` are raveled into row ``(v mod S, v div S)``
-of an array of shape ``(stages, chunks, size)`` (:class:`~jaxdist.pipeline.stages.FlatLayout`
+of an array of shape ``(stages, chunks, size)`` (:class:`~jaxdist.pipeline.stages.FlatPacking`
 pads them to the largest stage's size). The functions here move between the two forms on the
 host; :class:`~jaxdist.pipeline.step.PipelineStep` uses them for init, checkpoints' whole
 variables and the learning rate written each step.
@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from flax import struct
 
-from jaxdist.pipeline.stages import FlatLayout
+from jaxdist.pipeline.stages import FlatPacking
 from jaxdist.training.loss_scale import DynamicLossScale
 
 __all__ = [
@@ -41,27 +41,27 @@ class PipelineState(struct.PyTreeNode):
     previous_params: jax.Array | None = None  # PipeDream-2BW's older version
 
 
-def stack(layout: FlatLayout, trees: Sequence[Any], stages: int, chunks: int) -> np.ndarray:
+def stack(packing: FlatPacking, trees: Sequence[Any], stages: int, chunks: int) -> np.ndarray:
     """Virtual stage v's tree, flattened, at row ``(v mod stages, v div stages)``."""
-    out = np.zeros((stages, chunks, layout.size), layout.dtype)
+    out = np.zeros((stages, chunks, packing.size), packing.dtype)
     for v, tree in enumerate(trees):
-        out[v % stages, v // stages] = np.asarray(layout.flatten(tree))
+        out[v % stages, v // stages] = np.asarray(packing.flatten(tree))
     return out
 
 
-def stack_traced(layout: Any, trees: Sequence[Any], stages: int, chunks: int) -> jax.Array:
+def stack_traced(packing: Any, trees: Sequence[Any], stages: int, chunks: int) -> jax.Array:
     """:func:`stack` as a traced computation, for a state made under ``jax.jit`` straight
     into its shardings."""
-    out = jnp.zeros((stages, chunks, layout.size), layout.dtype)
+    out = jnp.zeros((stages, chunks, packing.size), packing.dtype)
     for v, tree in enumerate(trees):
-        out = out.at[v % stages, v // stages].set(layout.flatten(tree))
+        out = out.at[v % stages, v // stages].set(packing.flatten(tree))
     return out
 
 
-def unstack(layout: FlatLayout, array: Any, stages: int, count: int) -> list[Any]:
+def unstack(packing: FlatPacking, array: Any, stages: int, count: int) -> list[Any]:
     """The ``count`` virtual stages' trees back from a stacked array, on the host."""
     array = np.asarray(array)
-    return [layout.unflatten(v, array[v % stages, v // stages]) for v in range(count)]
+    return [packing.unflatten(v, array[v % stages, v // stages]) for v in range(count)]
 
 
 def join_stages(params: Sequence[dict], model_states: Sequence[dict]) -> tuple[dict, dict]:
@@ -111,7 +111,7 @@ def _copied(value: Any) -> Any:
 
 
 def hyperparameter_positions(
-    layout: FlatLayout, opt_shapes: Sequence[Any], stages: int, name: str
+    packing: FlatPacking, opt_shapes: Sequence[Any], stages: int, name: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(stage, chunk, offset) of hyperparameter ``name`` in every virtual stage's flat
     optimizer state, found by raveling each state with only that leaf set."""
@@ -124,7 +124,7 @@ def hyperparameter_positions(
                 f"jaxdist.training.optim.make_optimizer (or optax.inject_hyperparams)"
             )
         marked = optax.tree_utils.tree_set(marked, **{name: jnp.ones(())})
-        for offset in np.flatnonzero(np.asarray(layout.flatten(marked))):
+        for offset in np.flatnonzero(np.asarray(packing.flatten(marked))):
             positions.append((v % stages, v // stages, offset))
     return tuple(np.array(column) for column in zip(*positions))
 

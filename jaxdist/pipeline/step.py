@@ -26,7 +26,7 @@ the first micro-batch, reduce-scatters the gradients after the last, and updates
 shard.
 
 Each device holds only its stage's parameters, model state and optimizer state, as flat vectors
-padded to the largest stage's (:class:`~jaxdist.pipeline.stages.FlatLayout`). A stage keeps
+padded to the largest stage's (:class:`~jaxdist.pipeline.stages.FlatPacking`). A stage keeps
 only its input per micro-batch in flight and recomputes its forward pass during the backward
 (GPipe's re-materialisation): the stash is what the schedule decides, M inputs per stage for
 GPipe, about S for 1F1B. The recomputation sees the stage's model state as it is by then, so a
@@ -52,7 +52,7 @@ from jaxdist.comm.scopes import GRADIENT_SCOPE, PARAMETER_SCOPE
 from jaxdist.pipeline import asynchronous, schedules
 from jaxdist.pipeline import state as pipeline_state
 from jaxdist.pipeline.fsdp import (
-    ShardedFlatLayout,
+    ShardedFlatPacking,
     build_fsdp_step,
     gather_rows,
     rows_to_whole,
@@ -66,9 +66,9 @@ from jaxdist.pipeline.options import (
     refuse_unsupported,
     stage_data_axes,
 )
-from jaxdist.pipeline.passes import activation_layout, mean_over_data_axes, run_schedule, update
+from jaxdist.pipeline.passes import activation_packing, mean_over_data_axes, run_schedule, update
 from jaxdist.pipeline.program import Program, compile_schedule
-from jaxdist.pipeline.stages import ActivationLayout, FlatLayout, StageFn, full_stage
+from jaxdist.pipeline.stages import ActivationPacking, FlatPacking, StageFn, full_stage
 from jaxdist.pipeline.state import PipelineState
 from jaxdist.runtime import dispatch
 from jaxdist.training.batches import (
@@ -177,8 +177,8 @@ class PipelineStep(CompiledStep):
         self.split = split
         self.accumulation_steps = 1
         self.num_replicas = int(np.prod([mesh.shape[a] for a in self.data_axes]))
-        self.layouts: dict[str, FlatLayout] | None = None
-        self.activations: ActivationLayout | None = None
+        self.packings: dict[str, FlatPacking] | None = None
+        self.activations: ActivationPacking | None = None
         self._learning_rate_at: tuple | None = None
 
     # ------------------------------------------------------------------ state and batches
@@ -189,12 +189,12 @@ class PipelineStep(CompiledStep):
         params, model_state = self._per_stage(params, model_state)
         params = [jax.tree.map(jnp.asarray, p) for p in params]
         opt_states = [self.optimizer.init(p) for p in params]
-        self._set_layouts(params, model_state, opt_states)
+        self._set_packings(params, model_state, opt_states)
         trees = {"params": params, "model_state": model_state, "opt_state": opt_states}
         replicated = NamedSharding(self.mesh, P())
         stacked = {
             name: pipeline_state.stack(
-                self.layouts[name], trees[name], self.num_stages, self.chunks
+                self.packings[name], trees[name], self.num_stages, self.chunks
             )
             for name in trees
         }
@@ -218,14 +218,14 @@ class PipelineStep(CompiledStep):
         compiled for devices that are not here (:mod:`jaxdist.aot`)."""
         params, model_state = self._per_stage(params, model_state)
         opt_states = [jax.eval_shape(self.optimizer.init, p) for p in params]
-        self._set_layouts(params, model_state, opt_states)
+        self._set_packings(params, model_state, opt_states)
         replicated = NamedSharding(self.mesh, P())
 
         def stacked(name):
-            layout = self.layouts[name]
-            shape = (self.num_stages, self.chunks, layout.size)
+            packing = self.packings[name]
+            shape = (self.num_stages, self.chunks, packing.size)
             sharded = NamedSharding(self.mesh, self.state_spec(name))
-            return jax.ShapeDtypeStruct(shape, layout.dtype, sharding=sharded)
+            return jax.ShapeDtypeStruct(shape, packing.dtype, sharding=sharded)
 
         return PipelineState(
             step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
@@ -244,7 +244,7 @@ class PipelineStep(CompiledStep):
     ) -> PipelineState:
         """The initial state made straight into its shards (FSDP): ``init_variables(rng) ->
         (params, model_state)`` of the whole model, the cut into stages, the optimizer's init
-        and the flat layouts all run under ``jax.jit`` with the state's shardings as output,
+        and the flat packings all run under ``jax.jit`` with the state's shardings as output,
         so the host never holds the whole state. Needs ``split``."""
         if self.split is None:
             raise ValueError(
@@ -264,7 +264,7 @@ class PipelineStep(CompiledStep):
             }
             stacked = {
                 name: pipeline_state.stack_traced(
-                    self.layouts[name], trees[name], self.num_stages, self.chunks
+                    self.packings[name], trees[name], self.num_stages, self.chunks
                 )
                 for name in trees
             }
@@ -292,7 +292,7 @@ class PipelineStep(CompiledStep):
         model_state = [{}] * virtual if model_state is None else list(model_state)
         return list(params), model_state
 
-    def _set_layouts(self, params: list, model_state: list, opt_states: list) -> None:
+    def _set_packings(self, params: list, model_state: list, opt_states: list) -> None:
         virtual = len(self.stages)
         if len(params) != virtual or len(model_state) != virtual:
             raise ValueError(
@@ -304,27 +304,29 @@ class PipelineStep(CompiledStep):
             jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), o) for o in opt_states
         ]
         if self.sharding.kind == "fsdp":
-            sharded = lambda trees: ShardedFlatLayout(  # noqa: E731
+            sharded = lambda trees: ShardedFlatPacking(  # noqa: E731
                 trees, self.num_replicas, self.sharding.min_shard_elements
             )
         else:
-            sharded = FlatLayout
-        self.layouts = {
+            sharded = FlatPacking
+        self.packings = {
             "params": sharded(params),
-            "model_state": FlatLayout(model_state),
+            "model_state": FlatPacking(model_state),
             "opt_state": sharded(opt_states),
         }
         # The parameters as the stages compute on them (under FSDP, once gathered).
-        self.layouts["gathered"] = getattr(self.layouts["params"], "whole", self.layouts["params"])
+        self.packings["gathered"] = getattr(
+            self.packings["params"], "whole", self.packings["params"]
+        )
 
     def unstack(self, state: PipelineState) -> tuple[list[Any], list[Any]]:
         """``(params, model_state)`` per virtual stage, as trees on the host (one process)."""
-        if self.layouts is None:
-            raise RuntimeError("unstack needs the layouts that init() records; call init first")
+        if self.packings is None:
+            raise RuntimeError("unstack needs the packings that init() records; call init first")
         S, count = self.num_stages, len(self.stages)
         return (
-            pipeline_state.unstack(self.layouts["params"], state.params, S, count),
-            pipeline_state.unstack(self.layouts["model_state"], state.model_state, S, count),
+            pipeline_state.unstack(self.packings["params"], state.params, S, count),
+            pipeline_state.unstack(self.packings["model_state"], state.model_state, S, count),
         )
 
     def whole_variables(self, state: PipelineState) -> tuple[dict, dict]:
@@ -337,7 +339,7 @@ class PipelineStep(CompiledStep):
         :func:`jaxdist.training.optim.set_learning_rate`) inside the flat optimizer state."""
         if self._learning_rate_at is None:
             self._learning_rate_at = pipeline_state.hyperparameter_positions(
-                self.layouts["opt_state"], self._opt_shapes, self.num_stages, "learning_rate"
+                self.packings["opt_state"], self._opt_shapes, self.num_stages, "learning_rate"
             )
         stage, chunk, offset = self._learning_rate_at
         value = jnp.asarray(learning_rate, state.opt_state.dtype)
@@ -365,13 +367,13 @@ class PipelineStep(CompiledStep):
             raise RuntimeError(
                 "bytes_per_step is known once the step was traced (call or lower it)"
             )
-        layout = self.layouts["params"]
+        packing = self.packings["params"]
         fsdp = self.sharding.kind == "fsdp"
-        gathered = layout.size * np.dtype(layout.dtype).itemsize if fsdp else 0
+        gathered = packing.size * np.dtype(packing.dtype).itemsize if fsdp else 0
         return {
             "messages": self.program.messages_per_step,
             "message_bytes": self.activations.size * np.dtype(self.activations.dtype).itemsize,
-            "gradient_bytes": self.chunks * layout.size * 4,
+            "gradient_bytes": self.chunks * packing.size * 4,
             "parameter_bytes": self.chunks * gathered,
         }
 
@@ -393,8 +395,8 @@ class PipelineStep(CompiledStep):
         check_micro_batches(batch, self.microbatches, self.num_replicas)
 
     def _build(self, state: PipelineState) -> Callable:
-        if self.layouts is None:
-            raise RuntimeError("the step's layouts come from init(); call init first")
+        if self.packings is None:
+            raise RuntimeError("the step's packings come from init(); call init first")
         if self.sharding.kind == "fsdp":
             return build_fsdp_step(self, state, self._body)
         stage = P(self.stage_axis)
@@ -425,7 +427,7 @@ class PipelineStep(CompiledStep):
         if self.data_axes:
             rng = jax.random.fold_in(rng, lax.axis_index(self.data_axes))
         micro = split_micro_batches(batch, self.microbatches)
-        self.activations, metric_shapes = activation_layout(self, micro)
+        self.activations, metric_shapes = activation_packing(self, micro)
         params, opt_state = state.params[0], state.opt_state[0]
         scale = None if state.loss_scale is None else state.loss_scale.scale
         # 2BW computes on the older version; PipeDream's versions live in the loop.

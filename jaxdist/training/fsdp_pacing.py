@@ -183,7 +183,7 @@ def _evaluate(segment: _Segment, inputs: Sequence[Any], params: Sequence[Any]) -
 
 def paced_loss(
     loss_fn: Callable,
-    layout: Any,
+    placement: Any,
     gather: Callable,
     scatter: Callable,
     prefetch: int = 1,
@@ -203,9 +203,9 @@ def paced_loss(
 
     def sharded_loss(params, model_state, batch, rng):
         blocks, treedef = jax.tree.flatten(params)
-        split = [i for i, d in enumerate(layout.dims) if d is not None]
-        kept_whole = [i for i, d in enumerate(layout.dims) if d is None]
-        whole_shapes = [jax.ShapeDtypeStruct(layout.shapes[i], blocks[i].dtype) for i in split]
+        split = [i for i, d in enumerate(placement.dims) if d is not None]
+        kept_whole = [i for i, d in enumerate(placement.dims) if d is None]
+        whole_shapes = [jax.ShapeDtypeStruct(placement.shapes[i], blocks[i].dtype) for i in split]
         others, others_def = jax.tree.flatten((model_state, batch, rng))
         free = [blocks[i] for i in kept_whole]
 
@@ -221,16 +221,16 @@ def paced_loss(
         whole_vars = jaxpr.invars[: len(split)]
         env = dict(zip(jaxpr.constvars, closed.consts))
         env.update(zip(jaxpr.invars[len(split) :], [*free, *others]))
-        stacked = {i for i in split if layout.stacked[i]}
+        stacked = {i for i in split if placement.stacked[i]}
         segments = segments_of(jaxpr, {v: split[k] for k, v in enumerate(whole_vars)}, stacked)
         if on_segments is not None:
             on_segments(len(segments))
         handover = None  # what the previous segment handed over (see handover_vector)
         for segment in segments:
             if segment.scan:
-                step = scanned_step(segment, layout, gather, scatter, prefetch, scatter_behind)
+                step = scanned_step(segment, placement, gather, scatter, prefetch, scatter_behind)
             else:
-                step = _segment_step(segment, layout, gather, scatter, prefetch)
+                step = _segment_step(segment, placement, gather, scatter, prefetch)
             shards = [blocks[i] for i in segment.leaves]
             values = [env[v] for v in segment.inputs]
             outputs, handover = step(values, shards, handover)
@@ -242,10 +242,10 @@ def paced_loss(
 
 
 def _segment_step(
-    segment: _Segment, layout: Any, gather: Callable, scatter: Callable, prefetch: int
+    segment: _Segment, placement: Any, gather: Callable, scatter: Callable, prefetch: int
 ):
     """``(inputs, blocks, handover) -> (outputs, handover)``: one segment as a custom_vjp."""
-    dims = [layout.dims[i] for i in segment.leaves]
+    dims = [placement.dims[i] for i in segment.leaves]
     travel = gather_dtypes(segment.params, segment.eqns)
     f = lambda ins, ws: _evaluate(segment, ins, ws)  # noqa: E731
     saved: dict[str, Any] = {}

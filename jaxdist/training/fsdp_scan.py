@@ -3,7 +3,7 @@
 A deep model runs its blocks as one ``lax.scan`` over parameters stacked along a leading
 layer axis (``nnx.scan``, linen's ``nn.scan``, MaxText's ``scan_layers``), so its program
 holds one block whatever the depth. FSDP keeps such a parameter split along a dimension
-*below* the layer axis (:class:`~jaxdist.training.sharding.Layout` with ``stacked``): each
+*below* the layer axis (:class:`~jaxdist.training.sharding.Placement` with ``stacked``): each
 device holds a slice of every layer. Paced as one segment, the scan would gather the whole
 stack at once; instead the scan is run again here, as one ``jax.custom_vjp``:
 
@@ -73,7 +73,7 @@ def _zero_cotangent(aval: Any) -> Any:
 
 def scanned_step(
     segment: Any,
-    layout: Any,
+    placement: Any,
     gather: Callable,
     scatter: Callable,
     prefetch: int,
@@ -91,7 +91,7 @@ def scanned_step(
     needed = [eqn.outvars.index(v) for v in segment.outputs]  # each a carry or a ys
     needed_ys = [o - num_carry for o in needed if o >= num_carry]
     # Within one layer a stacked leaf's split dimension is one lower.
-    dims = [layout.dims[i] - 1 for i in segment.leaves]
+    dims = [placement.dims[i] - 1 for i in segment.leaves]
     body_params = [body.jaxpr.invars[k] for k in sorted(param_at, key=param_at.get)]
     travel = gather_dtypes(body_params, body.jaxpr.eqns)
     carry_avals = [v.aval for v in body.jaxpr.outvars[:num_carry]]

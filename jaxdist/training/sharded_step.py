@@ -59,7 +59,7 @@ class ShardedStep(Protocol):
     num_replicas: int
     donate: bool
 
-    def layout_of(self, params: Any) -> sharding_lib.Layout: ...
+    def placement_of(self, params: Any) -> sharding_lib.Placement: ...
     def parameter_specs(self, params: Any) -> tuple[Any, Any]: ...
     def state_specs(self, state: TrainState) -> TrainState: ...
     def state_shardings(self, state: TrainState) -> TrainState: ...
@@ -73,11 +73,11 @@ def build_sharded_step(step: ShardedStep, state: TrainState) -> Callable:
     mesh, fsdp = step.mesh, step.sharding.kind == "fsdp"
     communication, sharding = step.communication, step.sharding
     specs = step.state_specs(state)
-    layout = step.layout_of(state.params)
+    placement = step.placement_of(state.params)
     whole, blocks = step.parameter_specs(state.params)
     replicated_model_state = jax.tree.map(lambda _: P(), state.model_state)
     gradients = jax.shard_map(
-        lambda *args: _gradients(step, layout, *args),
+        lambda *args: _gradients(step, placement, *args),
         mesh=mesh,
         in_specs=(specs.params, replicated_model_state, P(step.data_axes), P(), P()),
         out_specs=(blocks, replicated_model_state, P(), P()),
@@ -86,7 +86,7 @@ def build_sharded_step(step: ShardedStep, state: TrainState) -> Callable:
     gather_back = jax.shard_map(
         lambda b: sharding_lib.gather_parameters(
             b,
-            layout,
+            placement,
             step.shard_axes,
             sharding.gather_schedule(communication),
             sharding.gather_options(communication),
@@ -130,7 +130,7 @@ def build_sharded_step(step: ShardedStep, state: TrainState) -> Callable:
 
 def _gradients(
     step: ShardedStep,
-    layout: sharding_lib.Layout,
+    placement: sharding_lib.Placement,
     params: Any,
     model_state: Any,
     batch: Any,
@@ -147,7 +147,7 @@ def _gradients(
     if sharding.kind == "fsdp":
         loss_fn = sharding_lib.gathered_loss(
             loss_fn,
-            layout,
+            placement,
             shard_axes,
             sharding.gather_schedule(communication),
             communication.allreduce,
@@ -169,15 +169,15 @@ def _gradients(
         loss, metrics = lax.pmean((loss, metrics), axes)
     if sharding.kind == "zero1":
         grads = sharding_lib.scatter_gradients(
-            grads, layout, shard_axes, communication.allreduce, communication.options
+            grads, placement, shard_axes, communication.allreduce, communication.options
         )
-    averaged = _averaged(grads, layout, communication, axes, shard_axes, step.num_replicas)
+    averaged = _averaged(grads, placement, communication, axes, shard_axes, step.num_replicas)
     return averaged, model_state, loss, metrics
 
 
 def _averaged(
     grads: Any,
-    layout: sharding_lib.Layout,
+    placement: sharding_lib.Placement,
     communication: Communication,
     data_axes: str | tuple[str, ...],
     shard_axes: str | tuple[str, ...],
@@ -187,8 +187,8 @@ def _averaged(
     mean over every data axis: whole leaves by the schedule's allreduce, and under HSDP the
     blocks across the replica groups too."""
     leaves, treedef = jax.tree.flatten(grads)
-    whole = [i for i, d in enumerate(layout.dims) if d is None]
-    split = [i for i, d in enumerate(layout.dims) if d is not None]
+    whole = [i for i, d in enumerate(placement.dims) if d is None]
+    split = [i for i, d in enumerate(placement.dims) if d is not None]
     shard_names = np.atleast_1d(shard_axes)
     across = tuple(a for a in np.atleast_1d(data_axes) if a not in shard_names)
     allreduce = communication.allreduce

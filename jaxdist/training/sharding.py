@@ -10,12 +10,12 @@ Three ways to keep a model on a mesh (:data:`SHARDINGS`):
   shards that own them.
 
 Every array keeps its own shape: a sharded parameter is split along one of its dimensions
-(:class:`Layout`), so its optimizer state, its checkpoint and its global shape are the same
+(:class:`Placement`), so its optimizer state, its checkpoint and its global shape are the same
 whatever the sharding, and any optax transformation -- global-norm clipping, LARS and LAMB
 trust ratios, masks by name or by shape -- sees the arrays it would see on one device; XLA
 computes a norm over a sharded array as a sum over its shards. A parameter too small to be
 worth splitting, or with no dimension that the shard count divides, stays replicated
-(:meth:`Layout.replicated`), and says so.
+(:meth:`Placement.replicated`), and says so.
 
 Units: ZeRO-1 (and FSDP with ``keep_gathered``) gathers and scatters the sharded parameters in
 units of about ``unit_bytes`` (whole parameters, in the order of the parameter tree; paced
@@ -45,7 +45,7 @@ __all__ = [
     "DEFAULT_MIN_SHARD_ELEMENTS",
     "FSDP_AXIS",
     "SHARDINGS",
-    "Layout",
+    "Placement",
     "check_sharding",
 ]
 
@@ -109,7 +109,7 @@ def _check_shard_dims(dims, shapes, stacked, paths, shards) -> None:
 
 
 @dataclass(frozen=True)
-class Layout:
+class Placement:
     """Where a sharded step keeps each parameter.
 
     Attributes:
@@ -146,8 +146,8 @@ class Layout:
         stacked: Any = None,
         tensor: tuple[str, int, Any] | None = None,
         shard_dims: Any = None,
-    ) -> Layout:
-        """The layout of ``params`` (arrays or shapes) over ``shards`` devices; ``stacked``: a
+    ) -> Placement:
+        """The placement of ``params`` (arrays or shapes) over ``shards`` devices; ``stacked``: a
         tree of booleans like ``params`` (or None), true where a leaf's first dimension
         counts scanned layers; ``tensor``: ``(axis, size, dims)``, ``dims`` a tree like
         ``params`` of the dimension each leaf splits over ``axis`` (or None);
@@ -328,7 +328,7 @@ def gatherer(
 
 def gathered_loss(
     loss_fn: Any,
-    layout: Layout,
+    placement: Placement,
     axes: Any,
     gather: str,
     scatter: str,
@@ -351,7 +351,7 @@ def gathered_loss(
     if not keep_gathered:
         return paced_loss(
             loss_fn,
-            layout,
+            placement,
             lambda blocks, dims, again: gather_unit(
                 blocks, dims, axes, gather, options, reversed_=again
             ),
@@ -365,36 +365,38 @@ def gathered_loss(
         return gatherer(dims, axes, gather, scatter, options, gradient_options)(leaves)
 
     def sharded_loss(params, model_state, batch, rng):
-        return loss_fn(_unit_by_unit(params, layout, gather_leaves), model_state, batch, rng)
+        return loss_fn(_unit_by_unit(params, placement, gather_leaves), model_state, batch, rng)
 
     return sharded_loss
 
 
-def _unit_by_unit(tree: Any, layout: Layout, collective: Any, scope: str | None = None) -> Any:
+def _unit_by_unit(
+    tree: Any, placement: Placement, collective: Any, scope: str | None = None
+) -> Any:
     """``tree`` with each gather unit's leaves replaced by ``collective(leaves, dims)``, under
     the named ``scope`` if one is given; the leaves kept whole are left as they are."""
     leaves, treedef = jax.tree.flatten(tree)
     out = list(leaves)
     with jax.named_scope(scope) if scope else contextlib.nullcontext():
-        for unit in layout.units:
-            dims = [layout.dims[i] for i in unit]
+        for unit in placement.units:
+            dims = [placement.dims[i] for i in unit]
             for i, leaf in zip(unit, collective([leaves[i] for i in unit], dims)):
                 out[i] = leaf
     return jax.tree.unflatten(treedef, out)
 
 
 def scatter_gradients(
-    grads: Any, layout: Layout, axes: Any, algorithm: str, options: Mapping[str, Any]
+    grads: Any, placement: Placement, axes: Any, algorithm: str, options: Mapping[str, Any]
 ) -> Any:
     """Whole gradients (ZeRO-1) summed over ``axes`` into the blocks each device owns."""
     scatter = lambda ls, dims: scatter_unit(ls, dims, axes, algorithm, options)  # noqa: E731
-    return _unit_by_unit(grads, layout, scatter, GRADIENT_SCOPE)
+    return _unit_by_unit(grads, placement, scatter, GRADIENT_SCOPE)
 
 
 def gather_parameters(
-    blocks: Any, layout: Layout, axes: Any, algorithm: str, options: Mapping[str, Any]
+    blocks: Any, placement: Placement, axes: Any, algorithm: str, options: Mapping[str, Any]
 ) -> Any:
     """Every sharded leaf of ``blocks`` gathered whole (ZeRO-1's parameters after the
     update)."""
     gather = lambda ls, dims: gather_unit(ls, dims, axes, algorithm, options)  # noqa: E731
-    return _unit_by_unit(blocks, layout, gather, PARAMETER_SCOPE)
+    return _unit_by_unit(blocks, placement, gather, PARAMETER_SCOPE)

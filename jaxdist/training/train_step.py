@@ -180,7 +180,7 @@ class TrainStep(CompiledStep):
             check_tensor(
                 mesh, self.data_axes, tensor, allreduce, sfb_layers, communication.wait_free
             )
-        self.layout: sharding_lib.Layout | None = None
+        self.placement: sharding_lib.Placement | None = None
         # How many layers FSDP's paced gathers cut the loss into, once the step is traced.
         self.paced_layers: int | None = None
         # Auto cannot choose without links: refuse now, not at the first step.
@@ -227,7 +227,7 @@ class TrainStep(CompiledStep):
         self, init_variables: Callable[[jax.Array], tuple[Any, Any]], rng: jax.Array
     ) -> TrainState:
         """The initial state made straight into its shards: ``init_variables(rng) -> (params,
-        model_state)`` and the optimizer's init run under ``jax.jit`` with the state's layout
+        model_state)`` and the optimizer's init run under ``jax.jit`` with the state's placement
         as output, so no device (nor the host) ever holds the whole sharded state."""
         params, model_state = jax.eval_shape(init_variables, rng)
         shardings = self.state_shardings(jax.eval_shape(self._fresh_state, params, model_state))
@@ -244,15 +244,15 @@ class TrainStep(CompiledStep):
             loss_scale=self.precision.loss_scale,
         )
 
-    def layout_of(self, params: Any) -> sharding_lib.Layout:
-        """Where each parameter lives (:class:`~jaxdist.training.sharding.Layout`): split over
+    def placement_of(self, params: Any) -> sharding_lib.Placement:
+        """Where each parameter lives (:class:`~jaxdist.training.sharding.Placement`): split over
         the shard axes, or whole; replicated steps keep every parameter whole."""
-        if self.layout is None:
+        if self.placement is None:
             shards = math.prod(self.mesh.shape[a] for a in np.atleast_1d(self.shard_axes))
             if not self.sharding.sharded:
                 shards = 1
             tensor = self.tensor
-            self.layout = sharding_lib.Layout.of(
+            self.placement = sharding_lib.Placement.of(
                 params,
                 shards,
                 unit_bytes=self.communication.bucket_bytes,
@@ -263,19 +263,19 @@ class TrainStep(CompiledStep):
                 else (tensor.axis, self.mesh.shape[tensor.axis], tensor.dims),
                 shard_dims=self.sharding.dims,
             )
-        return self.layout
+        return self.placement
 
     def parameter_specs(self, params: Any) -> tuple[Any, Any]:
         """``(whole, blocks)``: PartitionSpecs of the parameters kept whole over the shard
         axes (split over a tensor axis alone, if any), and of the blocks each device owns
         (ZeRO-1's gradients and optimizer state, FSDP's parameters too; the same as
         ``whole`` for a replicated step)."""
-        layout = self.layout_of(params)
+        placement = self.placement_of(params)
         treedef = jax.tree.structure(params)
-        whole = layout.specs(treedef, None)
+        whole = placement.specs(treedef, None)
         if not self.sharding.sharded:
             return whole, whole
-        return whole, layout.specs(treedef, self.shard_axes)
+        return whole, placement.specs(treedef, self.shard_axes)
 
     def state_specs(self, state: TrainState) -> TrainState:
         """PartitionSpecs of the state: replicated, but for the sharded state of ZeRO-1
