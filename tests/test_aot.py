@@ -720,7 +720,7 @@ def test_plan_takes_the_recipes_unroll_limit(capsys, monkeypatch):
 
 @needs_libtpu
 def test_a_sharded_plan_prints_xla_own_fsdp_of_the_step_beside_it(capsys):
-    """An FSDP plan compiles XLA's own FSDP of the same step (a plain jit, the same layout)
+    """An FSDP plan compiles XLA's own FSDP of the same step (a plain jit, the same placement)
     and prints its total beside ours; --no-xla-fsdp skips it."""
     from jaxdist.cli import main
 
@@ -748,7 +748,7 @@ def test_a_sharded_plan_prints_xla_own_fsdp_of_the_step_beside_it(capsys):
     assert main(base) == 0
     out = capsys.readouterr()
     ratio = ours["total"] / xla["memory_bytes"]["total"]
-    assert "XLA's own FSDP of this step (a plain jax.jit, the same layout): total" in out.out
+    assert "XLA's own FSDP of this step (a plain jax.jit, the same placement): total" in out.out
     assert f"ours {ratio:.2f}x it" in out.out
     assert "compiling XLA's own FSDP of stage 0 beside it" in out.err
     assert main([*base, "--no-xla-fsdp"]) == 0

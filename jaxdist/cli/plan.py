@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         dest="xla_fsdp",
         action="store_false",
         help="skip compiling XLA's own FSDP of a ZeRO-1 or FSDP step (a plain jax.jit with "
-        "the same layout), which the plan otherwise prints beside the step's memory; it "
+        "the same placement), which the plan otherwise prints beside the step's memory; it "
         "about doubles the time a sharded plan takes",
     )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -52,7 +52,9 @@ from jax import lax
 from jaxdist.comm.collective_matmul import (
     check_tensor_schedule,
     gathered_product,
+    gathered_product_and_outer,
     scattered_product,
+    scattered_product_and_outer,
     summed_product,
 )
 
@@ -274,11 +276,16 @@ def _column_gathered_forward(rows, kernels, axis, schedule):
 
 def _column_gathered_backward(axis, schedule, saved, cotangents):
     gathered, kernels = saved
-    grads = tuple(gathered.T @ ct for ct in cotangents)
-    back = scattered_product(
-        jnp.concatenate(cotangents, axis=1), jnp.concatenate(kernels, axis=1).T, axis, schedule
+    # The kernels' gradients, gathered.T @ cotangent, computed chunk by chunk inside the ring.
+    back, grads = scattered_product_and_outer(
+        jnp.concatenate(cotangents, axis=1),
+        jnp.concatenate(kernels, axis=1).T,
+        gathered,
+        axis,
+        schedule,
     )
-    return back, grads
+    widths = list(itertools.accumulate(ct.shape[1] for ct in cotangents))[:-1]
+    return back, tuple(jnp.split(grads, widths, axis=1))
 
 
 _column_gathered.defvjp(_column_gathered_forward, _column_gathered_backward)
@@ -295,8 +302,8 @@ def _row_scattered_forward(rows, kernel, axis, schedule):
 
 def _row_scattered_backward(axis, schedule, saved, cotangent):
     rows, kernel = saved
-    back, gathered = gathered_product(cotangent, kernel.T, axis, schedule)
-    return back, rows.T @ gathered
+    # The kernel's gradient, rows.T @ gathered cotangents, added up as the cotangents arrive.
+    return gathered_product_and_outer(cotangent, kernel.T, rows, axis, schedule)
 
 
 _row_scattered.defvjp(_row_scattered_forward, _row_scattered_backward)
