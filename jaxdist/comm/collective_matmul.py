@@ -27,9 +27,9 @@ products are summed over the axis, so every device holds the whole product
     :func:`gathered_product`). In backward, a weight's gradient (the input's chunk times
     the cotangent's) rides the same ring as one more product per step
     (:func:`scattered_product_and_outer`, :func:`gathered_product_and_outer`). Each
-    product waits for the one before it: the compiler
-    would otherwise merge the products, which share the weight, into one before or after
-    the whole ring (XLA's GPU compiler does), leaving the transfers nothing to run beside.
+    product waits for the one before it: the compiler would otherwise merge the products,
+    which share the weight, into one before or after the whole ring (XLA's GPU compiler
+    does), leaving the transfers nothing to run beside.
 
 Both give the same sums up to the order of float additions.
 """

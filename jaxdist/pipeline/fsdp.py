@@ -123,12 +123,12 @@ class ShardedFlatPacking:
 
     def describe(self) -> str:
         """One line: how many of the stages' arrays are split, and how many stay whole."""
-        split = sum(d is not None for lay in self._placements for d in lay.dims)
-        total = sum(len(lay.dims) for lay in self._placements)
+        split = sum(d is not None for placed in self._placements for d in placed.dims)
+        total = sum(len(placed.dims) for placed in self._placements)
         whole = sum(
             math.prod(s)
-            for lay in self._placements
-            for s, d in zip(lay.shapes, lay.dims)
+            for placed in self._placements
+            for s, d in zip(placed.shapes, placed.dims)
             if d is None
         )
         return (

@@ -83,7 +83,8 @@ class DataParallel:
             )
         self.resolved: dict = {}  # nothing left to the machine beyond the mesh
         # The task's split, worked out (its shapes traced) once for every step built.
-        self._splits: dict[Task, TensorParallel | None] = {}
+        self._splits: dict[Task, tuple[TensorParallel | None, Any]] = {}
+        self._shapes: dict[Task, Any] = {}  # each task's parameter shapes, traced once
 
     def check_batches(self, batches: list[int], replicas: int) -> None:
         """Any global batch works: the batch plan splits it into accumulation steps."""
@@ -129,9 +130,15 @@ class DataParallel:
             return None
         axes = task.logical_axes()
         self._check_rules(task, axes)
-        shapes, _ = jax.eval_shape(task.init_variables, jax.random.key(0))
         size = self.mesh.shape[FSDP_AXIS]
+        shapes = self._parameter_shapes(task)
         return logical_axes.split_dims(axes.names, self._rules(), FSDP_AXIS, shapes, size)
+
+    def _parameter_shapes(self, task: Task) -> Any:
+        """The task's parameters as shapes (its init traced once for both axes' splits)."""
+        if task not in self._shapes:
+            self._shapes[task] = jax.eval_shape(task.init_variables, jax.random.key(0))[0]
+        return self._shapes[task]
 
     def _rules(self) -> logical_axes.Rules:
         """The recipe's rules, then on a mesh with a tensor axis the default (Megatron's
@@ -162,7 +169,7 @@ class DataParallel:
                 f"{task.name} task's model names no parameter dimensions to split "
                 "(Task.logical_axes)"
             )
-        shapes, _ = jax.eval_shape(task.init_variables, jax.random.key(0))
+        shapes = self._parameter_shapes(task)
         rules = self._rules()
         logical_axes.check_tensor_split(axes.names, rules, axes.tensor_parallel)
         size = self.mesh.shape[TENSOR_AXIS]
