@@ -329,6 +329,43 @@ def test_cpu_runs_never_load_the_tpu_compiler():
 
 
 @needs_libtpu
+def test_fsdp_native_gathers_stay_all_gathers_on_the_tpu(torus_2x2, monkeypatch):
+    """A unit whose pieces end mid-tile (1,037 bfloat16 values a device) is padded to whole
+    1,024-element tiles before XLA's all-gather: unpadded, the TPU compiler turns the gather
+    into an all-reduce of a zero-filled whole-sized buffer (three whole-sized buffers and
+    twice the bytes)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdist.training import sharding
+
+    blocks = [
+        jax.ShapeDtypeStruct(
+            (4 * 25, 40), jnp.bfloat16, sharding=NamedSharding(torus_2x2, P(("y", "x")))
+        ),
+        jax.ShapeDtypeStruct(
+            (4 * 37,), jnp.bfloat16, sharding=NamedSharding(torus_2x2, P(("y", "x")))
+        ),
+    ]
+
+    def gathered_sum(a, b):
+        whole = sharding.gather_unit([a, b], [0, 0], ("y", "x"), "native", {})
+        assert [w.shape for w in whole] == [(100, 40), (148,)]
+        return sum(w.astype(jnp.float32).sum() for w in whole)[None]
+
+    def compiled_text():
+        step = jax.shard_map(
+            gathered_sum, mesh=torus_2x2, in_specs=(P(("y", "x")),) * 2, out_specs=P(("y", "x"))
+        )
+        return jax.jit(step).lower(*blocks).compile().as_text()
+
+    text = compiled_text()
+    assert "all-gather" in text and "all-reduce" not in text
+    monkeypatch.setattr(sharding, "GATHER_ALIGNMENT", 1)
+    assert "all-reduce" in compiled_text()  # what the padding prevents
+
+
+@needs_libtpu
 @pytest.mark.parametrize(
     "algorithm", [a for a in collectives.ALGORITHMS if a not in collectives.THREE_LEVEL]
 )

@@ -60,6 +60,7 @@ def _one_line(capsys, code, expected_code, *parts):
             "optimizer.trust_coefficient=0.01 does nothing with optimizer.name='sgd'",
         ),
         (["unroll_limit=4"], "unroll_limit=4 shapes the ppermute schedules, and allreduce='na"),
+        (["transfer_dtype=bf16"], "transfer_dtype must be one of bfloat16, float16, float32"),
         (["skip_nonfinite_steps=-1"], "skip_nonfinite_steps must be >= 0, got -1"),
         (["scatter_behind=True"], "scatter_behind=True paces FSDP's gradient reduce-scatters"),
         (["watchdog_s=-1.0"], "watchdog_s must be >= 0 (0 disables it), got -1.0"),

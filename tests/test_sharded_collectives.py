@@ -80,6 +80,9 @@ def test_mean_and_bfloat16_transfer():
             "bf16": lambda v: collectives.reduce_scatter(
                 v, axes, "torus2d", transfer_dtype=jnp.bfloat16
             ),
+            "bf16-native": lambda v: collectives.reduce_scatter(
+                v, axes, "native", transfer_dtype=jnp.bfloat16
+            ),
             "gather-divided": lambda v: collectives.all_gather(v[:8], "x", "ring", divisor=4),
         },
         x,
@@ -88,6 +91,13 @@ def test_mean_and_bfloat16_transfer():
     np.testing.assert_allclose(out["mean"].reshape(-1), total / 8, rtol=1e-5, atol=1e-6)
     assert out["bf16"].dtype == np.float32  # sent in bf16, summed in float32
     np.testing.assert_allclose(out["bf16"].reshape(-1), total, rtol=0, atol=0.1)
+    # XLA's own reduce-scatter sums in the dtype it is handed: every value of the sum is a
+    # bfloat16 one, given back in the gradient's float32.
+    native = out["bf16-native"].reshape(-1)
+    assert native.dtype == np.float32
+    np.testing.assert_array_equal(native, native.astype(jnp.bfloat16).astype(np.float32))
+    assert np.any(total.astype(np.float32) != total.astype(np.float32).astype(jnp.bfloat16))
+    np.testing.assert_allclose(native, total, rtol=0, atol=0.1)
     for i in range(8):
         row = i // 4  # x-ring of this device's row
         np.testing.assert_array_equal(

@@ -251,6 +251,24 @@ def test_hsdp_shards_inside_groups_and_averages_across(reference_sgd):
     assert step.placement.shards == 4
 
 
+def _trained_with_bf16_gradients(mesh_name, allreduce, batches):
+    """``(state, step)`` after FSDP training over ``mesh_name`` with the gradients sent in
+    bfloat16 by ``allreduce``."""
+    make_mesh, axes = MESHES[mesh_name]
+    state, _, step = distributed_training(
+        make_mesh(),
+        axes,
+        optax.sgd(0.1, momentum=0.9),
+        batches,
+        use_norm=False,
+        sharding="fsdp",
+        allreduce=allreduce,
+        allreduce_options={"transfer_dtype": jnp.bfloat16},
+        **SHARDED,
+    )
+    return state, step
+
+
 @pytest.mark.parametrize("keep_gathered", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_fsdp_with_accumulation_and_bf16_gradients(keep_gathered):
     batches = [data(seed=s) for s in range(STEPS)]
@@ -269,17 +287,7 @@ def test_fsdp_with_accumulation_and_bf16_gradients(keep_gathered):
         **SHARDED,
     )
     assert_trees_close(state.params, params, atol=3e-6)
-    rounded, _, _ = distributed_training(
-        make_mesh(),
-        axes,
-        optax.sgd(0.1, momentum=0.9),
-        batches,
-        use_norm=False,
-        sharding="fsdp",
-        allreduce="torus2d",
-        allreduce_options={"transfer_dtype": jnp.bfloat16},
-        **SHARDED,
-    )
+    rounded, _ = _trained_with_bf16_gradients("torus-4x2", "torus2d", batches)
     assert_trees_close(rounded.params, params, atol=2e-3)
     # Parameters travel whole: the float32 master copy is not rounded to bf16.
     flat = np.concatenate([np.ravel(leaf) for leaf in jax.tree.leaves(rounded.params)])
@@ -287,6 +295,19 @@ def test_fsdp_with_accumulation_and_bf16_gradients(keep_gathered):
         np.mean(flat != np.asarray(jnp.asarray(flat).astype(jnp.bfloat16).astype(jnp.float32)))
         > 0.5
     )
+
+
+def test_fsdp_native_reduce_scatters_bf16_gradients_when_asked():
+    """XLA's own reduce-scatter takes the gradients in the wire's dtype (as XLA's FSDP of a
+    bfloat16 layer does): the program's reduce-scatters are bfloat16, and the step trains as
+    the single device does to bfloat16 rounding."""
+    batches = [data(seed=s) for s in range(STEPS)]
+    params, _ = reference_training(optax.sgd(0.1, momentum=0.9), batches, use_norm=False)
+    rounded, step = _trained_with_bf16_gradients("ring-8", "native", batches)
+    assert_trees_close(rounded.params, params, atol=2e-3)
+    text = step.lower(rounded, step.shard_batch(batches[0]), jax.random.key(1)).as_text()
+    scattered = re.findall(r"reduce_scatter.*?\}\) : \(tensor<\d+x(\w+)>\)", text, re.DOTALL)
+    assert scattered and set(scattered) == {"bf16"}, scattered
 
 
 def test_fsdp_under_a_float16_loss_scale_skips_overflowing_steps():

@@ -35,6 +35,10 @@ Fields:
   sfb_layers: dense layers whose gradients travel as sufficient factors: ``""`` (none;
     with ``auto``, every dense layer is a candidate), ``"all"``, ``"none"`` or
     comma-separated module paths such as ``"head"``.
+  transfer_dtype: the dtype the gradients travel in (``""``: each gradient's own;
+    ``"bfloat16"``: half the bytes, and half the buffer a reduce-scatter holds). The permute
+    schedules add the messages up in float32; XLA's own collectives (``native``) sum in the
+    dtype they travel in, as XLA's FSDP of a bfloat16 model does.
   unroll_limit: ring steps an allreduce schedule runs unrolled along one axis; a longer
     ring runs as a loop, which compiles in the same time at any size but lets no backward
     compute overlap that axis's steps (docs/planning.md).
@@ -466,6 +470,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.links = ""
     c.sfb_layers = ""
     c.unroll_limit = 16  # the schedules' own default, jaxdist.comm.collectives.UNROLL_LIMIT
+    c.transfer_dtype = ""  # the dtype gradients travel in; "": each gradient's own
     c.sharding = "replicated"
     c.gather = ""  # the parameters' all-gather schedule under zero1/fsdp; "": allreduce's
     c.prefetch = 1  # layers ahead FSDP's gathers may start

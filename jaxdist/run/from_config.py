@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -159,6 +160,19 @@ class StepParts:
     precision: Precision
 
 
+_TRANSFER_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _transfer_dtype(text: str) -> Any:
+    """The dtype the recipe's ``transfer_dtype`` names; a ValueError names the choices."""
+    if text not in _TRANSFER_DTYPES:
+        raise ValueError(
+            f"transfer_dtype must be one of {', '.join(_TRANSFER_DTYPES)} (or empty: each "
+            f"gradient's own dtype), got {text!r}"
+        )
+    return jnp.dtype(text)
+
+
 def step_options(
     config: ml_collections.ConfigDict,
 ) -> tuple[Communication, StateSharding, Precision]:
@@ -170,9 +184,12 @@ def step_options(
             "and allreduce='native' is XLA's own all-reduce: choose a schedule "
             "(ring, torus2d, ...) or leave unroll_limit out"
         )
+    options: dict[str, Any] = {"unroll_limit": config.unroll_limit}
+    if config.transfer_dtype:
+        options["transfer_dtype"] = _transfer_dtype(config.transfer_dtype)
     communication = Communication(
         config.allreduce,
-        options={"unroll_limit": config.unroll_limit},
+        options=options,
         bucket_bytes=config.bucket_bytes,
         sfb_layers=sfb_layers_setting(config.sfb_layers),
         links=config.links or None,

@@ -256,10 +256,15 @@ def reduce_scatter(
     if op not in ("sum", "mean"):
         raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
     p = axis_size(axis_name)
-    padded = pad_to_chunks(jnp.asarray(x).reshape(-1), p)
+    x = jnp.asarray(x)
     if algorithm == "native":
+        # XLA's reduce-scatter sums in the dtype it is handed: the wire's, if one is named.
+        travel = (p > 1 and options.get("transfer_dtype")) or x.dtype
+        padded = pad_to_chunks(x.astype(travel).reshape(-1), p)
         shard = padded if p == 1 else _native_reduce_scatter(padded, axis_name, p)
+        shard = shard.astype(x.dtype)
     else:
+        padded = pad_to_chunks(x.reshape(-1), p)
         wire, unroll_limit, own = _prepared(algorithm, axis_name, options)
         axes, schedules = _level_schedules(algorithm, axis_name, own, wire, unroll_limit, True)
         shard = _scatter_levels(padded, axes, schedules)
