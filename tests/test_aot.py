@@ -1093,11 +1093,11 @@ def test_gradient_reduce_scatters_the_tpu_compiler_rewrites_keep_their_role(toru
 def test_a_replicated_step_that_does_not_fit_is_told_what_fsdp_would_hold(torus_2x2):
     from jaxdist.aot.plan import sharding_hint
 
-    def trainer_of(**options):
+    def trainer_of(config=None, **options):
         step = TrainStep(
             loss_fn, optax.adam(1e-3), torus_2x2, data_axes=("y", "x"), **records(**options)
         )
-        return SimpleNamespace(train_step_for=lambda stage: step, config=None)
+        return SimpleNamespace(train_step_for=lambda stage: step, config=config)
 
     hint = sharding_hint(trainer_of(), 0, (PARAMS, {}))
     values = sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(PARAMS))
@@ -1108,3 +1108,9 @@ def test_a_replicated_step_that_does_not_fit_is_told_what_fsdp_would_hold(torus_
         f"sharding=fsdp); or "
     )
     assert sharding_hint(trainer_of(sharding="fsdp"), 0, (PARAMS, {})) == ""
+    # A sharded step of bfloat16 layers whose gradients travel in float32 is told the setting.
+    bf16 = SimpleNamespace(model=SimpleNamespace(dtype="bfloat16"))
+    hint = sharding_hint(trainer_of(bf16, sharding="fsdp"), 0, (PARAMS, {}))
+    assert "gradients travel in float32 (--set transfer_dtype=bfloat16 halves" in hint
+    sent = trainer_of(bf16, sharding="fsdp", allreduce_options={"transfer_dtype": jnp.bfloat16})
+    assert sharding_hint(sent, 0, (PARAMS, {})) == ""

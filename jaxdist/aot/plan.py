@@ -294,10 +294,22 @@ def _given_links(
 
 def sharding_hint(parts: RunParts, stage: int, variable_shapes: tuple | None = None) -> str:
     """For a replicated data-parallel step, what its parameters and optimizer state weigh per
-    chip and what FSDP would make of them ("" otherwise)."""
+    chip and what FSDP would make of them; for a sharded one whose layers compute in
+    bfloat16 while its gradients travel in float32, the setting that halves them ("" else)."""
     step = parts.train_step_for(stage)
-    if not isinstance(step, TrainStep) or step.sharding.sharded:
+    if not isinstance(step, TrainStep):
         return ""
+    if step.sharding.sharded:
+        model = getattr(parts.config, "model", None)
+        if getattr(model, "dtype", None) != "bfloat16":
+            return ""
+        if step.communication.options.get("transfer_dtype") is not None:
+            return ""
+        return (
+            "its layers compute in bfloat16 and its gradients travel in float32 "
+            "(--set transfer_dtype=bfloat16 halves their bytes and, under native, the "
+            "buffers of their reduce-scatters); or "
+        )
     if variable_shapes is None:
         variable_shapes = _variable_shapes(parts, parts.config)
     state = step.abstract_init(*variable_shapes)
