@@ -329,6 +329,54 @@ def test_cpu_runs_never_load_the_tpu_compiler():
 
 
 @needs_libtpu
+def test_the_tpus_fused_reduce_scatter_is_read_and_priced_as_one(torus_2x2):
+    """On a slice of one host the TPU compiler runs a reduce-scatter of rows as an
+    ``all-reduce-scatter`` fusion with no metadata: the plan reads it as a reduce-scatter of
+    the fusion's bytes over its group, in the role the traced reduce-scatter had, and its
+    walk prices it (before, neither saw it: the sequence-parallel sums of ``native`` tensor
+    parallelism went uncounted)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxdist.aot.schedule import read_schedule, rewritten_scatter_roles
+    from jaxdist.aot.timeline import walk
+    from jaxdist.comm.scopes import GRADIENT_SCOPE
+
+    spec = P(("y", "x"))
+    rows = jax.ShapeDtypeStruct(
+        (4 * 128, 1024), jnp.bfloat16, sharding=NamedSharding(torus_2x2, spec)
+    )
+
+    def step(g):
+        with jax.named_scope(GRADIENT_SCOPE):
+            return jax.lax.psum_scatter(jnp.tile(g, (4, 1)) * 2, ("y", "x"), tiled=True)
+
+    lowered = jax.jit(jax.shard_map(step, mesh=torus_2x2, in_specs=spec, out_specs=spec)).lower(
+        rows
+    )
+    text = lowered.compile().as_text()
+    assert "all-reduce-scatter" in text
+    roles = rewritten_scatter_roles(lowered.as_text(dialect="hlo", debug_info=True), 4)
+    [scatter] = read_schedule(text, num_devices=4, scatter_roles=roles).collectives
+    assert (scatter.kind, scatter.nbytes, scatter.group_size, scatter.role) == (
+        "reduce-scatter",
+        128 * 1024 * 2,
+        4,
+        "gradients",
+    )
+    timeline = walk(
+        text,
+        1e-3,
+        lambda collective, inst: 2e-3,
+        peak_flops=1e14,
+        hbm_bandwidth=1e11,
+        num_devices=4,
+        scatter_roles=roles,
+    )
+    assert timeline.gradient_seconds == pytest.approx(2e-3)
+
+
+@needs_libtpu
 def test_fsdp_native_gathers_stay_all_gathers_on_the_tpu(torus_2x2, monkeypatch):
     """A unit whose pieces end mid-tile (1,037 bfloat16 values a device) is padded to whole
     1,024-element tiles before XLA's all-gather: unpadded, the TPU compiler turns the gather

@@ -349,6 +349,18 @@ def _walk(
                     scatter_roles=scatter_roles,
                 )
             continue
+        if is_scatter_fusion(inst):
+            collective, _ = fused_scatter(
+                inst,
+                computations,
+                num_devices,
+                scatter_roles,
+                used_as.get(inst.name, ""),
+                turns=turns,
+                in_loop=in_loop,
+            )
+            schedule.collectives.append(collective)
+            continue
         if ASYNC_FUSION.match(inst.name) and inst.opcode == "fusion":
             _read_async_fusion(
                 inst,
@@ -401,6 +413,56 @@ def _walk(
 # and a done fusion named alike, with the collective inside the start's computation, and the
 # compute between them fused with the collective's progress.
 ASYNC_FUSION = re.compile(r"^async-collective-(start|done)(.*)$")
+
+
+# The TPU compiler's reduce-scatter on a slice of one host: a fusion calling a computation of
+# this name, an all-reduce of the whole buffer and a slice of it, run as a reduce-scatter
+# whose result is the fusion's (one device's part).
+FUSED_SCATTER = "a reduce-scatter the compiler fused (all-reduce-scatter)"
+SCATTER_FUSION = re.compile(r"^all-reduce-scatter(\.[\w.\-]*)?$")
+
+
+def is_scatter_fusion(inst: Instruction) -> bool:
+    """Whether ``inst`` is the TPU compiler's reduce-scatter fusion (:data:`SCATTER_FUSION`)."""
+    return inst.opcode == "fusion" and any(SCATTER_FUSION.match(c) for c in inst.called)
+
+
+def fused_scatter(
+    inst: Instruction,
+    computations: Mapping[str, list[Instruction]],
+    num_devices: int,
+    scatter_roles: Mapping[int, str],
+    users_name: str = "",
+    *,
+    turns: int = 1,
+    in_loop: bool = False,
+) -> tuple[Collective, Instruction]:
+    """The reduce-scatter an ``all-reduce-scatter`` fusion runs, and the all-reduce inside it:
+    its group that all-reduce's, its bytes the fusion's result (one device's part), its role
+    from the fused all-reduce's op name (else the fusion's, else ``users_name``, that of the
+    nearest users that have one)."""
+    inner = next(
+        i
+        for name in inst.called
+        for i in computations.get(name, [])
+        if i.opcode.removesuffix("-start") == "all-reduce"
+    )
+    collective = _collective(
+        inner,
+        inner.op_name or inst.op_name or users_name,
+        False,
+        num_devices,
+        scatter_roles,
+        turns=turns,
+        in_loop=in_loop,
+    )
+    collective.kind, collective.nbytes = "reduce-scatter", nbytes_of(inst.type_text)
+    # The fusion keeps no metadata and the compiler pads its rows, so its bytes need not be a
+    # traced reduce-scatter's: where every traced reduce-scatter has one role, it is that.
+    roles = set(scatter_roles.values())
+    if collective.role == "other" and len(roles) == 1:
+        collective.role, collective.source = roles.pop(), FUSED_SCATTER
+    return collective, inner
 
 
 def _collective(inst, op_name, asynchronous, num_devices, scatter_roles, *, turns, in_loop):
@@ -512,7 +574,8 @@ def _names_by_use(instructions: list[Instruction]) -> dict[str, str]:
     return {
         inst.name: first_named_user(done_of.get(inst.name, inst.name))
         for inst in instructions
-        if inst.opcode.removesuffix("-start") in COLLECTIVES and not inst.op_name
+        if not inst.op_name
+        and (inst.opcode.removesuffix("-start") in COLLECTIVES or is_scatter_fusion(inst))
     }
 
 

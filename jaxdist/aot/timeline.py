@@ -41,7 +41,9 @@ from jaxdist.aot.schedule import (
     Instruction,
     collective_role,
     computations_of,
+    fused_scatter,
     group_size_of,
+    is_scatter_fusion,
     loop_of,
     nbytes_of,
     role_of,
@@ -147,6 +149,8 @@ class _Weights:
     def of(self, inst: Instruction, computation: str) -> float:
         """Roofline seconds of one op of ``computation`` (a loop: all its turns)."""
         if inst.opcode in _FREE or inst.opcode.removesuffix("-start") in COLLECTIVES:
+            return 0.0
+        if is_scatter_fusion(inst):  # a collective, priced as one
             return 0.0
         if inst.opcode.endswith("-done") or inst.opcode in ("call-start", "call-done"):
             return 0.0
@@ -370,6 +374,12 @@ class _Walk:
         if inst.opcode == "call-start":
             self._start_inner(inst, inst.name)
             return
+        if is_scatter_fusion(inst):  # the TPU's reduce-scatter on one host: synchronous
+            collective, inner = fused_scatter(
+                inst, self.computations, self.num_devices, self.scatter_roles or {}
+            )
+            self.now = max(self.now, self._queued(collective, inner).end)
+            return
         if inst.opcode == "while":
             body, trips = loop_of(inst, self.computations)
             for _ in range(trips if body else 0):
@@ -409,6 +419,11 @@ class _Walk:
         nbytes = _result_bytes(inst)
         role = collective_role(kind, nbytes, role_of(inst.op_name), self.scatter_roles)
         collective = Collective(kind, nbytes, True, role, group_size_of(inst, self.num_devices))
+        return self._queued(collective, inst)
+
+    def _queued(self, collective: Collective, inst: Instruction) -> _Transfer:
+        """``collective`` (of instruction ``inst``) started now, or once the links it shares
+        with the transfers before it are free."""
         seconds = self.price(collective, inst)
         if collective.role not in _QUEUED:  # small, latency-bound: not queued behind them
             transfer = _Transfer(collective.role, self.now, self.now + seconds)
