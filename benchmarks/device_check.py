@@ -22,8 +22,10 @@ It measures, on the first device:
 * the time model's step for the chip (FLOPs at peak times the calibrated efficiency of
   :mod:`jaxdist.aot.published`, as ``jaxdist plan`` prices it), beside the measured step;
 * the transformer LM recipe's step (``recipes/transformer_lm.py`` at 12 layers x d_model 1024,
-  context 512, bfloat16, AdamW) as ``jaxdist train`` builds it: measured, predicted, and the
-  share of the chip's peak FLOP/s it reaches (the efficiency above is fitted on ResNet-50).
+  context 512, bfloat16, AdamW) as ``jaxdist train`` builds it: measured, predicted as
+  ``jaxdist plan`` prices a transformer (at the generation's model FLOPs utilization fitted
+  on published runs, :mod:`jaxdist.aot.transformer_efficiency`), the share of the chip's
+  peak FLOP/s it reaches, and its model FLOPs utilization (MaxText's count).
 
 ``--small`` runs the same on a narrow ResNet-50 at 32x32 pixels and per-device batches 4 and
 8 (and a 2-layer LM of width 64), on any machine (the tests run it on CPU, with ``--batches 4``); ``--chip`` names the chip table entry to predict for when
@@ -52,6 +54,7 @@ from jaxdist.aot.chips import CHIPS, network_for
 from jaxdist.aot.compile import compile_train_step
 from jaxdist.aot.predict import predict_step
 from jaxdist.aot.timeline import matrix_flops
+from jaxdist.aot.transformer_efficiency import fitted_efficiency
 from jaxdist.bench import data as data_bench
 from jaxdist.bench import resnet as resnet_bench
 from jaxdist.data import DataConfig, dali_loader, make_pipeline
@@ -140,10 +143,15 @@ def predicted(per_device: int, size: int, width: int, chip: str) -> dict:
     }
 
 
-def priced(compiled, chip: str) -> dict:
-    """A compiled step's time on ``chip`` as ``jaxdist plan`` prices it: its FLOPs at peak x
-    the chip's calibrated efficiency (one device: no collectives)."""
+def priced(compiled, chip: str, model_flops: float | None = None) -> dict:
+    """A compiled step's time on ``chip`` as ``jaxdist plan`` prices it (one device: no
+    collectives): its FLOPs at peak x the chip's calibrated efficiency, or for a step whose
+    task counts ``model_flops`` (a transformer's, MaxText's count), the efficiency at which
+    those run at the generation's fitted model FLOPs utilization."""
     efficiency, note = published.calibrated_efficiency(chip)
+    if model_flops:
+        fit = fitted_efficiency(chip)
+        efficiency, note = min(1.0, fit.value * compiled.flops / model_flops), fit.describe()
     seconds = predict_step(
         compiled, CHIPS[chip], efficiency=efficiency, network=network_for(CHIPS[chip])
     ).total
@@ -209,9 +217,11 @@ def lm_step(small: bool, chip: str | None, steps: int, rounds: int) -> dict:
         "final_loss": float(jax.device_get(metrics["loss"])),
     }
     if chip is not None:
-        row.update(priced(compiled, chip))
+        model_flops = trainer.parts.task.model_flops_per_example() * size["batch"]
+        row.update(priced(compiled, chip, model_flops))
         row["measured_over_predicted"] = row["step_ms"] / row["predicted_step_ms"]
         row["share_of_peak"] = compiled.flops / measured / CHIPS[chip].peak_flops
+        row["model_flops_utilization"] = model_flops / measured / CHIPS[chip].peak_flops
     return row
 
 
@@ -385,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     lm = result["lm"]
     guess = f", predicted {lm['predicted_step_ms']:.3g} ms" if "predicted_step_ms" in lm else ""
     share = f", {lm['share_of_peak']:.1%} of peak" if "share_of_peak" in lm else ""
+    if "model_flops_utilization" in lm:
+        share += f" ({lm['model_flops_utilization']:.1%} model FLOPs utilization)"
     print(
         f"transformer LM {lm['num_layers']}x{lm['d_model']}, context {lm['seq_len']}, batch "
         f"{lm['batch']}: {lm['step_ms']:.1f} ms{guess}{share}, "

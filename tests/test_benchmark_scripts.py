@@ -321,6 +321,10 @@ def test_device_check_runs_its_small_mode_on_cpu(tmp_path):
     lm = result["lm"]
     assert lm["model"] == "transformer_lm" and lm["step_ms"] > 0 and lm["predicted_step_ms"] > 0
     assert lm["flops_per_step"] > 0 and 0 < lm["share_of_peak"] < 1
+    # The LM is priced as the plan prices a transformer: its model FLOPs at the generation's
+    # fitted utilization, not ResNet-50's calibration.
+    assert "model FLOPs utilization" in lm["efficiency_note"] and "h100" in lm["efficiency_note"]
+    assert 0 < lm["model_flops_utilization"] < lm["share_of_peak"]  # remat recomputes forward
     assert result["input_pipeline"]["images_per_s"] > 0 and result["dtype"] == "bfloat16"
     dali = result["input_pipeline"]["dali"]
     assert dali["decode"] == "cpu" and dali["images_per_s"] > 0 and dali["over_grain"] > 0
