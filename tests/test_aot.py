@@ -409,7 +409,7 @@ def test_fsdp_native_gathers_stay_all_gathers_on_the_tpu(torus_2x2, monkeypatch)
 
     text = compiled_text()
     assert "all-gather" in text and "all-reduce" not in text
-    monkeypatch.setattr(sharding, "GATHER_ALIGNMENT", 1)
+    monkeypatch.setattr(collectives.sharded, "GATHER_ALIGNMENT", 1)
     assert "all-reduce" in compiled_text()  # what the padding prevents
 
 

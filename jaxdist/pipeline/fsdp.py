@@ -179,7 +179,7 @@ def gather_rows(
     out = []
     for chunk in range(chunks):
         pieces = [
-            collectives.all_gather(rows[chunk, a:b], axes, algorithm, **options).reshape(shards, -1)
+            collectives.all_gather_rows(rows[chunk, a:b], axes, algorithm, **options)
             for a, b in _column_buckets(width, rows.dtype.itemsize, shards, bucket_bytes)
         ]
         out.append(jnp.concatenate(pieces, axis=1).reshape(-1))

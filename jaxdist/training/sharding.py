@@ -231,14 +231,6 @@ class Placement:
 # --------------------------------------------------------------------------- inside shard_map
 
 
-# Each device's piece of XLA's own all-gather is padded to a whole number of these elements
-# (the TPU's tile of a flat array): the TPU compiler turns an all-gather of pieces that end
-# mid-tile into an all-reduce of a zero-filled whole-sized buffer, which holds three
-# whole-sized buffers where the all-gather holds one (a 32B layer on 256 v5e chips: 5.6
-# GiB against 1.9) and moves twice the bytes.
-GATHER_ALIGNMENT = 1024
-
-
 def _front(block: jax.Array, dim: int) -> jax.Array:
     """A block with its split dimension first, flattened: how it travels."""
     return jnp.moveaxis(block, dim, 0).reshape(-1)
@@ -260,13 +252,9 @@ def gather_unit(
     kept alive until backward)."""
     shards = collectives.axis_size(axes)
     local = jnp.concatenate([_front(b, d) for b, d in zip(blocks, dims)])
-    size = local.size
-    if reversed_:
-        local = local[::-1]
-    if algorithm == "native" and size % GATHER_ALIGNMENT:
-        local = jnp.pad(local, (0, GATHER_ALIGNMENT - size % GATHER_ALIGNMENT))
-    gathered = collectives.all_gather(local, axes, algorithm, **options).reshape(shards, -1)
-    gathered = gathered[:, :size]
+    gathered = collectives.all_gather_rows(
+        local[::-1] if reversed_ else local, axes, algorithm, **options
+    )
     if reversed_:
         gathered = gathered[:, ::-1]
     whole, offset = [], 0

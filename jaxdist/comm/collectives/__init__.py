@@ -55,8 +55,10 @@ from jaxdist.comm.collectives.registry import (
     pack,
 )
 from jaxdist.comm.collectives.sharded import (
+    GATHER_ALIGNMENT,
     SHARDED_ALGORITHMS,
     all_gather,
+    all_gather_rows,
     reduce_scatter,
     sharded_terms,
     sharded_unsupported,
@@ -72,6 +74,7 @@ from jaxdist.comm.collectives.wire import (
 __all__ = [
     "ALGORITHMS",
     "COMMON_OPTIONS",
+    "GATHER_ALIGNMENT",
     "SHARDED_ALGORITHMS",
     "THREE_LEVEL",
     "TWO_LEVEL",
@@ -80,6 +83,7 @@ __all__ = [
     "AxisName",
     "Term",
     "all_gather",
+    "all_gather_rows",
     "allreduce",
     "axis_size",
     "check_names",

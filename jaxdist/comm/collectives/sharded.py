@@ -283,6 +283,29 @@ def _native_reduce_scatter(padded: jax.Array, axis_name: AxisName, p: int) -> ja
     return lax.dynamic_slice_in_dim(total, lax.axis_index(axis_name) * chunk, chunk)
 
 
+# Each device's piece of XLA's own all-gather is padded to a whole number of these elements
+# (the TPU's tile of a flat array): the TPU compiler turns an all-gather of pieces that end
+# mid-tile into an all-reduce of a zero-filled whole-sized buffer, which holds three
+# whole-sized buffers where the all-gather holds one (a 32B layer on 256 v5e chips: 5.6
+# GiB against 1.9) and moves twice the bytes.
+GATHER_ALIGNMENT = 1024
+
+
+def all_gather_rows(
+    piece: jax.Array, axis_name: AxisName, algorithm: str = "ring", **options: Any
+) -> jax.Array:
+    """Every device's ``piece`` (flattened), one row each in device order: ``(p,
+    piece.size)``; call inside shard_map. ``algorithm`` and ``options`` as for
+    :func:`all_gather`; under ``native`` each piece travels padded to whole
+    :data:`GATHER_ALIGNMENT`-element tiles (the rows are the same)."""
+    flat = jnp.asarray(piece).reshape(-1)
+    size = flat.size
+    if algorithm == "native" and size % GATHER_ALIGNMENT:
+        flat = jnp.pad(flat, (0, GATHER_ALIGNMENT - size % GATHER_ALIGNMENT))
+    gathered = all_gather(flat, axis_name, algorithm, **options)
+    return gathered.reshape(axis_size(axis_name), -1)[:, :size]
+
+
 def all_gather(
     shard: jax.Array,
     axis_name: AxisName,
