@@ -1,7 +1,8 @@
 """Tensor parallelism: the summed product's two schedules, Megatron's column- and
-row-parallel products, the transformer split over a ``tensor`` axis by logical axis rules
-(alone, beside data parallelism, FSDP and HSDP, with scanned layers) against its replicated
-run, the memory a tensor axis saves, rules that place the state over ``fsdp``, and the
+row-parallel products, the vocabulary split (embedding, logits and loss), the transformer
+split over a ``tensor`` axis by logical axis rules (alone, beside data parallelism, FSDP and
+HSDP, with scanned layers, its vocabulary split or whole) against its replicated run, the
+memory a tensor axis saves, rules that place the state over ``fsdp``, and the
 one-line refusals of meshes and rules that cannot hold."""
 
 import math
@@ -17,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdist import meshes
 from jaxdist.comm import tensor_parallel as tp
+from jaxdist.comm import vocab_parallel
 from jaxdist.comm.collective_matmul import TENSOR_SCHEDULES, summed_product
 from jaxdist.run.from_config import StepParts
 from jaxdist.run.step_kinds import DataParallel
@@ -94,18 +96,31 @@ def _adamw():
     return optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(3e-3, weight_decay=0.01))
 
 
-def _train(task, mesh, data_axes, schedule=None, sequence=False, **options):
+VOCABULARY_RULES = (("vocab", "tensor"), *logical_axes.DEFAULT_RULES)
+
+
+def _train(
+    task,
+    mesh,
+    data_axes,
+    schedule=None,
+    sequence=False,
+    vocabulary=False,
+    optimizer=None,
+    **options,
+):
     tensor = None
     if schedule is not None:
         axes = task.logical_axes()
         shapes, _ = jax.eval_shape(task.init_variables, jax.random.key(0))
-        dims = logical_axes.split_dims(
-            axes.names, logical_axes.DEFAULT_RULES, "tensor", shapes, mesh.shape["tensor"]
+        rules = VOCABULARY_RULES if vocabulary else logical_axes.DEFAULT_RULES
+        dims = logical_axes.split_dims(axes.names, rules, "tensor", shapes, mesh.shape["tensor"])
+        tensor = tp.TensorParallel(
+            dims, schedule=schedule, sequence=sequence, vocabulary=axes.splits_vocabulary(rules)
         )
-        tensor = tp.TensorParallel(dims, schedule=schedule, sequence=sequence)
     step = TrainStep(
         task.loss,
-        _adamw(),
+        optimizer or _adamw(),
         mesh,
         data_axes=data_axes,
         **records(allreduce="native", **options),
@@ -169,6 +184,15 @@ CASES = [
     ),
     # Sequence parallelism: norms and residual stream split along the positions.
     ((("data", 2), ("tensor", 4)), "data", "collective_matmul", False, {"sequence": True}),
+    # The vocabulary split too: the embedding's rows, the head's columns and the loss.
+    ((("data", 2), ("tensor", 4)), "data", "native", False, {"vocabulary": True}),
+    (
+        (("fsdp", 4), ("tensor", 2)),
+        "fsdp",
+        "collective_matmul",
+        True,
+        {"vocabulary": True, "sequence": True, "sharding": "fsdp"},
+    ),
     pytest.param(
         (("fsdp", 4), ("tensor", 2)),
         "fsdp",
@@ -204,8 +228,9 @@ def test_a_tensor_split_transformer_trains_as_its_replicated_run(
     options,
 ):
     """Adam with global-norm clipping, two steps: the losses and parameters of the model
-    split over the tensor axis (heads, key-value heads and MLP units) are those of the
-    replicated run, whatever the data, FSDP or HSDP axes beside it."""
+    split over the tensor axis (heads, key-value heads and MLP units, and the vocabulary
+    where asked) are those of the replicated run, whatever the data, FSDP or HSDP axes
+    beside it."""
     names, sizes = zip(*axes)
     task = _task(corpus_root, **{"model.scan_layers": scanned})
     _, state, losses = _train(task, _grid(sizes, names), data_axes, schedule, **options)
@@ -216,16 +241,47 @@ def test_a_tensor_split_transformer_trains_as_its_replicated_run(
     mlp = blocks["up"]["kernel"] if scanned else blocks[0]["up"]["kernel"]
     split_dim = mlp.ndim - 1  # the MLP's units
     assert mlp.sharding.spec[split_dim] in ("tensor", ("tensor", "fsdp"))
+    table = state.params["token_embed"]["embedding"]  # [vocab, embed]
+    split = bool(table.sharding.spec) and table.sharding.spec[0] in ("tensor", ("tensor", "fsdp"))
+    assert split == options.get("vocabulary", False)
 
 
-def test_a_tensor_axis_divides_the_state_a_device_holds(corpus_root):  # noqa: F811
+def test_a_tied_vocabulary_split_over_tensor_trains_as_its_replicated_run(
+    corpus_root,  # noqa: F811
+):
+    """The head tied to the token embedding, the vocabulary split over 4 tensor devices
+    with the positions and the collective matmul: the table's rows looked up and scored
+    on the device that holds them, its two gradients added there. Momentum SGD with
+    global-norm clipping, whose update follows the gradient's rounding linearly (Adam's
+    divides it by its own size, which a gradient near zero turns into noise)."""
+    task = _task(corpus_root, **{"model.tie_embeddings": True})
+    optimizer = optax.chain(optax.clip_by_global_norm(0.05), optax.sgd(0.5, momentum=0.9))
+    _, expected, expected_losses = _train(task, _grid((4,), ("data",)), "data", optimizer=optimizer)
+    _, state, losses = _train(
+        task,
+        _grid((2, 4), ("data", "tensor")),
+        "data",
+        "collective_matmul",
+        sequence=True,
+        vocabulary=True,
+        optimizer=optimizer,
+    )
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-4)
+    _assert_params_close(state.params, expected.params)
+    assert "head" not in state.params
+    assert state.params["token_embed"]["embedding"].sharding.spec == P("tensor")
+
+
+@pytest.mark.parametrize("rules", [logical_axes.DEFAULT_RULES, VOCABULARY_RULES])
+def test_a_tensor_axis_divides_the_state_a_device_holds(corpus_root, rules):  # noqa: F811
     """Parameters and Adam's moments per device, under FSDP over 2 and tensor over 2 (every
     leaf split where its shape allows): what the rules split over tensor held a quarter on
-    each device, the rest (embeddings, norms, the output biases) a half."""
+    each device, the rest (norms, the output biases, and the embeddings unless the
+    vocabulary is split) a half."""
     task = _task(corpus_root)
     params, model_state = task.init_variables(jax.random.key(0))
     names = task.logical_axes().names
-    dims = logical_axes.split_dims(names, logical_axes.DEFAULT_RULES, "tensor", params, 2)
+    dims = logical_axes.split_dims(names, rules, "tensor", params, 2)
     mesh = _grid((2, 2), ("fsdp", "tensor"))
     step = TrainStep(
         task.loss,
@@ -233,15 +289,17 @@ def test_a_tensor_axis_divides_the_state_a_device_holds(corpus_root):  # noqa: F
         mesh,
         data_axes="fsdp",
         sharding=StateSharding("fsdp", min_shard_elements=1),
-        tensor=tp.TensorParallel(dims),
+        tensor=tp.TensorParallel(dims, vocabulary=task.logical_axes().splits_vocabulary(rules)),
     )
     state = step.init(params, model_state)
 
     def per_device(tree):
         return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
 
+    over_tensor = {name for name, axis in rules if axis == "tensor"}
+
     def tensor_parallel(leaf_names):
-        return bool(set(leaf_names) & {"heads", "kv_heads", "mlp"})
+        return bool(set(leaf_names) & over_tensor)
 
     split = jax.tree.leaves(
         jax.tree.map(
@@ -287,7 +345,9 @@ def test_meshes_and_rules_that_cannot_hold_are_one_line(corpus_root):  # noqa: F
     axes = task.logical_axes()
     with pytest.raises(ValueError, match=r"mlp=tensor names an axis the mesh lacks"):
         logical_axes.check_rules(logical_axes.parse_rules("mlp=tensor"), ("data",), axes)
-    with pytest.raises(ValueError, match=r"embed=tensor, but the model computes only heads"):
+    with pytest.raises(
+        ValueError, match=r"embed=tensor, but the model computes only heads, kv_heads, mlp, vocab"
+    ):
         logical_axes.check_rules((("embed", "tensor"),), ("data", "tensor"), axes)
     with pytest.raises(
         ValueError, match=r"embed=data: the rules split parameters over tensor or fsdp"
@@ -304,6 +364,10 @@ def test_meshes_and_rules_that_cannot_hold_are_one_line(corpus_root):  # noqa: F
         r"divide over tensor=8",
     ):
         logical_axes.split_dims(axes.names, logical_axes.DEFAULT_RULES, "tensor", shapes, 8)
+    with pytest.raises(
+        ValueError, match=r"head.bias: dimension 0 \(vocab, 256\) does not divide over tensor=3"
+    ):
+        logical_axes.split_dims(axes.names, (("vocab", "tensor"),), "tensor", shapes, 3)
     # MaxText's semantics: the first rule whose axis the array does not use yet.
     rules = (("embed", "tensor"), ("mlp", "tensor"), ("mlp", None))
     assert logical_axes.mesh_axes(("embed", "mlp"), rules) == ("tensor", None)
@@ -382,6 +446,36 @@ def test_sequence_parallel_products_are_the_unsplit_block(schedule):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("schedule", TENSOR_SCHEDULES)
+def test_a_vocabulary_split_embeds_scores_and_losses_as_the_whole_table(schedule):
+    """A 32-token table split over 4 tensor devices, with the positions split too: the
+    lookup summed over the axis, the head's column-parallel logits and the cross-entropy
+    from each device's columns give the whole table's loss and gradients."""
+    mesh = _grid((2, 4), ("data", "tensor"))
+    rng = np.random.default_rng(2)
+    table = jnp.asarray(rng.standard_normal((32, 8)), jnp.float32)
+    head = jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
+    tokens, targets = (jnp.asarray(rng.integers(0, 32, (2, 8)), jnp.int32) for _ in range(2))
+
+    def loss(table, head):
+        x = tp.to_sequence_shard(jnp.tanh(vocab_parallel.embed(table, tokens)))
+        (logits,) = tp.column_product(x, [head])
+        return vocab_parallel.cross_entropy(logits, targets).mean()
+
+    def split(table, head):
+        with tp.splitting("tensor", schedule, sequence=True, vocabulary=True):
+            return jax.value_and_grad(loss, argnums=(0, 1))(table, head)
+
+    specs = (P("tensor"), P(None, "tensor"))
+    value, grads = jax.jit(
+        jax.shard_map(split, mesh=mesh, in_specs=specs, out_specs=(P(), specs), check_vma=False)
+    )(table, head)
+    want_value, want = jax.value_and_grad(loss, argnums=(0, 1))(table, head)
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    for got, expected in zip(grads, want, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- rules for fsdp
 
 FSDP_RULES = "mlp=fsdp,heads=fsdp,kv_heads=fsdp,vocab=fsdp"
@@ -443,6 +537,11 @@ def test_a_recipes_rules_for_fsdp_and_tensor_compose_and_refuse_in_one_line(
     )
     with pytest.raises(ValueError, match=r"sharding=replicated keeps it whole"):
         kind.build(parts, 1)
+    assert not tensor.vocabulary
+    config.logical_axis_rules = "embed=fsdp,vocab=tensor"
+    tensor = DataParallel(config, mesh).tensor_parallel(task)
+    assert tensor.vocabulary and tensor.dims["token_embed"]["embedding"] == 0
+    assert tensor.dims["head"]["kernel"] == 1  # [embed, vocab]
     config.logical_axis_rules = "mlp=fsdp"
     with pytest.raises(ValueError, match=r"place mlp over fsdp \(blocks.0.down.kernel\)"):
         DataParallel(config, mesh).tensor_parallel(task)

@@ -16,7 +16,9 @@ So a block costs one summed product forward and one backward per column/row pair
 by the step's tensor schedule (:mod:`jaxdist.comm.collective_matmul`). Everything between
 (attention's softmax, the MLP's activation) works on the device's own heads or units, and
 everything outside (norms, residual stream, embeddings, the head) on whole activations that
-are the same on every device of the axis.
+are the same on every device of the axis. The vocabulary may be split too: the embedding,
+the head and the loss then work on each device's share of it
+(:mod:`jaxdist.comm.vocab_parallel`).
 
 **Sequence parallelism** (Korthikanti et al.) splits that outside too, along the sequence:
 between the products each device keeps its own ``1/p`` of the positions
@@ -68,6 +70,7 @@ __all__ = [
     "shared",
     "splitting",
     "to_sequence_shard",
+    "vocabulary_axis",
 ]
 
 # The mesh axis whose role is tensor parallelism.
@@ -78,6 +81,7 @@ class _Split(NamedTuple):
     axis: str
     schedule: str
     sequence: bool
+    vocabulary: bool
 
 
 _ACTIVE: contextvars.ContextVar[_Split | None] = contextvars.ContextVar(
@@ -97,27 +101,35 @@ class TensorParallel:
       schedule: the summed products' schedule, one of
         :data:`jaxdist.comm.collective_matmul.TENSOR_SCHEDULES`.
       sequence: sequence parallelism between the products (see the module docstring).
+      vocabulary: the vocabulary split over ``axis`` too: the token embedding's rows and the
+        head's columns, with the logits and the loss computed by
+        :mod:`jaxdist.comm.vocab_parallel`.
     """
 
     dims: Any
     axis: str = TENSOR_AXIS
     schedule: str = "native"
     sequence: bool = False
+    vocabulary: bool = False
 
     def __post_init__(self) -> None:
         check_tensor_schedule(self.schedule)
 
     def splitting(self) -> contextlib.AbstractContextManager[None]:
-        """:func:`splitting` with this split's axis, schedule and sequence parallelism."""
-        return splitting(self.axis, self.schedule, self.sequence)
+        """:func:`splitting` with this split's axis, schedule, sequence parallelism and
+        vocabulary."""
+        return splitting(self.axis, self.schedule, self.sequence, self.vocabulary)
 
 
 @contextlib.contextmanager
-def splitting(axis: str, schedule: str, sequence: bool = False) -> Iterator[None]:
+def splitting(
+    axis: str, schedule: str, sequence: bool = False, vocabulary: bool = False
+) -> Iterator[None]:
     """Inside: the model's column- and row-parallel products see weights split over
     ``axis`` and sum over it with ``schedule``; with ``sequence``, activations between them
-    split along the sequence. A step traces its loss inside this."""
-    token = _ACTIVE.set(_Split(axis, check_tensor_schedule(schedule), sequence))
+    split along the sequence; with ``vocabulary``, the embedding, head and loss see the
+    vocabulary split over it. A step traces its loss inside this."""
+    token = _ACTIVE.set(_Split(axis, check_tensor_schedule(schedule), sequence, vocabulary))
     try:
         yield
     finally:
@@ -191,6 +203,12 @@ def sequence_parallel() -> bool:
     """Whether the products run under :func:`splitting` with sequence parallelism."""
     active = _ACTIVE.get()
     return bool(active and active.sequence)
+
+
+def vocabulary_axis() -> str | None:
+    """The axis the vocabulary is split over inside :func:`splitting`, or None (whole)."""
+    active = _ACTIVE.get()
+    return active.axis if active and active.vocabulary else None
 
 
 def shared(value: jax.Array) -> jax.Array:

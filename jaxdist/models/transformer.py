@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from jaxdist.comm import vocab_parallel
 from jaxdist.comm.tensor_parallel import (
     column_product,
     from_sequence_shard,
@@ -43,11 +44,13 @@ from jaxdist.comm.tensor_parallel import (
     sequence_parallel,
     shared,
     to_sequence_shard,
+    vocabulary_axis,
 )
 
 __all__ = [
     "REMAT_POLICIES",
     "TENSOR_PARALLEL",
+    "VOCABULARY",
     "Block",
     "BlockShape",
     "Transformer",
@@ -145,6 +148,8 @@ MLPS = ("gelu", "swiglu")
 LAYERS_AXIS = {nnx.PARTITION_NAME: "layers"}
 # The logical dimensions a block computes tensor-parallel.
 TENSOR_PARALLEL = ("heads", "kv_heads", "mlp")
+# The vocabulary's dimension: the embedding, head and loss may split it over a tensor axis.
+VOCABULARY = "vocab"
 NORMS = {"layernorm": nnx.LayerNorm, "rmsnorm": nnx.RMSNorm}
 ROTARY_BASE = 10_000.0
 
@@ -291,12 +296,16 @@ class Block(nnx.Module):
         return out + shared(layer.bias[...]).astype(self.dtype)
 
     def _norm(self, norm: nnx.Module, x: jax.Array) -> jax.Array:
-        """``norm(x)``; under sequence parallelism with its parameters :func:`shared`, as it
-        sees this device's positions alone."""
-        if not sequence_parallel():
-            return norm(x)
-        graphdef, state = nnx.split(norm)
-        return nnx.merge(graphdef, jax.tree.map(shared, state))(x)
+        return _own_positions_norm(norm, x)
+
+
+def _own_positions_norm(norm: nnx.Module, x: jax.Array) -> jax.Array:
+    """``norm(x)``; under sequence parallelism with its parameters :func:`shared`, as it
+    sees this device's positions alone."""
+    if not sequence_parallel():
+        return norm(x)
+    graphdef, state = nnx.split(norm)
+    return nnx.merge(graphdef, jax.tree.map(shared, state))(x)
 
 
 class Transformer(nnx.Module):
@@ -327,6 +336,7 @@ class Transformer(nnx.Module):
         self.scan_layers = scan_layers
         self.tie_embeddings = tie_embeddings
         self.depth = num_layers
+        self.dtype = dtype
         shape = shape or BlockShape(num_heads, mlp_ratio=mlp_ratio)
         shape.check(d_model)
         self.token_embed = nnx.Embed(vocab_size, d_model, dtype=dtype, rngs=rngs)
@@ -347,9 +357,9 @@ class Transformer(nnx.Module):
         self.norm = NORMS[shape.norm](d_model, dtype=dtype, rngs=rngs)
         if not tie_embeddings:
             self.head = nnx.Linear(d_model, vocab_size, dtype=dtype, rngs=rngs)
-            name_dims(self.head.kernel, "embed", "vocab")
-            name_dims(self.head.bias, "vocab")
-        name_dims(self.token_embed.embedding, "vocab", "embed")
+            name_dims(self.head.kernel, "embed", VOCABULARY)
+            name_dims(self.head.bias, VOCABULARY)
+        name_dims(self.token_embed.embedding, VOCABULARY, "embed")
         if not shape.rotary:
             name_dims(self.position_embed.embedding, "positions", "embed")
         _name_norm(self.norm)
@@ -398,6 +408,7 @@ class TransformerSpan(nnx.Module):
             )
         self.start, self.stop, self.total = start, stop, model.num_layers
         self.remat, self.scan_layers, self.tie_embeddings = model.remat, False, False
+        self.dtype = model.dtype
         if start == 0:
             self.token_embed = model.token_embed
             if hasattr(model, "position_embed"):
@@ -427,7 +438,7 @@ def _run(
     """Layers ``[start, stop)`` of ``total``, from what ``layers`` holds of them."""
     if start == 0:
         tokens = x
-        x = layers.token_embed(tokens)
+        x = vocab_parallel.embed(layers.token_embed.embedding[...].astype(layers.dtype), tokens)
         if hasattr(layers, "position_embed"):  # else rotary, inside each block's attention
             x = x + layers.position_embed(jnp.arange(tokens.shape[-1]))
         if stop > 1:  # blocks follow: each device of a sequence-parallel axis its positions
@@ -442,12 +453,30 @@ def _run(
         for block in layers.blocks:
             x = block_fn(block, x)
     if stop == total:
-        if start < total - 1:  # blocks ran
+        x = _logits(layers, x, blocks_ran=start < total - 1)
+    return x
+
+
+def _logits(layers: Transformer | TransformerSpan, x: jax.Array, blocks_ran: bool) -> jax.Array:
+    """The final norm and the head of the residual stream ``x``, float32 logits. With the
+    vocabulary split over a tensor axis the head is a column-parallel product, each device
+    its vocabulary's logits; it gathers the positions itself under sequence parallelism, so
+    the norm then runs on this device's own."""
+    if vocabulary_axis() is None:
+        if blocks_ran:
             x = from_sequence_shard(x)
         x = layers.norm(x)
         x = layers.token_embed.attend(x) if layers.tie_embeddings else layers.head(x)
-        x = x.astype(jnp.float32)
-    return x
+        return x.astype(jnp.float32)
+    x = _own_positions_norm(layers.norm, x).astype(layers.dtype)
+    if layers.tie_embeddings:
+        kernel = layers.token_embed.embedding[...].T
+    else:
+        kernel = layers.head.kernel[...]
+    (logits,) = column_product(x, [kernel.astype(layers.dtype)])
+    if not layers.tie_embeddings:
+        logits = logits + layers.head.bias[...].astype(layers.dtype)
+    return logits.astype(jnp.float32)
 
 
 def stack_blocks(params: dict) -> dict:

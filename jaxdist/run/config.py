@@ -61,8 +61,9 @@ Fields:
   logical_axis_rules: ``name=axis`` pairs, comma-separated and ordered, mapping the model's
     named parameter dimensions to the mesh's ``tensor`` and ``fsdp`` axes (MaxText's
     semantics, :mod:`jaxdist.training.logical_axes`); heads, key/value heads and MLP units
-    over the ``tensor`` axis (if the mesh has one) after them. With no rule for ``fsdp``,
-    FSDP and ZeRO-1 split each parameter by its shape.
+    over the ``tensor`` axis (if the mesh has one) after them; ``vocab=tensor`` splits the
+    vocabulary too (:mod:`jaxdist.comm.vocab_parallel`). With no rule for ``fsdp``, FSDP
+    and ZeRO-1 split each parameter by its shape.
   tensor_schedule: how a ``tensor`` axis's partial products are summed: ``native`` (XLA's
     all-reduce) or ``collective_matmul`` (a reduce-scatter with the product inside it, then
     an all-gather; :mod:`jaxdist.comm.collective_matmul`).

@@ -174,4 +174,10 @@ class DataParallel:
         logical_axes.check_tensor_split(axes.names, rules, axes.tensor_parallel)
         size = self.mesh.shape[TENSOR_AXIS]
         dims = logical_axes.split_dims(axes.names, rules, TENSOR_AXIS, shapes, size)
-        return TensorParallel(dims, TENSOR_AXIS, self.tensor_schedule, self.tensor_sequence)
+        return TensorParallel(
+            dims,
+            TENSOR_AXIS,
+            self.tensor_schedule,
+            self.tensor_sequence,
+            vocabulary=axes.splits_vocabulary(rules),
+        )

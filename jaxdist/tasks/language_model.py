@@ -30,15 +30,16 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 from flax import nnx
 
+from jaxdist.comm import vocab_parallel
 from jaxdist.data.byte_corpus import ByteCorpus, unigram_bits_per_byte
 from jaxdist.data.records import RecordData
 from jaxdist.data.synthetic_tokens import SyntheticTokens
 from jaxdist.models.nnx_model import NnxModel
 from jaxdist.models.transformer import (
     TENSOR_PARALLEL,
+    VOCABULARY,
     BlockShape,
     Transformer,
     remat_policy_name,
@@ -108,7 +109,7 @@ def next_byte_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     """Negative log-likelihood (nats) of each next byte of the windows ``tokens`` under the
     model's ``logits`` for its inputs."""
     targets = tokens[:, 1:].astype(jnp.int32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return vocab_parallel.cross_entropy(logits, targets)
 
 
 class _SpanStage:
@@ -263,8 +264,8 @@ class LanguageModel(Task):
 
     def logical_axes(self) -> LogicalAxes:
         """The transformer's named dimensions; heads, key/value heads and MLP units split
-        over a ``tensor`` axis."""
-        return LogicalAxes(self.model.logical_axes(), TENSOR_PARALLEL)
+        over a ``tensor`` axis, and the vocabulary where the rules say."""
+        return LogicalAxes(self.model.logical_axes(), TENSOR_PARALLEL, VOCABULARY)
 
     def init_variables(self, rng: jax.Array) -> tuple[Any, Any]:
         return jax.jit(lambda key: NnxModel(self._make(key)).variables())(rng)

@@ -21,7 +21,10 @@ dimension mapped to ``fsdp`` stays whole on the axis (MaxText's semantics). On a
 a ``tensor`` axis the default rules (:data:`DEFAULT_RULES`, Megatron's split) follow the
 recipe's, so ``embed=fsdp`` alone places the model width over ``fsdp`` and heads and MLP
 units over ``tensor``; a dimension the model computes tensor-parallel must land on
-``tensor`` (refused in one line otherwise: the model would sum whole products).
+``tensor`` (refused in one line otherwise: the model would sum whole products). A model
+whose embedding, head and loss can split the vocabulary names it
+(:attr:`LogicalAxes.vocabulary`); ``vocab=tensor`` then splits it, and it stays whole (or
+follows the ``fsdp`` rules) otherwise.
 """
 
 from __future__ import annotations
@@ -62,12 +65,25 @@ class LogicalAxes:
     Attributes:
       names: a tree like the parameters: per leaf, a tuple with one name (or None) per
         dimension.
-      tensor_parallel: the names whose dimensions the model computes tensor-parallel; a rule
-        may map only these to ``tensor``.
+      tensor_parallel: the names whose dimensions the model computes tensor-parallel on a
+        ``tensor`` axis; a rule must map them to ``tensor`` there.
+      vocabulary: the name of the vocabulary's dimension, if the model can also compute its
+        embedding, head and loss with the vocabulary split over ``tensor``
+        (:mod:`jaxdist.comm.vocab_parallel`) where a rule maps it there; None otherwise.
     """
 
     names: Any
     tensor_parallel: tuple[str, ...]
+    vocabulary: str | None = None
+
+    @property
+    def may_split(self) -> tuple[str, ...]:
+        """Every name a rule may map to ``tensor``."""
+        return self.tensor_parallel + ((self.vocabulary,) if self.vocabulary else ())
+
+    def splits_vocabulary(self, rules: Rules) -> bool:
+        """Whether ``rules`` place the vocabulary over ``tensor``."""
+        return self.vocabulary is not None and mesh_axes((self.vocabulary,), rules) == ("tensor",)
 
 
 def parse_rules(text: str) -> Rules:
@@ -108,10 +124,10 @@ def check_rules(rules: Rules, mesh_axes_present: Sequence[str], axes: LogicalAxe
                 f"logical_axis_rules: {name}={axis} names an axis the mesh lacks "
                 f"(its axes: {', '.join(mesh_axes_present)})"
             )
-        if axis == "tensor" and name not in axes.tensor_parallel:
+        if axis == "tensor" and name not in axes.may_split:
             raise ValueError(
                 f"logical_axis_rules: {name}=tensor, but the model computes only "
-                f"{', '.join(axes.tensor_parallel)} tensor-parallel"
+                f"{', '.join(axes.may_split)} tensor-parallel"
             )
 
 
