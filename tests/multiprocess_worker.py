@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist import meshes
 from jaxdist.comm import collectives, tensor_parallel
 from jaxdist.runtime import distributed
+from jaxdist.training import batches
 from jaxdist.training import train_step as ts
 from jaxdist.training.batchnorm import CrossReplicaBatchNorm
 from jaxdist.training.classifier_loss import classifier_loss
@@ -89,20 +90,10 @@ def check_mesh() -> None:
     assert f"  warning: {expected}" in meshes.describe(wrong)
     if jax.process_index() == 0:
         print(meshes.describe(spec))
-    # A tensor axis across processes: its devices would be fed different rows.
+    # A tensor axis across processes: every process holds every replica, so all read the
+    # same part of each batch.
     across = meshes.build(f"tensor={nproc},fsdp={local}")
-    try:
-        ts.TrainStep(
-            lambda *a: None,
-            optax.sgd(0.1),
-            across,
-            data_axes="fsdp",
-            tensor=tensor_parallel.TensorParallel({"w": 0}),
-        )
-    except ValueError as err:
-        assert "the tensor axis 'tensor' spans processes" in str(err), err
-    else:
-        raise AssertionError("a tensor axis across processes was not refused")
+    assert batches.data_share(across, "fsdp") == (0, 1), batches.data_share(across, "fsdp")
     print(f"CHECK mesh OK rows={rows}")
 
 
@@ -358,6 +349,12 @@ def _tensor_mesh(devices: int) -> tuple[Mesh, collectives.AxisName]:
     return meshes.build(f"fsdp={devices // 2},tensor=2"), "fsdp"
 
 
+def _tensor_across_mesh(devices: int) -> tuple[Mesh, collectives.AxisName]:
+    # The tensor axis outer: across the processes, when two run (each then holds every
+    # replica of fsdp, and both feed the whole batch).
+    return meshes.build(f"tensor=2,fsdp={devices // 2}"), "fsdp"
+
+
 def _host_mesh(devices: int) -> tuple[Mesh, collectives.AxisName]:
     # Two rows (hosts when two processes run), the inner axis inside a process.
     return meshes.hierarchical(2, devices // 2), ("host", "local")
@@ -386,14 +383,26 @@ TRAIN_CASES: dict[str, tuple[Callable[[int], tuple[Mesh, collectives.AxisName]],
             "tensor": tensor_parallel.TensorParallel(TENSOR_DIMS, schedule="collective_matmul"),
         },
     ),
+    "tensor_across_processes": (
+        _tensor_across_mesh,
+        {
+            "allreduce": "native",
+            "sharding": "fsdp",
+            "min_shard_elements": 0,
+            "data_axes": "fsdp",
+            "tensor": tensor_parallel.TensorParallel(TENSOR_DIMS, schedule="collective_matmul"),
+        },
+    ),
 }
 
 
 def train_case(name: str, devices: int) -> tuple[dict[str, np.ndarray], float]:
     """Run ``TRAIN_STEPS`` steps of case ``name`` on the first ``devices`` devices.
 
-    Each process passes its own contiguous slice of every global batch to ``shard_batch`` (the
-    whole batch on one process). Returns the final parameters and BatchNorm statistics as
+    Each process passes the rows of the replicas it holds of every global batch to
+    ``shard_batch`` (:func:`~jaxdist.training.batches.local_rows`: its own contiguous
+    slice, the whole batch on one process, and the same rows as the other process where
+    a tensor axis spans both). Returns the final parameters and BatchNorm statistics as
     ``{"params/...": array}`` (fetched from this process's replica) and the last loss.
     """
     make_mesh, options = TRAIN_CASES[name]
@@ -411,11 +420,9 @@ def train_case(name: str, devices: int) -> tuple[dict[str, np.ndarray], float]:
         **records(**options),
     )
     state = step.init(params, model_state)
-    rows = GLOBAL_BATCH // jax.process_count()
-    mine = slice(jax.process_index() * rows, (jax.process_index() + 1) * rows)
     metrics: dict = {}
     for seed in range(TRAIN_STEPS):
-        local = {k: v[mine] for k, v in global_batch(seed).items()}
+        local = batches.local_rows(global_batch(seed), mesh, step.data_axes)
         state, metrics = step(state, step.shard_batch(local), jax.random.key(1))
     found = {}
     whole = jax.jit(lambda t: t, out_shardings=NamedSharding(mesh, P()))  # FSDP's, gathered

@@ -397,3 +397,48 @@ def test_inspect_fails_where_training_would_refuse_the_dataset(folder, tmp_path,
     )
     assert cli_main(["data", "inspect", str(tmp_path / "none")]) == 1
     assert capsys.readouterr().err.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- shares
+
+
+def test_processes_holding_the_same_replicas_read_the_same_part_of_each_batch():
+    """Which part of every global batch each process reads, from the replicas its devices
+    hold: its own where the processes' replicas differ, the same where a tensor axis spans
+    them, one line where processes share some replicas but not all; and an iterator built
+    inside ``reading_share`` reads that part."""
+    from types import SimpleNamespace
+
+    from jaxdist.data.pipeline import process_of, reading_share
+    from jaxdist.training.batches import data_share
+
+    def mesh(processes, names):
+        grid = np.array(processes, dtype=object)
+        devices = np.vectorize(lambda p: SimpleNamespace(process_index=p), otypes=[object])(grid)
+        return SimpleNamespace(devices=devices, axis_names=names)
+
+    # 2 processes x 2 devices: fsdp across the processes, tensor inside each.
+    inside = mesh([[0, 0], [1, 1]], ("fsdp", "tensor"))
+    assert [data_share(inside, "fsdp", p) for p in (0, 1)] == [(0, 2), (1, 2)]
+    # The tensor axis across them: each holds both replicas, so both read the whole batch.
+    across = mesh([[0, 1], [0, 1]], ("fsdp", "tensor"))
+    assert [data_share(across, "fsdp", p) for p in (0, 1)] == [(0, 1), (0, 1)]
+    # 4 processes, tensor pairs across processes 0-1 and 2-3: two parts.
+    pairs = mesh([[0, 1], [2, 3]], ("fsdp", "tensor"))
+    assert [data_share(pairs, "fsdp", p) for p in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    overlapping = mesh([[0, 1], [0, 0]], ("fsdp", "tensor"))
+    with pytest.raises(ValueError, match=r"process 0: \[0, 1\]; process 1: \[0\]"):
+        data_share(overlapping, "fsdp", 0)
+
+    def first_batch(**process):
+        options = dict(seed=0, image_size=SIZE, shuffle=False, num_epochs=1)
+        with build_train_iterator(IndexSource(8), 4, **options, **process) as batches:
+            return ids(next(batches))
+
+    with reading_share(1, 2):
+        assert process_of(None, None) == (1, 2)
+        assert process_of(0, 4) == (0, 4)  # given explicitly: as given
+        inside = first_batch()
+    assert process_of(None, None) == (0, 1)
+    assert inside == first_batch(process_index=1, process_count=2) == [1, 3]
+    assert first_batch() == [0, 1, 2, 3]

@@ -158,7 +158,8 @@ def test_bench_allreduce_runs_unchanged_and_only_process_0_prints_the_table():
 
 
 def test_train_step_on_two_processes_matches_one_process(two_by_two):
-    """2 processes x 2 devices, each feeding its half of the global batch, end with the same
+    """2 processes x 2 devices, each feeding the rows of the replicas it holds (its half of
+    the global batch; all of it where a tensor axis spans both), end with the same
     parameters and BatchNorm statistics as one process of 4 devices fed the whole batch."""
     from tests.multiprocess_worker import TRAIN_CASES, train_case
 
@@ -184,3 +185,52 @@ def test_train_step_on_two_processes_matches_one_process(two_by_two):
             np.testing.assert_allclose(
                 saved["loss"], expected_loss, rtol=0, atol=2e-6, err_msg=f"{name}: last loss"
             )
+
+
+LM_SETTINGS = {
+    "max_steps": "4",
+    "log_every_steps": "2",
+    "eval_every_epochs": "0",
+    "batch_size": "16",
+    "data.max_train_bytes": "100000",
+    "data.max_eval_bytes": "20000",
+}
+
+
+def test_a_tensor_axis_across_two_processes_trains_as_one_process(tmp_path):
+    """`jaxdist train` of the language model on 2 processes x 2 devices with the tensor axis
+    across the processes (vocabulary split, collective matmul): both processes read the
+    same rows of every batch, and the run logs the losses and held-out bits per byte of
+    one process training the same batches data-parallel on 4 devices."""
+    import json
+
+    from jaxdist.run.config import load_recipe
+    from jaxdist.run.trainer import Trainer
+    from jaxdist.tasks.language_model import LanguageModel
+    from tests._procs import JAXDIST
+
+    sets = {
+        **LM_SETTINGS,
+        "mesh": "tensor=2,data=2",
+        "logical_axis_rules": "vocab=tensor",
+        "tensor_schedule": "collective_matmul",
+    }
+    workdir = tmp_path / "across"
+    recipe = str(REPO / "recipes" / "transformer_lm.py")
+    overrides = [arg for name, value in sets.items() for arg in ("--set", f"{name}={value}")]
+    run_launch(2, 2, *JAXDIST, "train", recipe, "--workdir", str(workdir), *overrides)
+    logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+    config = load_recipe(recipe)
+    for name, value in LM_SETTINGS.items():
+        section, _, field = name.rpartition(".")
+        target = config[section] if section else config
+        target[field] = type(target[field])(value)
+    config.mesh = "data=4"
+    one = tmp_path / "one"
+    Trainer(config, one, task=LanguageModel).run()
+    expected = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in logged] == [r["kind"] for r in expected] == ["train"] * 2 + ["eval"]
+    for got, want in zip(logged, expected, strict=True):
+        key = "loss" if got["kind"] == "train" else "bits_per_byte"
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=f"{got}")

@@ -25,6 +25,8 @@ the metric can be exact: weight each sample by ``batch["mask"]``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -39,6 +41,7 @@ __all__ = [
     "BatchIterator",
     "build_eval_iterator",
     "build_train_iterator",
+    "reading_share",
 ]
 
 Batch = dict[str, np.ndarray]
@@ -52,12 +55,36 @@ def seeds_of(seed: int) -> tuple[int, int]:
     return int(shuffle_seed), int(augment_seed)
 
 
+# The part of every global batch this process reads, where a run says so (reading_share).
+_SHARE: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "jaxdist_data_share", default=None
+)
+
+
+@contextlib.contextmanager
+def reading_share(share: int, shares: int) -> Iterator[None]:
+    """Inside: iterators built without an explicit ``process_index``/``process_count`` read
+    part ``share`` of ``shares`` of every global batch, instead of this process's own part.
+    A run whose processes hold the same data-parallel replicas (a tensor axis or pipeline
+    stages across processes) makes them read the same part
+    (:func:`jaxdist.training.batches.data_share`)."""
+    token = _SHARE.set(process_of(share, shares))
+    try:
+        yield
+    finally:
+        _SHARE.reset(token)
+
+
 def process_of(process_index: int | None, process_count: int | None) -> tuple[int, int]:
+    """``(index, count)``: the part of every global batch an iterator reads, given or (None)
+    the run's :func:`reading_share`, else this process's of all processes."""
     if process_index is None or process_count is None:
         import jax
 
-        process_index = jax.process_index() if process_index is None else process_index
-        process_count = jax.process_count() if process_count is None else process_count
+        share = _SHARE.get()
+        default_index, default_count = share or (jax.process_index(), jax.process_count())
+        process_index = default_index if process_index is None else process_index
+        process_count = default_count if process_count is None else process_count
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index must be in [0, {process_count}), got {process_index}")
     return process_index, process_count

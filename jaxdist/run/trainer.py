@@ -50,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.data import DatasetError, Pipeline
+from jaxdist.data.pipeline import reading_share
 from jaxdist.run import pipeline_config, rerun
 from jaxdist.run.agreement import check_same_everywhere, run_facts
 from jaxdist.run.build import TaskFactory, build_run
@@ -60,6 +61,7 @@ from jaxdist.run.standard_hooks import standard_hooks
 from jaxdist.run.workdir_lock import WorkdirLock
 from jaxdist.runtime.distributed import peer_lost
 from jaxdist.tasks.image_classification import ImageClassification
+from jaxdist.training.batches import data_share
 from jaxdist.training.protocol import Step
 from jaxdist.training.train_state import TrainState
 
@@ -172,12 +174,20 @@ class Trainer:
         params, model_state = step.whole_variables(state)
         whole = TrainState(state.step, params, model_state, opt_state=None)
         totals = None
-        with self.parts.data.eval_iterator(self.parts.settings.eval_batch_size) as batches:
+        with (
+            self._reading(),
+            self.parts.data.eval_iterator(self.parts.settings.eval_batch_size) as batches,
+        ):
             for batch in batches:
                 sums = self.parts.eval_step(whole, step.shard_batch(batch))
                 totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
         totals = {k: float(v) for k, v in jax.device_get(totals).items()}
         return self.parts.task.eval_metrics(totals)
+
+    def _reading(self) -> contextlib.AbstractContextManager[None]:
+        """Iterators built inside read this process's part of every global batch: the same
+        part as the other processes holding its replicas (:func:`data_share`)."""
+        return reading_share(*data_share(self.parts.mesh, self.parts.data_axes))
 
     def resolved_devices(self) -> dict[str, Any]:
         """What the run resolved on this machine: the mesh, and a pipeline's "auto" cut."""
@@ -218,6 +228,7 @@ class Trainer:
             # The workdir's lock before anything else: opening the checkpoints moves an
             # incomplete one aside, which would be the save of a run still writing there.
             lock = held.enter_context(WorkdirLock(self.workdir))
+            held.enter_context(self._reading())
             ckpt = Checkpointer(
                 self.workdir / "checkpoints",
                 every_steps=saves.every_steps,

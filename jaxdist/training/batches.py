@@ -10,6 +10,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
+    "data_share",
     "shard_batch",
     "split_micro_batches",
 ]
@@ -44,17 +45,48 @@ def split_micro_batches(batch: Any, k: int) -> Any:
     return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
 
-def local_replica_indices(mesh: Mesh, data_axes: str | tuple[str, ...]) -> list[int]:
-    """Which data-parallel replicas (positions along the data axes, flattened in mesh order)
-    this process's devices hold. Devices along other axes (a pipeline's stages) hold the same
-    replica's data, so a process holding stages 0-3 of replica 1 holds one replica: [1]."""
+def replicas_by_process(mesh: Mesh, data_axes: str | tuple[str, ...]) -> dict[int, list[int]]:
+    """Per process, which data-parallel replicas (positions along the data axes, flattened
+    in mesh order) its devices hold. Devices along other axes (a pipeline's stages, a tensor
+    axis) hold the same replica's data, so a process holding stages 0-3 of replica 1 holds
+    one replica: [1]."""
     axes = [mesh.axis_names.index(a) for a in np.atleast_1d(data_axes)]
     sizes = [mesh.devices.shape[a] for a in axes]
-    held = set()
+    held: dict[int, set[int]] = {}
     for index in np.ndindex(mesh.devices.shape):
-        if mesh.devices[index].process_index == jax.process_index():
-            held.add(int(np.ravel_multi_index([index[a] for a in axes], sizes)))
-    return sorted(held)
+        replica = int(np.ravel_multi_index([index[a] for a in axes], sizes))
+        held.setdefault(mesh.devices[index].process_index, set()).add(replica)
+    return {process: sorted(replicas) for process, replicas in sorted(held.items())}
+
+
+def local_replica_indices(mesh: Mesh, data_axes: str | tuple[str, ...]) -> list[int]:
+    """Which data-parallel replicas this process's devices hold
+    (:func:`replicas_by_process`)."""
+    return replicas_by_process(mesh, data_axes).get(jax.process_index(), [])
+
+
+def data_share(
+    mesh: Mesh, data_axes: str | tuple[str, ...], process: int | None = None
+) -> tuple[int, int]:
+    """``(share, shares)``: which part of every global batch ``process`` (default: this one)
+    reads, of how many parts. Each process reads its own part, but processes holding the
+    same replicas (a tensor axis or pipeline stages across processes, whose devices must see
+    the same rows) read the same one. One line where the processes' replicas overlap
+    without being the same, or differ in number."""
+    held = replicas_by_process(mesh, data_axes)
+    process = jax.process_index() if process is None else process
+    parts = list(dict.fromkeys(tuple(replicas) for replicas in held.values()))
+    every = {r for part in parts for r in part}
+    if sum(map(len, parts)) != len(every) or len({len(part) for part in parts}) > 1:
+        found = "; ".join(f"process {p}: {r}" for p, r in held.items())
+        raise ValueError(
+            "processes feed the same rows to the replicas they share, so each must hold "
+            f"the same replicas as the others it shares with, as many as every other; "
+            f"the mesh gives {found}"
+        )
+    if len(parts) == len(held):  # every process its own replicas
+        return list(held).index(process), len(held)
+    return parts.index(tuple(held[process])), len(parts)
 
 
 def local_rows(batch: Any, mesh: Mesh, data_axes: str | tuple[str, ...]) -> Any:
@@ -70,8 +102,10 @@ def local_rows(batch: Any, mesh: Mesh, data_axes: str | tuple[str, ...]) -> Any:
 def shard_batch(mesh: Mesh, data_axes: str | tuple[str, ...], batch: Any) -> Any:
     """Place a batch on ``mesh``, split along its leading axis over ``data_axes``.
 
-    Each process passes its own part of the global batch (all of it on one process); a leaf
-    that is already a global array with this placement is kept as it is."""
+    Each process passes its part of the global batch (all of it on one process): the rows
+    of the replicas it holds (:func:`local_rows`), so processes holding the same replicas (a
+    tensor axis across processes) pass the same rows. A leaf that is already a global array
+    with this placement is kept as it is."""
     check_batch_sizes(batch)
     sharding = NamedSharding(mesh, P(data_axes))
     local_replicas = len(local_replica_indices(mesh, data_axes))

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 
 from jaxdist.comm import collectives
 from jaxdist.training import global_norm
+from jaxdist.training.batches import data_share
 
 __all__ = [
     "WAIT_FREE_UNROLL_LIMIT",
@@ -125,14 +126,8 @@ def check_tensor(
             f"the tensor axis {tensor.axis!r} splits weights, not the batch: "
             f"leave it out of the data axes {data_axes!r}"
         )
-    axis = list(mesh.axis_names).index(tensor.axis)
-    groups = np.moveaxis(mesh.devices, axis, -1).reshape(-1, mesh.shape[tensor.axis])
-    if any(len({d.process_index for d in group}) > 1 for group in groups):
-        raise ValueError(
-            f"the tensor axis {tensor.axis!r} spans processes: each process feeds its own "
-            "part of the batch, and every device of a tensor group must see the same; put "
-            "the tensor axis inside a host (the mesh's inner axes)"
-        )
+    # Across processes, the processes of a tensor group read the same part of each batch.
+    data_share(mesh, data_axes)
     problem = (
         f"allreduce={allreduce!r}"
         if allreduce in ("auto", "none")
