@@ -320,6 +320,38 @@ def test_a_tensor_axis_divides_the_state_a_device_holds(corpus_root, rules):  # 
     assert state.params["blocks"][0]["up"]["kernel"].sharding.spec == P("fsdp", "tensor")
 
 
+def test_a_plan_that_does_not_fit_names_the_rule_that_splits_a_whole_vocabulary(
+    corpus_root,  # noqa: F811
+):
+    """The hint of a plan whose tensor-parallel step does not fit: with the vocabulary whole
+    on the tensor axis, the rule that splits it, before what FSDP would hold; none once
+    the vocabulary is split."""
+    from types import SimpleNamespace
+
+    from jaxdist.aot.plan import sharding_hint
+
+    task = _task(corpus_root)
+    shapes = jax.eval_shape(task.init_variables, jax.random.key(0))
+    mesh = _grid((2, 2), ("data", "tensor"))
+
+    def parts(rules):
+        axes = task.logical_axes()
+        dims = logical_axes.split_dims(axes.names, rules, "tensor", shapes[0], 2)
+        tensor = tp.TensorParallel(dims, vocabulary=axes.splits_vocabulary(rules))
+        step = TrainStep(task.loss, _adamw(), mesh, data_axes="data", tensor=tensor)
+        config = ml_collections.ConfigDict({"model": {"dtype": "float32"}})
+        return SimpleNamespace(train_step_for=lambda stage: step, task=task, config=config)
+
+    hint = sharding_hint(parts(logical_axes.DEFAULT_RULES), 0, shapes)
+    assert hint.startswith(
+        "its vocabulary is whole on every device of the tensor axis (the rule vocab=tensor "
+        "in --set logical_axis_rules splits the embedding, the head and the logits); or its "
+        "parameters and optimizer state alone take"
+    ), hint
+    hint = sharding_hint(parts(VOCABULARY_RULES), 0, shapes)
+    assert hint.startswith("its parameters and optimizer state alone take"), hint
+
+
 # --------------------------------------------------------------------------- refusals
 
 

@@ -295,10 +295,30 @@ def _given_links(
 def sharding_hint(parts: RunParts, stage: int, variable_shapes: tuple | None = None) -> str:
     """For a replicated data-parallel step, what its parameters and optimizer state weigh per
     chip and what FSDP would make of them; for a sharded one whose layers compute in
-    bfloat16 while its gradients travel in float32, the setting that halves them ("" else)."""
+    bfloat16 while its gradients travel in float32, the setting that halves them ("" else).
+    Before either, for a tensor-parallel step that keeps a vocabulary whole on every device
+    of its tensor axis, the rule that splits it."""
     step = parts.train_step_for(stage)
     if not isinstance(step, TrainStep):
         return ""
+    return _vocabulary_hint(parts, step) + _state_hint(parts, step, variable_shapes)
+
+
+def _vocabulary_hint(parts: RunParts, step: TrainStep) -> str:
+    task = getattr(parts, "task", None)
+    if step.tensor is None or step.tensor.vocabulary or task is None:
+        return ""
+    axes = task.logical_axes()
+    if axes is None or axes.vocabulary is None:
+        return ""
+    return (
+        f"its vocabulary is whole on every device of the tensor axis (the rule "
+        f"{axes.vocabulary}=tensor in --set logical_axis_rules splits the embedding, the "
+        f"head and the logits); or "
+    )
+
+
+def _state_hint(parts: RunParts, step: TrainStep, variable_shapes: tuple | None) -> str:
     if step.sharding.sharded:
         model = getattr(parts.config, "model", None)
         if getattr(model, "dtype", None) != "bfloat16":
