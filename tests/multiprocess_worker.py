@@ -94,6 +94,25 @@ def check_mesh() -> None:
     # same part of each batch.
     across = meshes.build(f"tensor={nproc},fsdp={local}")
     assert batches.data_share(across, "fsdp") == (0, 1), batches.data_share(across, "fsdp")
+    # Fed each its own rows instead, the first batch is refused on every process.
+    step = ts.TrainStep(
+        lambda *a: None,
+        optax.sgd(0.1),
+        across,
+        data_axes="fsdp",
+        tensor=tensor_parallel.TensorParallel({"w": 0}),
+    )
+    own = {"x": np.full((2 * local, 3), jax.process_index(), np.float32)}
+    try:
+        step.shard_batch(own)
+    except ValueError as err:
+        assert f"hold the same replicas {list(range(local))} but were given different rows" in str(
+            err
+        ), err
+    else:
+        raise AssertionError("processes sharing replicas were fed different rows unnoticed")
+    same = step.shard_batch({"x": np.zeros((2 * local, 3), np.float32)})  # alike: placed
+    assert same["x"].shape == (2 * local, 3), same["x"].shape
     print(f"CHECK mesh OK rows={rows}")
 
 

@@ -350,6 +350,46 @@ def test_a_plan_that_does_not_fit_names_the_rule_that_splits_a_whole_vocabulary(
     ), hint
     hint = sharding_hint(parts(VOCABULARY_RULES), 0, shapes)
     assert hint.startswith("its parameters and optimizer state alone take"), hint
+    # A vocabulary the axis does not divide: the rule would be refused, so no hint of it.
+    odd = jax.tree.map(
+        lambda leaf, n: jax.ShapeDtypeStruct(
+            tuple(d + 1 if name == "vocab" else d for d, name in zip(leaf.shape, n)), leaf.dtype
+        ),
+        shapes[0],
+        task.logical_axes().names,
+    )
+    hint = sharding_hint(parts(logical_axes.DEFAULT_RULES), 0, (odd, shapes[1]))
+    assert hint.startswith("its parameters and optimizer state alone take"), hint
+
+
+def test_a_step_that_hides_its_vocabulary_split_from_the_model_is_one_line(
+    corpus_root,  # noqa: F811
+):
+    """Rules that split the vocabulary, given to a step that says it keeps it whole (or the
+    other way round), stop at the first trace with one line, not a wrong loss."""
+    task = _task(corpus_root)
+    params, model_state = task.init_variables(jax.random.key(0))
+    mesh = _grid((2, 2), ("data", "tensor"))
+    batch = next(iter(task.data.train_iterator(8)))
+    for rules, said, found in (
+        (VOCABULARY_RULES, False, "reads 128 of its 256 vocabulary rows, but the step keeps"),
+        (
+            logical_axes.DEFAULT_RULES,
+            True,
+            "reads 256 of its 256 vocabulary rows, but the step splits",
+        ),
+    ):
+        dims = logical_axes.split_dims(task.logical_axes().names, rules, "tensor", params, 2)
+        step = TrainStep(
+            task.loss,
+            _adamw(),
+            mesh,
+            data_axes="data",
+            tensor=tp.TensorParallel(dims, vocabulary=said),
+        )
+        state = step.init(params, model_state)
+        with pytest.raises(ValueError, match=found):
+            step(state, step.shard_batch(batch), jax.random.key(1))
 
 
 # --------------------------------------------------------------------------- refusals

@@ -41,6 +41,7 @@ from jaxdist.aot.xla_fsdp import XlaFsdp, compile_xla_fsdp
 from jaxdist.comm import cost_model
 from jaxdist.run.build import RunParts, build_run
 from jaxdist.tasks.image_classification import ImageClassification
+from jaxdist.training import logical_axes
 from jaxdist.training.batch_schedule import DevicePlan
 from jaxdist.training.train_step import TrainStep
 
@@ -301,15 +302,27 @@ def sharding_hint(parts: RunParts, stage: int, variable_shapes: tuple | None = N
     step = parts.train_step_for(stage)
     if not isinstance(step, TrainStep):
         return ""
-    return _vocabulary_hint(parts, step) + _state_hint(parts, step, variable_shapes)
+    return _vocabulary_hint(parts, step, variable_shapes) + _state_hint(
+        parts, step, variable_shapes
+    )
 
 
-def _vocabulary_hint(parts: RunParts, step: TrainStep) -> str:
-    task = getattr(parts, "task", None)
+def _vocabulary_hint(parts: RunParts, step: TrainStep, variable_shapes: tuple | None) -> str:
+    """The rule that splits a vocabulary a tensor-parallel step keeps whole, where the axis
+    divides it ("" else)."""
+    task = getattr(parts, "task", None)  # a plan's parts have one; a bare step does not
     if step.tensor is None or step.tensor.vocabulary or task is None:
         return ""
     axes = task.logical_axes()
     if axes is None or axes.vocabulary is None:
+        return ""
+    if variable_shapes is None:
+        variable_shapes = _variable_shapes(parts, parts.config)
+    rules = ((axes.vocabulary, step.tensor.axis),)
+    try:
+        size = step.mesh.shape[step.tensor.axis]
+        logical_axes.split_dims(axes.names, rules, step.tensor.axis, variable_shapes[0], size)
+    except ValueError:  # the axis does not divide the vocabulary: the rule would be refused
         return ""
     return (
         f"its vocabulary is whole on every device of the tensor axis (the rule "

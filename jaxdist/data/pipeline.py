@@ -304,8 +304,8 @@ def build_train_iterator(
       seed: shuffle and augmentation seed.
       start_sample: global stream position to start at (resume, or a batch-size stage that
         begins after ``start_sample`` samples).
-      process_index, process_count: this process's shard; default ``jax.process_index()`` and
-        ``jax.process_count()``.
+      process_index, process_count: this process's shard; default the run's
+        :func:`reading_share`, else ``jax.process_index()`` and ``jax.process_count()``.
       image_size: output side for JPEG sources (random-resized-crop); array sources keep
         their size.
       dtype: ``"float32"`` (normalised by the source's mean/std) or ``"uint8"`` (normalise on

@@ -77,7 +77,8 @@ class RecordData:
     Args:
       train, eval: the training and held-out records.
       seed: the shuffle of every epoch.
-      process_index, process_count: this process's share (default: JAX's).
+      process_index, process_count: this process's share (default: the run's
+        :func:`~jaxdist.data.pipeline.reading_share`, else JAX's process index and count).
       read_threads, prefetch_batches: as for :func:`~jaxdist.data.build_train_iterator`.
     """
 

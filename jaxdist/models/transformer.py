@@ -336,7 +336,6 @@ class Transformer(nnx.Module):
         self.scan_layers = scan_layers
         self.tie_embeddings = tie_embeddings
         self.depth = num_layers
-        self.dtype = dtype
         shape = shape or BlockShape(num_heads, mlp_ratio=mlp_ratio)
         shape.check(d_model)
         self.token_embed = nnx.Embed(vocab_size, d_model, dtype=dtype, rngs=rngs)
@@ -408,7 +407,6 @@ class TransformerSpan(nnx.Module):
             )
         self.start, self.stop, self.total = start, stop, model.num_layers
         self.remat, self.scan_layers, self.tie_embeddings = model.remat, False, False
-        self.dtype = model.dtype
         if start == 0:
             self.token_embed = model.token_embed
             if hasattr(model, "position_embed"):
@@ -438,7 +436,7 @@ def _run(
     """Layers ``[start, stop)`` of ``total``, from what ``layers`` holds of them."""
     if start == 0:
         tokens = x
-        x = vocab_parallel.embed(layers.token_embed.embedding[...].astype(layers.dtype), tokens)
+        x = _embed_tokens(layers.token_embed, tokens)
         if hasattr(layers, "position_embed"):  # else rotary, inside each block's attention
             x = x + layers.position_embed(jnp.arange(tokens.shape[-1]))
         if stop > 1:  # blocks follow: each device of a sequence-parallel axis its positions
@@ -453,29 +451,61 @@ def _run(
         for block in layers.blocks:
             x = block_fn(block, x)
     if stop == total:
-        x = _logits(layers, x, blocks_ran=start < total - 1)
+        x = _logits(layers, x, positions_split=start < total - 1 and sequence_parallel())
     return x
 
 
-def _logits(layers: Transformer | TransformerSpan, x: jax.Array, blocks_ran: bool) -> jax.Array:
-    """The final norm and the head of the residual stream ``x``, float32 logits. With the
-    vocabulary split over a tensor axis the head is a column-parallel product, each device
-    its vocabulary's logits; it gathers the positions itself under sequence parallelism, so
-    the norm then runs on this device's own."""
+def _embed_tokens(embed: nnx.Embed, tokens: jax.Array) -> jax.Array:
+    """The tokens' rows of the embedding, in its dtype (as ``nnx.Embed``): looked up on the
+    device that holds each row where the vocabulary is split over a tensor axis."""
+    table = _vocabulary_table(embed.embedding[...], embed.num_embeddings, rows_dim=0)
+    return vocab_parallel.embed(table.astype(embed.dtype), tokens)
+
+
+def _vocabulary_table(table: jax.Array, vocab_size: int, rows_dim: int) -> jax.Array:
+    """``table``, checked to hold the whole vocabulary along ``rows_dim`` exactly when the
+    step keeps it whole: one line for a step that splits its rules' vocabulary without
+    saying so (``TensorParallel.vocabulary``), or says so of a whole one."""
+    split = vocabulary_axis() is not None
+    if (table.shape[rows_dim] < vocab_size) != split:
+        raise ValueError(
+            f"the model reads {table.shape[rows_dim]} of its {vocab_size} vocabulary rows, "
+            f"but the step {'splits' if split else 'keeps'} the vocabulary "
+            f"{'over' if split else 'whole on'} its tensor axis: give "
+            f"TensorParallel(vocabulary=...) what the rules do to the vocabulary"
+        )
+    return table
+
+
+def _logits(
+    layers: Transformer | TransformerSpan, x: jax.Array, positions_split: bool
+) -> jax.Array:
+    """The final norm and the head of the residual stream ``x`` (each device its own
+    positions where ``positions_split``), float32 logits. With the vocabulary split over a
+    tensor axis the head is a column-parallel product, each device its vocabulary's logits;
+    under sequence parallelism it gathers the positions itself, so the norm runs on this
+    device's own."""
     if vocabulary_axis() is None:
-        if blocks_ran:
+        if positions_split:
             x = from_sequence_shard(x)
         x = layers.norm(x)
         x = layers.token_embed.attend(x) if layers.tie_embeddings else layers.head(x)
         return x.astype(jnp.float32)
-    x = _own_positions_norm(layers.norm, x).astype(layers.dtype)
+    if sequence_parallel() and not positions_split:
+        x = to_sequence_shard(x)  # what the column-parallel product expects
+    x = _own_positions_norm(layers.norm, x)
     if layers.tie_embeddings:
-        kernel = layers.token_embed.embedding[...].T
+        embed = layers.token_embed
+        kernel, dtype = embed.embedding[...].T, embed.dtype
+        vocab_size = embed.num_embeddings
     else:
         kernel = layers.head.kernel[...]
-    (logits,) = column_product(x, [kernel.astype(layers.dtype)])
+        dtype = layers.head.dtype or kernel.dtype
+        vocab_size = layers.head.out_features
+    kernel = _vocabulary_table(kernel, vocab_size, rows_dim=1)
+    (logits,) = column_product(x.astype(dtype), [kernel.astype(dtype)])
     if not layers.tie_embeddings:
-        logits = logits + layers.head.bias[...].astype(layers.dtype)
+        logits = logits + layers.head.bias[...].astype(dtype)
     return logits.astype(jnp.float32)
 
 

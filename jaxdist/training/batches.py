@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import jax
@@ -75,6 +76,11 @@ def data_share(
     without being the same, or differ in number."""
     held = replicas_by_process(mesh, data_axes)
     process = jax.process_index() if process is None else process
+    if process not in held:
+        raise ValueError(
+            f"process {process} holds no device of the mesh (its devices: processes "
+            f"{sorted(held)}), so it has no rows to feed"
+        )
     parts = list(dict.fromkeys(tuple(replicas) for replicas in held.values()))
     every = {r for part in parts for r in part}
     if sum(map(len, parts)) != len(every) or len({len(part) for part in parts}) > 1:
@@ -84,9 +90,34 @@ def data_share(
             f"the same replicas as the others it shares with, as many as every other; "
             f"the mesh gives {found}"
         )
-    if len(parts) == len(held):  # every process its own replicas
-        return list(held).index(process), len(held)
     return parts.index(tuple(held[process])), len(parts)
+
+
+def check_shared_rows(mesh: Mesh, data_axes: str | tuple[str, ...], batch: Any) -> None:
+    """Where processes hold the same replicas (:func:`data_share`), one line unless they
+    were given the same rows of ``batch``: otherwise the devices of a tensor group would
+    each see other rows, and nothing else would tell. A collective among the processes (a
+    digest of each one's rows) where replicas are shared; nothing otherwise."""
+    held = replicas_by_process(mesh, data_axes)
+    if jax.process_count() == 1 or len(set(map(tuple, held.values()))) == len(held):
+        return
+    from jax.experimental import multihost_utils
+
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(batch):
+        if not isinstance(leaf, jax.Array):  # placed already: a loader's own placement
+            digest.update(np.ascontiguousarray(leaf).tobytes())
+    mine = np.frombuffer(digest.digest()[:8], np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
+    for process, replicas in held.items():
+        same = [p for p, r in held.items() if r == replicas]
+        if any((every[p] != every[process]).any() for p in same):
+            raise ValueError(
+                f"processes {same} hold the same replicas {replicas} but were given "
+                "different rows: feed each process batches.local_rows(batch, mesh, "
+                "data_axes), or build its iterators inside "
+                "jaxdist.data.pipeline.reading_share(*batches.data_share(mesh, data_axes))"
+            )
 
 
 def local_rows(batch: Any, mesh: Mesh, data_axes: str | tuple[str, ...]) -> Any:

@@ -77,7 +77,7 @@ class LogicalAxes:
     vocabulary: str | None = None
 
     @property
-    def may_split(self) -> tuple[str, ...]:
+    def tensor_splittable(self) -> tuple[str, ...]:
         """Every name a rule may map to ``tensor``."""
         return self.tensor_parallel + ((self.vocabulary,) if self.vocabulary else ())
 
@@ -124,10 +124,10 @@ def check_rules(rules: Rules, mesh_axes_present: Sequence[str], axes: LogicalAxe
                 f"logical_axis_rules: {name}={axis} names an axis the mesh lacks "
                 f"(its axes: {', '.join(mesh_axes_present)})"
             )
-        if axis == "tensor" and name not in axes.may_split:
+        if axis == "tensor" and name not in axes.tensor_splittable:
             raise ValueError(
                 f"logical_axis_rules: {name}=tensor, but the model computes only "
-                f"{', '.join(axes.may_split)} tensor-parallel"
+                f"{', '.join(axes.tensor_splittable)} tensor-parallel"
             )
 
 

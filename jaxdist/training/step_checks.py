@@ -115,8 +115,10 @@ def check_tensor(
     mesh: Mesh, data_axes: Any, tensor: Any, allreduce: str, sfb_layers: Any, wait_free: bool
 ) -> None:
     """Refuse, in one line, a tensor-parallel step that cannot run: its tensor axis must be
-    an axis of the mesh that splits no batch, and its gradients are averaged by one named
-    schedule (no per-bucket choice, factors or wait-free pacing)."""
+    an axis of the mesh that splits no batch, processes must hold the same replicas as the
+    others they share any with (:func:`~jaxdist.training.batches.data_share`), and its
+    gradients are averaged by one named schedule (no per-bucket choice, factors or
+    wait-free pacing)."""
     if tensor.axis not in mesh.axis_names:
         raise ValueError(
             f"the tensor axis {tensor.axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}"
@@ -126,7 +128,7 @@ def check_tensor(
             f"the tensor axis {tensor.axis!r} splits weights, not the batch: "
             f"leave it out of the data axes {data_axes!r}"
         )
-    # Across processes, the processes of a tensor group read the same part of each batch.
+    # Across processes, a tensor group's processes must be able to read the same rows.
     data_share(mesh, data_axes)
     problem = (
         f"allreduce={allreduce!r}"

@@ -58,7 +58,7 @@ from jaxdist.comm.tensor_parallel import TensorParallel
 from jaxdist.runtime import dispatch
 from jaxdist.training import optim
 from jaxdist.training import sharding as sharding_lib
-from jaxdist.training.batches import data_axes_of, shard_batch
+from jaxdist.training.batches import check_shared_rows, data_axes_of, shard_batch
 from jaxdist.training.compiled_step import CompiledStep
 from jaxdist.training.gradient_plan import GradientPlan, plan_for_step
 from jaxdist.training.gradients import local_gradients, reduced_while_computing
@@ -183,6 +183,7 @@ class TrainStep(CompiledStep):
         self.placement: sharding_lib.Placement | None = None
         # How many layers FSDP's paced gathers cut the loss into, once the step is traced.
         self.paced_layers: int | None = None
+        self._rows_checked = False  # processes sharing replicas fed alike (first batch)
         # Auto cannot choose without links: refuse now, not at the first step.
         self.links = (
             hybrid.resolve_links(communication.links, self.axis_sizes)
@@ -309,7 +310,12 @@ class TrainStep(CompiledStep):
         )
 
     def shard_batch(self, batch: Any) -> Any:
-        """Place a batch on this step's mesh; see :func:`shard_batch`."""
+        """Place a batch on this step's mesh; see :func:`shard_batch`. The first batch is
+        checked to be the same on processes holding the same replicas
+        (:func:`~jaxdist.training.batches.check_shared_rows`)."""
+        if not self._rows_checked:
+            check_shared_rows(self.mesh, self.data_axes, batch)
+            self._rows_checked = True
         return shard_batch(self.mesh, self.data_axes, batch)
 
     def set_learning_rate(self, state: TrainState, learning_rate: float) -> TrainState:
