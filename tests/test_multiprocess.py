@@ -192,6 +192,10 @@ LM_SETTINGS = {
     "log_every_steps": "2",
     "eval_every_epochs": "0",
     "batch_size": "16",
+    "model.num_layers": "1",
+    "model.d_model": "64",
+    "model.tie_embeddings": "True",
+    "data.seq_len": "32",
     "data.max_train_bytes": "100000",
     "data.max_eval_bytes": "20000",
 }
@@ -199,9 +203,9 @@ LM_SETTINGS = {
 
 def test_a_tensor_axis_across_two_processes_trains_as_one_process(tmp_path):
     """`jaxdist train` of the language model on 2 processes x 2 devices with the tensor axis
-    across the processes (vocabulary split, collective matmul): both processes read the
-    same rows of every batch, and the run logs the losses and held-out bits per byte of
-    one process training the same batches data-parallel on 4 devices."""
+    across the processes (its tied vocabulary split, the collective matmul): both processes
+    read the same rows of every batch, and the run logs the losses and held-out bits per
+    byte of one process training the same batches data-parallel on 4 devices."""
     import json
 
     from jaxdist.run.config import load_recipe
@@ -225,7 +229,9 @@ def test_a_tensor_axis_across_two_processes_trains_as_one_process(tmp_path):
     for name, value in LM_SETTINGS.items():
         section, _, field = name.rpartition(".")
         target = config[section] if section else config
-        target[field] = type(target[field])(value)
+        target[field] = (
+            value == "True" if isinstance(target[field], bool) else type(target[field])(value)
+        )
     config.mesh = "data=4"
     one = tmp_path / "one"
     Trainer(config, one, task=LanguageModel).run()

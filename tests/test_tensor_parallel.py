@@ -185,7 +185,14 @@ CASES = [
     # Sequence parallelism: norms and residual stream split along the positions.
     ((("data", 2), ("tensor", 4)), "data", "collective_matmul", False, {"sequence": True}),
     # The vocabulary split too: the embedding's rows, the head's columns and the loss.
-    ((("data", 2), ("tensor", 4)), "data", "native", False, {"vocabulary": True}),
+    pytest.param(
+        (("data", 2), ("tensor", 4)),
+        "data",
+        "native",
+        False,
+        {"vocabulary": True},
+        marks=pytest.mark.slow,
+    ),
     (
         (("fsdp", 4), ("tensor", 2)),
         "fsdp",
@@ -246,6 +253,7 @@ def test_a_tensor_split_transformer_trains_as_its_replicated_run(
     assert split == options.get("vocabulary", False)
 
 
+@pytest.mark.slow  # the default run trains a tied split through the trainer on 2 processes
 def test_a_tied_vocabulary_split_over_tensor_trains_as_its_replicated_run(
     corpus_root,  # noqa: F811
 ):
