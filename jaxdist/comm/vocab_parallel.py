@@ -37,8 +37,9 @@ __all__ = ["cross_entropy", "embed"]
 def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
     """The rows of ``table`` ``[vocab, d]`` at ``tokens`` (integers), ``[*tokens.shape, d]``;
     with the vocabulary split, ``table`` is this device's rows and the result is the same
-    on every device of the axis. A token outside the vocabulary reads as NaN whole (``jnp.take``'s
-    fill) but as zeros split, where no device holds it: keep tokens in range."""
+    on every device of the axis. A token outside the vocabulary reads as NaN whole
+    (``jnp.take``'s fill) but as zeros split, where no device holds it: keep tokens in
+    range."""
     axis = vocabulary_axis()
     if axis is None:
         return jnp.take(table, tokens, axis=0)

@@ -264,8 +264,8 @@ class Block(nnx.Module):
         _name_norm(self.norm2)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.dropout(self._attend(self._norm(self.norm1, x)))
-        h = self._norm(self.norm2, x)
+        x = x + self.dropout(self._attend(_own_positions_norm(self.norm1, x)))
+        h = _own_positions_norm(self.norm2, x)
         if self.gated:
             gate, up = self._column(h, self.gate, self.up)
             h = nnx.silu(gate) * up
@@ -294,9 +294,6 @@ class Block(nnx.Module):
         plus its bias once the partial products are summed."""
         out = row_product(h.astype(self.dtype), layer.kernel[...].astype(self.dtype), contracted)
         return out + shared(layer.bias[...]).astype(self.dtype)
-
-    def _norm(self, norm: nnx.Module, x: jax.Array) -> jax.Array:
-        return _own_positions_norm(norm, x)
 
 
 def _own_positions_norm(norm: nnx.Module, x: jax.Array) -> jax.Array:

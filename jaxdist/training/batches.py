@@ -81,7 +81,7 @@ def data_share(
             f"process {process} holds no device of the mesh (its devices: processes "
             f"{sorted(held)}), so it has no rows to feed"
         )
-    parts = list(dict.fromkeys(tuple(replicas) for replicas in held.values()))
+    parts = list(_processes_by_replicas(held))
     every = {r for part in parts for r in part}
     if sum(map(len, parts)) != len(every) or len({len(part) for part in parts}) > 1:
         found = "; ".join(f"process {p}: {r}" for p, r in held.items())
@@ -93,13 +93,22 @@ def data_share(
     return parts.index(tuple(held[process])), len(parts)
 
 
+def _processes_by_replicas(held: dict[int, list[int]]) -> dict[tuple[int, ...], list[int]]:
+    """:func:`replicas_by_process` turned round: per set of replicas, in the order of the
+    first process holding it, the processes that hold it."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for process, replicas in held.items():
+        groups.setdefault(tuple(replicas), []).append(process)
+    return groups
+
+
 def check_shared_rows(mesh: Mesh, data_axes: str | tuple[str, ...], batch: Any) -> None:
     """Where processes hold the same replicas (:func:`data_share`), one line unless they
     were given the same rows of ``batch``: otherwise the devices of a tensor group would
     each see other rows, and nothing else would tell. A collective among the processes (a
     digest of each one's rows) where replicas are shared; nothing otherwise."""
-    held = replicas_by_process(mesh, data_axes)
-    if jax.process_count() == 1 or len(set(map(tuple, held.values()))) == len(held):
+    groups = _processes_by_replicas(replicas_by_process(mesh, data_axes))
+    if jax.process_count() == 1 or all(len(same) == 1 for same in groups.values()):
         return
     from jax.experimental import multihost_utils
 
@@ -109,11 +118,10 @@ def check_shared_rows(mesh: Mesh, data_axes: str | tuple[str, ...], batch: Any) 
             digest.update(np.ascontiguousarray(leaf).tobytes())
     mine = np.frombuffer(digest.digest()[:8], np.uint32)
     every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
-    for process, replicas in held.items():
-        same = [p for p, r in held.items() if r == replicas]
-        if any((every[p] != every[process]).any() for p in same):
+    for replicas, same in groups.items():
+        if any((every[p] != every[same[0]]).any() for p in same):
             raise ValueError(
-                f"processes {same} hold the same replicas {replicas} but were given "
+                f"processes {same} hold the same replicas {list(replicas)} but were given "
                 "different rows: feed each process batches.local_rows(batch, mesh, "
                 "data_axes), or build its iterators inside "
                 "jaxdist.data.pipeline.reading_share(*batches.data_share(mesh, data_axes))"
