@@ -43,9 +43,9 @@ import contextvars
 import functools
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +59,7 @@ from jaxdist.comm.collective_matmul import (
     scattered_product_and_outer,
     summed_product,
 )
+from jaxdist.comm.scopes import SPLIT_SCOPE
 
 __all__ = [
     "TENSOR_AXIS",
@@ -72,6 +73,9 @@ __all__ = [
     "to_sequence_shard",
     "vocabulary_axis",
 ]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # The mesh axis whose role is tensor parallelism.
 TENSOR_AXIS = "tensor"
@@ -136,6 +140,21 @@ def splitting(
         _ACTIVE.reset(token)
 
 
+def _summing(product: Callable[P, R]) -> Callable[P, R]:
+    """``product`` traced, under :func:`splitting`, inside the scope of the products that
+    sum a split parameter over its axis (:data:`jaxdist.comm.scopes.SPLIT_SCOPE`)."""
+
+    @functools.wraps(product)
+    def scoped(*args: P.args, **kwargs: P.kwargs) -> R:
+        if _ACTIVE.get() is None:
+            return product(*args, **kwargs)
+        with jax.named_scope(SPLIT_SCOPE):
+            return product(*args, **kwargs)
+
+    return scoped
+
+
+@_summing
 def column_product(x: jax.Array, kernels: Sequence[jax.Array]) -> list[jax.Array]:
     """``x`` ``[..., d]`` times each kernel ``[d, *features]``, giving ``[..., *features]``:
     column-parallel under :func:`splitting` (each kernel this device's output features).
@@ -152,6 +171,7 @@ def column_product(x: jax.Array, kernels: Sequence[jax.Array]) -> list[jax.Array
     return [o.reshape(*x.shape[:-1], *k.shape[1:]) for o, k in zip(outs, kernels)]
 
 
+@_summing
 def row_product(h: jax.Array, kernel: jax.Array, contracted: int = 1) -> jax.Array:
     """``h`` ``[..., *features]`` times ``kernel`` ``[*features, n]`` over the last
     ``contracted`` dimensions of ``h``: row-parallel under :func:`splitting` (the features

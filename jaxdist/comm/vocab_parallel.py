@@ -29,6 +29,7 @@ import optax
 from jax import lax
 
 from jaxdist.comm.collective_matmul import TENSOR_SCOPE
+from jaxdist.comm.scopes import SPLIT_SCOPE
 from jaxdist.comm.tensor_parallel import vocabulary_axis
 
 __all__ = ["cross_entropy", "embed"]
@@ -43,7 +44,7 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
     axis = vocabulary_axis()
     if axis is None:
         return jnp.take(table, tokens, axis=0)
-    with jax.named_scope(TENSOR_SCOPE):
+    with jax.named_scope(SPLIT_SCOPE), jax.named_scope(TENSOR_SCOPE):
         mine, local = _own_rows(tokens, table.shape[0], axis)
         found = jnp.take(table, local, axis=0)
         return _summed(jnp.where(mine[..., None], found, jnp.zeros((), table.dtype)), axis)
@@ -56,7 +57,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     axis = vocabulary_axis()
     if axis is None:
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    with jax.named_scope(TENSOR_SCOPE):
+    with jax.named_scope(SPLIT_SCOPE), jax.named_scope(TENSOR_SCOPE):
         # The largest logit only keeps exp() in range: its value cancels, so no gradient.
         peak = lax.pmax(lax.stop_gradient(jnp.max(logits, axis=-1)), axis)
         shifted = logits - peak[..., None]

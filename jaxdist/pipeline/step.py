@@ -334,6 +334,11 @@ class PipelineStep(CompiledStep):
         by name (for evaluation and export)."""
         return pipeline_state.join_stages(*self.unstack(state))
 
+    def evaluation(self, eval_fn: Callable, params: Any) -> tuple[Callable, Any]:
+        """``eval_fn`` on the whole model every device holds (:meth:`whole_variables` joins
+        the stages), and the replicated specs of ``params``."""
+        return eval_fn, jax.tree.map(lambda _: P(), params)
+
     def set_learning_rate(self, state: PipelineState, learning_rate: float) -> PipelineState:
         """Write ``learning_rate`` into every stage's ``inject_hyperparams`` state (see
         :func:`jaxdist.training.optim.set_learning_rate`) inside the flat optimizer state."""

@@ -220,7 +220,6 @@ def build_run(
         step_parts = StepParts(
             task, recipe.optimizer, recipe.communication, recipe.sharding, recipe.precision
         )
-        eval_step = EvalStep(task.eval_sums, mesh, data_axes=data_axes)
         # One train step per accumulation setting, in stage order: a step a later stage
         # needs refuses the recipe now, not at that stage's first batch.
         train_steps: dict[int, Step] = {}
@@ -229,6 +228,9 @@ def build_run(
                 train_steps[plan.accumulation_steps] = step_kind.build(
                     step_parts, plan.accumulation_steps
                 )
+        # Evaluation on the first step's layout: each device reads its own shards.
+        first = train_steps[plans[0].accumulation_steps]
+        eval_step = EvalStep(task.eval_sums, mesh, data_axes=data_axes, layout=first)
 
     return RunParts(
         config=config,

@@ -91,11 +91,9 @@ class DataParallel:
 
     def build(self, parts: StepParts, accumulation_steps: int) -> TrainStep:
         """The recipe's :class:`TrainStep`: the task's loss on the whole model, its state
-        sharded over the mesh's ``fsdp`` axis where it has one (HSDP), else over every axis."""
-        hsdp = FSDP_AXIS in self.data_axes and len(self.data_axes) > 1
+        sharded over the mesh's ``fsdp`` axis where it has one beside others (HSDP), else
+        over every axis (the step's own default, the same from Python)."""
         sharding = parts.sharding
-        if hsdp and sharding.sharded:
-            sharding = dataclasses.replace(sharding, axes=FSDP_AXIS)
         tensor, shard_dims = self._split_of(parts.task)
         if shard_dims is not None:
             if not sharding.sharded:

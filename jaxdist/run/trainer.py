@@ -149,24 +149,19 @@ class Trainer:
         return self.parts.train_step_for(stage)
 
     def initial_state(self) -> Any:
-        """The task's variables from the seed, placed on the mesh (a sharded state made
-        straight into its shards, never whole on one device)."""
-        step = self.train_step_for(0)
-        if getattr(step, "sharding", "replicated") != "replicated":
-            key = jax.random.key(self.parts.settings.seed)
-            return step.init_sharded(self.parts.task.init_variables, key)
-        return step.init(*self._variables(abstract=False))
+        """The task's variables from the seed, made straight into their places on the mesh
+        by one compiled program: a sharded state is never whole on one device, and a
+        replicated one is born on every device at once, not on the host first."""
+        key = jax.random.key(self.parts.settings.seed)
+        return self.train_step_for(0).init_sharded(self.parts.task.init_variables, key)
 
     def abstract_state(self) -> Any:
         """What :meth:`initial_state` returns, as shapes with their shardings: the target a
         checkpoint is read into. Nothing is initialised or placed, so a resumed run does not
         pay for the parameters the checkpoint replaces."""
-        return self.train_step_for(0).abstract_init(*self._variables(abstract=True))
-
-    def _variables(self, abstract: bool) -> tuple[Any, Any]:
         key = jax.random.key(self.parts.settings.seed)
-        init = self.parts.task.init_variables
-        return jax.eval_shape(init, key) if abstract else init(key)
+        shapes = jax.eval_shape(self.parts.task.init_variables, key)
+        return self.train_step_for(0).abstract_init(*shapes)
 
     def evaluate(self, state: Any) -> dict[str, float]:
         """The task's metrics over the whole held-out split."""

@@ -50,9 +50,20 @@ class Step(Protocol):
         """The initial state from the whole model's parameters and model state, placed on
         the mesh."""
 
+    def init_sharded(
+        self, init_variables: Callable[[jax.Array], tuple[Any, Any]], rng: jax.Array
+    ) -> Any:
+        """The initial state made by ``init_variables(rng) -> (params, model_state)`` under
+        ``jax.jit`` straight into its placement on the mesh."""
+
     def abstract_init(self, params: Any, model_state: Any = None) -> Any:
         """What :meth:`init` would return, as ``jax.ShapeDtypeStruct`` leaves with their
         shardings (the trees may be shapes): compiles for devices that are not here."""
+
+    def evaluation(self, eval_fn: Callable, params: Any) -> tuple[Callable, Any]:
+        """``eval_fn(params, model_state, batch)`` as it runs on one device's share of
+        :meth:`whole_variables`' parameters, and their PartitionSpecs
+        (:class:`~jaxdist.training.eval_step.EvalStep`)."""
 
     def shard_batch(self, batch: Any) -> Any:
         """A global batch placed on the mesh, split over the data axes."""

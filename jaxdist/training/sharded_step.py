@@ -36,6 +36,7 @@ from jaxdist.training import sharding as sharding_lib
 from jaxdist.training.gradients import local_gradients
 from jaxdist.training.loss_scale import all_finite, ended_step
 from jaxdist.training.protocol import LossFn
+from jaxdist.training.split_products import check_split_products
 from jaxdist.training.step_options import Communication, Precision, StateSharding
 from jaxdist.training.train_state import TrainState
 
@@ -159,6 +160,8 @@ def _gradients(
             scatter_behind=sharding.scatter_behind,
         )
     tensor = step.tensor
+    if tensor is not None:
+        _check_products(step, placement, params, model_state, batch, rng)
     with tensor.splitting() if tensor else contextlib.nullcontext():
         grads, model_state, loss, metrics, _ = local_gradients(
             loss_fn, params, model_state, batch, rng, scale, step.accumulation_steps
@@ -173,6 +176,71 @@ def _gradients(
         )
     averaged = _averaged(grads, placement, communication, axes, shard_axes, step.num_replicas)
     return averaged, model_state, loss, metrics
+
+
+def sharded_evaluation(
+    step: ShardedStep, eval_fn: Callable, placement: sharding_lib.Placement
+) -> Callable:
+    """``eval_fn(params, model_state, batch) -> sums`` on one device's parameter blocks of
+    ``step``'s layout, inside its shard_map: under FSDP each unit gathered just before the
+    layer that reads it (forward only, by the step's gather schedule), under a tensor axis
+    the products split over it."""
+    communication, sharding, tensor = step.communication, step.sharding, step.tensor
+
+    def as_loss(params, model_state, batch, rng):
+        return jax.numpy.zeros(()), (model_state, eval_fn(params, model_state, batch))
+
+    loss_fn = as_loss
+    if sharding.kind == "fsdp":
+        loss_fn = sharding_lib.gathered_loss(
+            as_loss,
+            placement,
+            step.shard_axes,
+            sharding.gather_schedule(communication),
+            communication.allreduce,
+            sharding.gather_options(communication),
+            communication.options,
+            keep_gathered=False,
+            prefetch=sharding.prefetch,
+        )
+
+    def body(params, model_state, batch):
+        with tensor.splitting() if tensor else contextlib.nullcontext():
+            _, (_, sums) = loss_fn(params, model_state, batch, jax.random.key(0))
+        return sums
+
+    return body
+
+
+def _check_products(step, placement, params, model_state, batch, rng) -> None:
+    """Refuse, in one line, a loss that multiplies a parameter split over the tensor axis
+    with a product that does not sum over it (:mod:`jaxdist.training.split_products`): traced
+    on each device's tensor blocks and one micro-batch."""
+    tensor = step.tensor
+    assert tensor is not None
+    blocks = jax.tree.unflatten(
+        jax.tree.structure(params),
+        [
+            jax.ShapeDtypeStruct(shape, leaf.dtype)
+            for shape, leaf in zip(placement.shapes, jax.tree.leaves(params))
+        ],
+    )
+    micro = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            (x.shape[0] // step.accumulation_steps, *x.shape[1:]), x.dtype
+        ),
+        batch,
+    )
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (model_state, rng))
+    with tensor.splitting():
+        check_split_products(
+            step.loss_fn,
+            blocks,
+            tensor.dims,
+            (shapes[0], micro, shapes[1]),
+            tensor.axis,
+            dict(step.mesh.shape),
+        )
 
 
 def _averaged(

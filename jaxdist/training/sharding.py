@@ -47,6 +47,7 @@ __all__ = [
     "SHARDINGS",
     "Placement",
     "check_sharding",
+    "default_shard_axes",
 ]
 
 SHARDINGS = ("replicated", "zero1", "fsdp")
@@ -58,6 +59,15 @@ FSDP_AXIS = "fsdp"
 # Parameters with fewer elements stay replicated: a bias or a norm's scale would cost a
 # collective's latency to save a few hundred bytes.
 DEFAULT_MIN_SHARD_ELEMENTS = 1024
+
+
+def default_shard_axes(data_axes: str | tuple[str, ...]) -> str | tuple[str, ...]:
+    """The axes a sharded state is split over when a step is not told: the mesh's
+    :data:`FSDP_AXIS` where it is one data axis of several (HSDP: the others hold replicas
+    of the sharded group), else every data axis. A recipe and a Python step on the same
+    mesh get the same layout."""
+    names = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    return FSDP_AXIS if FSDP_AXIS in names and len(names) > 1 else data_axes
 
 
 def check_sharding(sharding: str) -> str:

@@ -87,9 +87,12 @@ class StateSharding:
         ``"fsdp"`` (parameters too). Every optax transformation is exact under each. The
         reduce-scatters and all-gathers run the communication's schedule's two halves
         (:data:`jaxdist.comm.collectives.SHARDED_ALGORITHMS`).
-      axes: the data axes the state is sharded over (default: all of them). Fewer is HSDP:
-        sharded inside each group, the groups averaging their gradients as data parallel
-        replicas (with the ring, or XLA's all-reduce under ``native``).
+      axes: the data axes the state is sharded over. Default: the mesh's ``fsdp`` axis
+        where it is one data axis of several, else all of them
+        (:func:`~jaxdist.training.sharding.default_shard_axes`), as a recipe places it.
+        Fewer than the data axes is HSDP: sharded inside each group, the groups averaging
+        their gradients as data parallel replicas (with the ring, or XLA's all-reduce under
+        ``native``); name every data axis to shard over all of them.
       gather: the schedule of the parameter all-gathers, when it is not the gradients'
         (``"native"`` beside a permute schedule: XLA's all-gather for the parameters, the
         schedule's reduce-scatter for the gradients). Default: the gradients' schedule.

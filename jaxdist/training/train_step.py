@@ -60,11 +60,12 @@ from jaxdist.training import optim
 from jaxdist.training import sharding as sharding_lib
 from jaxdist.training.batches import check_shared_rows, data_axes_of, shard_batch
 from jaxdist.training.compiled_step import CompiledStep
+from jaxdist.training.eval_step import EvalFn
 from jaxdist.training.gradient_plan import GradientPlan, plan_for_step
 from jaxdist.training.gradients import local_gradients, reduced_while_computing
 from jaxdist.training.loss_scale import all_finite, ended_step
 from jaxdist.training.protocol import LossFn
-from jaxdist.training.sharded_step import build_sharded_step
+from jaxdist.training.sharded_step import build_sharded_step, sharded_evaluation
 from jaxdist.training.step_checks import (
     WAIT_FREE_UNROLL_LIMIT,
     check_allreduce,
@@ -149,7 +150,9 @@ class TrainStep(CompiledStep):
             collectives.common_options(communication.options)
         self.axis_sizes = tuple(mesh.shape[a] for a in np.atleast_1d(self.data_axes))
         self.shard_axes = (
-            self.data_axes if sharding.axes is None else data_axes_of(mesh, sharding.axes)
+            sharding_lib.default_shard_axes(self.data_axes)
+            if sharding.axes is None
+            else data_axes_of(mesh, sharding.axes)
         )
         if sharding.sharded:
             check_sharded(
@@ -326,8 +329,19 @@ class TrainStep(CompiledStep):
         return state.replace(opt_state=optim.set_learning_rate(state.opt_state, value))
 
     def whole_variables(self, state: TrainState) -> tuple[Any, Any]:
-        """``(params, model_state)``: every device holds the whole model."""
+        """``(params, model_state)`` as the state holds them: global arrays, split over the
+        mesh as the step keeps them (:meth:`evaluation` runs on them where they are)."""
         return state.params, state.model_state
+
+    def evaluation(self, eval_fn: EvalFn, params: Any) -> tuple[EvalFn, Any]:
+        """``eval_fn`` on one device's shards of the parameters as this step keeps them, and
+        their PartitionSpecs (see :class:`~jaxdist.training.eval_step.EvalStep`): FSDP's
+        units gathered layer by layer as the forward does, a tensor axis's products split."""
+        whole, blocks = self.parameter_specs(params)
+        if not self.sharding.sharded and self.tensor is None:
+            return eval_fn, whole
+        specs = blocks if self.sharding.kind == "fsdp" else whole
+        return sharded_evaluation(self, eval_fn, self.placement_of(params)), specs
 
     # ------------------------------------------------------------------ the step
 
