@@ -161,7 +161,7 @@ def _gradients(
         )
     tensor = step.tensor
     if tensor is not None:
-        _check_products(step, placement, params, model_state, batch, rng)
+        _check_products(step, tensor, placement, params, model_state, batch, rng)
     with tensor.splitting() if tensor else contextlib.nullcontext():
         grads, model_state, loss, metrics, _ = local_gradients(
             loss_fn, params, model_state, batch, rng, scale, step.accumulation_steps
@@ -212,12 +212,18 @@ def sharded_evaluation(
     return body
 
 
-def _check_products(step, placement, params, model_state, batch, rng) -> None:
+def _check_products(
+    step: ShardedStep,
+    tensor: TensorParallel,
+    placement: sharding_lib.Placement,
+    params: Any,
+    model_state: Any,
+    batch: Any,
+    rng: jax.Array,
+) -> None:
     """Refuse, in one line, a loss that multiplies a parameter split over the tensor axis
     with a product that does not sum over it (:mod:`jaxdist.training.split_products`): traced
     on each device's tensor blocks and one micro-batch."""
-    tensor = step.tensor
-    assert tensor is not None
     blocks = jax.tree.unflatten(
         jax.tree.structure(params),
         [
@@ -231,13 +237,15 @@ def _check_products(step, placement, params, model_state, batch, rng) -> None:
         ),
         batch,
     )
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (model_state, rng))
+    state_shapes, rng_shape = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (model_state, rng)
+    )
     with tensor.splitting():
         check_split_products(
             step.loss_fn,
             blocks,
             tensor.dims,
-            (shapes[0], micro, shapes[1]),
+            (state_shapes, micro, rng_shape),
             tensor.axis,
             dict(step.mesh.shape),
         )
